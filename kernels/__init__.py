@@ -1,0 +1,1 @@
+"""Bulk pack / unpack of paged KV (installed as `sgl_hicache.kernels`)."""

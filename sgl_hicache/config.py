@@ -1,0 +1,194 @@
+"""Configuration: one chain of frozen dataclasses, validated on construction.
+
+`SpillConfig` is the root. Every field that a user may set carries its command-line flag and help
+in its metadata (`option(...)`); `sgl_hicache.server.flags` derives the argparse options and the
+typed `SGL_HICACHE_*` environment overrides from these fields, so a new setting is one new field.
+
+The config reaches sglang's spawned scheduler processes explicitly: `to_json()` in the launcher,
+`from_json()` in the scheduler (see `sgl_hicache.server.handoff`). Nothing is kept in module globals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+TiB = 1024 * GiB
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "K": KiB, "M": MiB, "G": GiB, "T": TiB}
+
+
+class ConfigError(ValueError):
+    """A setting is invalid. The message is one line, fit to show a user as is."""
+
+
+def parse_size(text: str) -> int:
+    """Parse a byte size such as `200G`, `512MiB`, `1.5T` or `4096` (binary units: G = 2**30)."""
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ConfigError(f"cannot parse size {text!r} (expected e.g. 4096, 512M, 200G, 1.5T)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
+
+
+def format_size(n: int) -> str:
+    for unit in ("T", "G", "M", "K"):
+        if n >= _SIZE_UNITS[unit] and n % _SIZE_UNITS[unit] == 0:
+            return f"{n // _SIZE_UNITS[unit]}{unit}"
+    return str(n)
+
+
+class Fsync(enum.StrEnum):
+    """When the tier makes a published extent durable.
+
+    NONE: never (the page cache decides; a power loss may lose recent extents, never corrupt one,
+    since every read verifies checksums). DATA: fdatasync each extent before its atomic rename
+    (default: a crash never leaves a published-but-empty file). FULL: DATA plus an fsync of the
+    directory after the rename, so the publish itself survives power loss.
+    """
+
+    NONE = "none"
+    DATA = "data"
+    FULL = "full"
+
+
+class Compression(enum.StrEnum):
+    NONE = "none"
+    ZSTD = "zstd"
+
+
+class PrefetchPolicy(enum.StrEnum):
+    """When a request whose prefix runs into spilled KV becomes schedulable.
+
+    WAIT: only after its restore landed (or failed). BEST_EFFORT: at once; whatever landed is used.
+    TIMEOUT: waits for the restore up to `prefetch_timeout_s`, then schedules with what landed.
+    """
+
+    WAIT = "wait"
+    BEST_EFFORT = "best_effort"
+    TIMEOUT = "timeout"
+
+
+def option(default: Any, help: str, flag: str | None = None) -> Any:
+    """A user-settable field: its flag defaults to `--hicache-spill-<name>` (see server.flags)."""
+    return field(default=default, metadata={"help": help, "flag": flag})
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """The NVMe / NVMe-oF extent store (`sgl_hicache.tier`)."""
+
+    directory: Path = option(Path("/var/tmp/sgl_hicache"), "directory of the spill tier (a mounted NVMe/NVMe-oF volume)", "--hicache-spill-dir")
+    capacity_bytes: int = option(64 * GiB, "byte budget of the tier, e.g. 200G", "--hicache-spill-capacity")
+    min_free_bytes: int = option(1 * GiB, "keep at least this much free space on the volume")
+    io_threads: int = option(8, "parallel I/O threads (reads have priority over writes)")
+    chunk_bytes: int = option(4 * MiB, "large extents are read as parallel chunks of this size")
+    direct_io: bool = option(True, "use O_DIRECT where the filesystem allows it (probed once)")
+    fsync: Fsync = option(Fsync.DATA, "durability of published extents: none, data, full")
+    compression: Compression = option(Compression.NONE, "per-extent compression: none, zstd")
+    zstd_level: int = option(1, "zstd level when compression is zstd")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "directory", Path(self.directory))
+        _require(self.capacity_bytes > 0, f"capacity must be positive, got {self.capacity_bytes}")
+        _require(self.min_free_bytes >= 0, f"min free bytes must be >= 0, got {self.min_free_bytes}")
+        _require(1 <= self.io_threads <= 256, f"io threads must be in 1..256, got {self.io_threads}")
+        _require(self.chunk_bytes >= 4096 and self.chunk_bytes % 4096 == 0, f"chunk size must be a positive multiple of 4096, got {self.chunk_bytes}")
+        _require(-7 <= self.zstd_level <= 22, f"zstd level must be in -7..22, got {self.zstd_level}")
+
+
+@dataclass(frozen=True)
+class SpillConfig:
+    """Spill on eviction, restore on resume (`sgl_hicache.cache`, `sgl_hicache.prefetch`)."""
+
+    tier: TierConfig = field(default_factory=TierConfig)
+    enabled: bool = option(False, "spill evicted radix-cache subtrees to the tier instead of dropping them", "--enable-hicache-spill")
+    staging_bytes: int = option(256 * MiB, "host staging memory for spill and restore", "--hicache-spill-staging")
+    min_spill_tokens: int = option(16, "subtrees with fewer tokens are dropped, not spilled")
+    prefetch_policy: PrefetchPolicy = option(PrefetchPolicy.TIMEOUT, "when a resumed request may run: wait, best_effort, timeout", "--hicache-spill-prefetch-policy")
+    prefetch_timeout_s: float = option(2.0, "the TIMEOUT policy's limit on waiting for a restore", "--hicache-spill-prefetch-timeout")
+
+    def __post_init__(self) -> None:
+        _require(self.staging_bytes >= MiB, f"staging must be at least 1M, got {self.staging_bytes}")
+        _require(self.min_spill_tokens >= 1, f"min spill tokens must be >= 1, got {self.min_spill_tokens}")
+        _require(self.prefetch_timeout_s > 0, f"prefetch timeout must be > 0, got {self.prefetch_timeout_s}")
+
+    def to_json(self) -> str:
+        return json.dumps(_to_plain(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> SpillConfig:
+        data = json.loads(text)
+        return build(cls, data)
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+T = TypeVar("T")
+
+
+def build(cls: type[T], data: dict[str, Any]) -> T:
+    """Build dataclass `cls` (nested ones too) from plain values, converting each to its field type."""
+    hints = _field_types(cls)
+    known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = set(data) - known
+    _require(not unknown, f"unknown {cls.__name__} settings: {', '.join(sorted(unknown))}")
+    kwargs = {name: convert(hints[name], value) for name, value in data.items()}
+    return cls(**kwargs)
+
+
+def convert(tp: Any, value: Any) -> Any:
+    """Convert a plain (JSON or string) value to field type `tp`; raises ConfigError."""
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value)  # type: ignore[arg-type]
+    try:
+        return _CONVERTERS.get(tp, tp)(value)
+    except (ValueError, TypeError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"invalid value {value!r}: {e}") from None
+
+
+def _to_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"expected a boolean, got {value!r}")
+
+
+def _to_int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else parse_size(value)
+
+
+_CONVERTERS: dict[Any, Callable[[Any], Any]] = {bool: _to_bool, int: _to_int, float: float, Path: Path, str: str}
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    import typing
+
+    return typing.get_type_hints(cls)
