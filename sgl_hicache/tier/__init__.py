@@ -1,0 +1,36 @@
+"""The spill tier: a durable, checksummed, capacity-bounded extent store (see docs/FORMAT.md).
+
+base.py       Tier contract, Completion/Status/TierStats result types
+keys.py       Namespace, KVLayout, chained ExtentKeys
+format.py     extent header encode/decode
+paths.py      fan-out file layout        index.py   LRU index, pins, byte accounting
+store.py      write one extent           load.py    read/verify one extent's chunks
+scan.py       startup index rebuild      integrity.py  check_integrity against the files
+scheduler.py  I/O threads, loads first   directio.py   O_DIRECT probe, aligned buffers
+faults.py     errno → Status, rate-limited logs, counters
+nvme.py       NvmeTier, the implementation    faulty.py  FaultyTier for other components' tests
+"""
+
+from __future__ import annotations
+
+from sgl_hicache.config import TierConfig
+from sgl_hicache.tier.base import Completion, ExtentInfo, Op, Status, Ticket, Tier, TierStats
+from sgl_hicache.tier.directio import alloc_aligned
+from sgl_hicache.tier.keys import ROOT_KEY, ExtentKey, KVDtype, KVLayout, Namespace, NamespaceId, chain_key
+
+
+def open_tier(config: TierConfig, namespace: Namespace) -> Tier:
+    """Open (creating if needed) the tier in `config.directory` for `namespace`.
+
+    Scans existing extents of the namespace (rebuilding the index, enforcing the budget, removing
+    stale temp files) before returning. Raises OSError if the directory cannot be created.
+    """
+    from sgl_hicache.tier.nvme import NvmeTier
+
+    return NvmeTier(config, namespace)
+
+
+__all__ = [
+    "ROOT_KEY", "Completion", "ExtentInfo", "ExtentKey", "KVDtype", "KVLayout", "Namespace", "NamespaceId",
+    "Op", "Status", "Ticket", "Tier", "TierStats", "alloc_aligned", "chain_key", "open_tier",
+]  # fmt: skip

@@ -1,0 +1,192 @@
+"""The spill tier's contract: an asynchronous, checksummed, capacity-bounded extent store.
+
+Everything a caller (the cache) may rely on is written here, once; implementations (`nvme.py`,
+`faulty.py`) add no promises of their own.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NewType
+
+import numpy as np
+
+from sgl_hicache.tier.keys import ExtentKey, Namespace
+
+Ticket = NewType("Ticket", int)
+"""Names one submitted operation; unique for the life of a tier object."""
+
+Buffer = memoryview | bytearray | np.ndarray
+"""Anything exposing a contiguous buffer; loads need a writable one."""
+
+
+class Op(enum.Enum):
+    STORE = "store"
+    LOAD = "load"
+
+
+class Status(enum.Enum):
+    """Outcome of one operation. Only OK means the bytes (stored or loaded) are good."""
+
+    OK = "ok"
+    MISS = "miss"  # load: no such extent (never stored, evicted, removed by another process)
+    CORRUPT = "corrupt"  # load: checksum, truncation, version or namespace mismatch; extent dropped
+    NO_SPACE = "no_space"  # store: over budget with nothing evictable, or the volume is full
+    IO_ERROR = "io_error"  # EIO, EACCES, EROFS, directory gone, ...; logged (rate-limited), counted
+    REJECTED = "rejected"  # bad request: destination too small, extent larger than capacity, closed
+
+
+@dataclass(frozen=True)
+class Completion:
+    """Result of one operation. `nbytes`: payload bytes stored, or loaded into the destination."""
+
+    ticket: Ticket
+    op: Op
+    key: ExtentKey
+    status: Status
+    nbytes: int = 0
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Status.OK
+
+
+@dataclass(frozen=True)
+class ExtentInfo:
+    """What the index knows of one published extent (no payload read needed)."""
+
+    key: ExtentKey
+    parent: ExtentKey
+    token_count: int
+    payload_len: int
+    file_bytes: int
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """Counters since open (`bytes_stored`/`extents` are current totals)."""
+
+    extents: int
+    bytes_stored: int
+    capacity_bytes: int
+    stores: int
+    store_bytes: int
+    store_failures: int
+    loads: int
+    load_bytes: int
+    misses: int
+    checksum_failures: int
+    io_errors: int
+    no_space: int
+    evictions: int
+    evicted_bytes: int
+    direct_io: bool
+    buffered_loads: int
+    scanned_extents: int
+    removed_temp_files: int
+    removed_bad_files: int
+
+
+class Tier(abc.ABC):
+    """An extent store bound to one `Namespace`.
+
+    Threading: every method is thread-safe. `submit_store`, `submit_load`, `get_finished`,
+    `contains`, `lookup`, `extents` and `stats` never block on I/O (they take a short internal lock
+    at most), so the scheduler thread may call them; `wait`, `read_tokens`, `check_integrity`,
+    `discard` and `close` may block. I/O failures are never raised: they come back as a
+    `Completion` status and are counted in `stats()`. Methods raise only for caller bugs
+    (`ValueError`: wrong key length, non-contiguous buffer; `KeyError`: unknown ticket).
+
+    Buffers: the tier keeps a reference to a store's payload and a load's destination until that
+    ticket's completion has been returned; the caller must neither modify (store) nor read or reuse
+    (load) the buffer before then. For direct I/O the buffer should come from
+    `sgl_hicache.tier.alloc_aligned` (unaligned buffers work, through a bounce copy).
+
+    Payloads are page-major (page p of all layers before page p+1), so the first n pages are a byte
+    prefix: `submit_load(..., nbytes=n * page_bytes)` reads and verifies only what covers it.
+    """
+
+    @property
+    @abc.abstractmethod
+    def namespace(self) -> Namespace:
+        """The namespace every key of this tier lives in."""
+
+    @abc.abstractmethod
+    def submit_store(
+        self, key: ExtentKey, payload: Buffer, tokens: Sequence[int] | np.ndarray, parent: ExtentKey
+    ) -> Ticket:
+        """Queue writing `payload` as extent `key` (made by `chain_key(parent, tokens)`).
+
+        Never blocks. Publishing is atomic (temp file + rename, fsync per `TierConfig.fsync`): a
+        failed or partial write is never visible. Storing a key already present completes OK at
+        once without rewriting. To make room the tier evicts least-recently-used extents that no
+        load is reading; it never exceeds `capacity_bytes` nor eats into `min_free_bytes`.
+        """
+
+    @abc.abstractmethod
+    def submit_load(self, key: ExtentKey, dest: Buffer, nbytes: int | None = None) -> Ticket:
+        """Queue reading the first `nbytes` payload bytes (all if None) of `key` into `dest`.
+
+        Never blocks. Only chunks covering the prefix are read and verified; Completion.nbytes is
+        min(nbytes, payload length). `dest` must hold that many bytes, else REJECTED. Any checksum,
+        truncation, version or namespace mismatch drops the extent and reports CORRUPT; the
+        content of `dest` is then undefined. An extent evicted meanwhile (here or by another
+        process sharing the directory) is a clean MISS. Loads are served before stores, but a
+        waiting store is never passed over indefinitely. A load refreshes the extent's LRU age.
+        """
+
+    @abc.abstractmethod
+    def get_finished(self) -> list[Completion]:
+        """Completions not yet returned (by this or `wait`), oldest first. Never blocks."""
+
+    @abc.abstractmethod
+    def wait(self, ticket: Ticket, timeout: float | None = None) -> Completion:
+        """Block until `ticket` completes and return (consume) its completion.
+
+        Raises KeyError for a ticket never issued or already returned, TimeoutError on timeout.
+        """
+
+    @abc.abstractmethod
+    def contains(self, key: ExtentKey) -> bool:
+        """Whether the index holds `key` (a later load may still MISS if another process evicts it)."""
+
+    @abc.abstractmethod
+    def lookup(self, key: ExtentKey) -> ExtentInfo | None:
+        """Index entry for `key`, or None."""
+
+    @abc.abstractmethod
+    def extents(self) -> list[ExtentInfo]:
+        """All indexed extents, least recently used first (used to rebuild the cache after restart)."""
+
+    @abc.abstractmethod
+    def read_tokens(self, key: ExtentKey) -> np.ndarray | None:
+        """Token ids stored in the header of `key` (uint32), or None if missing/corrupt. Blocks."""
+
+    @abc.abstractmethod
+    def discard(self, key: ExtentKey) -> bool:
+        """Remove `key` (unless a load is reading it: then False). Blocks for the unlink."""
+
+    @abc.abstractmethod
+    def stats(self) -> TierStats:
+        """A snapshot of the counters. Never blocks."""
+
+    @abc.abstractmethod
+    def check_integrity(self) -> None:
+        """Verify index vs files vs byte accounting; raise AssertionError with the numbers.
+
+        Call when idle (no operation in flight); blocks for a directory walk.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Finish in-flight operations, stop the I/O threads. Later submits complete REJECTED."""
+
+    def __enter__(self) -> Tier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

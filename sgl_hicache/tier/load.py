@@ -1,0 +1,106 @@
+"""Reading one extent: open and verify the header, then read and verify the chunks of a prefix.
+
+Every chunk is checked against its xxh3-64 before its bytes count as loaded; any mismatch, short
+read (truncation), bad header, foreign namespace or key raises (FormatError / ShortIO), which the
+job reports as CORRUPT. Chunks are independent so a large extent is read by several threads.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+import xxhash
+import zstandard
+
+from sgl_hicache.config import Compression
+from sgl_hicache.tier.directio import O_DIRECT, alloc_aligned, is_aligned, pread_exact
+from sgl_hicache.tier.format import ALIGN, Chunk, FormatError, Header, align_up, decode_fixed, decode_meta
+from sgl_hicache.tier.keys import ExtentKey, NamespaceId
+
+_local = threading.local()
+
+
+def _scratch(nbytes: int) -> memoryview:
+    buf: memoryview | None = getattr(_local, "rbuf", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = _local.rbuf = alloc_aligned(align_up(nbytes))
+    return buf[:nbytes]
+
+
+@dataclass(frozen=True)
+class OpenExtent:
+    """An open extent file whose header and chunk table were verified. Owner closes `fd`."""
+
+    fd: int
+    direct: bool
+    header: Header
+    tokens: bytes
+    chunks: list[Chunk]
+
+
+def open_extent(path: os.PathLike[str] | str, ns: NamespaceId, key: ExtentKey, direct: bool) -> OpenExtent:
+    """Open and verify; raises FileNotFoundError (miss), FormatError/ShortIO (corrupt), OSError."""
+    fd = os.open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
+    try:
+        header, tokens, chunks = _read_header(fd, direct)
+        if header.namespace != ns or header.key != key:
+            raise FormatError("extent belongs to another namespace or key")
+        if os.fstat(fd).st_size < header.file_size:
+            raise FormatError(f"truncated extent: {os.fstat(fd).st_size} < {header.file_size} bytes")
+    except BaseException:
+        os.close(fd)
+        raise
+    return OpenExtent(fd, direct, header, tokens, chunks)
+
+
+def _read_header(fd: int, direct: bool) -> tuple[Header, bytes, list[Chunk]]:
+    first = _scratch(ALIGN)
+    pread_exact(fd, first, 0)
+    header = decode_fixed(first)
+    if header.header_len == ALIGN:
+        tokens, chunks = decode_meta(header, first)
+        return header, tokens, chunks
+    whole = alloc_aligned(header.header_len)
+    pread_exact(fd, whole, 0)
+    tokens, chunks = decode_meta(header, whole)
+    return header, tokens, chunks
+
+
+def read_chunk(ext: OpenExtent, index: int, dest: memoryview, want: int) -> int:
+    """Load chunk `index`'s part of the first `want` payload bytes into `dest`; returns bytes loaded."""
+    h, chunk = ext.header, ext.chunks[index]
+    raw_off = index * h.chunk_bytes
+    raw_len = min(h.chunk_bytes, h.payload_len - raw_off)
+    need = min(raw_len, want - raw_off)
+    file_off = h.header_len + chunk.offset
+    target = dest[raw_off : raw_off + chunk.length]
+    in_place = h.compression is Compression.NONE and need == raw_len
+    if in_place and (not ext.direct or is_aligned(target)):
+        pread_exact(ext.fd, target, file_off)
+        _verify(target, chunk, index)
+        return need
+    buf = _scratch(align_up(chunk.length) if ext.direct else chunk.length)
+    pread_exact(ext.fd, buf, file_off)
+    stored = buf[: chunk.length]
+    _verify(stored, chunk, index)
+    dest[raw_off : raw_off + need] = _decode(stored, h.compression, raw_len)[:need]
+    return need
+
+
+def _verify(data: memoryview, chunk: Chunk, index: int) -> None:
+    if xxhash.xxh3_64_intdigest(data) != chunk.xxh:
+        raise FormatError(f"checksum mismatch in chunk {index}")
+
+
+def _decode(stored: memoryview, compression: Compression, raw_len: int) -> memoryview:
+    if compression is Compression.NONE:
+        return stored
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=raw_len)
+    except zstandard.ZstdError as e:
+        raise FormatError(f"zstd: {e}") from None
+    if len(raw) != raw_len:
+        raise FormatError(f"chunk decompressed to {len(raw)} bytes, expected {raw_len}")
+    return memoryview(raw)

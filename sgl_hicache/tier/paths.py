@@ -1,0 +1,74 @@
+"""Where extents live: `<dir>/<namespace id hex>/<ab>/<cd>/<key hex>.ext`.
+
+Names carry hashes only, never prompt text. Directories are 0700 and files 0600. Temp files sit
+beside their target as `.<key hex>.<pid>.<random>.tmp`, so a scan can tell a live writer's
+temp file (its pid runs) from a stale one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from sgl_hicache.tier.format import EXTENT_SUFFIX, TEMP_SUFFIX
+from sgl_hicache.tier.keys import ExtentKey, NamespaceId
+
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+
+
+class ExtentPaths:
+    def __init__(self, root: Path, namespace: NamespaceId) -> None:
+        self.root = Path(root)
+        self.ns_dir = self.root / namespace.hex()
+
+    def create_root(self) -> None:
+        """Create the namespace directory (mode 0700). Raises OSError."""
+        for d in (self.root, self.ns_dir):
+            d.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+
+    def extent(self, key: ExtentKey) -> Path:
+        h = key.hex()
+        return self.ns_dir / h[:2] / h[2:4] / f"{h}{EXTENT_SUFFIX}"
+
+    def temp_for(self, key: ExtentKey) -> Path:
+        """A fresh temp path beside `key`'s file, creating the fan-out directories (not the root)."""
+        final = self.extent(key)
+        for d in (final.parent.parent, final.parent):
+            with contextlib.suppress(FileExistsError):
+                d.mkdir(mode=DIR_MODE)
+        return final.parent / f".{key.hex()}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TEMP_SUFFIX}"
+
+    def walk(self) -> Iterator[os.DirEntry[str]]:
+        """Every file in the namespace directory and its fan-out directories (missing dirs: none)."""
+        for top in _scandir(self.ns_dir):
+            if not top.is_dir(follow_symlinks=False):
+                yield top
+                continue
+            for mid in _scandir(Path(top.path)):
+                yield from _scandir(Path(mid.path)) if mid.is_dir(follow_symlinks=False) else (mid,)
+
+
+def _scandir(path: Path) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except FileNotFoundError:
+        return []
+
+
+def temp_owner(name: str) -> int | None:
+    """The writer pid encoded in a temp file's name, or None if it is not one of ours."""
+    parts = name.split(".")
+    if len(parts) == 5 and parts[4] == TEMP_SUFFIX[1:] and parts[2].isdigit():
+        return int(parts[2])
+    return None
+
+
+def free_bytes(directory: Path) -> int:
+    """Bytes available to us on `directory`'s volume. Raises OSError (e.g. directory removed)."""
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
