@@ -110,6 +110,9 @@ class NvmeTier(Tier):
             self._faults.report(op, err, str(self._paths.ns_dir))
         if status is Status.CORRUPT:
             self._drop(key)
+        elif status is Status.MISS:  # removed behind our back (another process): forget it
+            with self._cond:
+                self._index.remove(key)
         self._finish(Completion(ticket, op, key, status, 0, str(err)))
 
     # -- stores -------------------------------------------------------------------------------
@@ -142,9 +145,10 @@ class NvmeTier(Tier):
             self._make_room(prep.file_bytes)
             try:
                 write_extent(prep, self._paths, self._direct, self._cfg.fsync)
-            finally:
+            except BaseException:
                 with self._cond:
                     self._index.release(prep.file_bytes)
+                raise
         except OverBudget as e:
             self._counters.add("no_space")
             self._finish(Completion(ticket, Op.STORE, req.key, Status.NO_SPACE, 0, str(e)))
@@ -154,7 +158,8 @@ class NvmeTier(Tier):
             self._fail(Op.STORE, ticket, req.key, e)
             return
         entry = Entry(req.parent, len(req.tokens) // 4, req.payload.nbytes, prep.file_bytes)
-        with self._cond:
+        with self._cond:  # one step, so the published file is always either reserved or indexed
+            self._index.release(prep.file_bytes)
             self._index.add(req.key, entry)
         self._counters.add("stores")
         self._counters.add("store_bytes", req.payload.nbytes)

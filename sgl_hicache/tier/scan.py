@@ -3,7 +3,7 @@
 Only the fixed header (first 4096 bytes) of each file is read and verified; payload and meta
 checksums are verified on load. Removed: temp files whose writer pid is gone (or older than
 STALE_TEMP_S), and extent files whose header is bad, foreign, or whose size is short. Extents enter
-the LRU oldest-mtime first (a restart forgets access order; publish order stands in for it).
+the LRU in publish order (header `created_ns`): a restart forgets access order.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ STALE_TEMP_S = 3600.0
 
 @dataclass
 class ScanResult:
-    entries: list[tuple[float, ExtentKey, Entry]] = field(default_factory=list)
+    entries: list[tuple[int, ExtentKey, Entry]] = field(default_factory=list)
     removed_temp: int = 0
     removed_bad: int = 0
 
@@ -80,7 +80,7 @@ def _scan_extent(de: os.DirEntry[str], ns: NamespaceId, result: ScanResult) -> N
         result.removed_bad += 1
         return
     entry = Entry(header.parent, header.token_count, header.payload_len, st.st_size)
-    result.entries.append((st.st_mtime, header.key, entry))
+    result.entries.append((header.created_ns, header.key, entry))
 
 
 def _unlink(path: str) -> None:

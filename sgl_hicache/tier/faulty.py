@@ -1,0 +1,174 @@
+"""FaultyTier: wraps any Tier and injects latency, failures and corruption, deterministically.
+
+For other components' tests (the cache, prefetch): every submit draws from one `random.Random(seed)`
+in submission order, so a test that submits the same sequence sees the same faults.
+
+- latency: a completion is not returned before `latency_s` (+ uniform jitter) after its submit.
+- fail_rate: the operation is not passed on; it completes IO_ERROR.
+- corrupt_rate (loads): the load runs, then the destination is scribbled over, the extent is
+  discarded and the completion says CORRUPT, exactly what the real tier does on a bad checksum.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from sgl_hicache.tier.base import Buffer, Completion, ExtentInfo, Op, Status, Ticket, Tier, TierStats
+from sgl_hicache.tier.directio import as_view
+from sgl_hicache.tier.keys import ExtentKey, Namespace
+
+POLL_S = 0.001
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    seed: int = 0
+    latency_s: float = 0.0
+    jitter_s: float = 0.0
+    fail_rate: float = 0.0
+    corrupt_rate: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("fail_rate", "corrupt_rate"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.latency_s < 0 or self.jitter_s < 0:
+            raise ValueError("latency and jitter must be >= 0")
+
+
+@dataclass(frozen=True)
+class _Plan:
+    ticket: Ticket
+    release_at: float
+    corrupt_into: memoryview | None = None
+
+
+class FaultyTier(Tier):
+    def __init__(self, inner: Tier, spec: FaultSpec) -> None:
+        self._inner, self._spec = inner, spec
+        self._rng = random.Random(spec.seed)
+        self._lock = threading.Lock()
+        self._tickets = itertools.count(1)
+        self._plans: dict[Ticket, _Plan] = {}  # inner ticket -> plan
+        self._held: list[tuple[float, Completion]] = []  # (release time, outer completion)
+        self._ready: dict[Ticket, Completion] = {}
+        self._issued: set[Ticket] = set()
+        self.injected = {"failures": 0, "corruptions": 0}
+
+    @property
+    def namespace(self) -> Namespace:
+        return self._inner.namespace
+
+    def _draw(self) -> tuple[Ticket, float, bool, bool]:
+        with self._lock:
+            ticket = Ticket(next(self._tickets))
+            self._issued.add(ticket)
+            delay = self._spec.latency_s + self._rng.uniform(0, self._spec.jitter_s)
+            fail = self._rng.random() < self._spec.fail_rate
+            corrupt = self._rng.random() < self._spec.corrupt_rate
+            return ticket, time.monotonic() + delay, fail, corrupt
+
+    def _inject_failure(self, ticket: Ticket, op: Op, key: ExtentKey, release_at: float) -> Ticket:
+        with self._lock:
+            self.injected["failures"] += 1
+            self._held.append(
+                (release_at, Completion(ticket, op, key, Status.IO_ERROR, 0, "injected failure"))
+            )
+        return ticket
+
+    def submit_store(
+        self, key: ExtentKey, payload: Buffer, tokens: Sequence[int] | np.ndarray, parent: ExtentKey
+    ) -> Ticket:
+        ticket, release_at, fail, _ = self._draw()
+        if fail:
+            return self._inject_failure(ticket, Op.STORE, key, release_at)
+        with self._lock:  # held so that _pump cannot see the inner completion before its plan
+            inner = self._inner.submit_store(key, payload, tokens, parent)
+            self._plans[inner] = _Plan(ticket, release_at)
+        return ticket
+
+    def submit_load(self, key: ExtentKey, dest: Buffer, nbytes: int | None = None) -> Ticket:
+        ticket, release_at, fail, corrupt = self._draw()
+        if fail:
+            return self._inject_failure(ticket, Op.LOAD, key, release_at)
+        view = as_view(dest, writable=True)
+        with self._lock:
+            inner = self._inner.submit_load(key, view, nbytes)
+            self._plans[inner] = _Plan(ticket, release_at, view if corrupt else None)
+        return ticket
+
+    def _pump(self) -> None:
+        for c in self._inner.get_finished():
+            with self._lock:
+                plan = self._plans.pop(c.ticket)
+            out = replace(c, ticket=plan.ticket)
+            if plan.corrupt_into is not None and c.ok:
+                out = self._corrupt(out, plan.corrupt_into)
+            with self._lock:
+                self._held.append((plan.release_at, out))
+        now = time.monotonic()
+        with self._lock:
+            due = [c for t, c in self._held if t <= now]
+            self._held = [(t, c) for t, c in self._held if t > now]
+            self._ready.update((c.ticket, c) for c in due)
+
+    def _corrupt(self, c: Completion, dest: memoryview) -> Completion:
+        if c.nbytes:
+            dest[: min(c.nbytes, 64)] = bytes(b ^ 0xFF for b in dest[: min(c.nbytes, 64)])
+        self._inner.discard(c.key)
+        with self._lock:
+            self.injected["corruptions"] += 1
+        return replace(c, status=Status.CORRUPT, nbytes=0, detail="injected corruption")
+
+    def get_finished(self) -> list[Completion]:
+        self._pump()
+        with self._lock:
+            done, self._ready = list(self._ready.values()), {}
+            self._issued.difference_update(c.ticket for c in done)
+        return done
+
+    def wait(self, ticket: Ticket, timeout: float | None = None) -> Completion:
+        with self._lock:
+            if ticket not in self._issued:
+                raise KeyError(f"unknown or already returned ticket {ticket}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._pump()
+            with self._lock:
+                if ticket in self._ready:
+                    self._issued.discard(ticket)
+                    return self._ready.pop(ticket)
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"ticket {ticket} still in flight after {timeout} s")
+            time.sleep(POLL_S)
+
+    def contains(self, key: ExtentKey) -> bool:
+        return self._inner.contains(key)
+
+    def lookup(self, key: ExtentKey) -> ExtentInfo | None:
+        return self._inner.lookup(key)
+
+    def extents(self) -> list[ExtentInfo]:
+        return self._inner.extents()
+
+    def read_tokens(self, key: ExtentKey) -> np.ndarray | None:
+        return self._inner.read_tokens(key)
+
+    def discard(self, key: ExtentKey) -> bool:
+        return self._inner.discard(key)
+
+    def stats(self) -> TierStats:
+        return self._inner.stats()
+
+    def check_integrity(self) -> None:
+        self._inner.check_integrity()
+
+    def close(self) -> None:
+        self._inner.close()
