@@ -14,9 +14,10 @@ import dataclasses
 import enum
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -28,7 +29,12 @@ _SIZE_UNITS = {"": 1, "K": KiB, "M": MiB, "G": GiB, "T": TiB}
 
 
 class ConfigError(ValueError):
-    """A setting is invalid. The message is one line, fit to show a user as is."""
+    """A setting is invalid. The message is one line, fit to show a user as is; `field` names the
+    offending dataclass field when one is to blame (flags use it to name the flag)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 def parse_size(text: str) -> int:
@@ -86,11 +92,19 @@ def option(default: Any, help: str, flag: str | None = None) -> Any:
 class TierConfig:
     """The NVMe / NVMe-oF extent store (`sgl_hicache.tier`)."""
 
-    directory: Path = option(Path("/var/tmp/sgl_hicache"), "directory of the spill tier (a mounted NVMe/NVMe-oF volume)", "--hicache-spill-dir")
+    directory: Path = option(
+        Path("/var/tmp/sgl_hicache"),
+        "directory of the spill tier (a mounted NVMe/NVMe-oF volume)",
+        "--hicache-spill-dir",
+    )
     capacity_bytes: int = option(64 * GiB, "byte budget of the tier, e.g. 200G", "--hicache-spill-capacity")
-    min_free_bytes: int = option(1 * GiB, "keep at least this much free space on the volume")
+    min_free_bytes: int = option(
+        1 * GiB, "keep at least this much free space on the volume", "--hicache-spill-min-free"
+    )
     io_threads: int = option(8, "parallel I/O threads (reads have priority over writes)")
-    chunk_bytes: int = option(4 * MiB, "large extents are read as parallel chunks of this size")
+    chunk_bytes: int = option(
+        4 * MiB, "large extents are read as parallel chunks of this size", "--hicache-spill-chunk-size"
+    )
     direct_io: bool = option(True, "use O_DIRECT where the filesystem allows it (probed once)")
     fsync: Fsync = option(Fsync.DATA, "durability of published extents: none, data, full")
     compression: Compression = option(Compression.NONE, "per-extent compression: none, zstd")
@@ -98,11 +112,25 @@ class TierConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "directory", Path(self.directory))
-        _require(self.capacity_bytes > 0, f"capacity must be positive, got {self.capacity_bytes}")
-        _require(self.min_free_bytes >= 0, f"min free bytes must be >= 0, got {self.min_free_bytes}")
-        _require(1 <= self.io_threads <= 256, f"io threads must be in 1..256, got {self.io_threads}")
-        _require(self.chunk_bytes >= 4096 and self.chunk_bytes % 4096 == 0, f"chunk size must be a positive multiple of 4096, got {self.chunk_bytes}")
-        _require(-7 <= self.zstd_level <= 22, f"zstd level must be in -7..22, got {self.zstd_level}")
+        _require(
+            self.capacity_bytes > 0, "capacity_bytes", f"capacity must be positive, got {self.capacity_bytes}"
+        )
+        _require(
+            self.min_free_bytes >= 0,
+            "min_free_bytes",
+            f"min free bytes must be >= 0, got {self.min_free_bytes}",
+        )
+        _require(
+            1 <= self.io_threads <= 256, "io_threads", f"io threads must be in 1..256, got {self.io_threads}"
+        )
+        _require(
+            self.chunk_bytes >= 4096 and self.chunk_bytes % 4096 == 0,
+            "chunk_bytes",
+            f"chunk size must be a positive multiple of 4096, got {self.chunk_bytes}",
+        )
+        _require(
+            -7 <= self.zstd_level <= 22, "zstd_level", f"zstd level must be in -7..22, got {self.zstd_level}"
+        )
 
 
 @dataclass(frozen=True)
@@ -110,16 +138,40 @@ class SpillConfig:
     """Spill on eviction, restore on resume (`sgl_hicache.cache`, `sgl_hicache.prefetch`)."""
 
     tier: TierConfig = field(default_factory=TierConfig)
-    enabled: bool = option(False, "spill evicted radix-cache subtrees to the tier instead of dropping them", "--enable-hicache-spill")
-    staging_bytes: int = option(256 * MiB, "host staging memory for spill and restore", "--hicache-spill-staging")
+    enabled: bool = option(
+        False,
+        "spill evicted radix-cache subtrees to the tier instead of dropping them",
+        "--enable-hicache-spill",
+    )
+    staging_bytes: int = option(
+        256 * MiB, "host staging memory for spill and restore", "--hicache-spill-staging"
+    )
     min_spill_tokens: int = option(16, "subtrees with fewer tokens are dropped, not spilled")
-    prefetch_policy: PrefetchPolicy = option(PrefetchPolicy.TIMEOUT, "when a resumed request may run: wait, best_effort, timeout", "--hicache-spill-prefetch-policy")
-    prefetch_timeout_s: float = option(2.0, "the TIMEOUT policy's limit on waiting for a restore", "--hicache-spill-prefetch-timeout")
+    prefetch_policy: PrefetchPolicy = option(
+        PrefetchPolicy.TIMEOUT,
+        "when a resumed request may run: wait, best_effort, timeout",
+        "--hicache-spill-prefetch-policy",
+    )
+    prefetch_timeout_s: float = option(
+        2.0, "the TIMEOUT policy's limit on waiting for a restore", "--hicache-spill-prefetch-timeout"
+    )
 
     def __post_init__(self) -> None:
-        _require(self.staging_bytes >= MiB, f"staging must be at least 1M, got {self.staging_bytes}")
-        _require(self.min_spill_tokens >= 1, f"min spill tokens must be >= 1, got {self.min_spill_tokens}")
-        _require(self.prefetch_timeout_s > 0, f"prefetch timeout must be > 0, got {self.prefetch_timeout_s}")
+        _require(
+            self.staging_bytes >= MiB,
+            "staging_bytes",
+            f"staging must be at least 1M, got {self.staging_bytes}",
+        )
+        _require(
+            self.min_spill_tokens >= 1,
+            "min_spill_tokens",
+            f"min spill tokens must be >= 1, got {self.min_spill_tokens}",
+        )
+        _require(
+            self.prefetch_timeout_s > 0,
+            "prefetch_timeout_s",
+            f"prefetch timeout must be > 0, got {self.prefetch_timeout_s}",
+        )
 
     def to_json(self) -> str:
         return json.dumps(_to_plain(self), sort_keys=True)
@@ -130,9 +182,9 @@ class SpillConfig:
         return build(cls, data)
 
 
-def _require(cond: bool, message: str) -> None:
+def _require(cond: bool, field: str | None, message: str) -> None:
     if not cond:
-        raise ConfigError(message)
+        raise ConfigError(message, field)
 
 
 def _to_plain(obj: Any) -> Any:
@@ -153,7 +205,7 @@ def build(cls: type[T], data: dict[str, Any]) -> T:
     hints = _field_types(cls)
     known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = set(data) - known
-    _require(not unknown, f"unknown {cls.__name__} settings: {', '.join(sorted(unknown))}")
+    _require(not unknown, None, f"unknown {cls.__name__} settings: {', '.join(sorted(unknown))}")
     kwargs = {name: convert(hints[name], value) for name, value in data.items()}
     return cls(**kwargs)
 
@@ -185,7 +237,13 @@ def _to_int(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else parse_size(value)
 
 
-_CONVERTERS: dict[Any, Callable[[Any], Any]] = {bool: _to_bool, int: _to_int, float: float, Path: Path, str: str}
+_CONVERTERS: dict[Any, Callable[[Any], Any]] = {
+    bool: _to_bool,
+    int: _to_int,
+    float: float,
+    Path: Path,
+    str: str,
+}
 
 
 def _field_types(cls: type) -> dict[str, Any]:

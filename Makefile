@@ -1,0 +1,32 @@
+# The two README commands: `make demo` and `make test`. Both set up .venv/ first (idempotent).
+VENV := .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test lint typecheck pytest bench clean
+
+setup:
+	@bash scripts/setup_venv.sh
+
+demo: setup
+	$(PY) examples/multi_turn_chat.py --launch --workdir .demo
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+typecheck: setup
+	$(PY) -m mypy sgl_hicache kernels
+
+# pytest exits 5 when it collected no tests: that is a failure here, never a pass.
+pytest: setup
+	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+test: lint typecheck pytest
+
+bench: setup
+	$(PY) -m sgl_hicache.bench --quick
+
+clean:
+	rm -rf .demo out .pytest_cache .mypy_cache .ruff_cache

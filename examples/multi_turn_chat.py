@@ -1,0 +1,126 @@
+"""A multi-turn chat through the OpenAI-compatible API, printing per-turn TTFT and cached tokens.
+
+Against a running server:
+    python examples/multi_turn_chat.py --base-url http://127.0.0.1:30000/v1
+Self-contained (what `make demo` runs): generate the tiny model, start the patched server on CPU with
+spill enabled and a local directory as the tier, chat, stop the server:
+    python examples/multi_turn_chat.py --launch
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from openai import OpenAI
+
+QUESTIONS = [
+    "Hello! I am planning a long trip by train. Can you help me think it through step by step?",
+    "Good. Which questions should I answer first about the budget?",
+    "Now summarize what we discussed so far in a few short points.",
+    "Thanks. One last thing: what should I pack for a cold and rainy week?",
+]
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    turn: int
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_ms: float
+    total_ms: float
+    reply: str
+
+
+def chat_turn(
+    client: OpenAI, model: str, messages: list[dict[str, str]], max_tokens: int
+) -> tuple[str, float, float, int, int]:
+    t0 = time.perf_counter()
+    ttft = None
+    parts: list[str] = []
+    usage = None
+    stream = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0.0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            ttft = ttft if ttft is not None else time.perf_counter() - t0
+            parts.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    total = time.perf_counter() - t0
+    details = getattr(usage, "prompt_tokens_details", None) if usage else None
+    cached = int(getattr(details, "cached_tokens", 0) or 0) if details else 0
+    prompt = int(usage.prompt_tokens) if usage else 0
+    return "".join(parts), (ttft if ttft is not None else total) * 1e3, total * 1e3, prompt, cached
+
+
+def run_chat(base_url: str, questions: list[str] = QUESTIONS, max_tokens: int = 32) -> list[TurnResult]:
+    client = OpenAI(base_url=base_url, api_key="none")
+    model = client.models.list().data[0].id
+    messages: list[dict[str, str]] = [{"role": "system", "content": "You are a concise, helpful assistant."}]
+    results = []
+    print(f"{'turn':>4} {'prompt':>7} {'cached':>7} {'TTFT ms':>9} {'total ms':>9}", flush=True)
+    for i, question in enumerate(questions, 1):
+        messages.append({"role": "user", "content": question})
+        reply, ttft, total, prompt, cached = chat_turn(client, model, messages, max_tokens)
+        messages.append({"role": "assistant", "content": reply})
+        results.append(TurnResult(i, prompt, cached, ttft, total, reply))
+        print(f"{i:>4} {prompt:>7} {cached:>7} {ttft:>9.1f} {total:>9.1f}", flush=True)
+    return results
+
+
+def launch_and_chat(workdir: Path) -> list[TurnResult]:
+    from sgl_hicache.modelgen import generate_model
+    from sgl_hicache.server.process import CPU_FLAGS, ServerProcess
+
+    model = workdir / "model-tiny"
+    if not (model / "config.json").exists():
+        generate_model(model, "tiny", seed=0)
+    tier = workdir / "tier"
+    flags = [*CPU_FLAGS, "--enable-cache-report", "--enable-hicache-spill", "--hicache-spill-dir", str(tier),
+             "--hicache-spill-capacity", "1G", "--hicache-spill-min-free", "0"]  # fmt: skip
+    log = workdir / "server.log"
+    print(f"starting the patched sglang server (CPU, tiny model, spill tier {tier}); log: {log}", flush=True)
+    with ServerProcess(model, max_total_tokens=4096, extra_args=flags, log_path=log) as server:
+        print(f"server up at {server.base_url}", flush=True)
+        results = run_chat(server.base_url + "/v1")
+    print("server stopped", flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--base-url", help="OpenAI-compatible base URL of a running server, e.g. http://127.0.0.1:30000/v1"
+    )
+    parser.add_argument(
+        "--launch", action="store_true", help="start (and stop) the patched server on CPU with spill enabled"
+    )
+    parser.add_argument(
+        "--workdir", type=Path, help="where --launch keeps the model, tier and log (default: a temp dir)"
+    )
+    args = parser.parse_args(argv)
+    if bool(args.base_url) == bool(args.launch):
+        parser.error("give exactly one of --base-url or --launch")
+    if args.base_url:
+        run_chat(args.base_url)
+        return 0
+    if args.workdir:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        launch_and_chat(args.workdir)
+    else:
+        with tempfile.TemporaryDirectory(prefix="sgl_hicache_demo_") as d:
+            launch_and_chat(Path(d))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

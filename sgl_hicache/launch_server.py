@@ -1,0 +1,95 @@
+"""`python -m sgl_hicache.launch_server [sglang flags] --enable-hicache-spill [--hicache-spill-* ...]`
+
+Every sglang 0.5.23 flag plus ours (see `sgl_hicache.server.flags`). Our flags are parsed and checked
+before sglang starts: a bad one prints one line and exits with code 2, having written nothing.
+With `--enable-hicache-spill`, `--radix-cache-backend hicache_spill` is added for sglang, and the
+config travels to the scheduler processes in `SGL_HICACHE_CONFIG`. `--device cpu` also sets
+`SGLANG_USE_CPU_ENGINE=1`, which sglang's CPU engine needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+from sgl_hicache.config import ConfigError, SpillConfig
+from sgl_hicache.server.flags import add_flags, config_from
+from sgl_hicache.server.handoff import export_config
+from sgl_hicache.server.metrics import BACKEND_NAME
+from sgl_hicache.server.validate import check_config
+
+PROG = "python -m sgl_hicache.launch_server"
+_QUIET_SGL_ENV = "ignore:Environment variable SGL_HICACHE"
+
+
+def parse(argv: list[str]) -> tuple[SpillConfig, list[str]]:
+    """Split argv into our config and sglang's own arguments; raises ConfigError."""
+    parser = argparse.ArgumentParser(prog=PROG, add_help=False, allow_abbrev=False)
+    add_flags(parser)
+    ours, rest = parser.parse_known_args(argv)
+    config = config_from(ours)
+    check_config(config)
+    backend = _flag_value(rest, "--radix-cache-backend")
+    if config.enabled and backend not in (None, BACKEND_NAME):
+        raise ConfigError(f"--enable-hicache-spill needs --radix-cache-backend {BACKEND_NAME}, got {backend}")
+    if config.enabled and backend is None:
+        rest = [*rest, "--radix-cache-backend", BACKEND_NAME]
+    return config, rest
+
+
+def _flag_value(argv: list[str], name: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def print_help() -> None:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_flags(parser)
+    parser.print_help()
+    print("\nsglang's own flags follow.\n", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        print_help()
+    try:
+        config, sglang_argv = parse(argv)
+    except ConfigError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    export_config(config)
+    # sglang rewrites every SGL_* variable to SGLANG_* with a "deprecated" warning; ours are not its.
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), _QUIET_SGL_ENV]))
+    warnings.filterwarnings("ignore", message="Environment variable SGL_HICACHE")
+    if _flag_value(sglang_argv, "--device") == "cpu":
+        os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    return run_sglang(sglang_argv)
+
+
+def run_sglang(argv: list[str]) -> int:
+    """What `python -m sglang.launch_server` does in its `__main__` block (sglang 0.5.23)."""
+    from sglang.launch_server import run_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    load_plugins()
+    server_args = prepare_server_args(argv)
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

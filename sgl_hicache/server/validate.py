@@ -1,0 +1,36 @@
+"""Checks run by the launcher before sglang starts: fail fast with one line, write nothing."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from sgl_hicache.config import ConfigError, SpillConfig
+
+
+def check_tier_directory(directory: Path) -> None:
+    """The tier directory must be a writable directory, or creatable under a writable one.
+
+    Raises ConfigError naming the flag. Creates nothing: the tier creates the directory when it opens.
+    """
+    path = Path(directory)
+    if not path.is_absolute():
+        raise ConfigError(f"--hicache-spill-dir: {path} is not an absolute path")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if existing != path and not existing.is_dir():
+        raise ConfigError(f"--hicache-spill-dir: {existing} is not a directory, so {path} cannot be created")
+    if not existing.is_dir():
+        raise ConfigError(f"--hicache-spill-dir: {path} exists and is not a directory")
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+        raise ConfigError(f"--hicache-spill-dir: {existing} is on a read-only filesystem")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "" if existing == path else f" (to create {path})"
+        raise ConfigError(f"--hicache-spill-dir: no write permission on {existing}{what}")
+
+
+def check_config(config: SpillConfig) -> None:
+    """Everything about `config` that depends on this machine (pure checks ran at construction)."""
+    if config.enabled:
+        check_tier_directory(config.tier.directory)
