@@ -68,10 +68,15 @@ def pread_exact(fd: int, buf: memoryview, offset: int) -> None:
 
 
 def pwrite_exact(fd: int, buf: memoryview | bytes, offset: int) -> None:
-    """Write all of `buf` at `offset`; a short write raises ShortIO (never retried)."""
-    n = os.pwrite(fd, buf, offset)
-    if n != len(buf):
-        raise ShortIO(f"short write: {n} of {len(buf)} bytes at offset {offset}")
+    """Write all of `buf` at `offset`; a short write is an error, never silently continued.
+
+    The rest is tried once only to learn why (its OSError, e.g. ENOSPC, propagates); if that
+    somehow succeeds, ShortIO is raised anyway."""
+    view = memoryview(buf)
+    n = os.pwrite(fd, view, offset)
+    if n != view.nbytes:
+        os.pwrite(fd, view[n:], offset + n)
+        raise ShortIO(f"short write: {n} of {view.nbytes} bytes at offset {offset}")
 
 
 def as_view(buf: object, writable: bool) -> memoryview:

@@ -88,17 +88,17 @@ class Index:
         self.reserved += nbytes
         return victims
 
-    def evict(self, nbytes: int) -> list[tuple[ExtentKey, Entry]]:
-        """Remove LRU unpinned entries totalling at least `nbytes` (fewer if not enough exist)."""
-        victims = self._victims(nbytes, partial=True) or []
-        for key, _ in victims:
+    def evict(self, nbytes: int) -> list[tuple[ExtentKey, Entry]] | None:
+        """Remove LRU unpinned entries totalling at least `nbytes`; None (no change) if impossible."""
+        victims = self._victims(nbytes)
+        for key, _ in victims or []:
             self.remove(key)
         return victims
 
     def release(self, nbytes: int) -> None:
         self.reserved -= nbytes
 
-    def _victims(self, need: int, partial: bool = False) -> list[tuple[ExtentKey, Entry]] | None:
+    def _victims(self, need: int) -> list[tuple[ExtentKey, Entry]] | None:
         victims: list[tuple[ExtentKey, Entry]] = []
         for key, entry in self._lru.items():
             if need <= 0:
@@ -106,7 +106,7 @@ class Index:
             if key not in self._pins:
                 victims.append((key, entry))
                 need -= entry.file_bytes
-        return victims if need <= 0 or partial else None
+        return victims if need <= 0 else None
 
     def check(self) -> None:
         total = sum(e.file_bytes for e in self._lru.values())

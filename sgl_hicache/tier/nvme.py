@@ -103,9 +103,7 @@ class NvmeTier(Tier):
 
     def _fail(self, op: Op, ticket: Ticket, key: ExtentKey, err: Exception) -> None:
         status = classify(op, err)
-        self._counters.add(
-            {Status.MISS: "misses", Status.CORRUPT: "checksum_failures"}.get(status, "io_errors")
-        )
+        self._counters.add(_COUNTER_OF.get(status, "io_errors"))
         if status in (Status.IO_ERROR, Status.NO_SPACE):
             self._faults.report(op, err, str(self._paths.ns_dir))
         if status is Status.CORRUPT:
@@ -174,15 +172,24 @@ class NvmeTier(Tier):
                 f"{nbytes} B does not fit: capacity {self._cfg.capacity_bytes} B, rest pinned or reserved"
             )
         self._unlink(victims)
-        short = self._cfg.min_free_bytes + nbytes - free_bytes(self._paths.ns_dir)
-        if short > 0:
-            with self._cond:
-                victims = self._index.evict(short)
-            self._unlink(victims)
-        if self._cfg.min_free_bytes + nbytes > free_bytes(self._paths.ns_dir):
+        try:
+            self._keep_free(nbytes)
+        except BaseException:
             with self._cond:
                 self._index.release(nbytes)
-            raise OverBudget(f"volume free space would drop below {self._cfg.min_free_bytes} B")
+            raise
+
+    def _keep_free(self, nbytes: int) -> None:
+        """Evict until writing `nbytes` leaves `min_free_bytes` on the volume; raises OverBudget."""
+        free = free_bytes(self._paths.ns_dir)
+        short = 0 if free is None else self._cfg.min_free_bytes + nbytes - free
+        if short <= 0:
+            return
+        with self._cond:
+            victims = self._index.evict(short)
+        if victims is None:
+            raise OverBudget(f"volume free space ({free} B) would drop below {self._cfg.min_free_bytes} B")
+        self._unlink(victims)
 
     def _unlink(self, victims: list[tuple[ExtentKey, Entry]]) -> None:
         for key, entry in victims:
@@ -333,10 +340,11 @@ class NvmeTier(Tier):
         result = scan(self._paths, self._ns_id)
         for _, key, entry in result.entries:
             self._index.add(key, entry)
-        self._unlink(self._index.evict(self._index.used_bytes - self._cfg.capacity_bytes))
+        self._unlink(self._index.evict(self._index.used_bytes - self._cfg.capacity_bytes) or [])
         self._counters.add("scanned_extents", len(result.entries))
         self._counters.add("removed_temp_files", result.removed_temp)
         self._counters.add("removed_bad_files", result.removed_bad)
 
 
+_COUNTER_OF = {Status.MISS: "misses", Status.CORRUPT: "checksum_failures", Status.NO_SPACE: "no_space"}
 _DERIVED = {"extents", "bytes_stored", "capacity_bytes", "direct_io"}

@@ -68,7 +68,9 @@ def temp_owner(name: str) -> int | None:
     return None
 
 
-def free_bytes(directory: Path) -> int:
-    """Bytes available to us on `directory`'s volume. Raises OSError (e.g. directory removed)."""
+def free_bytes(directory: Path) -> int | None:
+    """Bytes available on `directory`'s volume; None if it reports no size (ramfs).
+
+    Raises OSError (e.g. the directory was removed)."""
     st = os.statvfs(directory)
-    return st.f_bavail * st.f_frsize
+    return st.f_bavail * st.f_frsize if st.f_blocks else None

@@ -1,0 +1,115 @@
+"""Faults come back as results (never raised), are counted, and logged once per condition."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sgl_hicache.tier import ROOT_KEY, Status
+from sgl_hicache.tier import nvme as nvme_module
+from tests.tier.conftest import key_for, payload_for
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def store(tier, i: int, n: int = 5000) -> Status:
+    return tier.wait(tier.submit_store(key_for(i), payload_for(i, n), [i], ROOT_KEY), timeout=30).status
+
+
+def load(tier, i: int, n: int = 5000) -> Status:
+    buf = bytearray(n)
+    done = tier.wait(tier.submit_load(key_for(i), buf), timeout=30)
+    assert not done.ok or bytes(buf) == payload_for(i, n).tobytes()
+    return done.status
+
+
+def test_enospc_on_small_filesystem(make_tier, mount_point, monkeypatch):
+    small = mount_point("tmpfs", "size=1m")
+    tier = make_tier(directory=small)
+    assert store(tier, 1, 300_000) is Status.OK
+    assert store(tier, 2, 2_000_000) is Status.NO_SPACE  # refused by the free-space check
+    monkeypatch.setattr(nvme_module, "free_bytes", lambda _: 1 << 40)  # so the write itself hits ENOSPC
+    assert store(tier, 3, 900_000) is Status.NO_SPACE
+    assert tier.stats().no_space == 2 and load(tier, 1, 300_000) is Status.OK
+    assert not list(small.rglob("*.tmp"))
+    tier.check_integrity()
+
+
+def test_direct_io_fallback_on_ramfs(make_tier, mount_point):
+    ram = mount_point("ramfs", "mode=0700")  # ramfs refuses O_DIRECT
+    tier = make_tier(directory=ram)
+    assert store(tier, 1, 70_000) is Status.OK and load(tier, 1, 70_000) is Status.OK
+    s = tier.stats()
+    assert (s.direct_io, s.buffered_loads) == (False, 1)
+
+
+def test_direct_io_disabled_by_config(make_tier):
+    tier = make_tier(direct_io=False)
+    assert store(tier, 1) is Status.OK and load(tier, 1) is Status.OK
+    assert not tier.stats().direct_io
+
+
+def test_read_only_filesystem(make_tier, mount_point):
+    fs = mount_point("tmpfs", "size=4m")
+    tier = make_tier(directory=fs)
+    assert store(tier, 1) is Status.OK
+    r = subprocess.run(["mount", "-o", "remount,ro", str(fs)], capture_output=True)
+    if r.returncode:
+        pytest.skip(f"cannot remount read-only: {r.stderr.decode().strip()}")
+    assert store(tier, 2) is Status.IO_ERROR
+    assert load(tier, 1) is Status.OK and tier.stats().io_errors == 1
+
+
+def test_directory_removed_is_logged_once(make_tier, tmp_path, caplog):
+    tier = make_tier()
+    assert store(tier, 1) is Status.OK
+    shutil.rmtree(tmp_path / "tier")
+    with caplog.at_level(logging.WARNING, logger="sgl_hicache.tier"):
+        statuses = [store(tier, i) for i in range(2, 7)]
+    assert statuses == [Status.IO_ERROR] * 5
+    assert load(tier, 1) is Status.MISS
+    assert tier.stats().io_errors == 5
+    assert len([r for r in caplog.records if "store:ENOENT" in r.getMessage()]) == 1
+
+
+CHILD = """
+import json, sys
+from pathlib import Path
+from sgl_hicache.config import TierConfig
+from sgl_hicache.tier import open_tier
+from tests.tier.conftest import NS, CHUNK
+from tests.tier.test_faults import store, load
+tier = open_tier(TierConfig(directory=Path(sys.argv[1]), chunk_bytes=CHUNK, min_free_bytes=0), NS)
+print(json.dumps([store(tier, 2).value, load(tier, 1).value, tier.stats().io_errors]))
+tier.close()
+"""
+
+
+def test_permission_denied_without_dac_override(make_tier, tmp_path):
+    """We run as root, so drop CAP_DAC_OVERRIDE in a child (setpriv) to meet EACCES."""
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv not installed: cannot drop CAP_DAC_OVERRIDE as root")
+    tier = make_tier()
+    assert store(tier, 1) is Status.OK
+    tier.close()
+    for d in [tier._paths.ns_dir, *tier._paths.ns_dir.iterdir()]:
+        d.chmod(0o500)
+    caps = "-dac_override,-dac_read_search"
+    cmd = [
+        "setpriv",
+        f"--inh-caps={caps}",
+        f"--bounding-set={caps}",
+        sys.executable,
+        "-c",
+        CHILD,
+        str(tmp_path / "tier"),
+    ]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == ["io_error", "ok", 1]

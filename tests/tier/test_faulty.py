@@ -1,0 +1,63 @@
+"""FaultyTier: deterministic by seed; latency, failures and corruption as the real tier reports them."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from sgl_hicache.tier import ROOT_KEY, Status
+from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
+from tests.tier.conftest import key_for, payload_for
+
+
+def run(tier) -> list[Status]:
+    statuses = []
+    for i in range(30):
+        statuses.append(tier.wait(tier.submit_store(key_for(i), payload_for(i, 3000), [i], ROOT_KEY)).status)
+        statuses.append(tier.wait(tier.submit_load(key_for(i), bytearray(3000))).status)
+    return statuses
+
+
+def test_same_seed_same_faults(make_tier, tmp_path):
+    spec = FaultSpec(seed=7, fail_rate=0.2, corrupt_rate=0.2)
+    a = run(FaultyTier(make_tier(directory=tmp_path / "a"), spec))
+    b = run(FaultyTier(make_tier(directory=tmp_path / "b"), spec))
+    c = run(
+        FaultyTier(make_tier(directory=tmp_path / "c"), FaultSpec(seed=8, fail_rate=0.2, corrupt_rate=0.2))
+    )
+    assert a == b and a != c
+    assert {Status.OK, Status.IO_ERROR, Status.CORRUPT} <= set(a)
+
+
+def test_corruption_scribbles_and_discards(make_tier):
+    tier = FaultyTier(make_tier(), FaultSpec(corrupt_rate=1.0))
+    data = payload_for(1, 3000)
+    assert tier.wait(tier.submit_store(key_for(1), data, [1], ROOT_KEY)).ok
+    buf = bytearray(3000)
+    done = tier.wait(tier.submit_load(key_for(1), buf))
+    assert done.status is Status.CORRUPT and bytes(buf) != data.tobytes()
+    assert not tier.contains(key_for(1)) and tier.injected["corruptions"] == 1
+
+
+def test_failures_are_not_passed_on(make_tier):
+    inner = make_tier()
+    tier = FaultyTier(inner, FaultSpec(fail_rate=1.0))
+    assert tier.wait(tier.submit_store(key_for(1), b"x" * 10, [1], ROOT_KEY)).status is Status.IO_ERROR
+    assert inner.stats().stores == 0 and not tier.contains(key_for(1))
+
+
+def test_latency_holds_completions(make_tier):
+    tier = FaultyTier(make_tier(), FaultSpec(latency_s=0.2))
+    t0 = time.monotonic()
+    ticket = tier.submit_store(key_for(1), b"x" * 10, [1], ROOT_KEY)
+    time.sleep(0.05)
+    assert tier.get_finished() == []
+    assert tier.wait(ticket).ok and time.monotonic() - t0 >= 0.2
+    with pytest.raises(KeyError):
+        tier.wait(ticket)
+
+
+def test_spec_is_validated():
+    with pytest.raises(ValueError):
+        FaultSpec(fail_rate=1.5)
