@@ -21,6 +21,10 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+MAX_POSITIONS = 32768
+# Larger than HF's 0.02 so attention is far from uniform and greedy outputs depend on the whole
+# context: a wrong KV entry then changes the output, which the cache-correctness tests rely on.
+INIT_STD = 0.25
 
 
 @dataclass(frozen=True)
@@ -31,7 +35,7 @@ class ModelSize:
     kv_heads: int
     intermediate: int
     vocab: int
-    max_positions: int = 32768
+    max_positions: int = MAX_POSITIONS
 
 
 SIZES: dict[str, ModelSize] = {
@@ -51,7 +55,7 @@ def generate_model(out_dir: Path, size: str = "tiny", seed: int = 0) -> Path:
     spec = SIZES[size]
     tokenizer = _train_tokenizer(spec.vocab)
     tokenizer.save_pretrained(out_dir)
-    _save_model(out_dir, spec, len(tokenizer), seed, tokenizer)
+    _save_model(out_dir, spec, seed, tokenizer)
     (out_dir / "sgl_hicache_model.json").write_text(json.dumps({"size": size, "seed": seed}) + "\n")
     return out_dir
 
@@ -79,35 +83,35 @@ def _train_tokenizer(vocab: int):  # type: ignore[no-untyped-def]
         unk_token="<|endoftext|>",
         additional_special_tokens=["<|im_start|>", "<|im_end|>"],
         chat_template=CHATML_TEMPLATE,
-        model_max_length=SIZES_MAX,
+        model_max_length=MAX_POSITIONS,
     )
 
 
-SIZES_MAX = 32768
-# Larger than HF's 0.02 so attention is far from uniform and greedy outputs depend on the whole
-# context: a wrong KV entry then changes the output, which the cache-correctness tests rely on.
-INIT_STD = 0.25
+def llama_config(spec: ModelSize, tokenizer=None):  # type: ignore[no-untyped-def]
+    """The `LlamaConfig` of a size; token ids from `tokenizer` when given."""
+    from transformers import LlamaConfig
 
-
-def _save_model(out_dir: Path, spec: ModelSize, n_tokens: int, seed: int, tokenizer) -> None:  # type: ignore[no-untyped-def]
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=max(spec.vocab, n_tokens),
+    return LlamaConfig(
+        vocab_size=max(spec.vocab, len(tokenizer) if tokenizer else 0),
         hidden_size=spec.hidden,
         intermediate_size=spec.intermediate,
         num_hidden_layers=spec.layers,
         num_attention_heads=spec.heads,
         num_key_value_heads=spec.kv_heads,
         max_position_embeddings=spec.max_positions,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id if tokenizer else None,
+        eos_token_id=tokenizer.eos_token_id if tokenizer else None,
+        pad_token_id=tokenizer.pad_token_id if tokenizer else None,
         tie_word_embeddings=False,
         initializer_range=INIT_STD,
         dtype="bfloat16",
     )
+
+
+def _save_model(out_dir: Path, spec: ModelSize, seed: int, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    import torch
+    from transformers import LlamaForCausalLM
+
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).bfloat16()
+    model = LlamaForCausalLM(llama_config(spec, tokenizer)).bfloat16()
     model.save_pretrained(out_dir, safe_serialization=True)

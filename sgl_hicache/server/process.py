@@ -91,17 +91,17 @@ class ServerProcess:
         return "\n--- server log tail ---\n" + Path(self.log_path).read_text(errors="replace")[-n:]
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM the process group, then SIGKILL what is left; idempotent."""
+        """SIGTERM the process group, SIGKILL what is left after `grace_s`; returns once the whole
+        group is gone (or after a further 10 s). Idempotent."""
         if self.proc is None:
             return
         pgid = self.proc.pid
-        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
+        if not _wait_group_gone(self.proc, pgid, grace_s):
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, sig)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=wait)
-            if not _group_alive(pgid):
-                break
+                os.killpg(pgid, signal.SIGKILL)
+            _wait_group_gone(self.proc, pgid, 10.0)
         self.proc = None
 
     def __enter__(self) -> ServerProcess:
@@ -111,6 +111,16 @@ class ServerProcess:
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def _wait_group_gone(proc: subprocess.Popen[bytes], pgid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        proc.poll()  # reap our direct child; its orphans are reaped by init
+        if not _group_alive(pgid):
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def _group_alive(pgid: int) -> bool:

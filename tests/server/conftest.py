@@ -1,0 +1,58 @@
+"""Server fixtures: the real sglang 0.5.23 server in a subprocess, always stopped by PID."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sgl_hicache.server.process import CPU_FLAGS, ServerProcess
+
+SPILL_FLAGS = (*CPU_FLAGS, "--enable-metrics", "--enable-cache-report")
+
+
+@pytest.fixture
+def start_server(tmp_path: Path) -> Iterator[Any]:
+    """`start_server(model, *args, module=..., env=...)` → a healthy ServerProcess, stopped at teardown."""
+    started: list[ServerProcess] = []
+
+    def start(model: Path, *args: str, module: str = "sgl_hicache.launch_server", env: dict[str, str] | None = None,
+              max_total_tokens: int = 2048) -> ServerProcess:  # fmt: skip
+        log = tmp_path / f"server{len(started)}.log"
+        server = ServerProcess(
+            model, max_total_tokens, (*SPILL_FLAGS, *args), module=module, log_path=log, env=env or {}
+        )
+        started.append(server)
+        return server.start()
+
+    yield start
+    for server in started:
+        pgid = server.proc.pid if server.proc else None
+        server.stop()
+        if pgid is not None:
+            with pytest.raises(ProcessLookupError):
+                os.killpg(pgid, 0)
+
+
+def post_json(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())  # type: ignore[no-any-return]
+
+
+def metrics(base_url: str) -> dict[str, float]:
+    """`/metrics` as {'name{labels}': value} for our `sglang:hicache_spill_*` series."""
+    with urllib.request.urlopen(base_url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^(sglang:hicache_spill_\S+) (\S+)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
