@@ -1,1 +1,82 @@
-"""Bulk pack / unpack of paged KV (installed as `sgl_hicache.kernels`)."""
+"""Bulk pack / unpack of paged KV (installed as `sgl_hicache.kernels`).
+
+    view = from_sglang_pool(pool)                      # once per pool
+    out = torch.empty(packed_nbytes(view, len(slots)), dtype=torch.uint8, device=view.device)
+    pack_kv(view, slots, out)                          # gather every layer's KV at `slots`
+    unpack_kv(view, slots[:m], out)                    # scatter (a prefix of) it back
+
+The packed layout is page-major (see `layout.py` and docs/KERNELS.md). `backend="auto"` runs Triton
+on CUDA/ROCm devices and torch on CPU; "triton" / "torch" force one (Triton on CPU tensors needs
+TRITON_INTERPRET=1 set before `sgl_hicache.kernels.pack_triton` is first imported).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from .layout import KVKind, KVPoolView, packed_nbytes, page_bytes
+from .pack_torch import pack_kv_torch, unpack_kv_torch
+from .plan import plan_copy, zero_padding
+from .sglang_pools import from_sglang_pool
+
+Backend = Literal["auto", "torch", "triton"]
+
+__all__ = [
+    "Backend",
+    "KVKind",
+    "KVPoolView",
+    "from_sglang_pool",
+    "pack_kv",
+    "packed_nbytes",
+    "page_bytes",
+    "unpack_kv",
+]
+
+
+def pack_kv(view: KVPoolView, slots: torch.Tensor, out: torch.Tensor, *, backend: Backend = "auto") -> None:
+    """Gather the KV of every layer at `slots` into `out[:packed_nbytes(view, len(slots))]`.
+
+    `slots` (1-D int64, on the pool's device) gives the packed order; repeated slots are copied
+    each time. The padding of a partial last page is zeroed; bytes of `out` past it are untouched.
+    Empty `slots` is a no-op. Raises ValueError on bad arguments (see `plan.plan_copy`).
+    """
+    plan = plan_copy(view, slots, out, scatter=False)
+    if plan.n_tokens == 0:
+        return
+    zero_padding(view, plan.n_tokens, out)
+    if _resolve(backend, view) == "triton":
+        from .pack_triton import pack_kv_triton
+
+        pack_kv_triton(view, slots, out, plan)
+    else:
+        pack_kv_torch(view, slots, out, plan)
+
+
+def unpack_kv(
+    view: KVPoolView, slots: torch.Tensor, packed: torch.Tensor, *, backend: Backend = "auto"
+) -> None:
+    """Scatter packed KV back into the pool at `slots`: token i of `slots` takes token i of `packed`.
+
+    `packed` may hold more tokens than `slots` (an extent of which only a prefix is restored): only
+    the first `packed_nbytes(view, len(slots))` bytes are read. Raises ValueError on bad arguments
+    and on duplicate slots. Empty `slots` is a no-op.
+    """
+    plan = plan_copy(view, slots, packed, scatter=True)
+    if plan.n_tokens == 0:
+        return
+    if _resolve(backend, view) == "triton":
+        from .pack_triton import unpack_kv_triton
+
+        unpack_kv_triton(view, slots, packed, plan)
+    else:
+        unpack_kv_torch(view, slots, packed, plan)
+
+
+def _resolve(backend: Backend, view: KVPoolView) -> Literal["torch", "triton"]:
+    if backend == "auto":
+        return "triton" if view.device.type == "cuda" else "torch"
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"unknown backend {backend!r}")
+    return backend

@@ -1,0 +1,82 @@
+"""Plain-torch pack / unpack: the production path on CPU (and a reference backend on GPU).
+
+One vectorized index op per buffer (two when the last page is partial); no Python loop over tokens.
+Bytes are moved as the widest word dtype every row and address allows (complex128 = 16 bytes): the
+CPU index kernels pay per element, so wider words are several times faster than uint8. Loads and
+stores of any dtype copy bit patterns unchanged (NaN payloads included); the tests check this.
+Page-granular plans index whole pages ([pages, page_size * row] views), token-granular ones index rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import KVPoolView, common_alignment, page_bytes
+from .plan import CopyPlan
+
+_WORDS = {16: torch.complex128, 8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def pack_kv_torch(view: KVPoolView, slots: torch.Tensor, out: torch.Tensor, plan: CopyPlan) -> None:
+    regions, pools = _operands(view, out, plan.n_tokens)
+    n_full, ps = plan.n_tokens // view.page_size * view.page_size, view.page_size
+    tail = slots[n_full:]
+    for region, pool in zip(regions, pools, strict=True):
+        full, last = region[: n_full // ps], region[n_full // ps :]
+        if plan.page_granular:
+            torch.index_select(_pages(pool, ps), 0, slots[:n_full:ps] // ps, out=_flat(full))
+            if tail.numel():
+                first = int(tail[0])
+                last[0, : tail.numel()].copy_(pool[first : first + tail.numel()])
+        else:
+            torch.ops.aten.index.Tensor_out(pool, [slots[:n_full].view(-1, ps)], out=full)
+            if tail.numel():
+                torch.index_select(pool, 0, tail, out=last[0, : tail.numel()])
+
+
+def unpack_kv_torch(view: KVPoolView, slots: torch.Tensor, packed: torch.Tensor, plan: CopyPlan) -> None:
+    regions, pools = _operands(view, packed, plan.n_tokens)
+    n_full, ps = plan.n_tokens // view.page_size * view.page_size, view.page_size
+    tail = slots[n_full:]
+    for region, pool in zip(regions, pools, strict=True):
+        full, last = region[: n_full // ps], region[n_full // ps :]
+        if plan.page_granular:
+            _pages(pool, ps).index_copy_(0, slots[:n_full:ps] // ps, _flat(full))
+            if tail.numel():
+                first = int(tail[0])
+                pool[first : first + tail.numel()].copy_(last[0, : tail.numel()])
+        else:
+            pool.index_put_((slots[:n_full].view(-1, ps),), full)
+            if tail.numel():
+                pool.index_copy_(0, tail, last[0, : tail.numel()])
+
+
+def _operands(
+    view: KVPoolView, packed: torch.Tensor, n_tokens: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Word views: per buffer, its block in every packed page `[pages, page_size, row_words]`
+    (strided by the page) and the pool buffer `[num_slots, row_words]`."""
+    rows = view.byte_rows()
+    tensors = (*rows, packed)
+    unit = common_alignment(
+        view.row_bytes, [t.data_ptr() for t in tensors] + [int(t.storage_offset()) for t in tensors]
+    )
+    word = _WORDS[unit]
+    n_pages = -(-n_tokens // view.page_size)
+    pages = packed[: n_pages * page_bytes(view)].view(word).view(n_pages, -1)
+    regions = [
+        pages[:, off // unit : (off + view.page_size * rb) // unit].unflatten(1, (view.page_size, -1))
+        for off, rb in zip(view.block_offsets, view.row_bytes, strict=True)
+    ]
+    return regions, [r.view(word) for r in rows]
+
+
+def _flat(region: torch.Tensor) -> torch.Tensor:
+    """`[pages, page_size, row_words]` as `[pages, page_size * row_words]` (a view, never a copy)."""
+    return region.view(region.shape[0], region.shape[1] * region.shape[2])
+
+
+def _pages(pool: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The pool's whole pages as `[pages, page_size * row_words]` (a trailing partial page is left out)."""
+    whole = pool.shape[0] // page_size * page_size
+    return pool[:whole].view(-1, page_size * pool.shape[1])
