@@ -1,4 +1,8 @@
-"""Where extents live: `<dir>/<namespace id hex>/<ab>/<cd>/<key hex>.ext`.
+"""Where extents live: `<dir>/<namespace id hex>/<ab>/<key hex>.ext` (`ab`: first byte of the key).
+
+One fan-out level of 256 directories: ~400 files per directory at 100k extents, ~40k at 10M (fine
+for ext4/xfs hashed directories), while a second level would create up to 65,536 nearly empty
+directories whose cold reads dominate the startup scan.
 
 Names carry hashes only, never prompt text. Directories are 0700 and files 0600. Temp files sit
 beside their target as `.<key hex>.<pid>.<random>.tmp`, so a scan can tell a live writer's
@@ -10,13 +14,15 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 from sgl_hicache.tier.format import EXTENT_SUFFIX, TEMP_SUFFIX
 from sgl_hicache.tier.keys import ExtentKey, NamespaceId
 
 DIR_MODE = 0o700
+FANOUT_CHARS = 2
 FILE_MODE = 0o600
 
 
@@ -32,24 +38,36 @@ class ExtentPaths:
 
     def extent(self, key: ExtentKey) -> Path:
         h = key.hex()
-        return self.ns_dir / h[:2] / h[2:4] / f"{h}{EXTENT_SUFFIX}"
+        return self.ns_dir / h[:FANOUT_CHARS] / f"{h}{EXTENT_SUFFIX}"
 
     def temp_for(self, key: ExtentKey) -> Path:
-        """A fresh temp path beside `key`'s file, creating the fan-out directories (not the root)."""
+        """A fresh temp path beside `key`'s file, creating the fan-out directory (not the root)."""
         final = self.extent(key)
-        for d in (final.parent.parent, final.parent):
-            with contextlib.suppress(FileExistsError):
-                d.mkdir(mode=DIR_MODE)
+        with contextlib.suppress(FileExistsError):
+            final.parent.mkdir(mode=DIR_MODE)
         return final.parent / f".{key.hex()}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TEMP_SUFFIX}"
 
     def walk(self) -> Iterator[os.DirEntry[str]]:
         """Every file in the namespace directory and its fan-out directories (missing dirs: none)."""
-        for top in _scandir(self.ns_dir):
-            if not top.is_dir(follow_symlinks=False):
-                yield top
-                continue
-            for mid in _scandir(Path(top.path)):
-                yield from _scandir(Path(mid.path)) if mid.is_dir(follow_symlinks=False) else (mid,)
+        for part in self.parts():
+            yield from part()
+
+    def parts(self) -> list[Callable[[], list[os.DirEntry[str]]]]:
+        """The walk split into independent pieces (one per top-level fan-out dir) for parallel scans."""
+        entries = _scandir(self.ns_dir)
+        loose = [de for de in entries if not de.is_dir(follow_symlinks=False)]
+        tops = [Path(de.path) for de in entries if de.is_dir(follow_symlinks=False)]
+        return [lambda: loose, *(partial(_files, top, 0) for top in tops)]
+
+
+def _files(path: Path, depth: int) -> list[os.DirEntry[str]]:
+    out: list[os.DirEntry[str]] = []
+    for de in _scandir(path):
+        if not de.is_dir(follow_symlinks=False):
+            out.append(de)
+        elif depth > 0:
+            out += _files(Path(de.path), depth - 1)
+    return out
 
 
 def _scandir(path: Path) -> list[os.DirEntry[str]]:

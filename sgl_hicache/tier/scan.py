@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from sgl_hicache.tier.format import ALIGN, EXTENT_SUFFIX, TEMP_SUFFIX, FormatError, decode_fixed
@@ -19,6 +20,7 @@ from sgl_hicache.tier.keys import ExtentKey, NamespaceId
 from sgl_hicache.tier.paths import ExtentPaths, temp_owner
 
 STALE_TEMP_S = 3600.0
+SCAN_THREADS = 32  # metadata reads are latency-bound: many in flight on NVMe / NVMe-oF
 
 
 @dataclass
@@ -28,15 +30,27 @@ class ScanResult:
     removed_bad: int = 0
 
 
-def scan(paths: ExtentPaths, ns: NamespaceId) -> ScanResult:
-    result = ScanResult()
+def scan(paths: ExtentPaths, ns: NamespaceId, threads: int = SCAN_THREADS) -> ScanResult:
+    """Scan the namespace directory, one top-level fan-out directory per task, `threads` at once."""
     now = time.time()
-    for de in paths.walk():
+    with ThreadPoolExecutor(threads, thread_name_prefix="sgl-hicache-scan") as pool:
+        parts = list(pool.map(lambda part: _scan_part(part(), ns, now), paths.parts()))
+    result = ScanResult()
+    for part in parts:
+        result.entries += part.entries
+        result.removed_temp += part.removed_temp
+        result.removed_bad += part.removed_bad
+    result.entries.sort(key=lambda t: t[0])
+    return result
+
+
+def _scan_part(files: list[os.DirEntry[str]], ns: NamespaceId, now: float) -> ScanResult:
+    result = ScanResult()
+    for de in files:
         if de.name.endswith(TEMP_SUFFIX):
             result.removed_temp += _remove_if_stale(de, now)
         elif de.name.endswith(EXTENT_SUFFIX):
             _scan_extent(de, ns, result)
-    result.entries.sort(key=lambda t: t[0])
     return result
 
 
