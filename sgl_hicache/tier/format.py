@@ -137,7 +137,10 @@ def decode_meta(header: Header, buf: bytes | memoryview) -> tuple[bytes, list[Ch
     tokens, chunks = obj["t"], [Chunk(*c) for c in obj["c"]]
     if len(tokens) != 4 * header.token_count or len(chunks) != header.chunk_count(header.payload_len):
         raise FormatError("meta does not match header")
-    for c in chunks:
+    for i, c in enumerate(chunks):
         if c.offset % ALIGN or c.offset + c.length > header.stored_len:
             raise FormatError("chunk table out of bounds")
+        raw = min(header.chunk_bytes, header.payload_len - i * header.chunk_bytes)
+        if header.compression is Compression.NONE and (c.offset, c.length) != (i * header.chunk_bytes, raw):
+            raise FormatError("uncompressed chunk table does not match the payload layout")
     return tokens, chunks
