@@ -1,46 +1,306 @@
-"""`SpillRadixCache`: sglang's pure-Python `RadixCache` with the spill seam.
+"""`SpillRadixCache`: sglang's pure-Python `RadixCache` whose evictions spill to the NVMe tier.
 
 Why `RadixCache` and not the default `UnifiedRadixCache`: in sglang 0.5.23 the unified cache keeps
-its tree in a Rust core (nodes are opaque ids), so no Python subclass can mark a node *spilled* or
+its tree in a Rust core (nodes are opaque ids), so no Python subclass can keep a node *spilled* or
 walk a cold subtree; `RadixCache` is the pure-Python tree that sglang's own FlexKV backend extends
-the same way. See docs/DESIGN.md for the alternatives weighed.
+the same way. See docs/DESIGN.md.
 
-Everything sglang's cache does (matching, locking, scheduling, metrics) is inherited unchanged; this
-class intercepts only the points the spill tier plugs into:
-
-- `evict` — every device eviction passes here (the allocator's `evict_for_alloc` forwards to it);
-  victims' KV is where spill-on-eviction hooks in. Until spill lands, evicted tokens are counted
-  as dropped.
-- `match_prefix` — a request's prefix match; where a spilled continuation will be reported (as a
-  host hit) and its restore started.
-- `init_load_back` (inherited no-op today) — called by the scheduler's admission for a request with
-  a host hit; where restored KV will be unpacked into freshly allocated slots before prefill.
+What changes, and where sglang calls it:
+- `evict` (the allocator's `evict_for_alloc` forwards here): victims are chosen exactly as sglang
+  does (eviction policy over unlocked device leaves), but each victim's KV is packed into staging and
+  written to the tier as one extent; the node stays in the tree as *spilled* (`node.value is None`,
+  `node.spill` set) and its slots are freed. Victims that cannot be spilled are dropped as before.
+- `match_prefix`: the device-resident part is reported as usual; the spilled continuation is
+  reported as a host hit (`host_hit_length`, `best_match_node`), which makes the scheduler call
+  `init_load_back` when it admits the request.
+- `init_load_back`: allocates slots, restores the spilled nodes on the path (all or nothing) and
+  turns them back into device-resident nodes, so prefill sees them as cached prefix.
+- `_insert_helper`: an insert that runs over spilled nodes (their restore failed and the request
+  recomputed them) adopts the request's slots for them instead of treating them as duplicates.
+Everything else (locking, accounting of evictable/protected sizes, scheduling) is sglang's, with
+spilled nodes counted in neither: they hold no device memory.
 """
 
 from __future__ import annotations
 
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, MatchPrefixParams, MatchResult
-from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-from sglang.srt.mem_cache.radix_cache import RadixCache
+import heapq
+import logging
+import time
+from typing import Any
 
+import numpy as np
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import (
+    EvictParams,
+    EvictResult,
+    InitLoadBackParams,
+    MatchPrefixParams,
+    MatchResult,
+)
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
+
+from sgl_hicache.cache.prefix_keys import PrefixHasher, tenant_of
+from sgl_hicache.cache.spill_io import SpillIO
+from sgl_hicache.cache.spill_state import ExtentState, SpillRef
 from sgl_hicache.config import SpillConfig
 from sgl_hicache.server.metrics import SpillMetrics
+from sgl_hicache.tier import NamespaceId
+
+logger = logging.getLogger(__name__)
 
 
 class SpillRadixCache(RadixCache):
-    def __init__(self, params: CacheInitParams, config: SpillConfig, metrics: SpillMetrics) -> None:
+    def __init__(self, params: CacheInitParams, config: SpillConfig, metrics: SpillMetrics,
+                 io: SpillIO | None, namespace_id: NamespaceId) -> None:  # fmt: skip
         self.spill_config = config
         self.spill_metrics = metrics
+        self.spill_io = io
+        self.namespace_id = namespace_id
+        self.spilled_tokens = 0
         super().__init__(params)
 
-    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
-        result = super().match_prefix(params)
-        self.spill_metrics.match_requests.inc()
-        return result
+    # ---- eviction → spill -------------------------------------------------------------------
 
     def evict(self, params: EvictParams) -> EvictResult:
-        result = super().evict(params)
-        if result.num_tokens_evicted:
-            self.spill_metrics.evicted_tokens.inc(result.num_tokens_evicted)
-            self.spill_metrics.dropped_tokens.inc(result.num_tokens_evicted)
-        return result
+        if self.disable:
+            return EvictResult()
+        self._poll()
+        start = time.perf_counter()
+        heap = [(self.eviction_strategy.get_priority(n), n) for n in self.evictable_leaves]
+        heapq.heapify(heap)
+        evicted = 0
+        while evicted < params.num_tokens and heap:
+            _, node = heapq.heappop(heap)
+            evicted += len(node.value)
+            parent = node.parent
+            if not self._spill_node(node):
+                self._drop_node(node)
+            self.kv_events.record_remove(node)
+            if parent in self.evictable_leaves:
+                heapq.heappush(heap, (self.eviction_strategy.get_priority(parent), parent))
+        self.update_eviction_metrics(evicted, start)
+        self.spill_metrics.inc("evicted_tokens", evicted)
+        return EvictResult(num_tokens_evicted=evicted)
+
+    def _spill_node(self, node: TreeNode) -> bool:
+        n = len(node.value)
+        ref: SpillRef | None = getattr(node, "spill", None)
+        if ref is not None and ref.whole and ref.extent.state is ExtentState.ON_TIER and self.spill_io is not None \
+                and self.spill_io.tier.contains(ref.extent.key):  # fmt: skip
+            self._mark_spilled(node, ref)  # clean: its extent is still on the tier, no rewrite
+            return True
+        # Short nodes are not worth an extent, unless dropping them would orphan spilled children.
+        if self.spill_io is None or (n < self.spill_config.min_spill_tokens and not node.children):
+            return False
+        parent_key, key = self._node_keys(node)
+        tokens = np.asarray(node.key.raw_token_ids(), dtype=np.int64)
+        extent = self.spill_io.store(key, parent_key, tokens, node.value)
+        if extent is None:
+            return False
+        self._mark_spilled(node, SpillRef(extent, 0, n))
+        self.spill_metrics.inc("spilled_tokens", n)
+        return True
+
+    def _mark_spilled(self, node: TreeNode, ref: SpillRef) -> None:
+        self.token_to_kv_pool_allocator.free_segment(node.value, start_pos=0)
+        self.evictable_size_ -= len(node.key)
+        node.value = None
+        node.spill = ref
+        self.spilled_tokens += ref.count
+        self._update_leaf_status(node)
+        self._update_leaf_status(node.parent)
+
+    def _drop_node(self, node: TreeNode) -> None:
+        self.token_to_kv_pool_allocator.free_segment(node.value, start_pos=0)
+        self.spill_metrics.inc("dropped_tokens", len(node.value))
+        self._forget_spilled(node)
+        self._delete_leaf(node)
+
+    def _forget_spilled(self, node: TreeNode) -> None:
+        """Account for the spilled descendants of `node` leaving the tree with it."""
+        stack = list(node.children.values())
+        while stack:
+            child = stack.pop()
+            self.spilled_tokens -= child.spill.count
+            stack.extend(child.children.values())
+
+    def _node_keys(self, node: TreeNode) -> tuple[Any, Any]:
+        path = []
+        walk = node.parent
+        while walk is not self.root_node:
+            path.append(walk.key.raw_token_ids())
+            walk = walk.parent
+        hasher = PrefixHasher(self.namespace_id, tenant_of(node.key.extra_key, node.key.cache_salt))
+        for tokens in reversed(path):
+            hasher.update(tokens)
+        parent_key = hasher.key()
+        return parent_key, hasher.update(node.key.raw_token_ids()).key()
+
+    # ---- match: device prefix + spilled continuation ---------------------------------------
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        self._poll()
+        self.spill_metrics.inc("match_requests")
+        key, _ = params.key.maybe_to_bigram_view(self.is_eagle)
+        if self.disable or len(key) == 0:
+            return self._empty_match_result
+        key = key.page_aligned(self.page_size)
+        if len(key) == 0:
+            return self._empty_match_result
+        values, last_device = self._match_prefix_helper(self.root_node, key)
+        device_len = sum(len(v) for v in values)
+        last_spilled, host_len = self._match_spilled(last_device, key[device_len:])
+        return MatchResult(device_prefix_len=device_len, last_device_node=last_device, last_host_node=last_spilled,
+                           best_match_node=last_spilled, host_hit_length=host_len)  # fmt: skip
+
+    def _match_prefix_helper(self, node: TreeNode, key: RadixKey) -> tuple[list[torch.Tensor], TreeNode]:
+        """sglang's walk, stopping at the first spilled node (device-resident prefix only)."""
+        now = time.monotonic()
+        node.last_access_time = now
+        values = []
+        while len(key) > 0:
+            child = node.children.get(key.child_key(self.page_size))
+            if child is None or child.evicted:
+                break
+            child.last_access_time = now
+            n = child.key.match(key, page_size=self.page_size)
+            if n < len(child.key):
+                node = self._split_node(child.key, child, n)
+                values.append(node.value)
+                break
+            values.append(child.value)
+            node, key = child, key[n:]
+        return values, node
+
+    def _match_spilled(self, node: TreeNode, key: RadixKey) -> tuple[TreeNode, int]:
+        matched = 0
+        while len(key) > 0:
+            child = node.children.get(key.child_key(self.page_size))
+            if child is None or not child.evicted:
+                break
+            if child.spill.extent.state is ExtentState.LOST:
+                self._prune_spilled(child)
+                break
+            n = child.key.match(key, page_size=self.page_size)
+            if n < len(child.key):
+                child = self._split_node(child.key, child, n)
+            matched += n
+            node, key = child, key[n:]
+        return node, matched
+
+    def _split_node(self, key: RadixKey, child: TreeNode, split_len: int) -> TreeNode:
+        """sglang's split, also splitting the spill reference (spilled nodes, and resident ones that
+        still know their clean copy on the tier)."""
+        ref: SpillRef | None = getattr(child, "spill", None)
+        spilled = child.evicted
+        if spilled:
+            child.value = torch.empty(len(child.key), dtype=torch.int64)  # sglang's split slices it
+        new_node = super()._split_node(key, child, split_len)
+        if spilled:
+            new_node.value = child.value = None
+        if ref is not None:
+            new_node.spill, child.spill = ref.split(split_len)
+        return new_node
+
+    def _prune_spilled(self, node: TreeNode) -> None:
+        """Remove a spilled node whose KV is lost, and its (spilled) subtree."""
+        self.spilled_tokens -= node.spill.count
+        self._forget_spilled(node)
+        node.parent.children.pop(node.key.child_key(self.page_size), None)
+        self._update_leaf_status(node.parent)
+
+    # ---- restore ----------------------------------------------------------------------------
+
+    def init_load_back(self, params: InitLoadBackParams) -> tuple[int, Any] | None:
+        self._poll()
+        anchor = params.req.last_node if params.req is not None else None
+        chain = self._path_up(params.best_match_node, anchor)
+        if chain is None or sum(len(n.key) for n in chain) != params.host_hit_length:
+            return 0, anchor if anchor is not None else self.root_node
+        spilled = [n for n in chain if n.evicted]
+        if spilled and not self._restore(spilled):
+            return 0, anchor
+        return params.host_hit_length, params.best_match_node
+
+    def _path_up(self, node: TreeNode, anchor: TreeNode | None) -> list[TreeNode] | None:
+        chain = []
+        while node is not anchor:
+            if node is self.root_node or node is None:
+                return None
+            chain.append(node)
+            node = node.parent
+        return chain[::-1]
+
+    def _restore(self, nodes: list[TreeNode]) -> bool:
+        n = sum(len(node.key) for node in nodes)
+        slots = self._alloc_slots(n)
+        if slots is None or self.spill_io is None:
+            self.spill_metrics.inc("restore_failures")
+            return False
+        parts, start = [], 0
+        for node in nodes:
+            parts.append((node.spill, slots[start : start + node.spill.count]))
+            start += node.spill.count
+        if not self.spill_io.restore(parts):
+            self.token_to_kv_pool_allocator.free(slots)
+            return False
+        for node, (_, node_slots) in zip(nodes, parts, strict=True):
+            self._mark_resident(node, node_slots.clone())
+        return True
+
+    def _alloc_slots(self, n: int) -> torch.Tensor | None:
+        allocator = self.token_to_kv_pool_allocator
+        if allocator.available_size() < n:
+            self.evict(EvictParams(num_tokens=n - allocator.available_size()))
+        return allocator.alloc(n) if allocator.available_size() >= n else None
+
+    def _mark_resident(self, node: TreeNode, value: torch.Tensor) -> None:
+        node.value = value
+        self.spilled_tokens -= node.spill.count
+        self.evictable_size_ += len(node.key)
+        if node.lock_ref > 0:  # cannot happen for spilled nodes today; keep accounting exact anyway
+            self.evictable_size_ -= len(node.key)
+            self.protected_size_ += len(node.key)
+        self._update_leaf_status(node)
+        self._update_leaf_status(node.parent)
+
+    # ---- insert over spilled nodes ----------------------------------------------------------
+
+    def _insert_helper(self, node: TreeNode, key: RadixKey, value: Any, priority: int = 0,
+                       inserted_len: int = 0) -> tuple[int, TreeNode]:  # fmt: skip
+        adopted = self._adopt_spilled(node, key, value)
+        prefix_len, last = super()._insert_helper(node, key, value, priority, inserted_len)
+        # Adopted tokens are the tail of the matched prefix and now own the request's slots:
+        # they must not be reported as duplicates (the caller frees duplicates' slots).
+        return prefix_len - adopted, last
+
+    def _adopt_spilled(self, node: TreeNode, key: RadixKey, value: torch.Tensor) -> int:
+        """Give the spilled nodes on `key`'s path the request's slots; returns how many tokens."""
+        values, last = self._match_prefix_helper(node, key)
+        pos = sum(len(v) for v in values)
+        end, matched = self._match_spilled(last, key[pos:])
+        for spilled in self._path_up(end, last) or []:
+            self._mark_resident(spilled, value[pos : pos + len(spilled.key)].clone())
+            pos += len(spilled.key)
+        return matched
+
+    # ---- accounting -------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        super().reset()
+        self.spilled_tokens = 0
+
+    def all_values_flatten(self) -> torch.Tensor:
+        values = []
+        stack = list(self.root_node.children.values())
+        while stack:
+            node = stack.pop()
+            if not node.evicted:
+                values.append(node.value)
+                stack.extend(node.children.values())
+        return torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
+
+    def _poll(self) -> None:
+        if self.spill_io is not None:
+            self.spill_io.poll()

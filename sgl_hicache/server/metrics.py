@@ -9,21 +9,38 @@ in-process registry (so building a second cache in one process never collides): 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sgl_hicache.config import SpillConfig
 
 BACKEND_NAME = "hicache_spill"
 
+COUNTERS = {
+    "match_requests": "prefix matches served by the spill cache",
+    "evicted_tokens": "tokens evicted from the device KV pool",
+    "spilled_tokens": "evicted tokens written to the tier",
+    "spilled_bytes": "packed KV bytes submitted to the tier",
+    "dropped_tokens": "evicted tokens dropped instead of spilled (tier off, slow or full, or too short)",
+    "spill_failures": "spills the tier failed to write (I/O error, no space)",
+    "restored_tokens": "tokens restored from the tier into the device pool",
+    "restored_bytes": "packed KV bytes read back for restores",
+    "restore_failures": "restores abandoned (miss, corruption, I/O error, timeout, no memory): recomputed",
+    "corrupt_extents": "extents found corrupt or missing on read",
+}
+
 
 @dataclass(frozen=True)
 class SpillMetrics:
-    info: Any
-    tier_capacity_bytes: Any
-    match_requests: Any
-    evicted_tokens: Any
-    dropped_tokens: Any
+    """Counter totals kept in-process (`totals`, read by tests and `check_integrity`) and, when
+    created with `create`, mirrored to Prometheus."""
+
+    totals: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0.0))
+    prometheus: dict[str, Any] | None = None
+
+    @classmethod
+    def local(cls) -> SpillMetrics:
+        return cls()
 
     @classmethod
     def create(cls, config: SpillConfig, tp_rank: int = 0) -> SpillMetrics:
@@ -31,30 +48,20 @@ class SpillMetrics:
 
         labels = {"tp_rank": str(tp_rank)}
         names = list(labels)
-        info = Gauge(
-            "sglang:hicache_spill_info",
-            "1 while the sgl_hicache spill cache serves (labels say how)",
-            [*names, "backend", "enabled"],
-            registry=None,
-            multiprocess_mode="max",
-        )
+        info = Gauge("sglang:hicache_spill_info", "1 while the sgl_hicache spill cache serves (labels say how)",
+                     [*names, "backend", "enabled"], registry=None, multiprocess_mode="max")  # fmt: skip
         info.labels(**labels, backend=BACKEND_NAME, enabled=str(config.enabled).lower()).set(1)
-        capacity = Gauge(
-            "sglang:hicache_spill_tier_capacity_bytes",
-            "byte budget of the spill tier",
-            names,
-            registry=None,
-            multiprocess_mode="max",
-        )
+        capacity = Gauge("sglang:hicache_spill_tier_capacity_bytes", "byte budget of the spill tier", names,
+                         registry=None, multiprocess_mode="max")  # fmt: skip
         capacity.labels(**labels).set(config.tier.capacity_bytes)
+        counters = {
+            name: Counter(f"sglang:hicache_spill_{name}", doc, names, registry=None).labels(**labels)
+            for name, doc in COUNTERS.items()
+        }
+        return cls(prometheus=counters)
 
-        def counter(name: str, doc: str) -> Any:
-            return Counter(f"sglang:hicache_spill_{name}", doc, names, registry=None).labels(**labels)
-
-        return cls(
-            info=info,
-            tier_capacity_bytes=capacity,
-            match_requests=counter("match_requests", "prefix matches served by the spill cache"),
-            evicted_tokens=counter("evicted_tokens", "tokens evicted from the device KV pool"),
-            dropped_tokens=counter("dropped_tokens", "evicted tokens dropped instead of spilled"),
-        )
+    def inc(self, name: str, amount: float = 1) -> None:
+        if amount:
+            self.totals[name] += amount
+            if self.prometheus is not None:
+                self.prometheus[name].inc(amount)

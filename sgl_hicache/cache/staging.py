@@ -1,0 +1,42 @@
+"""Host staging memory for spills in flight, bounded by `--hicache-spill-staging`.
+
+A spilled node's packed KV lives in a staging buffer from the pack until the tier reports the write
+finished (the tier holds the buffer until then). When the budget is used up, `acquire` returns None
+and the caller drops the victim instead of spilling it: eviction never waits for the disk.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from sgl_hicache.tier import alloc_aligned
+
+
+class StagingPool:
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self._used = 0
+        self._lock = threading.Lock()
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def acquire(self, nbytes: int) -> torch.Tensor | None:
+        """A page-aligned uint8 host tensor of `nbytes`, or None if over budget. Never blocks."""
+        with self._lock:
+            if self._used + nbytes > self.capacity_bytes:
+                return None
+            self._used += nbytes
+        return (
+            torch.frombuffer(alloc_aligned(nbytes), dtype=torch.uint8)
+            if nbytes
+            else torch.empty(0, dtype=torch.uint8)
+        )
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._used -= buf.numel()
+            assert self._used >= 0, f"staging accounting went negative: {self._used}"
