@@ -1,8 +1,9 @@
 """Triton pack / unpack of all layers in one launch (CUDA and ROCm; CPU under TRITON_INTERPRET=1).
 
-Grid: (items, buffers). An item is one token (token-granular) or one page of `slots` (page-granular:
-the page's slots are an aligned run, so each buffer's rows are one contiguous span in the pool and
-in the packed page). A program copies its item's rows of one buffer in BLOCK-word steps.
+Grid: (programs, buffers). A span is one token (token-granular) or one page of `slots`
+(page-granular: the page's slots are an aligned run, so each buffer's rows are one contiguous span in
+the pool and in the packed page). A program copies GROUP consecutive spans of one buffer, each in
+STEPS masked BLOCK-word steps (unrolled up to MAX_UNROLL steps: straight-line code).
 
 Buffers are addressed as `pool_ptr + offset`, with offsets taken from `KVPoolView.buffer_table`
 relative to the lowest-address buffer, instead of loading raw pointers from a table: every offset is
@@ -13,7 +14,7 @@ All offsets are int64. No vendor-specific features: plain masked tl.load / tl.st
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -23,12 +24,21 @@ from triton.runtime.interpreter import InterpretedFunction
 from .layout import KVPoolView, common_alignment, packed_nbytes, page_bytes
 from .plan import CopyPlan
 
-MAX_BLOCK_BYTES = 16384  # per loop step: 4 x 16-byte vectors per thread at 8 warps of 32 lanes
+MAX_BLOCK_BYTES = 16384  # per step: 4 x 16-byte vectors per lane at 8 warps of 32 lanes
+MIN_PROGRAM_BYTES = 16384  # group small spans so a program moves at least this much
+MAX_UNROLL: tl.constexpr = tl.constexpr(8)  # steps per span unrolled; more run as a loop
 _WORDS = {16: torch.int32, 8: torch.int32, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
+class LaunchConfig(NamedTuple):
+    block_bytes: int  # bytes per step (a power of two)
+    num_warps: int
+    group: int  # spans per program
+
+
 @triton.jit
-def _spans(  # type: ignore[no-untyped-def]  # Triton JIT: parameters are typed at launch
+def _span(  # type: ignore[no-untyped-def]  # Triton JIT: parameters are typed at launch
+    span,
     page_bytes,
     table_ptr,
     n_buffers,
@@ -39,10 +49,9 @@ def _spans(  # type: ignore[no-untyped-def]  # Triton JIT: parameters are typed 
     UNIT: tl.constexpr,
     VEC: tl.constexpr,
 ):
-    """(pool word offset, packed word offset, words) of this program's span."""
-    item = tl.program_id(0).to(tl.int64)
+    """(pool word offset, packed word offset, words) of one span of the buffer tl.program_id(1)."""
     buf = tl.program_id(1).to(tl.int64)
-    first = item * TOKENS
+    first = span * TOKENS
     slot = tl.load(slots_ptr + first, mask=first < n_tokens, other=0)
     in_table = buf < n_buffers
     buf_off = tl.load(table_ptr + buf * 3, mask=in_table, other=0) // UNIT
@@ -51,17 +60,23 @@ def _spans(  # type: ignore[no-untyped-def]  # Triton JIT: parameters are typed 
     page = first // PAGE_SIZE
     pool_off = (buf_off + slot * row) * VEC
     packed_off = (page * (page_bytes // UNIT) + block_off + (first - page * PAGE_SIZE) * row) * VEC
-    n_words = tl.minimum(n_tokens - first, TOKENS) * row * VEC
+    n_words = tl.maximum(tl.minimum(n_tokens - first, TOKENS), 0) * row * VEC
     return pool_off, packed_off, n_words
 
 
 @triton.jit
-def _copy_words(dst_ptr, src_ptr, n_words, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+def _copy_words(dst_ptr, src_ptr, n_words, BLOCK: tl.constexpr, STEPS: tl.constexpr):  # type: ignore[no-untyped-def]
     lanes = tl.arange(0, BLOCK)
-    for step in tl.range(0, tl.cdiv(n_words, BLOCK)):
-        offs = step * BLOCK + lanes
-        mask = offs < n_words
-        tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
+    if STEPS <= MAX_UNROLL:
+        for step in tl.static_range(STEPS):
+            offs = step * BLOCK + lanes
+            mask = offs < n_words
+            tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
+    else:
+        for step in tl.range(0, STEPS):
+            offs = step * BLOCK + lanes
+            mask = offs < n_words
+            tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
 
 
 @triton.jit
@@ -75,14 +90,27 @@ def _pack_kv_kernel(  # type: ignore[no-untyped-def]
     n_tokens,
     PAGE_SIZE: tl.constexpr,
     TOKENS: tl.constexpr,
+    GROUP: tl.constexpr,
     UNIT: tl.constexpr,
     VEC: tl.constexpr,
     BLOCK: tl.constexpr,
+    STEPS: tl.constexpr,
 ):
-    pool_off, packed_off, n_words = _spans(
-        page_bytes, table_ptr, n_buffers, slots_ptr, n_tokens, PAGE_SIZE, TOKENS, UNIT, VEC
-    )
-    _copy_words(out_ptr + packed_off, pool_ptr + pool_off, n_words, BLOCK)
+    pid = tl.program_id(0).to(tl.int64)
+    for g in tl.static_range(GROUP):
+        pool_off, packed_off, n_words = _span(
+            pid * GROUP + g,
+            page_bytes,
+            table_ptr,
+            n_buffers,
+            slots_ptr,
+            n_tokens,
+            PAGE_SIZE,
+            TOKENS,
+            UNIT,
+            VEC,
+        )
+        _copy_words(out_ptr + packed_off, pool_ptr + pool_off, n_words, BLOCK, STEPS)
 
 
 @triton.jit
@@ -96,61 +124,92 @@ def _unpack_kv_kernel(  # type: ignore[no-untyped-def]
     n_tokens,
     PAGE_SIZE: tl.constexpr,
     TOKENS: tl.constexpr,
+    GROUP: tl.constexpr,
     UNIT: tl.constexpr,
     VEC: tl.constexpr,
     BLOCK: tl.constexpr,
+    STEPS: tl.constexpr,
 ):
-    pool_off, packed_off, n_words = _spans(
-        page_bytes, table_ptr, n_buffers, slots_ptr, n_tokens, PAGE_SIZE, TOKENS, UNIT, VEC
+    pid = tl.program_id(0).to(tl.int64)
+    for g in tl.static_range(GROUP):
+        pool_off, packed_off, n_words = _span(
+            pid * GROUP + g,
+            page_bytes,
+            table_ptr,
+            n_buffers,
+            slots_ptr,
+            n_tokens,
+            PAGE_SIZE,
+            TOKENS,
+            UNIT,
+            VEC,
+        )
+        _copy_words(pool_ptr + pool_off, packed_ptr + packed_off, n_words, BLOCK, STEPS)
+
+
+def pack_kv_triton(
+    view: KVPoolView,
+    slots: torch.Tensor,
+    out: torch.Tensor,
+    plan: CopyPlan,
+    config: LaunchConfig | None = None,
+) -> None:
+    _check_runnable(view)
+    pool, table, words, grid, meta = _launch_args(view, out, plan, config)
+    _pack_kv_kernel[grid](
+        words, page_bytes(view), pool, table, len(view.buffers), slots, plan.n_tokens, **meta
     )
-    _copy_words(pool_ptr + pool_off, packed_ptr + packed_off, n_words, BLOCK)
 
 
-def pack_kv_triton(view: KVPoolView, slots: torch.Tensor, out: torch.Tensor, plan: CopyPlan) -> None:
+def unpack_kv_triton(
+    view: KVPoolView,
+    slots: torch.Tensor,
+    packed: torch.Tensor,
+    plan: CopyPlan,
+    config: LaunchConfig | None = None,
+) -> None:
     _check_runnable(view)
-    args, meta = _launch_args(view, slots, out, plan)
-    pool, table, n_buffers, packed, pb = args
-    _pack_kv_kernel[meta.pop("grid")](packed, pb, pool, table, n_buffers, slots, plan.n_tokens, **meta)
+    pool, table, words, grid, meta = _launch_args(view, packed, plan, config)
+    _unpack_kv_kernel[grid](
+        pool, table, len(view.buffers), words, page_bytes(view), slots, plan.n_tokens, **meta
+    )
 
 
-def unpack_kv_triton(view: KVPoolView, slots: torch.Tensor, packed: torch.Tensor, plan: CopyPlan) -> None:
-    _check_runnable(view)
-    args, meta = _launch_args(view, slots, packed, plan)
-    pool, table, n_buffers, words, pb = args
-    _unpack_kv_kernel[meta.pop("grid")](pool, table, n_buffers, words, pb, slots, plan.n_tokens, **meta)
-
-
-def launch_config(view: KVPoolView, unit: int, page_granular: bool) -> tuple[int, int]:
-    """(BLOCK in words, num_warps): BLOCK covers a program's span in 16-byte vectors, capped at
-    MAX_BLOCK_BYTES per step; warps so that each lane moves one to four vectors per step."""
-    tokens = view.page_size if page_granular else 1
-    span = tokens * max(view.row_bytes)
-    word = _WORDS[unit].itemsize
+def launch_config(view: KVPoolView, page_granular: bool) -> LaunchConfig:
+    """Default (GPU measurement pending, see docs/KERNELS.md): a step covers the span in 16-byte
+    vectors up to MAX_BLOCK_BYTES; warps so each lane moves one to four vectors per step; spans
+    grouped so a program moves at least MIN_PROGRAM_BYTES (a 2 KiB token row alone is too little
+    work per program to hide launch and scheduling cost)."""
+    span = (view.page_size if page_granular else 1) * max(view.row_bytes)
     block_bytes = min(triton.next_power_of_2(span), MAX_BLOCK_BYTES)
     num_warps = max(1, min(8, block_bytes // (16 * 32)))
-    return max(block_bytes // word, 16), num_warps
+    group = min(16, max(1, triton.next_power_of_2(MIN_PROGRAM_BYTES // span)))
+    return LaunchConfig(block_bytes, num_warps, group)
 
 
 def _launch_args(
-    view: KVPoolView, slots: torch.Tensor, packed: torch.Tensor, plan: CopyPlan
-) -> tuple[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, int], dict[str, Any]]:
+    view: KVPoolView, packed: torch.Tensor, plan: CopyPlan, config: LaunchConfig | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int], dict[str, Any]]:
+    cfg = config or launch_config(view, plan.page_granular)
     unit = common_alignment((view.alignment(),), [packed.data_ptr()])
     word = _WORDS[unit]
     tokens = view.page_size if plan.page_granular else 1
-    block, num_warps = launch_config(view, unit, plan.page_granular)
-    pool = view.base_buffer.view(torch.uint8).view(-1).view(word)
-    words = packed[: packed_nbytes(view, plan.n_tokens)].view(word)
-    grid = (triton.cdiv(plan.n_tokens, tokens), len(view.buffers))
+    block = max(cfg.block_bytes // word.itemsize, 16)
+    span_words = tokens * max(view.row_bytes) // word.itemsize
+    grid = (triton.cdiv(triton.cdiv(plan.n_tokens, tokens), cfg.group), len(view.buffers))
     meta: dict[str, Any] = {
-        "grid": grid,
         "PAGE_SIZE": view.page_size,
         "TOKENS": tokens,
+        "GROUP": cfg.group,
         "UNIT": unit,
         "VEC": max(unit // word.itemsize, 1),
         "BLOCK": block,
-        "num_warps": num_warps,
+        "STEPS": triton.cdiv(span_words, block),
+        "num_warps": cfg.num_warps,
     }
-    return (pool, view.buffer_table, len(view.buffers), words, page_bytes(view)), meta
+    pool = view.base_buffer.view(torch.uint8).view(-1).view(word)
+    words = packed[: packed_nbytes(view, plan.n_tokens)].view(word)
+    return pool, view.buffer_table, words, grid, meta
 
 
 def _check_runnable(view: KVPoolView) -> None:
