@@ -60,17 +60,39 @@ class SpillIO:
                 self.staging.release(abandoned)
                 continue
             extent = self._writing.pop(done.ticket, None)
-            if extent is None or extent.staged is None:
-                continue
+            if extent is not None:
+                self._finish_write(extent, done.ok)
+
+    def _finish_write(self, extent: Extent, ok: bool) -> None:
+        if extent.staged is not None:
             self.staging.release(extent.staged)
             extent.staged = None
-            extent.state = ExtentState.ON_TIER if done.ok else ExtentState.LOST
-            if not done.ok:
-                self.metrics.inc("spill_failures")
+        extent.state = ExtentState.ON_TIER if ok else ExtentState.LOST
+        if not ok:
+            self.metrics.inc("spill_failures")
 
     @property
     def writes_in_flight(self) -> int:
         return len(self._writing)
+
+    def wait_writes(self, timeout_s: float = 30.0) -> None:
+        """Block until every submitted write has finished (tests, shutdown); then `poll`."""
+        for ticket in list(self._writing):
+            extent = self._writing[ticket]
+            try:
+                done = self.tier.wait(ticket, timeout=timeout_s)
+            except KeyError:  # already returned through get_finished by another caller
+                continue
+            del self._writing[ticket]
+            self._finish_write(extent, done.ok)
+        self.poll()
+
+    def check_integrity(self) -> None:
+        staged = sum(e.staged.numel() for e in self._writing.values() if e.staged is not None)
+        held = staged + sum(buf.numel() for buf in self._abandoned.values())
+        assert self.staging.used_bytes == held, f"staging used {self.staging.used_bytes} != held {held}"
+        if not self._writing and not self._abandoned:
+            self.tier.check_integrity()
 
     def restore(self, parts: Sequence[tuple[SpillRef, torch.Tensor]]) -> bool:
         """Unpack each ref's tokens into its slots (same length); all or nothing."""

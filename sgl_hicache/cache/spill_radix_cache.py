@@ -301,6 +301,13 @@ class SpillRadixCache(RadixCache):
                 stack.extend(node.children.values())
         return torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
 
+    def check_integrity(self, held_tokens: int = 0) -> None:
+        """Tree, pool, staging and tier accounting agree; AssertionError with the numbers if not."""
+        from sgl_hicache.cache.integrity import check_cache_integrity
+
+        self._poll()
+        check_cache_integrity(self, held_tokens)
+
     def _poll(self) -> None:
         if self.spill_io is not None:
             self.spill_io.poll()

@@ -1,0 +1,125 @@
+"""Tree logic of SpillRadixCache on a real sglang pool: exact spilled / restored nodes and KV."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.cache.conftest import expected_kv, read_kv
+
+A = list(range(100, 140))  # 40 tokens
+B = list(range(300, 320))  # 20 tokens
+
+
+def test_evicted_nodes_stay_in_the_tree_as_spilled_and_free_their_slots(make_stack: Any) -> None:
+    s = make_stack()
+    s.insert(A)
+    s.insert(B)
+    s.evict_all()
+    nodes = list(s.cache.root_node.children.values())
+    assert sorted(len(n.key) for n in nodes) == [20, 40] and all(n.evicted for n in nodes)
+    assert s.cache.spilled_tokens == 60 and s.cache.evictable_size() == 0
+    assert s.allocator.available_size() == s.allocator.size
+    assert s.metrics.totals["spilled_tokens"] == 60 and s.metrics.totals["dropped_tokens"] == 0
+    assert s.cache.spill_io.tier.stats().extents == 2
+    s.cache.check_integrity()
+
+
+def test_resume_restores_exact_kv_into_new_slots(make_stack: Any) -> None:
+    s = make_stack()
+    s.insert(A)
+    s.evict_all()
+    m = s.match(A + [999])
+    assert m.device_prefix_len == 0 and m.host_hit_length == 40
+    loaded, last = s.load_back(m)
+    assert loaded == 40 and last is m.best_match_node and not last.evicted
+    assert read_kv(s.pool, last.value) == expected_kv(A)
+    assert s.match(A).device_prefix_len == 40
+    assert s.metrics.totals["restored_tokens"] == 40
+    s.cache.check_integrity()
+
+
+def test_partial_match_splits_a_spilled_node_and_restores_only_the_prefix(make_stack: Any) -> None:
+    s = make_stack()
+    s.insert(A)
+    s.evict_all()
+    m = s.match(A[:25] + [7, 7, 7])
+    assert m.host_hit_length == 25
+    loaded, last = s.load_back(m)
+    assert loaded == 25 and read_kv(s.pool, last.value) == expected_kv(A[:25])
+    (rest,) = last.children.values()
+    assert rest.evicted and (rest.spill.offset, rest.spill.count) == (25, 15)
+    m2 = s.match(A)
+    assert (m2.device_prefix_len, m2.host_hit_length) == (25, 15)
+    loaded, last = s.load_back(m2)
+    assert loaded == 15 and read_kv(s.pool, last.value) == expected_kv(A[25:])
+    s.cache.check_integrity()
+
+
+def test_short_leaves_drop_but_a_short_parent_of_spilled_children_spills(make_stack: Any) -> None:
+    s = make_stack()
+    s.insert([1, 2] + A)
+    s.insert([1, 2] + B)  # shared 2-token parent
+    s.insert([5, 6, 7])  # a 3-token leaf: below min_spill_tokens (4)
+    s.evict_all()
+    assert [5] not in [list(n.key.token_ids[:1]) for n in s.cache.root_node.children.values()]
+    (parent,) = s.cache.root_node.children.values()
+    assert parent.evicted and len(parent.key) == 2 and len(parent.children) == 2
+    assert s.metrics.totals["dropped_tokens"] == 3
+    m = s.match([1, 2] + B)
+    assert m.host_hit_length == 22 and s.load_back(m)[0] == 22
+    s.cache.check_integrity()
+
+
+def test_insert_over_spilled_nodes_adopts_the_requests_slots(make_stack: Any) -> None:
+    s = make_stack()
+    s.insert(A)
+    s.evict_all()
+    slots = s.insert(A + B)  # recomputed A (restore not used): its slots become the tree's
+    node = s.cache.root_node.children[A[0]]
+    assert not node.evicted and node.value.tolist() == slots[:40].tolist()
+    assert s.cache.spilled_tokens == 0
+    s.cache.check_integrity()
+
+
+def test_corrupt_extent_is_a_clean_miss(make_stack: Any) -> None:
+    s = make_stack()
+    s.insert(A)
+    s.evict_all()
+    (extent_file,) = [p for p in s.tier_dir.rglob("*") if p.is_file() and p.stat().st_size > 4096]
+    data = bytearray(extent_file.read_bytes())
+    data[4096 + 100] ^= 0xFF  # inside the payload (header_len is 4096 for a short token list)
+    extent_file.write_bytes(bytes(data))
+    m = s.match(A)
+    before = s.allocator.available_size()
+    assert s.load_back(m) == (0, m.last_device_node)
+    assert s.allocator.available_size() == before, "slots of an abandoned restore must be freed"
+    assert s.metrics.totals["corrupt_extents"] == 1 and s.metrics.totals["restore_failures"] == 1
+    assert s.match(A).host_hit_length == 0, "the lost node is pruned"
+    s.cache.check_integrity()
+
+
+def test_full_staging_drops_instead_of_waiting(make_stack: Any) -> None:
+    s = make_stack(staging_bytes=1 << 20)
+    s.cache.spill_io.staging.capacity_bytes = 1000  # smaller than one extent of A
+    s.insert(A)
+    s.evict_all()
+    assert not s.cache.root_node.children and s.metrics.totals["dropped_tokens"] == 40
+    s.cache.check_integrity()
+
+
+def test_tenants_never_restore_each_other(make_stack: Any) -> None:
+    s = make_stack()
+    s.insert(A, salt="alice")
+    s.evict_all()
+    assert s.match(A, salt="bob").host_hit_length == 0
+    assert s.match(A).host_hit_length == 0
+    assert s.match(A, salt="alice").host_hit_length == 40
+    s.cache.check_integrity()
+
+
+def test_without_a_tier_eviction_drops_like_sglang(make_stack: Any) -> None:
+    s = make_stack(spill=False)
+    s.insert(A)
+    s.evict_all()
+    assert not s.cache.root_node.children and s.metrics.totals["dropped_tokens"] == 40
+    s.cache.check_integrity()
