@@ -5,7 +5,9 @@ Not thread-safe: the owner (NvmeTier) calls every method under its lock.
 Why an OrderedDict: `move_to_end` on access and popping from the front give O(1) LRU without a
 separate list, at ~300 bytes per extent all told (measured by benchmarks/tier.py --index-only).
 Invariants (checked by `check`): used_bytes == sum of entries' file_bytes; used_bytes + reserved
-<= capacity after every successful `reserve`; a pinned key is never chosen as a victim.
++ dying <= capacity after every successful `reserve`; a pinned key is never chosen as a victim.
+`dying` counts victims taken out of the index whose files are not yet unlinked (the owner unlinks
+outside the lock, then calls `buried`), so bytes on disk never exceed the budget even meanwhile.
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ from collections import OrderedDict
 
 from sgl_hicache.tier.base import ExtentInfo
 from sgl_hicache.tier.keys import ExtentKey
+
+
+class OverBudget(Exception):
+    """No room: the extent does not fit the budget or the free-space watermark (not a fault)."""
 
 
 class Entry:
@@ -34,6 +40,7 @@ class Index:
         self.capacity = capacity
         self.used_bytes = 0
         self.reserved = 0
+        self.dying = 0
         self._lru: OrderedDict[ExtentKey, Entry] = OrderedDict()
         self._pins: dict[ExtentKey, int] = {}
 
@@ -80,20 +87,27 @@ class Index:
 
     def reserve(self, nbytes: int) -> list[tuple[ExtentKey, Entry]] | None:
         """Reserve `nbytes` within capacity, evicting LRU unpinned entries; None (no change) if impossible."""
-        victims = self._victims(self.used_bytes + self.reserved + nbytes - self.capacity)
+        victims = self._victims(self.used_bytes + self.reserved + self.dying + nbytes - self.capacity)
         if victims is None:
             return None
-        for key, _ in victims:
-            self.remove(key)
+        self._kill(victims)
         self.reserved += nbytes
         return victims
 
     def evict(self, nbytes: int) -> list[tuple[ExtentKey, Entry]] | None:
         """Remove LRU unpinned entries totalling at least `nbytes`; None (no change) if impossible."""
         victims = self._victims(nbytes)
-        for key, _ in victims or []:
-            self.remove(key)
+        self._kill(victims or [])
         return victims
+
+    def _kill(self, victims: list[tuple[ExtentKey, Entry]]) -> None:
+        for key, entry in victims:
+            self.remove(key)
+            self.dying += entry.file_bytes
+
+    def buried(self, nbytes: int) -> None:
+        """A victim's file (`nbytes`) is gone from disk."""
+        self.dying -= nbytes
 
     def release(self, nbytes: int) -> None:
         self.reserved -= nbytes
@@ -114,9 +128,10 @@ class Index:
             raise AssertionError(
                 f"index accounting: entries sum to {total} B, used_bytes says {self.used_bytes}"
             )
-        if self.used_bytes + self.reserved > self.capacity:
+        if self.used_bytes + self.reserved + self.dying > self.capacity:
             raise AssertionError(
-                f"over budget: used {self.used_bytes} + reserved {self.reserved} > capacity {self.capacity}"
+                f"over budget: used {self.used_bytes} + reserved {self.reserved} + dying {self.dying}"
+                f" > capacity {self.capacity}"
             )
-        if self.reserved < 0:
-            raise AssertionError(f"negative reservation {self.reserved}")
+        if self.reserved < 0 or self.dying < 0:
+            raise AssertionError(f"negative reservation {self.reserved} or dying bytes {self.dying}")

@@ -15,6 +15,7 @@ import xxhash
 import zstandard
 
 from sgl_hicache.config import Compression
+from sgl_hicache.tier.base import Ticket
 from sgl_hicache.tier.directio import O_DIRECT, alloc_aligned, is_aligned, pread_exact
 from sgl_hicache.tier.format import ALIGN, Chunk, FormatError, Header, align_up, decode_fixed, decode_meta
 from sgl_hicache.tier.keys import ExtentKey, NamespaceId
@@ -104,3 +105,20 @@ def _decode(stored: memoryview, compression: Compression, raw_len: int) -> memor
     if len(raw) != raw_len:
         raise FormatError(f"chunk decompressed to {len(raw)} bytes, expected {raw_len}")
     return memoryview(raw)
+
+
+class LoadState:
+    """A load in flight: chunk jobs count down `remaining`; the first error wins."""
+
+    def __init__(self, ticket: Ticket, key: ExtentKey, ext: OpenExtent, dest: memoryview, want: int) -> None:
+        self.ticket, self.key, self.ext, self.dest, self.want = ticket, key, ext, dest, want
+        self.remaining = ext.header.chunk_count(want)
+        self.error: Exception | None = None
+        self.lock = threading.Lock()
+
+    def chunk_done(self, error: Exception | None) -> bool:
+        """Record one chunk's outcome; True for the last one."""
+        with self.lock:
+            self.error = self.error or error
+            self.remaining -= 1
+            return self.remaining == 0

@@ -8,9 +8,9 @@ of the requested prefix; the last chunk job closes the file and posts the comple
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
+import time
 from collections.abc import Sequence
 from functools import partial
 
@@ -18,40 +18,21 @@ import numpy as np
 
 from sgl_hicache.config import TierConfig
 from sgl_hicache.tier.base import Buffer, Completion, ExtentInfo, Op, Status, Ticket, Tier, TierStats
+from sgl_hicache.tier.completions import CompletionQueue
 from sgl_hicache.tier.directio import as_view, probe_direct_io
 from sgl_hicache.tier.faults import Counters, FaultLog, classify
 from sgl_hicache.tier.format import FormatError
-from sgl_hicache.tier.index import Entry, Index
+from sgl_hicache.tier.index import Entry, Index, OverBudget
 from sgl_hicache.tier.integrity import check_files
 from sgl_hicache.tier.keys import ExtentKey, Namespace, check_key, tokens_to_bytes
-from sgl_hicache.tier.load import OpenExtent, open_extent, read_chunk
+from sgl_hicache.tier.load import LoadState, OpenExtent, open_extent, read_chunk
 from sgl_hicache.tier.paths import ExtentPaths, free_bytes
 from sgl_hicache.tier.scan import scan
 from sgl_hicache.tier.scheduler import IoScheduler
 from sgl_hicache.tier.store import StoreRequest, prepare, write_extent
 
 _IO_ERRORS = (OSError, FormatError)
-
-
-class OverBudget(Exception):
-    """No room: the extent does not fit the budget or the free-space watermark (not a fault)."""
-
-
-class _Load:
-    """A load in flight: chunk jobs count down `remaining`; the first error wins."""
-
-    def __init__(self, ticket: Ticket, key: ExtentKey, ext: OpenExtent, dest: memoryview, want: int) -> None:
-        self.ticket, self.key, self.ext, self.dest, self.want = ticket, key, ext, dest, want
-        self.remaining = ext.header.chunk_count(want)
-        self.error: Exception | None = None
-        self.lock = threading.Lock()
-
-    def chunk_done(self, error: Exception | None) -> bool:
-        """Record one chunk's outcome; True for the last one."""
-        with self.lock:
-            self.error = self.error or error
-            self.remaining -= 1
-            return self.remaining == 0
+ROOM_WAIT_S = 30.0
 
 
 class NvmeTier(Tier):
@@ -60,12 +41,11 @@ class NvmeTier(Tier):
         self._paths = ExtentPaths(cfg.directory, self._ns_id)
         self._paths.create_root()
         self._direct = cfg.direct_io and probe_direct_io(self._paths.ns_dir)
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # notified when reserved or dying bytes drop
         self._index = Index(cfg.capacity_bytes)
         self._counters, self._faults = Counters(), FaultLog()
-        self._tickets = itertools.count(1)
-        self._pending: set[Ticket] = set()
-        self._done: dict[Ticket, Completion] = {}
+        self._completions = CompletionQueue()
         self._closed = False
         self._rebuild_index()
         self._io = IoScheduler(cfg.io_threads)
@@ -76,30 +56,11 @@ class NvmeTier(Tier):
 
     # -- completions --------------------------------------------------------------------------
 
-    def _issue(self) -> Ticket:
-        with self._cond:
-            ticket = Ticket(next(self._tickets))
-            self._pending.add(ticket)
-            return ticket
-
-    def _finish(self, c: Completion) -> None:
-        with self._cond:
-            self._pending.discard(c.ticket)
-            self._done[c.ticket] = c
-            self._cond.notify_all()
-
     def get_finished(self) -> list[Completion]:
-        with self._cond:
-            done, self._done = list(self._done.values()), {}
-        return done
+        return self._completions.drain()
 
     def wait(self, ticket: Ticket, timeout: float | None = None) -> Completion:
-        with self._cond:
-            if ticket not in self._pending and ticket not in self._done:
-                raise KeyError(f"unknown or already returned ticket {ticket}")
-            if not self._cond.wait_for(lambda: ticket in self._done, timeout):
-                raise TimeoutError(f"ticket {ticket} still in flight after {timeout} s")
-            return self._done.pop(ticket)
+        return self._completions.wait(ticket, timeout)
 
     def _fail(self, op: Op, ticket: Ticket, key: ExtentKey, err: Exception) -> None:
         status = classify(op, err)
@@ -109,9 +70,9 @@ class NvmeTier(Tier):
         if status is Status.CORRUPT:
             self._drop(key)
         elif status is Status.MISS:  # removed behind our back (another process): forget it
-            with self._cond:
+            with self._lock:
                 self._index.remove(key)
-        self._finish(Completion(ticket, op, key, status, 0, str(err)))
+        self._completions.post(Completion(ticket, op, key, status, 0, str(err)))
 
     # -- stores -------------------------------------------------------------------------------
 
@@ -121,14 +82,14 @@ class NvmeTier(Tier):
         req = StoreRequest(
             check_key(key), check_key(parent), tokens_to_bytes(tokens), as_view(payload, writable=False)
         )
-        ticket = self._issue()
-        with self._cond:
+        ticket = self._completions.issue()
+        with self._lock:
             closed, present = self._closed, key in self._index
             if present:
                 self._index.touch(key)
         if closed or present:
             status = Status.REJECTED if closed else Status.OK
-            self._finish(
+            self._completions.post(
                 Completion(
                     ticket, Op.STORE, key, status, req.payload.nbytes, "closed" if closed else "present"
                 )
@@ -144,39 +105,49 @@ class NvmeTier(Tier):
             try:
                 write_extent(prep, self._paths, self._direct, self._cfg.fsync)
             except BaseException:
-                with self._cond:
+                with self._lock:
                     self._index.release(prep.file_bytes)
+                    self._room.notify_all()
                 raise
         except OverBudget as e:
             self._counters.add("no_space")
-            self._finish(Completion(ticket, Op.STORE, req.key, Status.NO_SPACE, 0, str(e)))
+            self._completions.post(Completion(ticket, Op.STORE, req.key, Status.NO_SPACE, 0, str(e)))
             return
         except _IO_ERRORS as e:
             self._counters.add("store_failures")
             self._fail(Op.STORE, ticket, req.key, e)
             return
         entry = Entry(req.parent, len(req.tokens) // 4, req.payload.nbytes, prep.file_bytes)
-        with self._cond:  # one step, so the published file is always either reserved or indexed
+        with self._lock:  # one step, so the published file is always either reserved or indexed
             self._index.release(prep.file_bytes)
+            self._room.notify_all()
             self._index.add(req.key, entry)
         self._counters.add("stores")
         self._counters.add("store_bytes", req.payload.nbytes)
-        self._finish(Completion(ticket, Op.STORE, req.key, Status.OK, req.payload.nbytes))
+        self._completions.post(Completion(ticket, Op.STORE, req.key, Status.OK, req.payload.nbytes))
 
     def _make_room(self, nbytes: int) -> None:
-        """Reserve `nbytes` of budget and free space, evicting LRU extents; raises OverBudget."""
-        with self._cond:
+        """Reserve `nbytes` of budget and free space, evicting LRU extents; raises OverBudget.
+
+        Waits (up to ROOM_WAIT_S) while other running stores hold the bytes it needs: they hold
+        nothing while waiting here, so waiting cannot deadlock."""
+        with self._lock:
             victims = self._index.reserve(nbytes)
+            deadline = time.monotonic() + ROOM_WAIT_S
+            while (
+                victims is None and self._index.reserved + self._index.dying and time.monotonic() < deadline
+            ):
+                self._room.wait(deadline - time.monotonic())  # other stores' bytes are in flight
+                victims = self._index.reserve(nbytes)
         if victims is None:
-            raise OverBudget(
-                f"{nbytes} B does not fit: capacity {self._cfg.capacity_bytes} B, rest pinned or reserved"
-            )
+            raise OverBudget(f"{nbytes} B does not fit: capacity {self._cfg.capacity_bytes} B, rest pinned")
         self._unlink(victims)
         try:
             self._keep_free(nbytes)
         except BaseException:
-            with self._cond:
+            with self._lock:
                 self._index.release(nbytes)
+                self._room.notify_all()
             raise
 
     def _keep_free(self, nbytes: int) -> None:
@@ -185,7 +156,7 @@ class NvmeTier(Tier):
         short = 0 if free is None else self._cfg.min_free_bytes + nbytes - free
         if short <= 0:
             return
-        with self._cond:
+        with self._lock:
             victims = self._index.evict(short)
         if victims is None:
             raise OverBudget(f"volume free space ({free} B) would drop below {self._cfg.min_free_bytes} B")
@@ -196,6 +167,9 @@ class NvmeTier(Tier):
             self._counters.add("evictions")
             self._counters.add("evicted_bytes", entry.file_bytes)
             self._remove_file(key)
+            with self._lock:
+                self._index.buried(entry.file_bytes)
+                self._room.notify_all()
 
     def _remove_file(self, key: ExtentKey) -> bool:
         try:
@@ -209,7 +183,7 @@ class NvmeTier(Tier):
             return False
 
     def _drop(self, key: ExtentKey) -> None:
-        with self._cond:
+        with self._lock:
             self._index.remove(key)
         self._remove_file(key)
         self._counters.add("removed_bad_files")
@@ -217,17 +191,17 @@ class NvmeTier(Tier):
     # -- loads --------------------------------------------------------------------------------
 
     def submit_load(self, key: ExtentKey, dest: Buffer, nbytes: int | None = None) -> Ticket:
-        view, ticket = as_view(dest, writable=True), self._issue()
-        with self._cond:
+        view, ticket = as_view(dest, writable=True), self._completions.issue()
+        with self._lock:
             closed = self._closed
         if closed:
-            self._finish(Completion(ticket, Op.LOAD, key, Status.REJECTED, 0, "closed"))
+            self._completions.post(Completion(ticket, Op.LOAD, key, Status.REJECTED, 0, "closed"))
         else:
             self._io.submit_read(partial(self._open_job, ticket, check_key(key), view, nbytes))
         return ticket
 
     def _open_job(self, ticket: Ticket, key: ExtentKey, dest: memoryview, nbytes: int | None) -> None:
-        with self._cond:
+        with self._lock:
             self._index.pin(key)
         try:
             ext = open_extent(self._paths.extent(key), self._ns_id, key, self._direct)
@@ -239,11 +213,11 @@ class NvmeTier(Tier):
         want = length if nbytes is None else max(0, min(nbytes, length))
         if dest.nbytes < want:
             self._close_load(ext, key)
-            self._finish(
+            self._completions.post(
                 Completion(ticket, Op.LOAD, key, Status.REJECTED, 0, f"dest {dest.nbytes} B < {want} B")
             )
             return
-        load = _Load(ticket, key, ext, dest, want)
+        load = LoadState(ticket, key, ext, dest, want)
         if load.remaining == 0:
             self._end_load(load)
             return
@@ -251,7 +225,7 @@ class NvmeTier(Tier):
             self._io.submit_read(partial(self._chunk_job, load, i))
         self._chunk_job(load, 0)
 
-    def _chunk_job(self, load: _Load, index: int) -> None:
+    def _chunk_job(self, load: LoadState, index: int) -> None:
         error: Exception | None = None
         try:
             read_chunk(load.ext, index, load.dest, load.want)
@@ -260,39 +234,39 @@ class NvmeTier(Tier):
         if load.chunk_done(error):
             self._end_load(load)
 
-    def _end_load(self, load: _Load) -> None:
+    def _end_load(self, load: LoadState) -> None:
         self._close_load(load.ext, load.key)
         if load.error is not None:
             self._fail(Op.LOAD, load.ticket, load.key, load.error)
             return
-        with self._cond:
+        with self._lock:
             self._index.touch(load.key)
         self._counters.add("loads")
         self._counters.add("load_bytes", load.want)
         self._counters.add("buffered_loads", 0 if load.ext.direct else 1)
-        self._finish(Completion(load.ticket, Op.LOAD, load.key, Status.OK, load.want))
+        self._completions.post(Completion(load.ticket, Op.LOAD, load.key, Status.OK, load.want))
 
     def _close_load(self, ext: OpenExtent, key: ExtentKey) -> None:
         os.close(ext.fd)
         self._unpin(key)
 
     def _unpin(self, key: ExtentKey) -> None:
-        with self._cond:
+        with self._lock:
             self._index.unpin(key)
 
     # -- index queries and maintenance --------------------------------------------------------
 
     def contains(self, key: ExtentKey) -> bool:
-        with self._cond:
+        with self._lock:
             return key in self._index
 
     def lookup(self, key: ExtentKey) -> ExtentInfo | None:
-        with self._cond:
+        with self._lock:
             entry = self._index.get(key)
             return None if entry is None else entry.info(key)
 
     def extents(self) -> list[ExtentInfo]:
-        with self._cond:
+        with self._lock:
             return [entry.info(key) for key, entry in self._index.items()]
 
     def read_tokens(self, key: ExtentKey) -> np.ndarray | None:
@@ -307,7 +281,7 @@ class NvmeTier(Tier):
         return np.frombuffer(ext.tokens, dtype="<u4").astype(np.uint32)
 
     def discard(self, key: ExtentKey) -> bool:
-        with self._cond:
+        with self._lock:
             if self._index.pinned(key):
                 return False
             entry = self._index.remove(key)
@@ -315,7 +289,7 @@ class NvmeTier(Tier):
 
     def stats(self) -> TierStats:
         c = self._counters.snapshot()
-        with self._cond:
+        with self._lock:
             extents, used = len(self._index), self._index.used_bytes
         names = [f for f in TierStats.__dataclass_fields__ if f not in _DERIVED]
         return TierStats(
@@ -324,13 +298,13 @@ class NvmeTier(Tier):
         )  # fmt: skip
 
     def check_integrity(self) -> None:
-        with self._cond:
+        with self._lock:
             self._index.check()
             files = {key: entry.file_bytes for key, entry in self._index.items()}
         check_files(self._paths, files)
 
     def close(self) -> None:
-        with self._cond:
+        with self._lock:
             if self._closed:
                 return
             self._closed = True

@@ -45,7 +45,7 @@ def test_random_workload_never_exceeds_capacity(make_tier, seed):
             for c in tier.get_finished():
                 assert c.status in (Status.OK, Status.MISS, Status.NO_SPACE), (
                     c
-                )  # NO_SPACE: budget held by in-flight stores
+                )  # NO_SPACE: rest pinned by loads in flight
             assert tier.stats().bytes_stored <= capacity
             assert disk_bytes(tier) <= capacity
     tier.close()
