@@ -13,7 +13,9 @@
 #    torch.equal against the plain-torch reference), then benchmarks/kernels.py for a Llama-8B-like
 #    pool (32 layers, 8 KV heads, head_dim 128, bf16, 4096 tokens, page_size 1 and 64): correctness,
 #    GB/s of pack/unpack vs a device-to-device copy of the same bytes, for the Triton backend and
-#    for the torch backend on the same GPU. Exit status: non-zero if any step fails.
+#    for the torch backend on the same GPU. Exit status: non-zero if any of these fails. Then, in
+#    the time left, a sweep of Triton launch configs (block bytes x spans per program) to pick the
+#    defaults in kernels/pack_triton.py by measurement.
 #
 # Dry run on a CPU box (checks the script, not the kernels):
 #   GPU_CHECK_ALLOW_CPU=1 GPU_CHECK_PRESET=cpu GPU_CHECK_BACKENDS=torch \
@@ -65,4 +67,7 @@ for backend in ${GPU_CHECK_BACKENDS:-triton torch}; do
   echo "== bandwidth: backend=$backend, preset $preset"
   timed "$PY" -m benchmarks.kernels --preset "$preset" --page-sizes 1,64 --backend "$backend" --rounds 5
 done
+echo "== launch-config sweep (Triton, for choosing the defaults; informative, may run out of time)"
+timed "$PY" -m benchmarks.kernels --preset "$preset" --page-sizes 1,64 --backend triton --rounds 3 --sweep ||
+  echo "gpu_check: sweep incomplete (status $?)"
 echo "gpu_check: done in $SECONDS s"

@@ -35,8 +35,8 @@ def make_pool(args: argparse.Namespace, page_size: int, device: torch.device) ->
     slots = 2 * args.tokens + page_size
 
     def buf() -> torch.Tensor:
-        raw = torch.randint(0, 256, (slots, args.heads, args.head_dim * dtype.itemsize), dtype=torch.uint8)
-        return raw.to(device).view(store)
+        shape = (slots, args.heads, args.head_dim * dtype.itemsize)
+        return torch.randint(0, 256, shape, dtype=torch.uint8, device=device).view(store)
 
     layers = tuple((buf(), buf()) for _ in range(args.layers))
     return KVPoolView(KVKind.MHA, layers, page_size, dtype, args.heads, args.head_dim)
@@ -109,6 +109,39 @@ def measure(view: KVPoolView, n: int, backend: str, rounds: int) -> dict[str, fl
     return {name: gbps(nbytes, t) for name, t in best.items()}
 
 
+def sweep(view: KVPoolView, n: int, rounds: int) -> dict[str, Any]:
+    """Time the Triton kernels over launch configs (block bytes x group; warps follow the block)."""
+    from sgl_hicache.kernels.pack_triton import LaunchConfig, pack_kv_triton, unpack_kv_triton
+    from sgl_hicache.kernels.plan import plan_copy
+
+    slots = make_slots(view, n)
+    out = torch.empty(packed_nbytes(view, n), dtype=torch.uint8, device=view.device)
+    plan = plan_copy(view, slots, out, scatter=False)
+    expected = ref_pack(view, slots)
+    rows = []
+    for block_bytes in (2048, 8192, 16384):
+        for group in (1, 4, 16):
+            cfg = LaunchConfig(block_bytes, min(8, block_bytes // 512), group)
+            out.zero_()
+            pack_kv_triton(view, slots, out, plan, cfg)
+            if not torch.equal(out, expected):
+                raise AssertionError(f"{cfg} packed wrong bytes")
+            times = {
+                op: min(timed(fn, view.device) for _ in range(rounds + 1))
+                for op, fn in (
+                    ("pack", lambda cfg=cfg: pack_kv_triton(view, slots, out, plan, cfg)),
+                    ("unpack", lambda cfg=cfg: unpack_kv_triton(view, slots, out, plan, cfg)),
+                )
+            }
+            rows.append((cfg, gbps(out.numel(), times["pack"]), gbps(out.numel(), times["unpack"])))
+            log(
+                f"  sweep page_size {view.page_size} {cfg}: pack {rows[-1][1]:.1f} GB/s, unpack {rows[-1][2]:.1f} GB/s"
+            )
+    cfg, pack, unpack = max(rows, key=lambda r: r[1] + r[2])
+    tag = f"block={cfg.block_bytes},warps={cfg.num_warps},group={cfg.group}"
+    return {"best_config": tag, "best_pack": pack, "best_unpack": unpack}
+
+
 def run_config(args: argparse.Namespace, page_size: int, device: torch.device) -> dict[str, Any]:
     view = make_pool(args, page_size, device)
     n = args.tokens // page_size * page_size
@@ -118,6 +151,8 @@ def run_config(args: argparse.Namespace, page_size: int, device: torch.device) -
         f"page_size {page_size}: {packed_nbytes(view, n) / 2**20:.0f} MiB, correct={correct}  "
         + "  ".join(f"{k} {v:.2f} GB/s" for k, v in figures.items())
     )
+    if args.sweep:
+        figures |= sweep(view, n, args.rounds)
     return {"correct": correct, **figures}
 
 
@@ -133,7 +168,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--sweep", action="store_true", help="also time Triton launch configs (GPU tuning)")
     args = p.parse_args()
+    if args.sweep and args.backend == "torch":
+        p.error("--sweep times the Triton kernels")
     preset = PRESETS[args.preset or ("llama8b" if torch.cuda.is_available() else "cpu")]
     for key, value in preset.items():
         if getattr(args, key) is None:
@@ -176,6 +214,9 @@ def main() -> None:
             f"pack_vs_copy_p{ps}": r["pack"] / r["copy"],
             f"unpack_vs_copy_p{ps}": r["unpack"] / r["copy"],
         }
+    if args.sweep:
+        for ps, r in results.items():
+            figures |= {f"{k}_p{ps}": r[k] for k in ("best_config", "best_pack", "best_unpack")}
     emit(figures)
 
 
