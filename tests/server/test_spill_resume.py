@@ -1,0 +1,126 @@
+"""Spill on eviction, restore on resume, on the real server (issue 5's server tests).
+
+One server with a small device pool serves every test in this module, in order; each test uses its
+own token sequences, and the destructive test (tier directory removed) runs last.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sgl_hicache.server.process import ServerProcess
+from tests.server.conftest import SPILL_FLAGS, metrics, post_json
+
+pytestmark = pytest.mark.server
+
+POOL = 1024  # device KV pool, tokens
+PROMPT = 300
+
+
+def tokens(seed: int, n: int = PROMPT) -> list[int]:
+    return [(i * 7 + seed * 131) % 900 + 20 for i in range(n)]
+
+
+def generate(base: str, ids: list[int], n: int = 8, salt: str | None = None) -> tuple[list[int], int]:
+    body: dict[str, Any] = {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0}}
+    if salt is not None:
+        body["cache_salt"] = salt
+    out = post_json(base + "/generate", body)
+    return out["output_ids"], out["meta_info"]["cached_tokens"]
+
+
+def push_out(base: str, seed: int) -> None:
+    """Serve enough unrelated prompts to evict everything else from the device pool."""
+    for k in range(POOL // PROMPT + 2):
+        generate(base, tokens(10_000 + seed * 10 + k), n=1)
+
+
+def counter(base: str, name: str) -> float:
+    return metrics(base).get(f'sglang:hicache_spill_{name}_total{{tp_rank="0"}}', 0.0)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    tmp = tmp_path_factory.mktemp("spill")
+    tier = tmp / "tier"
+    args = (
+        *SPILL_FLAGS,
+        "--enable-hicache-spill",
+        "--hicache-spill-dir",
+        str(tier),
+        "--hicache-spill-min-free",
+        "0",
+    )
+    with ServerProcess(tiny_model, POOL, args, log_path=tmp / "server.log") as s:
+        s.tier_dir = tier  # type: ignore[attr-defined]
+        yield s
+
+
+def two_turns(base: str, seed: int, salt: str | None = None) -> tuple[list[int], list[int], int]:
+    """Turn 1, then turn 2 served while turn 1 is resident: returns (turn-2 ids, its output, turn-1 length)."""
+    turn1 = tokens(seed)
+    out1, _ = generate(base, turn1, salt=salt)
+    turn2 = turn1 + out1 + tokens(seed + 1, 20)
+    reference, cached = generate(base, turn2, salt=salt)
+    assert cached >= len(turn1)
+    return turn2, reference, len(turn1)
+
+
+def extent_files(tier: Path) -> list[Path]:
+    return [p for p in tier.rglob("*.ext") if p.is_file()]
+
+
+def test_resume_restores_history_with_output_identical_to_resident_run(server: Any) -> None:
+    base = server.base_url
+    turn2, reference, history = two_turns(base, 1)
+    spilled, restored, read = (
+        counter(base, n) for n in ("spilled_tokens", "restored_tokens", "restored_bytes")
+    )
+    push_out(base, 1)
+    assert counter(base, "spilled_tokens") > spilled
+    resumed, cached = generate(base, turn2)
+    assert cached >= history, f"the resumed turn reused only {cached} of {history} history tokens"
+    assert counter(base, "restored_tokens") - restored >= history
+    assert counter(base, "restored_bytes") > read, "the tier's read counter did not move"
+    assert resumed == reference
+
+
+def test_tenants_never_restore_each_others_kv(server: Any) -> None:
+    base = server.base_url
+    turn2, reference, history = two_turns(base, 21, salt="alice")
+    push_out(base, 21)
+    restored = counter(base, "restored_tokens")
+    _, cached_bob = generate(base, turn2, salt="bob")
+    assert cached_bob == 0 and counter(base, "restored_tokens") == restored
+    resumed, cached_alice = generate(base, turn2, salt="alice")
+    assert cached_alice >= history and resumed == reference
+
+
+def test_corrupt_extent_recomputes_with_identical_output(server: Any) -> None:
+    base = server.base_url
+    turn2, reference, _ = two_turns(base, 41)
+    push_out(base, 41)
+    for path in extent_files(server.tier_dir):
+        data = bytearray(path.read_bytes())
+        data[-4096 - 1] ^= 0xFF  # last byte of the last payload chunk's page-aligned region
+        path.write_bytes(bytes(data))
+    corrupt = counter(base, "corrupt_extents")
+    resumed, _ = generate(base, turn2)
+    assert counter(base, "corrupt_extents") > corrupt
+    assert resumed == reference
+
+
+def test_tier_directory_removed_while_serving(server: Any) -> None:
+    base = server.base_url
+    turn2, reference, _ = two_turns(base, 61)
+    push_out(base, 61)
+    shutil.rmtree(server.tier_dir)
+    resumed, _ = generate(base, turn2)
+    assert resumed == reference
+    push_out(base, 62)  # spills now fail: eviction must fall back to dropping, serving goes on
+    again, _ = generate(base, turn2)
+    assert again == reference
