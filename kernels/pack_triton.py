@@ -37,29 +37,36 @@ class LaunchConfig(NamedTuple):
 
 
 @triton.jit
-def _span(  # type: ignore[no-untyped-def]  # Triton JIT: parameters are typed at launch
+def _buffer_entry(table_ptr, n_buffers, UNIT: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton JIT
+    """(offset from the pool base, row length, block offset in a packed page) of the buffer
+    tl.program_id(1), in UNIT-byte units; loaded once per program."""
+    row_ptr = table_ptr + tl.program_id(1).to(tl.int64) * 3
+    ok = tl.program_id(1) < n_buffers
+    buf_off = tl.load(row_ptr, mask=ok, other=0) // UNIT
+    row = tl.load(row_ptr + 1, mask=ok, other=0) // UNIT
+    block_off = tl.load(row_ptr + 2, mask=ok, other=0) // UNIT
+    return buf_off, row, block_off
+
+
+@triton.jit
+def _span(  # type: ignore[no-untyped-def]
     span,
-    page_bytes,
-    table_ptr,
-    n_buffers,
+    buf_off,
+    row,
+    block_off,
+    page_units,
     slots_ptr,
     n_tokens,
     PAGE_SIZE: tl.constexpr,
     TOKENS: tl.constexpr,
-    UNIT: tl.constexpr,
     VEC: tl.constexpr,
 ):
-    """(pool word offset, packed word offset, words) of one span of the buffer tl.program_id(1)."""
-    buf = tl.program_id(1).to(tl.int64)
+    """(pool word offset, packed word offset, words) of one span (TOKENS tokens from token span*TOKENS)."""
     first = span * TOKENS
     slot = tl.load(slots_ptr + first, mask=first < n_tokens, other=0)
-    in_table = buf < n_buffers
-    buf_off = tl.load(table_ptr + buf * 3, mask=in_table, other=0) // UNIT
-    row = tl.load(table_ptr + buf * 3 + 1, mask=in_table, other=0) // UNIT
-    block_off = tl.load(table_ptr + buf * 3 + 2, mask=in_table, other=0) // UNIT
     page = first // PAGE_SIZE
     pool_off = (buf_off + slot * row) * VEC
-    packed_off = (page * (page_bytes // UNIT) + block_off + (first - page * PAGE_SIZE) * row) * VEC
+    packed_off = (page * page_units + block_off + (first - page * PAGE_SIZE) * row) * VEC
     n_words = tl.maximum(tl.minimum(n_tokens - first, TOKENS), 0) * row * VEC
     return pool_off, packed_off, n_words
 
@@ -97,17 +104,18 @@ def _pack_kv_kernel(  # type: ignore[no-untyped-def]
     STEPS: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
+    buf_off, row, block_off = _buffer_entry(table_ptr, n_buffers, UNIT)
     for g in tl.static_range(GROUP):
         pool_off, packed_off, n_words = _span(
             pid * GROUP + g,
-            page_bytes,
-            table_ptr,
-            n_buffers,
+            buf_off,
+            row,
+            block_off,
+            page_bytes // UNIT,
             slots_ptr,
             n_tokens,
             PAGE_SIZE,
             TOKENS,
-            UNIT,
             VEC,
         )
         _copy_words(out_ptr + packed_off, pool_ptr + pool_off, n_words, BLOCK, STEPS)
@@ -131,17 +139,18 @@ def _unpack_kv_kernel(  # type: ignore[no-untyped-def]
     STEPS: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
+    buf_off, row, block_off = _buffer_entry(table_ptr, n_buffers, UNIT)
     for g in tl.static_range(GROUP):
         pool_off, packed_off, n_words = _span(
             pid * GROUP + g,
-            page_bytes,
-            table_ptr,
-            n_buffers,
+            buf_off,
+            row,
+            block_off,
+            page_bytes // UNIT,
             slots_ptr,
             n_tokens,
             PAGE_SIZE,
             TOKENS,
-            UNIT,
             VEC,
         )
         _copy_words(pool_ptr + pool_off, packed_ptr + packed_off, n_words, BLOCK, STEPS)
@@ -175,14 +184,15 @@ def unpack_kv_triton(
     )
 
 
-def launch_config(view: KVPoolView, page_granular: bool) -> LaunchConfig:
+def launch_config(view: KVPoolView, page_granular: bool, warp_size: int = 32) -> LaunchConfig:
     """Default (GPU measurement pending, see docs/KERNELS.md): a step covers the span in 16-byte
-    vectors up to MAX_BLOCK_BYTES; warps so each lane moves one to four vectors per step; spans
+    vectors up to MAX_BLOCK_BYTES; warps (64-lane wavefronts on ROCm) so each lane moves one to
+    four 16-byte vectors per step; spans
     grouped so a program moves at least MIN_PROGRAM_BYTES (a 2 KiB token row alone is too little
     work per program to hide launch and scheduling cost)."""
     span = (view.page_size if page_granular else 1) * max(view.row_bytes)
     block_bytes = min(triton.next_power_of_2(span), MAX_BLOCK_BYTES)
-    num_warps = max(1, min(8, block_bytes // (16 * 32)))
+    num_warps = max(1, min(8, block_bytes // (16 * warp_size)))
     group = min(16, max(1, triton.next_power_of_2(MIN_PROGRAM_BYTES // span)))
     return LaunchConfig(block_bytes, num_warps, group)
 
@@ -190,7 +200,7 @@ def launch_config(view: KVPoolView, page_granular: bool) -> LaunchConfig:
 def _launch_args(
     view: KVPoolView, packed: torch.Tensor, plan: CopyPlan, config: LaunchConfig | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int], dict[str, Any]]:
-    cfg = config or launch_config(view, plan.page_granular)
+    cfg = config or launch_config(view, plan.page_granular, 64 if torch.version.hip else 32)
     unit = common_alignment((view.alignment(),), [packed.data_ptr()])
     word = _WORDS[unit]
     tokens = view.page_size if plan.page_granular else 1
