@@ -41,7 +41,9 @@ def fill_random(pool: object, seed: int) -> None:
         raw.copy_(torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e4m3fnuz]
+)  # fnuz: ROCm fp8
 def test_mha_view_matches_pool(dtype: torch.dtype) -> None:
     pool = mha_pool(dtype, 16)
     view = from_sglang_pool(pool)
