@@ -40,6 +40,11 @@ class PrefixHasher:
     def key(self) -> ExtentKey:
         return ExtentKey(self._h.digest())
 
+    def copy(self) -> PrefixHasher:
+        clone = PrefixHasher.__new__(PrefixHasher)
+        clone._h = self._h.copy()
+        return clone
+
 
 def prefix_key(ns: NamespaceId, tenant: bytes, tokens: Sequence[int] | np.ndarray) -> ExtentKey:
     return PrefixHasher(ns, tenant).update(tokens).key()

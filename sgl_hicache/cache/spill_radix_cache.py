@@ -58,7 +58,7 @@ class SpillRadixCache(RadixCache):
         self.spill_io = io
         self.namespace_id = namespace_id
         self.spilled_tokens = 0
-        super().__init__(params)
+        super().__init__(params)  # calls reset(), which attaches the tier's extents (warm start)
 
     # ---- eviction → spill -------------------------------------------------------------------
 
@@ -288,8 +288,13 @@ class SpillRadixCache(RadixCache):
     # ---- accounting -------------------------------------------------------------------------
 
     def reset(self) -> None:
+        """sglang's reset (at start and on flush_cache): an empty tree, to which the tier's
+        published extents are attached as spilled nodes (warm restart)."""
+        from sgl_hicache.cache.warm_start import attach_tier_extents
+
         super().reset()
         self.spilled_tokens = 0
+        attach_tier_extents(self)
 
     def all_values_flatten(self) -> torch.Tensor:
         values = []

@@ -109,13 +109,13 @@ def make_stack(tmp_path: Path) -> Iterator[Callable[..., Stack]]:
 
     opened: list[Stack] = []
 
-    def make(size: int = 256, spill: bool = True, **overrides: Any) -> Stack:
+    def make(size: int = 256, spill: bool = True, tier_dir: Path | None = None, **overrides: Any) -> Stack:
         pool = MHATokenToKVPool(size, 1, torch.bfloat16, HEADS, HEAD_DIM, LAYERS, "cpu", False)
         allocator = TokenToKVPoolAllocator(size, torch.bfloat16, "cpu", pool, need_sort=False)
         params = CacheInitParams(
             disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator, page_size=1
         )
-        tier_dir = tmp_path / f"tier{len(opened)}"
+        tier_dir = tier_dir or tmp_path / f"tier{len(opened)}"
         config = replace(SpillConfig(tier=TierConfig(directory=tier_dir, capacity_bytes=1 << 30, min_free_bytes=0)),
                          enabled=True, min_spill_tokens=4, **overrides)  # fmt: skip
         view = from_sglang_pool(pool)
@@ -129,4 +129,4 @@ def make_stack(tmp_path: Path) -> Iterator[Callable[..., Stack]]:
     yield make
     for stack in opened:
         if stack.cache.spill_io is not None:
-            stack.cache.spill_io.tier.close()
+            stack.cache.spill_io.tier.close()  # idempotent

@@ -123,3 +123,20 @@ def test_without_a_tier_eviction_drops_like_sglang(make_stack: Any) -> None:
     s.evict_all()
     assert not s.cache.root_node.children and s.metrics.totals["dropped_tokens"] == 40
     s.cache.check_integrity()
+
+
+def test_warm_start_attaches_the_tiers_extents_as_spilled_nodes(make_stack: Any) -> None:
+    s = make_stack()
+    s.insert([1, 2] + A)
+    s.insert([1, 2] + B)
+    s.insert(B, salt="carol")  # salted tenants cannot be re-attached (the salt is not on disk)
+    s.evict_all()
+    s.cache.spill_io.tier.close()
+    again = make_stack(tier_dir=s.tier_dir)
+    assert again.cache.spilled_tokens == 2 + 40 + 20
+    m = again.match([1, 2] + A)
+    assert m.host_hit_length == 42
+    loaded, last = again.load_back(m)
+    assert loaded == 42 and read_kv(again.pool, last.value) == expected_kv(A)
+    assert again.match(B, salt="carol").host_hit_length == 0
+    again.cache.check_integrity()

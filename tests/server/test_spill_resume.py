@@ -7,6 +7,7 @@ own token sequences, and the destructive test (tier directory removed) runs last
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -124,3 +125,22 @@ def test_tier_directory_removed_while_serving(server: Any) -> None:
     push_out(base, 62)  # spills now fail: eviction must fall back to dropping, serving goes on
     again, _ = generate(base, turn2)
     assert again == reference
+
+
+def test_warm_restart_resumes_a_conversation_from_the_tier(
+    tiny_model: Path, tmp_path: Path, start_server: Any
+) -> None:
+    tier = tmp_path / "restart-tier"
+    args = ("--enable-hicache-spill", "--hicache-spill-dir", str(tier), "--hicache-spill-min-free", "0")
+    first = start_server(tiny_model, *args, max_total_tokens=POOL)
+    turn2, reference, history = two_turns(first.base_url, 81)
+    push_out(first.base_url, 81)
+    written = counter(first.base_url, "spilled_bytes")
+    deadline = time.monotonic() + 30
+    while sum(p.stat().st_size for p in extent_files(tier)) < written and time.monotonic() < deadline:
+        time.sleep(0.2)  # spills are acknowledged once their write completes
+    first.stop()
+    second = start_server(tiny_model, *args, max_total_tokens=POOL)
+    resumed, cached = generate(second.base_url, turn2)
+    assert cached >= history, f"after restart the resumed turn reused only {cached} of {history} tokens"
+    assert resumed == reference
