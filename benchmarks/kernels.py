@@ -42,8 +42,13 @@ def make_pool(args: argparse.Namespace, page_size: int, device: torch.device) ->
     return KVPoolView(KVKind.MHA, layers, page_size, dtype, args.heads, args.head_dim)
 
 
-def make_slots(view: KVPoolView, n: int) -> torch.Tensor:
+def make_slots(view: KVPoolView, n: int, runs: int = 0) -> torch.Tensor:
+    """Scattered slots (page_size 1), shuffled whole pages (page_size > 1), or with runs > 0
+    shuffled runs of that many consecutive slots (what sglang's allocator hands one request)."""
     ps = view.page_size
+    if runs:
+        chunks = torch.arange(view.num_slots // runs * runs).view(-1, runs)
+        return chunks[torch.randperm(chunks.shape[0])].flatten()[:n].to(view.device)
     if ps == 1:
         return torch.randperm(view.num_slots)[:n].to(view.device)
     pages = torch.randperm(view.num_slots // ps)[: n // ps]
@@ -90,8 +95,8 @@ def timed(fn: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def measure(view: KVPoolView, n: int, backend: str, rounds: int) -> dict[str, float]:
-    slots = make_slots(view, n)
+def measure(view: KVPoolView, n: int, backend: str, rounds: int, runs: int = 0) -> dict[str, float]:
+    slots = make_slots(view, n, runs)
     nbytes = packed_nbytes(view, n)
     out = torch.empty(nbytes, dtype=torch.uint8, device=view.device)
     src, dst = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=view.device), torch.empty_like(out)
@@ -151,6 +156,13 @@ def run_config(args: argparse.Namespace, page_size: int, device: torch.device) -
         f"page_size {page_size}: {packed_nbytes(view, n) / 2**20:.0f} MiB, correct={correct}  "
         + "  ".join(f"{k} {v:.2f} GB/s" for k, v in figures.items())
     )
+    if page_size == 1 and args.runs:
+        correct = correct and check(view, make_slots(view, n, args.runs), args.backend)
+        in_runs = measure(view, n, args.backend, args.rounds, args.runs)
+        log(
+            f"page_size 1, runs of {args.runs}: pack {in_runs['pack']:.2f}, unpack {in_runs['unpack']:.2f} GB/s"
+        )
+        figures |= {f"{k}_runs": v for k, v in in_runs.items()}
     if args.sweep:
         figures |= sweep(view, n, args.rounds)
     return {"correct": correct, **figures}
@@ -168,6 +180,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument(
+        "--runs", type=int, default=256, help="page_size 1: also time runs of this many slots (0: skip)"
+    )
     p.add_argument("--sweep", action="store_true", help="also time Triton launch configs (GPU tuning)")
     args = p.parse_args()
     if args.sweep and args.backend == "torch":
@@ -213,6 +228,11 @@ def main() -> None:
             f"unpack_gbps_p{ps}": r["unpack"],
             f"pack_vs_copy_p{ps}": r["pack"] / r["copy"],
             f"unpack_vs_copy_p{ps}": r["unpack"] / r["copy"],
+        }
+    if "pack_runs" in head:
+        figures |= {
+            "pack_vs_copy_runs": head["pack_runs"] / head["copy_runs"],
+            "unpack_vs_copy_runs": head["unpack_runs"] / head["copy_runs"],
         }
     if args.sweep:
         for ps, r in results.items():

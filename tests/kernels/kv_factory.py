@@ -57,12 +57,15 @@ def fresh_like(view: KVPoolView) -> KVPoolView:
 
 def make_slots(pattern: str, n: int, view: KVPoolView, seed: int = 1) -> torch.Tensor:
     """n slots: "scattered" (distinct, unsorted), "pages" (aligned runs of shuffled whole pages),
-    "duplicates" (scattered with repeats)."""
+    "runs" (shuffled unaligned runs of consecutive slots), "duplicates" (scattered with repeats)."""
     gen = torch.Generator().manual_seed(seed)
     ps = view.page_size
     if pattern == "pages":
         pages = torch.randperm(view.num_slots // ps, generator=gen)[: -(-n // ps)]
         slots = (pages[:, None] * ps + torch.arange(ps)).flatten()[:n]
+    elif pattern == "runs":  # shuffled runs of 40 consecutive slots (not page-aligned)
+        chunks = torch.arange(view.num_slots).split(40)
+        slots = torch.cat([chunks[i] for i in torch.randperm(len(chunks), generator=gen)])[:n]
     elif pattern == "scattered":
         slots = torch.randperm(view.num_slots, generator=gen)[:n]
     elif pattern == "duplicates":

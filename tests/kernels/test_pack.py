@@ -120,7 +120,7 @@ def check_round_trip(view: KVPoolView, slots: torch.Tensor, backend: str) -> Non
             assert not dst[untouched].any()
 
 
-@pytest.mark.parametrize("pattern", ["scattered", "pages"])
+@pytest.mark.parametrize("pattern", ["scattered", "pages", "runs"])
 @pytest.mark.parametrize("n_tokens", [0, 1, 7, 33, 129])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("shape", MHA_SHAPES + OTHER_SHAPES, ids=shape_id)
@@ -129,7 +129,7 @@ def test_torch_pack_matches_ref(shape: tuple, page_size: int, n_tokens: int, pat
     check_pack(view, make_slots(pattern, n_tokens, view), "torch")
 
 
-@pytest.mark.parametrize("pattern", ["scattered", "pages"])
+@pytest.mark.parametrize("pattern", ["scattered", "pages", "runs"])
 @pytest.mark.parametrize("n_tokens", [0, 1, 33, 129])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("shape", MHA_SHAPES[::3] + OTHER_SHAPES, ids=shape_id)
@@ -138,7 +138,7 @@ def test_torch_unpack_matches_ref(shape: tuple, page_size: int, n_tokens: int, p
     check_unpack(view, make_slots(pattern, n_tokens, view), "torch")
 
 
-@pytest.mark.parametrize("pattern", ["scattered", "pages"])
+@pytest.mark.parametrize("pattern", ["scattered", "pages", "runs"])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("shape", TRITON_SHAPES, ids=shape_id)
 def test_torch_round_trip_and_prefix(shape: tuple, page_size: int, pattern: str) -> None:
