@@ -130,7 +130,7 @@ def test_torch_pack_matches_ref(shape: tuple, page_size: int, n_tokens: int, pat
 
 
 @pytest.mark.parametrize("pattern", ["scattered", "pages", "runs"])
-@pytest.mark.parametrize("n_tokens", [0, 1, 33, 129])
+@pytest.mark.parametrize("n_tokens", [0, 1, 33, 67])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("shape", MHA_SHAPES[::3] + OTHER_SHAPES, ids=shape_id)
 def test_torch_unpack_matches_ref(shape: tuple, page_size: int, n_tokens: int, pattern: str) -> None:
@@ -149,7 +149,7 @@ def test_torch_round_trip_and_prefix(shape: tuple, page_size: int, pattern: str)
 @triton_mark
 @triton_case
 @pytest.mark.parametrize("pattern", ["scattered", "pages"])
-@pytest.mark.parametrize("n_tokens", [0, 7, 67])
+@pytest.mark.parametrize("n_tokens", [0, 67])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("shape", TRITON_SHAPES, ids=shape_id)
 def test_triton_pack_matches_ref(shape: tuple, page_size: int, n_tokens: int, pattern: str) -> None:
