@@ -40,7 +40,8 @@ def pack_kv(view: KVPoolView, slots: torch.Tensor, out: torch.Tensor, *, backend
 
     `slots` (1-D int64, on the pool's device) gives the packed order; repeated slots are copied
     each time. The padding of a partial last page is zeroed; bytes of `out` past it are untouched.
-    Empty `slots` is a no-op. Raises ValueError on bad arguments (see `plan.plan_copy`).
+    Empty `slots` is a no-op. Raises ValueError on bad arguments (see `plan.plan_copy`). On a GPU the
+    checks sync once with the host; the copy itself is queued on the current stream, like any kernel.
     """
     plan = plan_copy(view, slots, out, scatter=False)
     if plan.n_tokens == 0:

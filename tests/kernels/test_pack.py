@@ -33,7 +33,7 @@ def ref_pack(view: KVPoolView, slots: torch.Tensor) -> torch.Tensor:
             block = torch.zeros(ps, r.shape[1], dtype=torch.uint8, device=r.device)
             block[: page.numel()] = r[page]
             chunks.append(block.flatten())
-    return torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
+    return torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8, device=slots.device)
 
 
 def ref_unpack(view: KVPoolView, slots: torch.Tensor, packed: torch.Tensor) -> list[torch.Tensor]:
