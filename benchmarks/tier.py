@@ -160,10 +160,19 @@ def hicache_bandwidth(
     return tr, tw
 
 
-def best(fn: Callable[[], tuple[float, float]], reps: int, nbytes: int) -> tuple[float, float]:
-    """(read GB/s, write GB/s), each the best of `reps` runs (the machine is shared and noisy)."""
-    runs = [fn() for _ in range(reps)]
-    return gbps(nbytes, min(r for r, _ in runs)), gbps(nbytes, min(w for _, w in runs))
+def best_interleaved(
+    fns: dict[str, Callable[[], tuple[float, float]]], reps: int, nbytes: int
+) -> dict[str, tuple[float, float]]:
+    """(read GB/s, write GB/s) per named run, each the best of `reps`; the runs take turns within
+    each repetition, so a drift in the shared machine's speed hits all of them alike."""
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            times[name].append(fn())
+    return {
+        name: (gbps(nbytes, min(r for r, _ in t)), gbps(nbytes, min(w for _, w in t)))
+        for name, t in times.items()
+    }
 
 
 # -- optional: compression and index ------------------------------------------------------------
@@ -255,16 +264,24 @@ def main() -> None:
         d[:] = bytes(d.nbytes)  # pre-fault
     root, nbytes, page = args.dir, sum(b.nbytes for b in bufs), page_bytes(NS)
     how = drop_caches([])
-    log(f"{len(bufs)} extents of {sizes} MiB, {nbytes / MiB:.0f} MiB in all, on {root}; best of {reps}")
-    raw_r, raw_w = best(lambda: raw_bandwidth(root, bufs, dests, args.threads), reps, nbytes)
+    log(
+        f"{len(bufs)} extents of {sizes} MiB, {nbytes / MiB:.0f} MiB in all, on {root}; best of {reps}, interleaved"
+    )
+    runs = {
+        "raw": lambda: raw_bandwidth(root, bufs, dests, args.threads),
+        "tier": lambda: tier_bandwidth(root, bufs, dests, args.threads),
+        "hicache_page": lambda: hicache_bandwidth(root, bufs, dests, page),
+    }
+    res = best_interleaved(runs, reps, nbytes)
+    (raw_r, raw_w), (rd, wr), (hf_r, hf_w) = res["raw"], res["tier"], res["hicache_page"]
     log(f"raw O_DIRECT: read {raw_r:.2f} GB/s, write+fdatasync {raw_w:.2f} GB/s ({args.threads} threads)")
-    rd, wr = best(lambda: tier_bandwidth(root, bufs, dests, args.threads), reps, nbytes)
     log(f"tier: cold read {rd:.2f} GB/s, write {wr:.2f} GB/s")
-    hf_r, hf_w = best(lambda: hicache_bandwidth(root, bufs, dests, page), reps, nbytes)
     log(
         f"HiCacheFile, one {page / MiB:g} MiB file per page: cold read {hf_r:.2f} GB/s ({how}), write+sync {hf_w:.2f} GB/s"
     )
-    hx_r, hx_w = best(lambda: hicache_bandwidth(root, bufs, dests, max(sizes) * MiB), 1, nbytes)
+    hx_r, hx_w = best_interleaved(
+        {"x": lambda: hicache_bandwidth(root, bufs, dests, max(sizes) * MiB)}, 1, nbytes
+    )["x"]
     log(f"HiCacheFile, one file per extent: cold read {hx_r:.2f} GB/s, write+sync {hx_w:.2f} GB/s")
     figures = {
         "read_gbps": rd, "write_gbps": wr, "raw_read_gbps": raw_r, "raw_write_gbps": raw_w,

@@ -79,6 +79,21 @@ def pwrite_exact(fd: int, buf: memoryview | bytes, offset: int) -> None:
         raise ShortIO(f"short write: {n} of {view.nbytes} bytes at offset {offset}")
 
 
+def pwritev_exact(fd: int, bufs: list[memoryview], offset: int) -> None:
+    """`pwrite_exact` of several buffers laid end to end, in one system call when it completes."""
+    n = os.pwritev(fd, bufs, offset)
+    total = sum(b.nbytes for b in bufs)
+    if n == total:
+        return
+    pos = offset
+    for b in bufs:  # write the rest to learn why (ENOSPC, ...): the failing write raises its OSError
+        skip = max(0, offset + n - pos)
+        if skip < b.nbytes:
+            pwrite_exact(fd, b[skip:], pos + skip)
+        pos += b.nbytes
+    raise ShortIO(f"short write: {n} of {total} bytes at offset {offset}")
+
+
 def as_view(buf: object, writable: bool) -> memoryview:
     """A flat byte view of a contiguous buffer (numpy array, bytearray, mmap, ...); raises ValueError."""
     try:

@@ -29,6 +29,7 @@ _FIXED = struct.Struct("<8sHHI16s16s16sIIIIBBHIIIQQIQQQ")
 FIXED_SIZE = _FIXED.size
 _COMPRESSION_CODES = {Compression.NONE: 0, Compression.ZSTD: 1}
 _CODE_COMPRESSION = {v: k for k, v in _COMPRESSION_CODES.items()}
+_CHUNK_ENTRY_MAX = 1 + 3 * 9  # msgpack fixarray of three uint64
 
 
 class FormatError(ValueError):
@@ -75,10 +76,17 @@ class Header:
         return -(-min(nbytes, self.payload_len) // self.chunk_bytes)
 
 
+def header_bound(token_bytes: int, n_chunks: int) -> int:
+    """A header length (multiple of 4096) that fits any meta for these sizes (msgpack ints <= 9 B)."""
+    return align_up(FIXED_SIZE + 16 + token_bytes + 5 + n_chunks * _CHUNK_ENTRY_MAX)
+
+
 def encode_header(header: Header, tokens: bytes, chunks: list[Chunk]) -> bytes:
-    """Fixed header + meta, zero-padded to `header_len` (a multiple of 4096); fills the lengths."""
+    """Fixed header + meta, zero-padded to `header.header_len` (0: the least multiple of 4096)."""
     meta = msgpack.packb({"t": tokens, "c": [[c.offset, c.length, c.xxh] for c in chunks]})
-    header_len = align_up(FIXED_SIZE + len(meta))
+    header_len = header.header_len or align_up(FIXED_SIZE + len(meta))
+    if header_len < FIXED_SIZE + len(meta) or header_len % ALIGN:
+        raise ValueError(f"header_len {header_len} cannot hold {FIXED_SIZE + len(meta)} header bytes")
     h = replace(header, header_len=header_len, meta_len=len(meta), meta_xxh=xxhash.xxh3_64_intdigest(meta))
     fixed = _pack(h, 0)
     fixed = _pack(h, xxhash.xxh3_64_intdigest(fixed))

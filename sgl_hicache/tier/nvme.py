@@ -100,10 +100,10 @@ class NvmeTier(Tier):
 
     def _store_job(self, ticket: Ticket, req: StoreRequest) -> None:
         try:
-            prep = prepare(req, self._cfg, self._ns)
+            prep = prepare(req, self._cfg)
             self._make_room(prep.file_bytes)
             try:
-                write_extent(prep, self._paths, self._direct, self._cfg.fsync)
+                write_extent(prep, self._cfg, self._ns, self._paths, self._direct)
             except BaseException:
                 with self._lock:
                     self._index.release(prep.file_bytes)

@@ -32,9 +32,13 @@ class ExtentPaths:
         self.ns_dir = self.root / namespace.hex()
 
     def create_root(self) -> None:
-        """Create the namespace directory (mode 0700). Raises OSError."""
+        """Create the namespace directory and its 256 fan-out directories (mode 0700), so stores
+        do not pay for (journaled) directory creation. Raises OSError."""
         for d in (self.root, self.ns_dir):
             d.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        for i in range(16**FANOUT_CHARS):
+            with contextlib.suppress(FileExistsError):
+                (self.ns_dir / f"{i:0{FANOUT_CHARS}x}").mkdir(mode=DIR_MODE)
 
     def extent(self, key: ExtentKey) -> Path:
         h = key.hex()

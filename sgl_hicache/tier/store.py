@@ -1,8 +1,13 @@
-"""Writing one extent: chunk checksums (and zstd), header, temp file, fsync, atomic rename.
+"""Writing one extent: (zstd,) temp file, chunks checksummed as they go out, header, fsync, rename.
 
 A reader can never see a partial extent: the file is complete (and fdatasync'ed under
 Fsync.DATA/FULL) before `os.replace` gives it its final name; on any error the temp file is
 removed and the error propagates to the job, which reports it as a Completion.
+
+Why checksum while writing: hashing holds the GIL, so hashing a whole extent before its first
+write would leave the device idle at the start of every burst; hashing one group of chunks, then
+writing it (GIL released), overlaps hashing with the other threads' I/O. The header, which holds
+the checksums, is written last into room reserved by `header_bound`.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,10 +23,13 @@ import xxhash
 import zstandard
 
 from sgl_hicache.config import Compression, Fsync, TierConfig
-from sgl_hicache.tier.directio import O_DIRECT, alloc_aligned, is_aligned, pwrite_exact
-from sgl_hicache.tier.format import Chunk, Header, align_up, encode_header
+from sgl_hicache.tier.directio import O_DIRECT, alloc_aligned, is_aligned, pwritev_exact
+from sgl_hicache.tier.format import Chunk, Header, align_up, encode_header, header_bound
 from sgl_hicache.tier.keys import ExtentKey, Namespace
 from sgl_hicache.tier.paths import FILE_MODE, ExtentPaths
+
+GROUP_BYTES = 16 << 20  # hashed, then written in one pwritev
+_local = threading.local()
 
 
 @dataclass(frozen=True)
@@ -31,15 +40,115 @@ class StoreRequest:
     payload: memoryview  # format "B", contiguous
 
 
-_local = threading.local()
+@dataclass(frozen=True)
+class Prepared:
+    """An extent ready to write: the bytes of each chunk as stored and where they go."""
+
+    req: StoreRequest
+    header_len: int
+    stored: list[memoryview | bytes]
+    offsets: list[int]  # from the payload start, multiples of 4096
+
+    @property
+    def stored_len(self) -> int:
+        return align_up(self.offsets[-1] + len(self.stored[-1])) if self.stored else 0
+
+    @property
+    def file_bytes(self) -> int:
+        return self.header_len + self.stored_len
 
 
-def _scratch(nbytes: int) -> memoryview:
-    """A per-thread aligned bounce buffer of at least `nbytes` (grown on demand)."""
-    buf: memoryview | None = getattr(_local, "wbuf", None)
-    if buf is None or buf.nbytes < nbytes:
-        buf = _local.wbuf = alloc_aligned(align_up(nbytes))
+def prepare(req: StoreRequest, cfg: TierConfig) -> Prepared:
+    """Split (and compress) the payload; no I/O, no checksums yet. Knows the exact file size."""
+    pieces = [req.payload[o : o + cfg.chunk_bytes] for o in range(0, req.payload.nbytes, cfg.chunk_bytes)]
+    stored: list[memoryview | bytes] = list(pieces)
+    if cfg.compression is Compression.ZSTD:
+        stored = [_compressor(cfg.zstd_level).compress(p) for p in pieces]
+    offsets, offset = [], 0
+    for s in stored:
+        offsets.append(offset)
+        offset += align_up(len(s))
+    return Prepared(req, header_bound(len(req.tokens), len(stored)), stored, offsets)
+
+
+def write_extent(prep: Prepared, cfg: TierConfig, ns: Namespace, paths: ExtentPaths, direct: bool) -> None:
+    """Publish `prep` under its final name. Raises OSError; the temp file is then removed."""
+    tmp = paths.temp_for(prep.req.key)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | (O_DIRECT if direct else 0), FILE_MODE)
+    try:
+        chunks = _write_chunks(fd, prep)
+        pwritev_exact(fd, [_aligned(_header(prep, cfg, ns, chunks), "header")], 0)
+        if cfg.fsync is not Fsync.NONE:
+            os.fdatasync(fd)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    _publish(tmp, paths.extent(prep.req.key), cfg.fsync)
+
+
+def _write_chunks(fd: int, prep: Prepared) -> list[Chunk]:
+    chunks = []
+    for start, group in _groups(prep):
+        views = []
+        for i in group:
+            data = prep.stored[i]
+            chunks.append(Chunk(prep.offsets[i], len(data), xxhash.xxh3_64_intdigest(data)))
+            views.append(_aligned(data, "chunk"))
+        pwritev_exact(fd, views, prep.header_len + start)
+    return chunks
+
+
+def _groups(prep: Prepared) -> Iterator[tuple[int, list[int]]]:
+    """Runs of chunk indices that are contiguous and directly writable (<= GROUP_BYTES); a chunk
+    that needs the bounce buffer goes alone (the buffer is reused by the next one)."""
+    group: list[int] = []
+    size = 0
+    for i, data in enumerate(prep.stored):
+        direct = _direct_ok(data)
+        if group and (not direct or size + len(data) > GROUP_BYTES or not _direct_ok(prep.stored[group[-1]])):
+            yield prep.offsets[group[0]], group
+            group, size = [], 0
+        group.append(i)
+        size += len(data)
+    if group:
+        yield prep.offsets[group[0]], group
+
+
+def _direct_ok(data: memoryview | bytes) -> bool:
+    view = memoryview(data)
+    return not view.readonly and is_aligned(view)
+
+
+def _header(prep: Prepared, cfg: TierConfig, ns: Namespace, chunks: list[Chunk]) -> bytes:
+    req = prep.req
+    header = Header(
+        namespace=ns.id, key=req.key, parent=req.parent, layout=ns.layout, compression=cfg.compression,
+        token_count=len(req.tokens) // 4, chunk_bytes=cfg.chunk_bytes, payload_len=req.payload.nbytes,
+        stored_len=prep.stored_len, created_ns=time.time_ns(), header_len=prep.header_len,
+    )  # fmt: skip
+    return encode_header(header, req.tokens, chunks)
+
+
+def _aligned(data: memoryview | bytes, slot: str) -> memoryview:
+    """`data` itself if usable for O_DIRECT, else a copy zero-padded to 4096 in a per-thread buffer."""
+    if _direct_ok(data):
+        return memoryview(data)
+    view = memoryview(data)
+    padded = align_up(view.nbytes)
+    buf = _scratch(padded, slot)[:padded]
+    buf[: view.nbytes] = view
+    buf[view.nbytes :] = bytes(padded - view.nbytes)
     return buf
+
+
+def _scratch(nbytes: int, slot: str) -> memoryview:
+    """A per-thread aligned bounce buffer of at least `nbytes` (grown on demand), one per `slot`."""
+    bufs: dict[str, memoryview] = _local.__dict__.setdefault("wbufs", {})
+    if slot not in bufs or bufs[slot].nbytes < nbytes:
+        bufs[slot] = alloc_aligned(align_up(nbytes))
+    return bufs[slot]
 
 
 def _compressor(level: int) -> zstandard.ZstdCompressor:
@@ -47,92 +156,6 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
     if level not in cache:
         cache[level] = zstandard.ZstdCompressor(level=level)
     return cache[level]
-
-
-def _raw_pieces(payload: memoryview, chunk_bytes: int) -> list[memoryview]:
-    return [payload[off : off + chunk_bytes] for off in range(0, payload.nbytes, chunk_bytes)]
-
-
-def plan_chunks(req: StoreRequest, cfg: TierConfig) -> tuple[list[Chunk], list[memoryview | bytes]]:
-    """The chunk table and the stored bytes of each chunk (compressed ones padded to 4096 offsets)."""
-    pieces = _raw_pieces(req.payload, cfg.chunk_bytes)
-    stored: list[memoryview | bytes] = list(pieces)
-    if cfg.compression is Compression.ZSTD:
-        stored = [_compressor(cfg.zstd_level).compress(p) for p in pieces]
-    chunks, offset = [], 0
-    for s in stored:
-        chunks.append(Chunk(offset, len(s), xxhash.xxh3_64_intdigest(s)))
-        offset += align_up(len(s))
-    return chunks, stored
-
-
-def build_header(req: StoreRequest, cfg: TierConfig, ns: Namespace, chunks: list[Chunk]) -> bytes:
-    stored_len = align_up(chunks[-1].offset + chunks[-1].length) if chunks else 0
-    header = Header(
-        namespace=ns.id, key=req.key, parent=req.parent, layout=ns.layout,
-        compression=cfg.compression, token_count=len(req.tokens) // 4, chunk_bytes=cfg.chunk_bytes,
-        payload_len=req.payload.nbytes, stored_len=stored_len, created_ns=time.time_ns(),
-    )  # fmt: skip
-    return encode_header(header, req.tokens, chunks)
-
-
-def _write_block(fd: int, data: memoryview | bytes, offset: int) -> None:
-    """Write `data` at `offset`, directly if aligned, else through a zero-padded aligned bounce buffer."""
-    view = memoryview(data)
-    if not view.readonly and is_aligned(view):
-        pwrite_exact(fd, view, offset)
-        return
-    padded = align_up(view.nbytes)
-    buf = _scratch(padded)
-    buf[: view.nbytes] = view
-    buf[view.nbytes : padded] = bytes(padded - view.nbytes)
-    pwrite_exact(fd, buf[:padded], offset)
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """An extent ready to write: its header bytes, chunk table and the stored bytes of each chunk."""
-
-    key: ExtentKey
-    header: bytes
-    chunks: list[Chunk]
-    stored: list[memoryview | bytes]
-
-    @property
-    def file_bytes(self) -> int:
-        last = self.chunks[-1] if self.chunks else Chunk(0, 0, 0)
-        return len(self.header) + align_up(last.offset + last.length)
-
-
-def prepare(req: StoreRequest, cfg: TierConfig, ns: Namespace) -> Prepared:
-    """Checksum (and compress) the payload and build the header; no I/O."""
-    chunks, stored = plan_chunks(req, cfg)
-    return Prepared(req.key, build_header(req, cfg, ns, chunks), chunks, stored)
-
-
-def write_extent(prep: Prepared, paths: ExtentPaths, direct: bool, fsync: Fsync) -> None:
-    """Publish `prep` under its final name. Raises OSError; the temp file is then removed."""
-    tmp = paths.temp_for(prep.key)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (O_DIRECT if direct else 0)
-    fd = os.open(tmp, flags, FILE_MODE)
-    try:
-        _write_body(fd, prep.header, prep.chunks, prep.stored, fsync)
-    except BaseException:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
-        raise
-    os.close(fd)
-    _publish(tmp, paths.extent(prep.key), fsync)
-
-
-def _write_body(
-    fd: int, header: bytes, chunks: list[Chunk], stored: list[memoryview | bytes], fsync: Fsync
-) -> None:
-    for chunk, data in zip(chunks, stored, strict=True):
-        _write_block(fd, data, len(header) + chunk.offset)
-    _write_block(fd, header, 0)
-    if fsync is not Fsync.NONE:
-        os.fdatasync(fd)
 
 
 def _publish(tmp: Path, final: Path, fsync: Fsync) -> None:
