@@ -238,6 +238,8 @@ def main() -> None:
         for ps, r in results.items():
             figures |= {f"{k}_p{ps}": r[k] for k in ("best_config", "best_pack", "best_unpack")}
     emit(figures)
+    if not figures["correct"]:
+        raise SystemExit("pack/unpack bytes differ from the reference")
 
 
 if __name__ == "__main__":
