@@ -1,0 +1,138 @@
+"""TTFT of a resumed turn whose history was evicted: our spill + restore vs sglang's default cache.
+
+Both servers run in this one run, side by side, with the same generated `small` model (~95M params),
+the same device pool (too small to keep the history while other work runs) and the same requests:
+
+  1. history: a prompt of L tokens (the conversation so far) is served;
+  2. other work: unrelated prompts fill the pool, so the history is evicted
+     (sglang's default cache drops it; ours spills it to the tier on the real disk);
+  3. resume: history + a new question is served; TTFT is measured (max_new_tokens=1).
+
+Reads from the tier are cold: the tier reads with O_DIRECT where the filesystem allows it (reported
+as `direct_io`), so the page cache does not serve them. The final stdout line is one JSON object with
+`ttft_resume_ms`, `ttft_recompute_ms` and `resume_vs_recompute` per history length.
+
+    python benchmarks/resume.py [--quick] [--lengths 2048,8192,16384]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import emit, log
+from sgl_hicache.server.process import CPU_FLAGS, ServerProcess
+
+NEW_QUESTION = 32
+
+
+def post(base: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(
+        base + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=1800) as r:
+        return json.loads(r.read())  # type: ignore[no-any-return]
+
+
+def ttft(base: str, ids: list[int]) -> tuple[float, int]:
+    """Wall time of a one-token generation (prefill + first token) and the cached tokens reported."""
+    t0 = time.perf_counter()
+    out = post(base, {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+    return (time.perf_counter() - t0) * 1e3, int(out["meta_info"]["cached_tokens"])
+
+
+def seq(seed: int, n: int) -> list[int]:
+    return [(i * 7919 + seed * 104729) % 8000 + 100 for i in range(n)]
+
+
+def resume_once(base: str, length: int, pool: int, seed: int) -> tuple[float, int]:
+    history = seq(seed, length)
+    ttft(base, history)
+    filler = pool - 512
+    for k in range(2):  # other work, twice the pool: the history cannot stay resident
+        ttft(base, seq(seed * 100 + k + 1, filler))
+    return ttft(base, history + seq(seed + 7, NEW_QUESTION))
+
+
+def scrape(base: str) -> dict[str, float]:
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("sglang:hicache_spill_") and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name.split("{")[0].removeprefix("sglang:hicache_spill_")] = float(value)
+    return out
+
+
+def run_system(
+    model: Path, pool: int, lengths: list[int], spill_dir: Path | None, workdir: Path
+) -> dict[str, Any]:
+    flags = [*CPU_FLAGS, "--enable-metrics", "--chunked-prefill-size", "4096"]
+    module = "sglang.launch_server"
+    if spill_dir is not None:
+        module = "sgl_hicache.launch_server"
+        flags += [
+            "--enable-hicache-spill",
+            "--hicache-spill-dir",
+            str(spill_dir),
+            "--hicache-spill-min-free",
+            "0",
+        ]
+    name = "spill" if spill_dir else "recompute"
+    results: dict[str, Any] = {}
+    with ServerProcess(model, pool, flags, module=module, log_path=workdir / f"{name}.log") as server:
+        for i, length in enumerate(lengths):
+            ms, cached = resume_once(server.base_url, length, pool, seed=i + 1)
+            results[length] = (ms, cached)
+            log(f"{name:>9} L={length:>6}: resume TTFT {ms:8.1f} ms, cached {cached}")
+        results["metrics"] = scrape(server.base_url) if spill_dir else {}
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="2K and 8K only")
+    parser.add_argument("--lengths", default="2048,8192,16384")
+    parser.add_argument(
+        "--dir", type=Path, default=Path("out/bench-resume"), help="work dir on the disk to measure"
+    )
+    args = parser.parse_args(argv)
+    lengths = [2048, 8192] if args.quick else [int(x) for x in args.lengths.split(",")]
+    pool = max(lengths) + 4096
+    args.dir.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="resume-", dir=args.dir)).resolve()
+    try:
+        from sgl_hicache.modelgen import generate_model
+
+        model = generate_model(workdir / "model-small", "small", seed=0)
+        base = run_system(model, pool, lengths, None, workdir)
+        ours = run_system(model, pool, lengths, workdir / "tier", workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    figures: dict[str, Any] = {"pool_tokens": pool, "model": "small"}
+    for length in lengths:
+        figures[f"ttft_resume_ms_{length}"] = ours[length][0]
+        figures[f"ttft_recompute_ms_{length}"] = base[length][0]
+        figures[f"resume_vs_recompute_{length}"] = ours[length][0] / base[length][0]
+        figures[f"cached_resume_{length}"] = ours[length][1]
+        figures[f"cached_recompute_{length}"] = base[length][1]
+    figures["restored_bytes"] = ours["metrics"].get("restored_bytes_total", 0.0)
+    figures["spilled_bytes"] = ours["metrics"].get("spilled_bytes_total", 0.0)
+    emit(figures)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
