@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from sgl_hicache.kernels import KVKind, KVPoolView, pack_kv, packed_nbytes, page_bytes, unpack_kv
@@ -172,3 +174,12 @@ def test_prefix_of_pages_is_prefix_of_bytes(view: KVPoolView) -> None:
     pack_kv(view, slots, full)
     pack_kv(view, slots[:8], prefix)
     assert torch.equal(full[: prefix.numel()], prefix)
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available(),
+    reason="needs compiled Triton on CPU",
+)
+def test_triton_on_cpu_without_interpreter_says_why(view: KVPoolView) -> None:
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        pack_kv(view, torch.tensor([1]), out_for(view, 1), backend="triton")
