@@ -44,6 +44,8 @@ SHAPES = [(1, 8, 512, 1), (64, 1, 4096, 8), (64, 1, 4096, 40)]
 @pytest.mark.parametrize("target_name", sorted(TARGETS))
 def test_bulk_copies_are_16_byte_vectors(kernel: str, target_name: str) -> None:
     target, asm_kind, pattern = TARGETS[target_name]
+    if {"cuda": "nvidia", "hip": "amd"}[target.backend] not in triton.backends.backends:
+        pytest.skip(f"this triton build has no {target.backend} backend")
     warp = target.warp_size
     for tokens, group, block, steps in SHAPES:
         consts = dict(
