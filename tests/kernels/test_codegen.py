@@ -10,14 +10,18 @@ import re
 from collections import Counter
 
 import pytest
+import torch
 
 triton = pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("kernels are interpreted in this process", allow_module_level=True)
 
-from sgl_hicache.kernels import pack_triton  # noqa: E402
+from sgl_hicache.kernels import KVKind, pack_triton, packed_nbytes  # noqa: E402
+from sgl_hicache.kernels.plan import CopyPlan  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+
+from .kv_factory import FP8, make_view  # noqa: E402
 
 TYPES = {"table_ptr": "*i64", "slots_ptr": "*i64", "page_bytes": "i64", "n_buffers": "i32", "n_tokens": "i32"}
 TARGETS = {
@@ -35,30 +39,38 @@ def compile_kernel(kernel: object, target: GPUTarget, consts: dict[str, int], nu
     return triton.compile(src, target=target, options={"num_warps": num_warps})
 
 
-# (tokens per span, group, BLOCK words, steps): token rows of 2 KiB grouped by 8; 64-token pages of
-# 2 KiB rows in 8 unrolled steps; a span long enough for the looped path.
-SHAPES = [(1, 8, 512, 1), (64, 1, 4096, 8), (64, 1, 4096, 40)]
+# Realistic views with the default launch config of the wrapper: (kind, dtype, heads, head_dim,
+# page_size, page-granular). Llama-8B-like rows are 2 KiB; MLA fp32 64-token blocks (144 KiB) take
+# the looped path; token-granular paged copies too.
+CASES = {
+    "llama-bf16-p1": (KVKind.MHA, torch.bfloat16, 8, 128, 1, True),
+    "llama-bf16-p64": (KVKind.MHA, torch.bfloat16, 8, 128, 64, True),
+    "llama-bf16-p16-tokens": (KVKind.MHA, torch.bfloat16, 8, 128, 16, False),
+    "mla-fp8-p1": (KVKind.MLA, FP8, 1, 576, 1, True),
+    "mla-fp32-p64": (KVKind.MLA, torch.float32, 1, 576, 64, True),
+}
 
 
+def launch_meta(case: str, warp_size: int) -> tuple[dict[str, int], int]:
+    kind, dtype, heads, head_dim, page_size, granular = CASES[case]
+    view = make_view(kind, dtype, heads, head_dim, page_size=page_size, num_slots=page_size + 1, layers=2)
+    packed = torch.empty(packed_nbytes(view, page_size), dtype=torch.uint8)
+    plan = CopyPlan(page_size, granular)
+    cfg = pack_triton.launch_config(view, granular, warp_size)
+    meta = pack_triton._launch_args(view, packed, plan, cfg)[-1]
+    return meta, meta.pop("num_warps")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("kernel", ["_pack_kv_kernel", "_unpack_kv_kernel"])
 @pytest.mark.parametrize("target_name", sorted(TARGETS))
-def test_bulk_copies_are_16_byte_vectors(kernel: str, target_name: str) -> None:
+def test_bulk_copies_are_16_byte_vectors(kernel: str, target_name: str, case: str) -> None:
     target, asm_kind, pattern = TARGETS[target_name]
     if {"cuda": "nvidia", "hip": "amd"}[target.backend] not in triton.backends.backends:
         pytest.skip(f"this triton build has no {target.backend} backend")
-    warp = target.warp_size
-    for tokens, group, block, steps in SHAPES:
-        consts = dict(
-            PAGE_SIZE=64 if tokens > 1 else 1,
-            TOKENS=tokens,
-            GROUP=group,
-            UNIT=16,
-            VEC=4,
-            BLOCK=block,
-            STEPS=steps,
-        )
-        num_warps = max(1, min(8, block * 4 // (16 * warp)))
-        asm = compile_kernel(getattr(pack_triton, kernel), target, consts, num_warps).asm[asm_kind]  # type: ignore[attr-defined]
-        ops = Counter(m.group(0) for m in re.finditer(pattern, asm))
-        bulk = {op: c for op, c in ops.items() if "store" in op or "st." in op or "x4" in op or "v4" in op}
-        assert bulk and all(("v4" in op or "x4" in op) for op in bulk), (consts, ops)
+    consts, num_warps = launch_meta(case, target.warp_size)
+    assert consts["UNIT"] == 16
+    asm = compile_kernel(getattr(pack_triton, kernel), target, consts, num_warps).asm[asm_kind]  # type: ignore[attr-defined]
+    ops = Counter(m.group(0) for m in re.finditer(pattern, asm))
+    bulk = {op: c for op, c in ops.items() if "store" in op or "st." in op or "x4" in op or "v4" in op}
+    assert bulk and all(("v4" in op or "x4" in op) for op in bulk), (consts, ops)
