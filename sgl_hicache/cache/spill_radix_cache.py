@@ -221,6 +221,8 @@ class SpillRadixCache(RadixCache):
         spilled = [n for n in chain if n.evicted]
         if spilled and not self._restore(spilled):
             return 0, anchor
+        if params.req is not None:
+            params.req.host_hit_is_storage = True  # per-tier cached-token details: ours is the storage tier
         return params.host_hit_length, params.best_match_node
 
     def _path_up(self, node: TreeNode, anchor: TreeNode | None) -> list[TreeNode] | None:
@@ -305,6 +307,26 @@ class SpillRadixCache(RadixCache):
                 values.append(node.value)
                 stack.extend(node.children.values())
         return torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
+
+    def report(self) -> dict[str, Any]:
+        """Counters, staging, tier stats and an integrity verdict (for `GET /server_info`)."""
+        import dataclasses
+
+        try:
+            self.check_integrity()
+            integrity = "ok"
+        except AssertionError as e:
+            integrity = f"failed: {e}"
+        io = self.spill_io
+        return {
+            "spilled_tokens_in_tree": self.spilled_tokens,
+            "counters": dict(self.spill_metrics.totals),
+            "staging_used_bytes": io.staging.used_bytes if io else 0,
+            "staging_capacity_bytes": io.staging.capacity_bytes if io else 0,
+            "writes_in_flight": io.writes_in_flight if io else 0,
+            "tier": dataclasses.asdict(io.tier.stats()) if io else None,
+            "integrity": integrity,
+        }
 
     def check_integrity(self, held_tokens: int = 0) -> None:
         """Tree, pool, staging and tier accounting agree; AssertionError with the numbers if not."""

@@ -1,7 +1,8 @@
-"""The sglang plugin (entry-point group `sglang.srt.plugins`): registers our radix-cache backend.
+"""The sglang plugin (entry-point group `sglang.srt.plugins`): registers our radix-cache backend
+and our one read-only hook (`sgl_hicache.server.hooks`).
 
-sglang calls `register()` early in each of its processes (`load_plugins()`), so
-`--radix-cache-backend hicache_spill` resolves in the scheduler. Registering is idempotent.
+sglang calls `register()` once early in each of its processes (`load_plugins()`, which is guarded
+against running twice), so `--radix-cache-backend hicache_spill` resolves in the scheduler.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ def register() -> None:
     from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
 
     from sgl_hicache.cache.factory import build_spill_cache
+    from sgl_hicache.server.hooks import register_hooks
 
     if get_radix_cache_factory(BACKEND_NAME) is None:
         register_radix_cache_backend(BACKEND_NAME, build_spill_cache)
+        register_hooks()
