@@ -30,6 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import emit, log
+from sgl_hicache.config import SpillConfig
 from sgl_hicache.server.process import CPU_FLAGS, ServerProcess
 
 NEW_QUESTION = 32
@@ -96,7 +97,16 @@ def run_system(
             results[length] = (ms, cached)
             log(f"{name:>9} L={length:>6}: resume TTFT {ms:8.1f} ms, cached {cached}")
         results["metrics"] = scrape(server.base_url) if spill_dir else {}
+        results["rss_mb"] = tree_rss_mb(server.proc.pid if server.proc else 0)
     return results
+
+
+def tree_rss_mb(pid: int) -> float:
+    """Resident memory of the server and all its processes (scheduler, detokenizer), MiB."""
+    import psutil
+
+    root = psutil.Process(pid)
+    return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)]) / 2**20
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         figures[f"resume_vs_recompute_{length}"] = ours[length][0] / base[length][0]
         figures[f"cached_resume_{length}"] = ours[length][1]
         figures[f"cached_recompute_{length}"] = base[length][1]
+    figures["rss_mb_recompute"] = base["rss_mb"]
+    figures["rss_mb_spill"] = ours["rss_mb"]
+    figures["staging_limit_mb"] = SpillConfig().staging_bytes / 2**20  # the default, used above
     figures["restored_bytes"] = ours["metrics"].get("restored_bytes_total", 0.0)
     figures["spilled_bytes"] = ours["metrics"].get("spilled_bytes_total", 0.0)
     emit(figures)
