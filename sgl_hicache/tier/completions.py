@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from dataclasses import replace
 
 from sgl_hicache.tier.base import Completion, Ticket
 
@@ -16,6 +17,7 @@ class CompletionQueue:
         self._tickets = itertools.count(1)
         self._pending: set[Ticket] = set()
         self._done: dict[Ticket, Completion] = {}
+        self._followers: dict[Ticket, list[Ticket]] = {}
 
     def issue(self) -> Ticket:
         with self._cond:
@@ -23,10 +25,16 @@ class CompletionQueue:
             self._pending.add(ticket)
             return ticket
 
+    def follow(self, leader: Ticket, ticket: Ticket) -> None:
+        """Complete `ticket` (pending) with `leader`'s outcome; call before `leader` is posted."""
+        with self._cond:
+            self._followers.setdefault(leader, []).append(ticket)
+
     def post(self, c: Completion) -> None:
         with self._cond:
-            self._pending.discard(c.ticket)
-            self._done[c.ticket] = c
+            for t in [c.ticket, *self._followers.pop(c.ticket, [])]:
+                self._pending.discard(t)
+                self._done[t] = replace(c, ticket=t)
             self._cond.notify_all()
 
     def drain(self) -> list[Completion]:

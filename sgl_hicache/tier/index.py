@@ -42,6 +42,7 @@ class Index:
         self.used_bytes = 0
         self.reserved = 0
         self.dying = 0
+        self.dying_keys: set[ExtentKey] = set()
         self._lru: OrderedDict[ExtentKey, Entry] = OrderedDict()
         self._pins: dict[ExtentKey, int] = {}
 
@@ -105,10 +106,12 @@ class Index:
         for key, entry in victims:
             self.remove(key)
             self.dying += entry.file_bytes
+            self.dying_keys.add(key)
 
-    def buried(self, nbytes: int) -> None:
+    def buried(self, key: ExtentKey, nbytes: int) -> None:
         """A victim's file (`nbytes`) is gone from disk."""
         self.dying -= nbytes
+        self.dying_keys.discard(key)
 
     def release(self, nbytes: int) -> None:
         self.reserved -= nbytes

@@ -9,8 +9,6 @@ of the requested prefix; the last chunk job closes the file and posts the comple
 from __future__ import annotations
 
 import os
-import threading
-import time
 from collections.abc import Sequence
 from functools import partial
 
@@ -18,21 +16,21 @@ import numpy as np
 
 from sgl_hicache.config import TierConfig
 from sgl_hicache.tier.base import Buffer, Completion, ExtentInfo, Op, Status, Ticket, Tier, TierStats
+from sgl_hicache.tier.capacity import Space
 from sgl_hicache.tier.completions import CompletionQueue
 from sgl_hicache.tier.directio import as_view, probe_direct_io
 from sgl_hicache.tier.faults import Counters, FaultLog, classify
 from sgl_hicache.tier.format import FormatError
-from sgl_hicache.tier.index import Entry, Index, OverBudget
+from sgl_hicache.tier.index import Entry, OverBudget
 from sgl_hicache.tier.integrity import check_files
 from sgl_hicache.tier.keys import ExtentKey, Namespace, check_key, tokens_to_bytes
 from sgl_hicache.tier.load import LoadState, OpenExtent, open_extent, read_chunk
-from sgl_hicache.tier.paths import ExtentPaths, free_bytes
+from sgl_hicache.tier.paths import ExtentPaths
 from sgl_hicache.tier.scan import scan
 from sgl_hicache.tier.scheduler import IoScheduler
 from sgl_hicache.tier.store import StoreRequest, prepare, write_extent
 
 _IO_ERRORS = (OSError, FormatError)
-ROOM_WAIT_S = 30.0
 
 
 class NvmeTier(Tier):
@@ -41,11 +39,11 @@ class NvmeTier(Tier):
         self._paths = ExtentPaths(cfg.directory, self._ns_id)
         self._paths.create_root()
         self._direct = cfg.direct_io and probe_direct_io(self._paths.ns_dir)
-        self._lock = threading.Lock()
-        self._room = threading.Condition(self._lock)  # notified when reserved or dying bytes drop
-        self._index = Index(cfg.capacity_bytes)
         self._counters, self._faults = Counters(), FaultLog()
+        self._space = Space(cfg, self._paths, self._counters, self._faults)
+        self._lock, self._index = self._space.lock, self._space.index
         self._completions = CompletionQueue()
+        self._storing: dict[ExtentKey, Ticket] = {}  # key -> ticket of the store writing it
         self._closed = False
         self._rebuild_index()
         self._io = IoScheduler(cfg.io_threads)
@@ -62,131 +60,68 @@ class NvmeTier(Tier):
     def wait(self, ticket: Ticket, timeout: float | None = None) -> Completion:
         return self._completions.wait(ticket, timeout)
 
-    def _fail(self, op: Op, ticket: Ticket, key: ExtentKey, err: Exception) -> None:
+    def _fail(self, op: Op, ticket: Ticket, key: ExtentKey, err: Exception) -> Completion:
+        """Count, log (rate-limited) and clean up after a failed job; returns its completion."""
         status = classify(op, err)
         self._counters.add(_COUNTER_OF.get(status, "io_errors"))
         if status in (Status.IO_ERROR, Status.NO_SPACE):
             self._faults.report(op, err, str(self._paths.ns_dir))
         if status is Status.CORRUPT:
-            self._drop(key)
+            self._space.drop(key)
         elif status is Status.MISS:  # removed behind our back (another process): forget it
             with self._lock:
                 self._index.remove(key)
-        self._completions.post(Completion(ticket, op, key, status, 0, str(err)))
+        return Completion(ticket, op, key, status, 0, str(err))
 
     # -- stores -------------------------------------------------------------------------------
 
     def submit_store(
         self, key: ExtentKey, payload: Buffer, tokens: Sequence[int] | np.ndarray, parent: ExtentKey
     ) -> Ticket:
-        req = StoreRequest(
-            check_key(key), check_key(parent), tokens_to_bytes(tokens), as_view(payload, writable=False)
-        )
+        view = as_view(payload, writable=False)
+        req = StoreRequest(check_key(key), check_key(parent), tokens_to_bytes(tokens), view)
         ticket = self._completions.issue()
         with self._lock:
-            closed, present = self._closed, key in self._index
+            closed, present, leader = self._closed, key in self._index, self._storing.get(key)
             if present:
                 self._index.touch(key)
+            elif leader is not None:  # the same extent is being written: share its outcome
+                self._completions.follow(leader, ticket)
+            elif not closed:
+                self._storing[key] = ticket
         if closed or present:
-            status = Status.REJECTED if closed else Status.OK
-            self._completions.post(
-                Completion(
-                    ticket, Op.STORE, key, status, req.payload.nbytes, "closed" if closed else "present"
-                )
-            )
-        else:
+            status, detail = (Status.REJECTED, "closed") if closed else (Status.OK, "present")
+            self._completions.post(Completion(ticket, Op.STORE, key, status, view.nbytes, detail))
+        elif leader is None:
             self._io.submit_write(partial(self._store_job, ticket, req))
         return ticket
 
     def _store_job(self, ticket: Ticket, req: StoreRequest) -> None:
+        done = self._store(ticket, req)
+        with self._lock:
+            del self._storing[req.key]
+        self._completions.post(done)
+
+    def _store(self, ticket: Ticket, req: StoreRequest) -> Completion:
         try:
             prep = prepare(req, self._cfg)
-            self._make_room(prep.file_bytes)
+            self._space.make_room(prep.file_bytes, req.key)
             try:
                 write_extent(prep, self._cfg, self._ns, self._paths, self._direct)
             except BaseException:
-                with self._lock:
-                    self._index.release(prep.file_bytes)
-                    self._room.notify_all()
+                self._space.release(prep.file_bytes)
                 raise
         except OverBudget as e:
             self._counters.add("no_space")
-            self._completions.post(Completion(ticket, Op.STORE, req.key, Status.NO_SPACE, 0, str(e)))
-            return
+            return Completion(ticket, Op.STORE, req.key, Status.NO_SPACE, 0, str(e))
         except _IO_ERRORS as e:
             self._counters.add("store_failures")
-            self._fail(Op.STORE, ticket, req.key, e)
-            return
+            return self._fail(Op.STORE, ticket, req.key, e)
         entry = Entry(req.parent, len(req.tokens) // 4, req.payload.nbytes, prep.file_bytes)
-        with self._lock:  # one step, so the published file is always either reserved or indexed
-            self._index.release(prep.file_bytes)
-            self._room.notify_all()
-            self._index.add(req.key, entry)
+        self._space.commit(req.key, entry)
         self._counters.add("stores")
         self._counters.add("store_bytes", req.payload.nbytes)
-        self._completions.post(Completion(ticket, Op.STORE, req.key, Status.OK, req.payload.nbytes))
-
-    def _make_room(self, nbytes: int) -> None:
-        """Reserve `nbytes` of budget and free space, evicting LRU extents; raises OverBudget.
-
-        Waits (up to ROOM_WAIT_S) while other running stores hold the bytes it needs: they hold
-        nothing while waiting here, so waiting cannot deadlock."""
-        with self._lock:
-            victims = self._index.reserve(nbytes)
-            deadline = time.monotonic() + ROOM_WAIT_S
-            while (
-                victims is None and self._index.reserved + self._index.dying and time.monotonic() < deadline
-            ):
-                self._room.wait(deadline - time.monotonic())  # other stores' bytes are in flight
-                victims = self._index.reserve(nbytes)
-        if victims is None:
-            raise OverBudget(f"{nbytes} B does not fit: capacity {self._cfg.capacity_bytes} B, rest pinned")
-        self._unlink(victims)
-        try:
-            self._keep_free(nbytes)
-        except BaseException:
-            with self._lock:
-                self._index.release(nbytes)
-                self._room.notify_all()
-            raise
-
-    def _keep_free(self, nbytes: int) -> None:
-        """Evict until writing `nbytes` leaves `min_free_bytes` on the volume; raises OverBudget."""
-        free = free_bytes(self._paths.ns_dir)
-        short = 0 if free is None else self._cfg.min_free_bytes + nbytes - free
-        if short <= 0:
-            return
-        with self._lock:
-            victims = self._index.evict(short)
-        if victims is None:
-            raise OverBudget(f"volume free space ({free} B) would drop below {self._cfg.min_free_bytes} B")
-        self._unlink(victims)
-
-    def _unlink(self, victims: list[tuple[ExtentKey, Entry]]) -> None:
-        for key, entry in victims:
-            self._counters.add("evictions")
-            self._counters.add("evicted_bytes", entry.file_bytes)
-            self._remove_file(key)
-            with self._lock:
-                self._index.buried(entry.file_bytes)
-                self._room.notify_all()
-
-    def _remove_file(self, key: ExtentKey) -> bool:
-        try:
-            os.unlink(self._paths.extent(key))
-            return True
-        except FileNotFoundError:
-            return False
-        except OSError as e:
-            self._counters.add("io_errors")
-            self._faults.report(Op.STORE, e, "unlink")
-            return False
-
-    def _drop(self, key: ExtentKey) -> None:
-        with self._lock:
-            self._index.remove(key)
-        self._remove_file(key)
-        self._counters.add("removed_bad_files")
+        return Completion(ticket, Op.STORE, req.key, Status.OK, req.payload.nbytes)
 
     # -- loads --------------------------------------------------------------------------------
 
@@ -207,7 +142,7 @@ class NvmeTier(Tier):
             ext = open_extent(self._paths.extent(key), self._ns_id, key, self._direct)
         except _IO_ERRORS as e:
             self._unpin(key)
-            self._fail(Op.LOAD, ticket, key, e)
+            self._completions.post(self._fail(Op.LOAD, ticket, key, e))
             return
         length = ext.header.payload_len
         want = length if nbytes is None else max(0, min(nbytes, length))
@@ -237,7 +172,7 @@ class NvmeTier(Tier):
     def _end_load(self, load: LoadState) -> None:
         self._close_load(load.ext, load.key)
         if load.error is not None:
-            self._fail(Op.LOAD, load.ticket, load.key, load.error)
+            self._completions.post(self._fail(Op.LOAD, load.ticket, load.key, load.error))
             return
         with self._lock:
             self._index.touch(load.key)
@@ -273,7 +208,7 @@ class NvmeTier(Tier):
         try:
             ext = open_extent(self._paths.extent(check_key(key)), self._ns_id, key, direct=False)
         except FormatError:
-            self._drop(key)
+            self._space.drop(key)
             return None
         except OSError:
             return None
@@ -285,7 +220,7 @@ class NvmeTier(Tier):
             if self._index.pinned(key):
                 return False
             entry = self._index.remove(key)
-        return self._remove_file(key) or entry is not None
+        return self._space.remove_file(key) or entry is not None
 
     def stats(self) -> TierStats:
         c = self._counters.snapshot()
@@ -314,7 +249,7 @@ class NvmeTier(Tier):
         result = scan(self._paths, self._ns_id)
         for _, key, entry in result.entries:
             self._index.add(key, entry)
-        self._unlink(self._index.evict(self._index.used_bytes - self._cfg.capacity_bytes) or [])
+        self._space.enforce_budget()
         self._counters.add("scanned_extents", len(result.entries))
         self._counters.add("removed_temp_files", result.removed_temp)
         self._counters.add("removed_bad_files", result.removed_bad)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from sgl_hicache.tier import ROOT_KEY, Status
-from sgl_hicache.tier import nvme as nvme_module
+from sgl_hicache.tier import capacity as capacity_module
 from tests.tier.conftest import key_for, payload_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,7 +34,7 @@ def test_enospc_on_small_filesystem(make_tier, mount_point, monkeypatch):
     tier = make_tier(directory=small)
     assert store(tier, 1, 300_000) is Status.OK
     assert store(tier, 2, 2_000_000) is Status.NO_SPACE  # refused by the free-space check
-    monkeypatch.setattr(nvme_module, "free_bytes", lambda _: 1 << 40)  # so the write itself hits ENOSPC
+    monkeypatch.setattr(capacity_module, "free_bytes", lambda _: 1 << 40)  # so the write itself hits ENOSPC
     assert store(tier, 3, 900_000) is Status.NO_SPACE
     assert tier.stats().no_space == 2 and load(tier, 1, 300_000) is Status.OK
     assert not list(small.rglob("*.tmp"))

@@ -29,7 +29,9 @@ def test_reserve_evicts_lru_and_skips_pinned():
     assert [key for key, _ in victims] == [k(1), k(2)]
     assert (index.used_bytes, index.reserved, index.dying) == (30, 50, 60)
     assert index.reserve(1) is None  # the dying bytes still count until buried
-    index.buried(60)
+    index.buried(k(1), 30)
+    index.buried(k(2), 30)
+    assert not index.dying_keys
     index.check()
 
 

@@ -168,3 +168,12 @@ def test_bad_arguments_raise(make_tier):
         tier.submit_load(key_for(1), b"read-only")
     with pytest.raises(ValueError):
         tier.submit_store(key_for(1), np.zeros((4, 4))[:, 1], [1], ROOT_KEY)
+
+
+def test_concurrent_stores_of_one_key_write_once(make_tier):
+    tier = make_tier(io_threads=1)
+    data = payload_for(6, 3 * CHUNK)
+    tickets = [tier.submit_store(key_for(6), data, [6, 7], ROOT_KEY) for _ in range(5)]
+    assert all(tier.wait(t).ok for t in tickets)
+    assert tier.stats().stores == 1
+    tier.check_integrity()

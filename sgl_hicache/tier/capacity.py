@@ -1,0 +1,106 @@
+"""The byte budget and free-space watermark: reservations, LRU eviction, unlinking victims.
+
+`Space` owns the index and the lock that guards it; NvmeTier takes `space.lock` for index reads.
+Unlinks happen outside the lock; the bytes of a victim count as on disk until it is buried.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from sgl_hicache.config import TierConfig
+from sgl_hicache.tier.base import Op
+from sgl_hicache.tier.faults import Counters, FaultLog
+from sgl_hicache.tier.index import Entry, Index, OverBudget
+from sgl_hicache.tier.keys import ExtentKey
+from sgl_hicache.tier.paths import ExtentPaths, free_bytes
+
+ROOM_WAIT_S = 30.0
+
+
+class Space:
+    def __init__(self, cfg: TierConfig, paths: ExtentPaths, counters: Counters, faults: FaultLog) -> None:
+        self._cfg, self._paths, self._counters, self._faults = cfg, paths, counters, faults
+        self.index = Index(cfg.capacity_bytes)
+        self.lock = threading.Lock()
+        self._room = threading.Condition(self.lock)  # notified when reserved or dying bytes drop
+
+    def release(self, nbytes: int) -> None:
+        """Give back a reservation of a store that failed."""
+        with self.lock:
+            self.index.release(nbytes)
+            self._room.notify_all()
+
+    def commit(self, key: ExtentKey, entry: Entry) -> None:
+        """A store's file is published: its reservation becomes an index entry, in one step."""
+        with self.lock:
+            self.index.release(entry.file_bytes)
+            self._room.notify_all()
+            self.index.add(key, entry)
+
+    def enforce_budget(self) -> None:
+        with self.lock:
+            victims = self.index.evict(self.index.used_bytes - self._cfg.capacity_bytes) or []
+        self.unlink(victims)
+
+    def make_room(self, nbytes: int, key: ExtentKey) -> None:
+        """Reserve `nbytes` of budget and free space, evicting LRU extents; raises OverBudget.
+
+        Waits (up to ROOM_WAIT_S) while other running stores hold the bytes it needs: they hold
+        nothing while waiting here, so waiting cannot deadlock."""
+        with self.lock:
+            victims = self.index.reserve(nbytes)
+            deadline = time.monotonic() + ROOM_WAIT_S
+            while victims is None and self.index.reserved + self.index.dying and time.monotonic() < deadline:
+                self._room.wait(deadline - time.monotonic())  # other stores' bytes are in flight
+                victims = self.index.reserve(nbytes)
+            while key in self.index.dying_keys:  # an earlier copy of this extent is being unlinked
+                self._room.wait()
+        if victims is None:
+            raise OverBudget(f"{nbytes} B does not fit: capacity {self._cfg.capacity_bytes} B, rest pinned")
+        self.unlink(victims)
+        try:
+            self._keep_free(nbytes)
+        except BaseException:
+            self.release(nbytes)
+            raise
+
+    def _keep_free(self, nbytes: int) -> None:
+        """Evict until writing `nbytes` leaves `min_free_bytes` on the volume; raises OverBudget."""
+        free = free_bytes(self._paths.ns_dir)
+        short = 0 if free is None else self._cfg.min_free_bytes + nbytes - free
+        if short <= 0:
+            return
+        with self.lock:
+            victims = self.index.evict(short)
+        if victims is None:
+            raise OverBudget(f"volume free space ({free} B) would drop below {self._cfg.min_free_bytes} B")
+        self.unlink(victims)
+
+    def unlink(self, victims: list[tuple[ExtentKey, Entry]]) -> None:
+        for key, entry in victims:
+            self._counters.add("evictions")
+            self._counters.add("evicted_bytes", entry.file_bytes)
+            self.remove_file(key)
+            with self.lock:
+                self.index.buried(key, entry.file_bytes)
+                self._room.notify_all()
+
+    def remove_file(self, key: ExtentKey) -> bool:
+        try:
+            os.unlink(self._paths.extent(key))
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            self._counters.add("io_errors")
+            self._faults.report(Op.STORE, e, "unlink")
+            return False
+
+    def drop(self, key: ExtentKey) -> None:
+        with self.lock:
+            self.index.remove(key)
+        self.remove_file(key)
+        self._counters.add("removed_bad_files")
