@@ -185,11 +185,10 @@ def unpack_kv_triton(
 
 
 def launch_config(view: KVPoolView, page_granular: bool, warp_size: int = 32) -> LaunchConfig:
-    """Default (GPU measurement pending, see docs/KERNELS.md): a step covers the span in 16-byte
-    vectors up to MAX_BLOCK_BYTES; warps (64-lane wavefronts on ROCm) so each lane moves one to
-    four 16-byte vectors per step; spans
-    grouped so a program moves at least MIN_PROGRAM_BYTES (a 2 KiB token row alone is too little
-    work per program to hide launch and scheduling cost)."""
+    """Defaults, chosen by reasoning (GPU measurement pending, see docs/KERNELS.md): a step covers
+    the span in 16-byte vectors up to MAX_BLOCK_BYTES; warps (64-lane wavefronts on ROCm) so each
+    lane moves one to four 16-byte vectors per step; spans grouped so a program moves at least
+    MIN_PROGRAM_BYTES (a 2 KiB token row alone is too little work to amortize scheduling)."""
     span = (view.page_size if page_granular else 1) * max(view.row_bytes)
     block_bytes = min(triton.next_power_of_2(span), MAX_BLOCK_BYTES)
     num_warps = max(1, min(8, block_bytes // (16 * warp_size)))
