@@ -19,36 +19,43 @@ _WORDS = {16: torch.complex128, 8: torch.int64, 4: torch.int32, 2: torch.int16, 
 
 def pack_kv_torch(view: KVPoolView, slots: torch.Tensor, out: torch.Tensor, plan: CopyPlan) -> None:
     regions, pools = _operands(view, out, plan.n_tokens)
-    n_full, ps = plan.n_tokens // view.page_size * view.page_size, view.page_size
-    tail = slots[n_full:]
+    ps, (index, tail, first) = view.page_size, _indices(view, slots, plan)
     for region, pool in zip(regions, pools, strict=True):
-        full, last = region[: n_full // ps], region[n_full // ps :]
+        full, last = region[: index.shape[0]], region[index.shape[0] :]
         if plan.page_granular:
-            torch.index_select(_pages(pool, ps), 0, slots[:n_full:ps] // ps, out=_flat(full))
+            torch.index_select(_pages(pool, ps), 0, index, out=_flat(full))
             if tail.numel():
-                first = int(tail[0])
                 last[0, : tail.numel()].copy_(pool[first : first + tail.numel()])
         else:
-            torch.ops.aten.index.Tensor_out(pool, [slots[:n_full].view(-1, ps)], out=full)
+            torch.ops.aten.index.Tensor_out(pool, [index], out=full)
             if tail.numel():
                 torch.index_select(pool, 0, tail, out=last[0, : tail.numel()])
 
 
 def unpack_kv_torch(view: KVPoolView, slots: torch.Tensor, packed: torch.Tensor, plan: CopyPlan) -> None:
     regions, pools = _operands(view, packed, plan.n_tokens)
-    n_full, ps = plan.n_tokens // view.page_size * view.page_size, view.page_size
-    tail = slots[n_full:]
+    ps, (index, tail, first) = view.page_size, _indices(view, slots, plan)
     for region, pool in zip(regions, pools, strict=True):
-        full, last = region[: n_full // ps], region[n_full // ps :]
+        full, last = region[: index.shape[0]], region[index.shape[0] :]
         if plan.page_granular:
-            _pages(pool, ps).index_copy_(0, slots[:n_full:ps] // ps, _flat(full))
+            _pages(pool, ps).index_copy_(0, index, _flat(full))
             if tail.numel():
-                first = int(tail[0])
                 pool[first : first + tail.numel()].copy_(last[0, : tail.numel()])
         else:
-            pool.index_put_((slots[:n_full].view(-1, ps),), full)
+            pool.index_put_((index,), full)
             if tail.numel():
                 pool.index_copy_(0, tail, last[0, : tail.numel()])
+
+
+def _indices(view: KVPoolView, slots: torch.Tensor, plan: CopyPlan) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(index of the full pages: pool page ids when page-granular, else slots as [pages, page_size];
+    the slots of a partial last page; that page's first slot when page-granular)."""
+    ps = view.page_size
+    n_full = plan.n_tokens // ps * ps
+    tail = slots[n_full:]
+    if not plan.page_granular:
+        return slots[:n_full].view(-1, ps), tail, 0
+    return slots[:n_full:ps] // ps, tail, int(tail[0]) if tail.numel() else 0
 
 
 def _operands(
