@@ -1,14 +1,17 @@
 """The spill tier: a durable, checksummed, capacity-bounded extent store (see docs/FORMAT.md).
 
-base.py       Tier contract, Completion/Status/TierStats result types
-keys.py       Namespace, KVLayout, chained ExtentKeys
-format.py     extent header encode/decode
-paths.py      fan-out file layout        index.py   LRU index, pins, byte accounting
-store.py      write one extent           load.py    read/verify one extent's chunks
-scan.py       startup index rebuild      integrity.py  check_integrity against the files
-scheduler.py  I/O threads, loads first   directio.py   O_DIRECT probe, aligned buffers
-faults.py     errno → Status, rate-limited logs, counters
-nvme.py       NvmeTier, the implementation    faulty.py  FaultyTier for other components' tests
+base.py         Tier contract, Completion/Status/TierStats result types
+keys.py         Namespace, KVLayout, chained ExtentKeys
+format.py       extent header encode/decode (docs/FORMAT.md)
+paths.py        fan-out file layout, free space
+nvme.py         NvmeTier, the implementation: submit/complete, store and load jobs
+store.py        write one extent              load.py        read/verify one extent's chunks
+capacity.py     budget, watermark, eviction   index.py       LRU index, pins, byte accounting
+scan.py         startup index rebuild         integrity.py   check_integrity against the files
+scheduler.py    I/O threads, loads first      completions.py tickets and completions
+directio.py     O_DIRECT probe, aligned buffers, exact positional I/O
+faults.py       errno -> Status, rate-limited logs, counters
+faulty.py       FaultyTier: latency/failure/corruption injection for other components' tests
 """
 
 from __future__ import annotations

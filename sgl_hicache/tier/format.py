@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import msgpack
 import xxhash
@@ -29,6 +30,7 @@ _FIXED = struct.Struct("<8sHHI16s16s16sIIIIBBHIIIQQIQQQ")
 FIXED_SIZE = _FIXED.size
 _COMPRESSION_CODES = {Compression.NONE: 0, Compression.ZSTD: 1}
 _CODE_COMPRESSION = {v: k for k, v in _COMPRESSION_CODES.items()}
+_ZERO8 = bytes(8)
 _CHUNK_ENTRY_MAX = 1 + 3 * 9  # msgpack fixarray of three uint64
 
 
@@ -104,6 +106,28 @@ def _pack(h: Header, header_xxh: int) -> bytes:
     )  # fmt: skip
 
 
+class IndexFields(NamedTuple):
+    """What the startup scan needs from a fixed header (no dataclasses: 100k files per second)."""
+
+    namespace: bytes
+    key: bytes
+    parent: bytes
+    token_count: int
+    payload_len: int
+    file_size: int
+    created_ns: int
+
+
+def peek_index(buf: bytes) -> IndexFields:
+    """Check magic, version and header checksum of a fixed header; raises FormatError."""
+    if len(buf) < FIXED_SIZE:
+        raise FormatError(f"truncated header: {len(buf)} < {FIXED_SIZE} bytes")
+    f = _FIXED.unpack_from(buf)
+    if f[0] != MAGIC or f[1] != VERSION or xxhash.xxh3_64_intdigest(buf[: FIXED_SIZE - 8] + _ZERO8) != f[-1]:
+        raise FormatError("bad magic, version or header checksum")
+    return IndexFields(f[4], f[5], f[6], f[14], f[17], f[3] + f[18], f[21])
+
+
 def decode_fixed(buf: bytes | memoryview) -> Header:
     """Decode and verify the fixed header (the first FIXED_SIZE bytes); raises FormatError."""
     if len(buf) < FIXED_SIZE:
@@ -113,7 +137,7 @@ def decode_fixed(buf: bytes | memoryview) -> Header:
         raise FormatError("bad magic")
     if f[1] != VERSION:
         raise FormatError(f"unsupported format version {f[1]}")
-    if xxhash.xxh3_64_intdigest(bytes(buf[: FIXED_SIZE - 8]) + bytes(8)) != f[-1]:
+    if xxhash.xxh3_64_intdigest(bytes(buf[: FIXED_SIZE - 8]) + _ZERO8) != f[-1]:
         raise FormatError("header checksum mismatch")
     if f[12] not in _CODE_COMPRESSION or f[11] not in KVDtype._value2member_map_:
         raise FormatError("unknown compression or dtype code")

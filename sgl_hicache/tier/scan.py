@@ -1,6 +1,6 @@
 """Startup scan: rebuild the index from extent headers (no payload reads), drop debris.
 
-Only the fixed header (first 4096 bytes) of each file is read and verified; payload and meta
+Only the fixed header (first 140 bytes) of each file is read and verified; payload and meta
 checksums are verified on load. Removed: temp files whose writer pid is gone (or older than
 STALE_TEMP_S), and extent files whose header is bad, foreign, or whose size is short. Extents enter
 the LRU in publish order (header `created_ns`): a restart forgets access order.
@@ -14,13 +14,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from sgl_hicache.tier.format import ALIGN, EXTENT_SUFFIX, TEMP_SUFFIX, FormatError, decode_fixed
+from sgl_hicache.tier.format import EXTENT_SUFFIX, FIXED_SIZE, TEMP_SUFFIX, FormatError, peek_index
 from sgl_hicache.tier.index import Entry
 from sgl_hicache.tier.keys import ExtentKey, NamespaceId
 from sgl_hicache.tier.paths import ExtentPaths, temp_owner
 
 STALE_TEMP_S = 3600.0
-SCAN_THREADS = 32  # metadata reads are latency-bound: many in flight on NVMe / NVMe-oF
+SCAN_THREADS = 16  # cold scans wait on metadata reads: keep several in flight (more did not help)
 
 
 @dataclass
@@ -79,22 +79,22 @@ def _alive(pid: int) -> bool:
 
 def _scan_extent(de: os.DirEntry[str], ns: NamespaceId, result: ScanResult) -> None:
     try:
-        st = de.stat()
-        with open(de.path, "rb", buffering=0) as f:
-            head = f.read(ALIGN)
-        header = decode_fixed(head)
-        if header.namespace != ns or header.key.hex() + EXTENT_SUFFIX != de.name:
-            raise FormatError("foreign extent")
-        if st.st_size < header.file_size:
-            raise FormatError("truncated")
+        fd = os.open(de.path, os.O_RDONLY)
+        try:
+            head, size = os.pread(fd, FIXED_SIZE, 0), os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        h = peek_index(head)
+        if h.namespace != ns or h.key.hex() + EXTENT_SUFFIX != de.name or size < h.file_size:
+            raise FormatError("foreign or truncated extent")
     except FileNotFoundError:
         return  # removed meanwhile (another process evicted it)
     except FormatError:
         _unlink(de.path)
         result.removed_bad += 1
         return
-    entry = Entry(header.parent, header.token_count, header.payload_len, st.st_size)
-    result.entries.append((header.created_ns, header.key, entry))
+    entry = Entry(ExtentKey(h.parent), h.token_count, h.payload_len, size)
+    result.entries.append((h.created_ns, ExtentKey(h.key), entry))
 
 
 def _unlink(path: str) -> None:
