@@ -10,17 +10,21 @@ import abc
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NewType
+from typing import TYPE_CHECKING, NewType, TypeAlias
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 from sgl_hicache.tier.keys import ExtentKey, Namespace
 
 Ticket = NewType("Ticket", int)
 """Names one submitted operation; unique for the life of a tier object."""
 
-Buffer = memoryview | bytearray | np.ndarray
-"""Anything exposing a contiguous buffer; loads need a writable one."""
+Buffer: TypeAlias = "memoryview | bytearray | bytes | np.ndarray | torch.Tensor"
+"""A contiguous host buffer (a torch tensor must be a contiguous CPU tensor); loads need a
+writable one. Any dtype: the tier sees bytes."""
 
 
 class Op(enum.Enum):

@@ -13,6 +13,7 @@ import mmap
 import os
 import uuid
 from pathlib import Path
+from typing import Any
 
 from sgl_hicache.tier.format import ALIGN
 
@@ -97,11 +98,18 @@ def pwritev_exact(fd: int, bufs: list[memoryview], offset: int) -> None:
 def as_view(buf: object, writable: bool) -> memoryview:
     """A flat byte view of a contiguous buffer (numpy array, bytearray, mmap, ...); raises ValueError."""
     try:
-        view = memoryview(buf)  # type: ignore[arg-type]
-    except TypeError as e:
-        raise ValueError(f"not a buffer: {type(buf).__name__}") from e
+        view = memoryview(_tensor_bytes(buf) if hasattr(buf, "untyped_storage") else buf)  # type: ignore[arg-type]
+    except (TypeError, RuntimeError) as e:
+        raise ValueError(f"not a contiguous host buffer: {type(buf).__name__}: {e}") from e
     if not view.c_contiguous:
         raise ValueError("buffer must be C-contiguous")
     if writable and view.readonly:
         raise ValueError("destination buffer is read-only")
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _tensor_bytes(tensor: Any) -> Any:
+    """A CPU torch tensor's bytes as a numpy array (raises TypeError/RuntimeError for GPU tensors)."""
+    import torch
+
+    return tensor.detach().view(torch.uint8).numpy()

@@ -113,3 +113,27 @@ def test_permission_denied_without_dac_override(make_tier, tmp_path):
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.strip().splitlines()[-1]) == ["io_error", "ok", 1]
+
+
+def test_eio_is_a_result_and_keeps_the_extent(make_tier, monkeypatch):
+    """No device that fails on demand here: inject EIO at the I/O call the tier makes."""
+    import errno
+
+    from sgl_hicache.tier import load as load_module
+    from sgl_hicache.tier import store as store_module
+
+    tier = make_tier()
+    assert store(tier, 1) is Status.OK
+
+    def eio(*_args):
+        raise OSError(errno.EIO, "Input/output error")
+
+    with monkeypatch.context() as m:
+        m.setattr(load_module, "pread_exact", eio)
+        m.setattr(store_module, "pwritev_exact", eio)
+        assert load(tier, 1) is Status.IO_ERROR
+        assert store(tier, 2) is Status.IO_ERROR
+    assert tier.contains(key_for(1)) and load(tier, 1) is Status.OK  # EIO is not corruption
+    s = tier.stats()
+    assert (s.io_errors, s.checksum_failures, s.store_failures) == (2, 0, 1)
+    tier.check_integrity()  # no temp file, no reservation left behind

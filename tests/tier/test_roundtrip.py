@@ -177,3 +177,13 @@ def test_concurrent_stores_of_one_key_write_once(make_tier):
     assert all(tier.wait(t).ok for t in tickets)
     assert tier.stats().stores == 1
     tier.check_integrity()
+
+
+def test_torch_tensors_as_buffers(make_tier):
+    tier = make_tier()
+    kv = torch.randn(4, 3, 33).to(torch.bfloat16)
+    assert tier.wait(tier.submit_store(key_for(8), kv, [8], ROOT_KEY)).ok
+    out = torch.empty_like(kv)
+    assert tier.wait(tier.submit_load(key_for(8), out)).ok and torch.equal(out, kv)
+    with pytest.raises(ValueError):
+        tier.submit_load(key_for(8), out.transpose(0, 2))  # not contiguous
