@@ -48,16 +48,17 @@ class Space:
     def make_room(self, nbytes: int, key: ExtentKey) -> None:
         """Reserve `nbytes` of budget and free space, evicting LRU extents; raises OverBudget.
 
-        Waits (up to ROOM_WAIT_S) while other running stores hold the bytes it needs: they hold
-        nothing while waiting here, so waiting cannot deadlock."""
+        Waits (up to ROOM_WAIT_S, holding nothing, so it cannot deadlock) while an older copy of
+        `key` is being unlinked (lest that unlink remove the new file) and while other running
+        stores hold the bytes it needs."""
         with self.lock:
-            victims = self.index.reserve(nbytes)
             deadline = time.monotonic() + ROOM_WAIT_S
+            while key in self.index.dying_keys and time.monotonic() < deadline:
+                self._room.wait(deadline - time.monotonic())  # an older copy of this extent is being unlinked
+            victims = self.index.reserve(nbytes)
             while victims is None and self.index.reserved + self.index.dying and time.monotonic() < deadline:
                 self._room.wait(deadline - time.monotonic())  # other stores' bytes are in flight
                 victims = self.index.reserve(nbytes)
-            while key in self.index.dying_keys:  # an earlier copy of this extent is being unlinked
-                self._room.wait()
         if victims is None:
             raise OverBudget(f"{nbytes} B does not fit: capacity {self._cfg.capacity_bytes} B, rest pinned")
         self.unlink(victims)
