@@ -155,8 +155,12 @@ class SpillConfig:
     prefetch_timeout_s: float = option(
         2.0, "the TIMEOUT policy's limit on waiting for a restore", "--hicache-spill-prefetch-timeout"
     )
+    prefetch_ttl_s: float = option(30.0, "a prefetched read nobody used is released after this long")
 
     def __post_init__(self) -> None:
+        _require(
+            self.prefetch_ttl_s > 0, "prefetch_ttl_s", f"prefetch ttl must be > 0, got {self.prefetch_ttl_s}"
+        )
         _require(
             self.staging_bytes >= MiB,
             "staging_bytes",

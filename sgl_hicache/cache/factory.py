@@ -74,4 +74,4 @@ def open_spill_io(
         )
         return None
     timeout = max(config.prefetch_timeout_s, 10.0)
-    return SpillIO(tier, view, StagingPool(config.staging_bytes), metrics, timeout)
+    return SpillIO(tier, view, StagingPool(config.staging_bytes), metrics, timeout, config.prefetch_ttl_s)

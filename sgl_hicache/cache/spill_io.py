@@ -5,16 +5,20 @@
   new `Extent` (WRITING); None when the tier is unusable or staging is full (the caller drops).
   The caller may free the slots as soon as `store` returns: the pack has completed.
 - `poll` (never blocks) moves finished writes to ON_TIER / LOST and frees their staging.
+- `prefetch` (never blocks) starts the reads a coming restore will need, into staging; reads of one
+  extent coalesce; a prefetch nobody uses is released after `prefetch_ttl_s`.
 - `restore` is all or nothing: it fills every requested slot, or returns False (the caller frees the
   slots and recomputes). Any tier failure marks the extent LOST; nothing read is used unverified.
-  Blocks for the reads (at most `timeout_s`); extents still WRITING are served from staging.
+  It uses the prefetched reads, starts the missing ones, and blocks for them (at most `timeout_s`
+  each); extents still WRITING are served from staging.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -23,21 +27,23 @@ from sgl_hicache.cache.spill_state import Extent, ExtentState, SpillRef
 from sgl_hicache.cache.staging import StagingPool
 from sgl_hicache.kernels import KVPoolView, pack_kv, packed_nbytes, unpack_kv
 from sgl_hicache.server.metrics import SpillMetrics
-from sgl_hicache.tier import ExtentKey, Status, Ticket, Tier
+from sgl_hicache.tier import Completion, ExtentKey, Status, Ticket, Tier
 
 logger = logging.getLogger(__name__)
 
 
 class SpillIO:
     def __init__(self, tier: Tier, view: KVPoolView, staging: StagingPool, metrics: SpillMetrics,
-                 timeout_s: float) -> None:  # fmt: skip
+                 timeout_s: float, prefetch_ttl_s: float = 30.0) -> None:  # fmt: skip
         self.tier = tier
         self.view = view
         self.staging = staging
         self.metrics = metrics
         self.timeout_s = timeout_s
+        self.prefetch_ttl_s = prefetch_ttl_s
         self._writing: dict[Ticket, Extent] = {}
-        self._abandoned: dict[Ticket, torch.Tensor] = {}  # timed-out loads still writing their buffer
+        self._reads: dict[int, PendingRead] = {}  # by id(extent): loads started (prefetch or restore)
+        self._read_tickets: dict[Ticket, PendingRead] = {}  # loads whose completion is still due
 
     def store(
         self, key: ExtentKey, parent: ExtentKey, tokens: np.ndarray, slots: torch.Tensor
@@ -55,13 +61,16 @@ class SpillIO:
 
     def poll(self) -> None:
         for done in self.tier.get_finished():
-            abandoned = self._abandoned.pop(done.ticket, None)
-            if abandoned is not None:
-                self.staging.release(abandoned)
+            read = self._read_tickets.pop(done.ticket, None)
+            if read is not None:
+                read.done = done
+                if not read.usable:
+                    self.staging.release(read.buf)
                 continue
             extent = self._writing.pop(done.ticket, None)
             if extent is not None:
                 self._finish_write(extent, done.ok)
+        self._expire_prefetches()
 
     def _finish_write(self, extent: Extent, ok: bool) -> None:
         if extent.staged is not None:
@@ -89,84 +98,116 @@ class SpillIO:
 
     def check_integrity(self) -> None:
         staged = sum(e.staged.numel() for e in self._writing.values() if e.staged is not None)
-        held = staged + sum(buf.numel() for buf in self._abandoned.values())
+        reads = {id(r): r for r in [*self._reads.values(), *self._read_tickets.values()]}
+        held = staged + sum(r.buf.numel() for r in reads.values())
         assert self.staging.used_bytes == held, f"staging used {self.staging.used_bytes} != held {held}"
-        if not self._writing and not self._abandoned:
+        if not self._writing and not self._read_tickets:
             self.tier.check_integrity()
+
+    def prefetch(self, refs: Sequence[SpillRef]) -> int:
+        """Start reading what `refs` need into staging, ahead of their restore. Never blocks;
+        coalesces with reads already started. Returns the tokens now on their way."""
+        tokens = 0
+        for extent, need in _needs(refs).values():
+            if (
+                extent.state is ExtentState.WRITING
+                or self._start_read(extent, need, prefetch=True) is not None
+            ):
+                tokens += need
+        return tokens
 
     def restore(self, parts: Sequence[tuple[SpillRef, torch.Tensor]]) -> bool:
         """Unpack each ref's tokens into its slots (same length); all or nothing."""
-        sources = self._read_extents(parts)
-        if sources is None:
-            self.metrics.inc("restore_failures")
-            return False
-        try:
+        sources = self._gather(_needs([ref for ref, _ in parts]))
+        if sources is not None:
             for ref, slots in parts:
                 src = sources[id(ref.extent)][packed_nbytes(self.view, ref.offset) :]
                 unpack_kv(self.view, slots, src.to(self.view.device, non_blocking=True))
-        finally:
-            for extent_id, buf in sources.items():
-                if not _is_staged(parts, extent_id, buf):
-                    self.staging.release(buf)
+        for ref, _ in parts:
+            self._finish_read(id(ref.extent))
+        if sources is None:
+            self.metrics.inc("restore_failures")
+            return False
         self.metrics.inc("restored_tokens", sum(len(s) for _, s in parts))
         return True
 
-    def _read_extents(self, parts: Sequence[tuple[SpillRef, torch.Tensor]]) -> dict[int, torch.Tensor] | None:
-        need: dict[int, int] = defaultdict(int)
-        extents: dict[int, Extent] = {}
-        for ref, _ in parts:
-            extents[id(ref.extent)] = ref.extent
-            need[id(ref.extent)] = max(need[id(ref.extent)], ref.offset + ref.count)
-        sources: dict[int, torch.Tensor] = {}
-        loads: dict[int, tuple[Ticket, torch.Tensor]] = {}
-        ok = True
-        for eid, extent in extents.items():
+    def _gather(self, needs: dict[int, tuple[Extent, int]]) -> dict[int, torch.Tensor] | None:
+        """The packed bytes of every needed extent (staging or a verified read); None on any failure."""
+        pending: dict[int, PendingRead] = {}
+        for eid, (extent, need) in needs.items():
             if extent.state is ExtentState.WRITING and extent.staged is not None:
-                sources[eid] = extent.staged
-            elif extent.state is ExtentState.ON_TIER:
-                started = self._submit_load(extent, packed_nbytes(self.view, need[eid]))
-                if started is None:
-                    ok = False
-                    break
-                loads[eid] = started
-            else:
-                ok = False
-                break
-        for eid, (ticket, buf) in loads.items():
-            if self._wait_load(extents[eid], ticket, buf):
-                sources[eid] = buf
-            else:
-                ok = False
-        if not ok:
-            for eid, buf in sources.items():
-                if eid in loads and loads[eid][1] is buf:
-                    self.staging.release(buf)
-            return None
-        return sources
+                continue
+            read = self._start_read(extent, need, prefetch=False)
+            if read is None:
+                return None
+            pending[eid] = read
+        sources = {eid: extent.staged for eid, (extent, _) in needs.items() if eid not in pending}
+        for eid, read in pending.items():
+            if not self._await(read):
+                return None
+            sources[eid] = read.buf
+        return sources  # type: ignore[return-value]
 
-    def _submit_load(self, extent: Extent, nbytes: int) -> tuple[Ticket, torch.Tensor] | None:
+    def _start_read(self, extent: Extent, nbytes_tokens: int, prefetch: bool) -> PendingRead | None:
+        read = self._reads.get(id(extent))
+        nbytes = packed_nbytes(self.view, nbytes_tokens)
+        if read is not None and read.nbytes >= nbytes and read.usable:
+            self.metrics.inc("prefetch_coalesced" if prefetch else "prefetch_hits")
+            read.prefetched = read.prefetched and prefetch
+            return read
+        if extent.state is not ExtentState.ON_TIER:
+            return None
         buf = self.staging.acquire(nbytes)
         if buf is None:
             return None
-        return self.tier.submit_load(extent.key, buf.numpy(), nbytes), buf
+        ticket = self.tier.submit_load(extent.key, buf.numpy(), nbytes)
+        if read is not None:
+            self._abandon(read)
+        read = PendingRead(extent, ticket, buf, nbytes, time.monotonic(), prefetched=prefetch)
+        self._reads[id(extent)] = read
+        self._read_tickets[ticket] = read
+        self.metrics.inc("prefetch_issued" if prefetch else "reads_on_demand")
+        return read
 
-    def _wait_load(self, extent: Extent, ticket: Ticket, buf: torch.Tensor) -> bool:
-        try:
-            done = self.tier.wait(ticket, timeout=self.timeout_s)
-        except TimeoutError:
-            self._abandoned[ticket] = buf  # the tier still writes into it; freed by poll()
-            logger.warning(
-                "sgl_hicache: restore read of %s timed out after %.1fs", extent.key.hex(), self.timeout_s
-            )
-            return False
-        if done.ok:
-            self.metrics.inc("restored_bytes", done.nbytes)
+    def _await(self, read: PendingRead) -> bool:
+        if read.done is None:
+            try:
+                read.done = self.tier.wait(read.ticket, timeout=self.timeout_s)
+            except TimeoutError:
+                logger.warning(
+                    "sgl_hicache: restore read of %s timed out after %.1fs",
+                    read.extent.key.hex(),
+                    self.timeout_s,
+                )
+                return False
+            self._read_tickets.pop(read.ticket, None)
+        if read.done.ok:
+            self.metrics.inc("restored_bytes", read.done.nbytes)
             return True
-        self.staging.release(buf)
-        if done.status in (Status.CORRUPT, Status.MISS):
+        if read.done.status in (Status.CORRUPT, Status.MISS):
             self.metrics.inc("corrupt_extents")
-        extent.state = ExtentState.LOST
+        read.extent.state = ExtentState.LOST
         return False
+
+    def _finish_read(self, extent_id: int) -> None:
+        read = self._reads.pop(extent_id, None)
+        if read is not None:
+            self._abandon(read)
+
+    def _abandon(self, read: PendingRead) -> None:
+        """Release a read's staging now if it finished, else when its completion arrives (poll)."""
+        read.usable = False
+        if read.done is not None or read.ticket not in self._read_tickets:
+            self.staging.release(read.buf)
+        if self._reads.get(id(read.extent)) is read:
+            del self._reads[id(read.extent)]
+
+    def _expire_prefetches(self) -> None:
+        now = time.monotonic()
+        for read in list(self._reads.values()):
+            if read.prefetched and now - read.started > self.prefetch_ttl_s:
+                self.metrics.inc("prefetch_abandoned")
+                self._abandon(read)
 
     def _pack(self, slots: torch.Tensor, buf: torch.Tensor) -> None:
         if self.view.device.type == "cpu":
@@ -177,5 +218,24 @@ class SpillIO:
         buf.copy_(tmp)  # synchronous: the slots may be reused once this returns
 
 
-def _is_staged(parts: Sequence[tuple[SpillRef, torch.Tensor]], extent_id: int, buf: torch.Tensor) -> bool:
-    return any(id(ref.extent) == extent_id and ref.extent.staged is buf for ref, _ in parts)
+def _needs(refs: Sequence[SpillRef]) -> dict[int, tuple[Extent, int]]:
+    """Per extent (by identity): the extent and how many of its leading tokens the refs need."""
+    needs: dict[int, tuple[Extent, int]] = {}
+    for ref in refs:
+        _, need = needs.get(id(ref.extent), (ref.extent, 0))
+        needs[id(ref.extent)] = (ref.extent, max(need, ref.offset + ref.count))
+    return needs
+
+
+@dataclass(eq=False)
+class PendingRead:
+    """One load of an extent's prefix into staging; shared by a prefetch and the restore using it."""
+
+    extent: Extent
+    ticket: Ticket
+    buf: torch.Tensor
+    nbytes: int
+    started: float
+    prefetched: bool
+    done: Completion | None = None
+    usable: bool = True

@@ -26,6 +26,7 @@ from __future__ import annotations
 import heapq
 import logging
 import time
+from array import array
 from typing import Any
 
 import numpy as np
@@ -209,6 +210,22 @@ class SpillRadixCache(RadixCache):
         self._forget_spilled(node)
         node.parent.children.pop(node.key.child_key(self.page_size), None)
         self._update_leaf_status(node.parent)
+
+    # ---- prefetch at arrival ----------------------------------------------------------------
+
+    def prefetch(self, token_ids: Any, extra_key: str | None = None, cache_salt: str | None = None) -> int:
+        """Start reading the spilled continuation of this prompt's cached prefix (never blocks on
+        I/O); its restore will find the reads under way or done. Returns the tokens on their way."""
+        if self.disable or self.spill_io is None:
+            return 0
+        self._poll()
+        key = RadixKey(array("q", token_ids), extra_key, cache_salt=cache_salt).page_aligned(self.page_size)
+        values, last = self._match_prefix_helper(self.root_node, key)
+        end, matched = self._match_spilled(last, key[sum(len(v) for v in values) :])
+        if not matched:
+            return 0
+        self.spill_metrics.inc("prefetch_requests")
+        return self.spill_io.prefetch([node.spill for node in self._path_up(end, last) or []])
 
     # ---- restore ----------------------------------------------------------------------------
 

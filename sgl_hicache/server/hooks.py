@@ -1,12 +1,17 @@
-"""The one patch of sglang we make, through sglang's own plugin hook registry (no file edited).
+"""The patches of sglang we make, all through sglang's own plugin hook registry (no file edited),
+both AFTER hooks that call sglang's original first and change none of its state:
 
-Patched: `SchedulerInternalStateController.get_internal_state` (sglang 0.5.23,
-`sglang/srt/managers/scheduler_components/internal_state.py`), with an AFTER hook that adds a
-`"hicache_spill"` entry (our counters, staging, tier stats and an integrity check) to the scheduler's
-internal state. Why: it is the only read-back channel from the scheduler process to HTTP
-(`GET /server_info` → `internal_states`) that sglang offers without adding request types, and
-operators and tests need to see the spill cache's state. Read-only: nothing of sglang's state changes.
-`tests/server/test_internal_state_hook.py` proves it still holds for the pinned version.
+1. `SchedulerInternalStateController.get_internal_state` (sglang 0.5.23,
+   `sglang/srt/managers/scheduler_components/internal_state.py`): adds a `"hicache_spill"` entry
+   (counters, staging, tier stats, an integrity verdict) to the scheduler's internal state. Why: it
+   is the only read-back channel from the scheduler process to HTTP (`GET /server_info` →
+   `internal_states`) that sglang offers without new request types.
+2. `Scheduler._prefetch_kvcache` (`sglang/srt/managers/scheduler.py`), which sglang calls for every
+   request as it enters the waiting queue (its own storage prefetch, a no-op unless HiCache storage
+   is on): starts reading the request's spilled prefix from the tier, so the I/O overlaps the
+   request's queueing and other requests' compute. Why: it is sglang's arrival point for exactly this.
+`tests/server/test_concurrent_clients.py` and `tests/server/test_prefetch.py` prove both still hold
+for the pinned version.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 TARGET = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state"
+PREFETCH_TARGET = "sglang.srt.managers.scheduler.Scheduler._prefetch_kvcache"
 STATE_KEY = "hicache_spill"
 
 
@@ -26,7 +32,17 @@ def add_spill_state(result: Any, controller: Any, *args: Any, **kwargs: Any) -> 
     return result
 
 
+def prefetch_at_arrival(result: Any, scheduler: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
+
+    cache = scheduler.tree_cache
+    if isinstance(cache, SpillRadixCache):
+        cache.prefetch(req.origin_input_ids, req.extra_key, req.cache_salt)
+    return result
+
+
 def register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(TARGET, add_spill_state, HookType.AFTER)
+    HookRegistry.register(PREFETCH_TARGET, prefetch_at_arrival, HookType.AFTER)

@@ -27,6 +27,12 @@ COUNTERS = {
     "restored_bytes": "packed KV bytes read back for restores",
     "restore_failures": "restores abandoned (miss, corruption, I/O error, timeout, no memory): recomputed",
     "corrupt_extents": "extents found corrupt or missing on read",
+    "prefetch_requests": "arriving requests whose prefix runs into spilled KV (reads started at arrival)",
+    "prefetch_issued": "extent reads started by a prefetch",
+    "prefetch_coalesced": "prefetches that joined a read already started for the same extent",
+    "prefetch_hits": "restores that found their read already started by a prefetch",
+    "prefetch_abandoned": "prefetched reads released unused after their time to live",
+    "reads_on_demand": "extent reads a restore had to start itself (no prefetch)",
 }
 
 

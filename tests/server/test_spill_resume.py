@@ -90,6 +90,17 @@ def test_resume_restores_history_with_output_identical_to_resident_run(server: A
     assert resumed == reference
 
 
+def test_prefetch_at_arrival_feeds_the_restore(server: Any) -> None:
+    base = server.base_url
+    turn2, reference, history = two_turns(base, 11)
+    push_out(base, 11)
+    requests, hits = counter(base, "prefetch_requests"), counter(base, "prefetch_hits")
+    resumed, cached = generate(base, turn2)
+    assert counter(base, "prefetch_requests") > requests, "the arrival hook did not prefetch"
+    assert counter(base, "prefetch_hits") > hits, "the restore did not use the prefetched read"
+    assert cached >= history and resumed == reference
+
+
 def test_tenants_never_restore_each_others_kv(server: Any) -> None:
     base = server.base_url
     turn2, reference, history = two_turns(base, 21, salt="alice")
