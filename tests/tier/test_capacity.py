@@ -9,7 +9,7 @@ import pytest
 
 from sgl_hicache.tier import ROOT_KEY, Status
 from sgl_hicache.tier.format import ALIGN
-from tests.tier.conftest import key_for, payload_for
+from tests.tier.common import key_for, payload_for
 
 
 def file_bytes(n: int) -> int:

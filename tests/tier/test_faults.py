@@ -13,7 +13,7 @@ import pytest
 
 from sgl_hicache.tier import ROOT_KEY, Status
 from sgl_hicache.tier import capacity as capacity_module
-from tests.tier.conftest import key_for, payload_for
+from tests.tier.common import key_for, payload_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,7 +83,7 @@ import json, sys
 from pathlib import Path
 from sgl_hicache.config import TierConfig
 from sgl_hicache.tier import open_tier
-from tests.tier.conftest import NS, CHUNK
+from tests.tier.common import NS, CHUNK
 from tests.tier.test_faults import store, load
 tier = open_tier(TierConfig(directory=Path(sys.argv[1]), chunk_bytes=CHUNK, min_free_bytes=0), NS)
 print(json.dumps([store(tier, 2).value, load(tier, 1).value, tier.stats().io_errors]))

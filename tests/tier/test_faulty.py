@@ -8,7 +8,7 @@ import pytest
 
 from sgl_hicache.tier import ROOT_KEY, Status
 from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
-from tests.tier.conftest import key_for, payload_for
+from tests.tier.common import key_for, payload_for
 
 
 def run(tier) -> list[Status]:

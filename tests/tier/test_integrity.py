@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from sgl_hicache.config import Compression
 from sgl_hicache.tier import ROOT_KEY, Status
 from sgl_hicache.tier.format import FIXED_SIZE, decode_fixed
-from tests.tier.conftest import CHUNK, key_for, payload_for
+from tests.tier.common import CHUNK, key_for, payload_for
 
 DATA = payload_for(7, 2 * CHUNK + 3000)
 TOKENS = list(range(700))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from sgl_hicache.tier import ROOT_KEY, Status
-from tests.tier.conftest import key_for, payload_for
+from tests.tier.common import key_for, payload_for
 from tests.tier.writer_proc import size_of
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ import torch
 
 from sgl_hicache.config import Compression
 from sgl_hicache.tier import ROOT_KEY, KVDtype, KVLayout, Namespace, Status, alloc_aligned, chain_key
-from tests.tier.conftest import CHUNK, NS, key_for, payload_for
+from tests.tier.common import CHUNK, NS, key_for, payload_for
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
 

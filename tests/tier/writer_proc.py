@@ -7,7 +7,7 @@ from pathlib import Path
 
 from sgl_hicache.config import Fsync, TierConfig
 from sgl_hicache.tier import ROOT_KEY, Status, open_tier
-from tests.tier.conftest import CHUNK, NS, key_for, payload_for
+from tests.tier.common import CHUNK, NS, key_for, payload_for
 
 
 def size_of(i: int) -> int:
