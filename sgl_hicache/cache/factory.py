@@ -52,7 +52,8 @@ def namespace_for(ctx: TreeCacheBuildContext, view: KVPoolView) -> Namespace:
     args = ctx.server_args
     layout = KVLayout(num_layers=len(view.layers), num_heads=view.heads, head_dim=view.head_dim,
                       dtype=KVDtype[_KV_DTYPES[view.dtype]], page_size=view.page_size)  # fmt: skip
-    model = f"{args.model_path}@{args.revision or ''}"
+    # The tier's KVLayout has no MHA/MLA kind nor a separate V head size: both go into the identity.
+    model = f"{args.model_path}@{args.revision or ''}|{view.kind.value}|v{view.v_head_dim or view.head_dim}"
     return Namespace(model=model, layout=layout, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
 
 
