@@ -139,7 +139,7 @@ class Tier(abc.ABC):
         min(nbytes, payload length). `dest` must hold that many bytes, else REJECTED. Any checksum,
         truncation, version or namespace mismatch drops the extent and reports CORRUPT; the
         content of `dest` is then undefined. An extent evicted meanwhile (here or by another
-        process sharing the directory) is a clean MISS. Loads are served before stores, but a
+        process sharing the directory), or whose store has not completed yet, is a clean MISS. Loads are served before stores, but a
         waiting store is never passed over indefinitely. A load refreshes the extent's LRU age.
         """
 

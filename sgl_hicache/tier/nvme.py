@@ -90,8 +90,10 @@ class NvmeTier(Tier):
             elif not closed:
                 self._storing[key] = ticket
         if closed or present:
-            status, detail = (Status.REJECTED, "closed") if closed else (Status.OK, "present")
-            self._completions.post(Completion(ticket, Op.STORE, key, status, view.nbytes, detail))
+            done = Completion(ticket, Op.STORE, key, Status.OK, view.nbytes, "present")
+            self._completions.post(
+                Completion(ticket, Op.STORE, key, Status.REJECTED, 0, "closed") if closed else done
+            )
         elif leader is None:
             self._io.submit_write(partial(self._store_job, ticket, req))
         return ticket
