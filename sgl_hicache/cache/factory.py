@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
     from sgl_hicache.cache.spill_io import SpillIO
     from sgl_hicache.kernels import KVPoolView
+    from sgl_hicache.server.hints import HintInbox
     from sgl_hicache.server.metrics import SpillMetrics
     from sgl_hicache.tier import Namespace
 
@@ -43,7 +44,24 @@ def build_spill_cache(ctx: TreeCacheBuildContext) -> BasePrefixCache:
     view = from_sglang_pool(ctx.params.token_to_kv_pool_allocator.get_kvcache())
     namespace = namespace_for(ctx, view)
     io = open_spill_io(config, namespace, view, metrics) if config.enabled else None
-    return SpillRadixCache(ctx.params, config, metrics, io, namespace.id)
+    hints = open_hint_inbox(ctx) if io is not None else None
+    return SpillRadixCache(ctx.params, config, metrics, io, namespace.id, hints)
+
+
+def open_hint_inbox(ctx: TreeCacheBuildContext) -> HintInbox | None:
+    """The resume-hint socket, on a single-rank scheduler only; None (hints off, logged) otherwise."""
+    import zmq
+
+    from sgl_hicache.server.hints import HintInbox
+
+    if ctx.tp_size != 1:
+        logger.warning("sgl_hicache: client resume hints are off with tensor parallelism > 1")
+        return None
+    try:
+        return HintInbox(ctx.server_args.port)
+    except zmq.ZMQError as e:
+        logger.error("sgl_hicache: cannot open the resume-hint socket (%s); /hicache/prefetch is off", e)
+        return None
 
 
 def namespace_for(ctx: TreeCacheBuildContext, view: KVPoolView) -> Namespace:

@@ -45,6 +45,7 @@ from sgl_hicache.cache.prefix_keys import PrefixHasher, tenant_of
 from sgl_hicache.cache.spill_io import SpillIO
 from sgl_hicache.cache.spill_state import ExtentState, SpillRef
 from sgl_hicache.config import SpillConfig
+from sgl_hicache.server.hints import HintInbox
 from sgl_hicache.server.metrics import SpillMetrics
 from sgl_hicache.tier import NamespaceId
 
@@ -53,11 +54,12 @@ logger = logging.getLogger(__name__)
 
 class SpillRadixCache(RadixCache):
     def __init__(self, params: CacheInitParams, config: SpillConfig, metrics: SpillMetrics,
-                 io: SpillIO | None, namespace_id: NamespaceId) -> None:  # fmt: skip
+                 io: SpillIO | None, namespace_id: NamespaceId, hints: HintInbox | None = None) -> None:  # fmt: skip
         self.spill_config = config
         self.spill_metrics = metrics
         self.spill_io = io
         self.namespace_id = namespace_id
+        self.hints = hints
         self.spilled_tokens = 0
         super().__init__(params)  # calls reset(), which attaches the tier's extents (warm start)
 
@@ -226,6 +228,11 @@ class SpillRadixCache(RadixCache):
             return 0
         self.spill_metrics.inc("prefetch_requests")
         return self.spill_io.prefetch([node.spill for node in self._path_up(end, last) or []])
+
+    def take_hints(self) -> None:
+        """Answer the client resume hints waiting in the inbox (scheduler thread; never blocks)."""
+        if self.hints is not None:
+            self.hints.drain(self.prefetch)
 
     # ---- restore ----------------------------------------------------------------------------
 

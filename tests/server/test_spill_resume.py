@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import time
+import urllib.error
 from pathlib import Path
 from typing import Any
 
@@ -155,3 +156,25 @@ def test_warm_restart_resumes_a_conversation_from_the_tier(
     resumed, cached = generate(second.base_url, turn2)
     assert cached >= history, f"after restart the resumed turn reused only {cached} of {history} tokens"
     assert resumed == reference
+
+
+def test_client_hint_warms_a_conversation_before_its_next_turn(server: Any) -> None:
+    base = server.base_url
+    turn2, reference, history = two_turns(base, 101)
+    push_out(base, 101)
+    issued, hits = counter(base, "prefetch_issued"), counter(base, "prefetch_hits")
+    hint = post_json(base + "/hicache/prefetch", {"input_ids": turn2[:-20]})
+    assert hint["prompt_tokens"] == len(turn2) - 20 and hint["prefetch_tokens"] >= history, hint
+    assert counter(base, "prefetch_issued") > issued
+    resumed, cached = generate(base, turn2)
+    assert counter(base, "prefetch_hits") > hits, "the resumed turn did not use the hinted reads"
+    assert cached >= history and resumed == reference
+
+
+def test_client_hint_with_chat_messages_and_bad_bodies(server: Any) -> None:
+    base = server.base_url
+    reply = post_json(base + "/hicache/prefetch", {"messages": [{"role": "user", "content": "hello there"}]})
+    assert reply["prompt_tokens"] > 0 and reply["prefetch_tokens"] == 0  # nothing of it was ever spilled
+    with pytest.raises(urllib.error.HTTPError) as err:
+        post_json(base + "/hicache/prefetch", {"text": "no"})
+    assert err.value.code == 400

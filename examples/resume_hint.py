@@ -1,0 +1,65 @@
+"""Warm a conversation before its next turn: `POST /hicache/prefetch` while the user is typing.
+
+    python examples/resume_hint.py --base-url http://127.0.0.1:30000
+
+A chat client knows a conversation is about to resume (the user opened it, or started typing) seconds
+before the next message is sent. Sending the conversation so far as a hint starts reading its spilled
+KV from the tier at once; when the next turn arrives, its restore finds the reads done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import urllib.request
+from typing import Any
+
+from openai import OpenAI
+
+
+def hint(base_url: str, messages: list[dict[str, str]], cache_salt: str | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"messages": messages}
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
+    req = urllib.request.Request(
+        base_url + "/hicache/prefetch", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())  # type: ignore[no-any-return]
+
+
+def warm_then_ask(base_url: str, history: list[dict[str, str]], question: str) -> str:
+    reply = hint(base_url, history)  # returns at once
+    print(
+        f"hint: {reply['prompt_tokens']} tokens of history, {reply['prefetch_tokens']} on their way from the tier"
+    )
+    time.sleep(0.5)  # ... the user is typing ...
+    client = OpenAI(base_url=base_url + "/v1", api_key="none")
+    model = client.models.list().data[0].id
+    messages = [*history, {"role": "user", "content": question}]
+    out = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0)
+    details = out.usage.prompt_tokens_details if out.usage else None
+    print(
+        f"next turn: {out.usage.prompt_tokens if out.usage else '?'} prompt tokens, {getattr(details, 'cached_tokens', 0)} cached"
+    )
+    return out.choices[0].message.content or ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:30000")
+    args = parser.parse_args(argv)
+    history = [
+        {"role": "user", "content": "Let us plan a long trip by train."},
+        {"role": "assistant", "content": "Gladly. Where would you like to go?"},
+    ]
+    warm_then_ask(args.base_url.rstrip("/"), history, "Through the mountains, in winter.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
