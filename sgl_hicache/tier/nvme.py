@@ -19,7 +19,7 @@ from sgl_hicache.tier.base import Buffer, Completion, ExtentInfo, Op, Status, Ti
 from sgl_hicache.tier.capacity import Space
 from sgl_hicache.tier.completions import CompletionQueue
 from sgl_hicache.tier.directio import as_view, probe_direct_io
-from sgl_hicache.tier.faults import Counters, FaultLog, classify
+from sgl_hicache.tier.faults import Counters, FaultLog, classify, logger
 from sgl_hicache.tier.format import FormatError
 from sgl_hicache.tier.index import Entry, OverBudget
 from sgl_hicache.tier.integrity import check_files
@@ -29,8 +29,6 @@ from sgl_hicache.tier.paths import ExtentPaths
 from sgl_hicache.tier.scan import scan
 from sgl_hicache.tier.scheduler import IoScheduler
 from sgl_hicache.tier.store import StoreRequest, prepare, write_extent
-
-_IO_ERRORS = (OSError, FormatError)
 
 
 class NvmeTier(Tier):
@@ -64,7 +62,9 @@ class NvmeTier(Tier):
         """Count, log (rate-limited) and clean up after a failed job; returns its completion."""
         status = classify(op, err)
         self._counters.add(_COUNTER_OF.get(status, "io_errors"))
-        if status in (Status.IO_ERROR, Status.NO_SPACE):
+        if not isinstance(err, (OSError, FormatError)):
+            logger.error("spill tier %s job failed unexpectedly", op.value, exc_info=err)
+        elif status in (Status.IO_ERROR, Status.NO_SPACE):
             self._faults.report(op, err, str(self._paths.ns_dir))
         if status is Status.CORRUPT:
             self._space.drop(key)
@@ -81,7 +81,7 @@ class NvmeTier(Tier):
         view = as_view(payload, writable=False)
         req = StoreRequest(check_key(key), check_key(parent), tokens_to_bytes(tokens), view)
         ticket = self._completions.issue()
-        with self._lock:
+        with self._lock:  # queue under the lock: close() cannot slip in between
             closed, present, leader = self._closed, key in self._index, self._storing.get(key)
             if present:
                 self._index.touch(key)
@@ -89,13 +89,12 @@ class NvmeTier(Tier):
                 self._completions.follow(leader, ticket)
             elif not closed:
                 self._storing[key] = ticket
+                self._io.submit_write(partial(self._store_job, ticket, req))
         if closed or present:
             done = Completion(ticket, Op.STORE, key, Status.OK, view.nbytes, "present")
             self._completions.post(
                 Completion(ticket, Op.STORE, key, Status.REJECTED, 0, "closed") if closed else done
             )
-        elif leader is None:
-            self._io.submit_write(partial(self._store_job, ticket, req))
         return ticket
 
     def _store_job(self, ticket: Ticket, req: StoreRequest) -> None:
@@ -116,7 +115,7 @@ class NvmeTier(Tier):
         except OverBudget as e:
             self._counters.add("no_space")
             return Completion(ticket, Op.STORE, req.key, Status.NO_SPACE, 0, str(e))
-        except _IO_ERRORS as e:
+        except Exception as e:  # I/O errors, and bugs: logged by _fail, never lost
             self._counters.add("store_failures")
             return self._fail(Op.STORE, ticket, req.key, e)
         entry = Entry(req.parent, len(req.tokens) // 4, req.payload.nbytes, prep.file_bytes)
@@ -129,12 +128,13 @@ class NvmeTier(Tier):
 
     def submit_load(self, key: ExtentKey, dest: Buffer, nbytes: int | None = None) -> Ticket:
         view, ticket = as_view(dest, writable=True), self._completions.issue()
+        job = partial(self._open_job, ticket, check_key(key), view, nbytes)
         with self._lock:
             closed = self._closed
+            if not closed:
+                self._io.submit_read(job)
         if closed:
             self._completions.post(Completion(ticket, Op.LOAD, key, Status.REJECTED, 0, "closed"))
-        else:
-            self._io.submit_read(partial(self._open_job, ticket, check_key(key), view, nbytes))
         return ticket
 
     def _open_job(self, ticket: Ticket, key: ExtentKey, dest: memoryview, nbytes: int | None) -> None:
@@ -142,7 +142,7 @@ class NvmeTier(Tier):
             self._index.pin(key)
         try:
             ext = open_extent(self._paths.extent(key), self._ns_id, key, self._direct)
-        except _IO_ERRORS as e:
+        except Exception as e:  # I/O errors, and bugs: logged by _fail, never lost
             self._unpin(key)
             self._completions.post(self._fail(Op.LOAD, ticket, key, e))
             return
@@ -166,7 +166,7 @@ class NvmeTier(Tier):
         error: Exception | None = None
         try:
             read_chunk(load.ext, index, load.dest, load.want)
-        except _IO_ERRORS as e:
+        except Exception as e:  # I/O errors, and bugs: logged by _fail, never lost
             error = e
         if load.chunk_done(error):
             self._end_load(load)

@@ -8,11 +8,13 @@ the store: stores get at least 1/(WRITE_EVERY+1) of dispatches under load pressu
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable
 
 WRITE_EVERY = 4
+logger = logging.getLogger("sgl_hicache.tier")
 
 Job = Callable[[], None]
 
@@ -62,6 +64,8 @@ class IoScheduler:
         while (job := self._next()) is not None:
             try:
                 job()  # jobs report their own errors as completions
+            except Exception:  # a bug in a job: keep its traceback, keep the thread
+                logger.exception("spill tier I/O job raised")
             finally:
                 with self._cond:
                     self._active -= 1

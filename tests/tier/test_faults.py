@@ -137,3 +137,20 @@ def test_eio_is_a_result_and_keeps_the_extent(make_tier, monkeypatch):
     s = tier.stats()
     assert (s.io_errors, s.checksum_failures, s.store_failures) == (2, 0, 1)
     tier.check_integrity()  # no temp file, no reservation left behind
+
+
+def test_a_bug_in_a_job_is_logged_and_completed(make_tier, monkeypatch, caplog):
+    from sgl_hicache.tier import nvme as nvme_module
+
+    tier = make_tier()
+    assert store(tier, 1) is Status.OK
+
+    def boom(*_args):
+        raise ValueError("bug")
+
+    monkeypatch.setattr(nvme_module, "read_chunk", boom)
+    with caplog.at_level(logging.ERROR, logger="sgl_hicache.tier"):
+        assert load(tier, 1) is Status.IO_ERROR
+    assert any("failed unexpectedly" in r.getMessage() for r in caplog.records)
+    monkeypatch.undo()
+    assert load(tier, 1) is Status.OK  # not dropped, threads alive

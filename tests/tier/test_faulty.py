@@ -48,12 +48,12 @@ def test_failures_are_not_passed_on(make_tier):
 
 
 def test_latency_holds_completions(make_tier):
-    tier = FaultyTier(make_tier(), FaultSpec(latency_s=0.2))
+    tier = FaultyTier(make_tier(), FaultSpec(latency_s=1.0))
     t0 = time.monotonic()
     ticket = tier.submit_store(key_for(1), b"x" * 10, [1], ROOT_KEY)
     time.sleep(0.05)
-    assert tier.get_finished() == []
-    assert tier.wait(ticket).ok and time.monotonic() - t0 >= 0.2
+    assert tier.get_finished() == [] or time.monotonic() - t0 >= 1.0  # (a stalled test machine)
+    assert tier.wait(ticket).ok and time.monotonic() - t0 >= 1.0
     with pytest.raises(KeyError):
         tier.wait(ticket)
 
