@@ -268,9 +268,11 @@ class SpillRadixCache(RadixCache):
         for node in nodes:
             parts.append((node.spill, slots[start : start + node.spill.count]))
             start += node.spill.count
+        t0 = time.perf_counter()
         if not self.spill_io.restore(parts):
             self.token_to_kv_pool_allocator.free(slots)
             return False
+        self.spill_metrics.observe_restore(time.perf_counter() - t0)
         for node, (_, node_slots) in zip(nodes, parts, strict=True):
             self._mark_resident(node, node_slots.clone())
         return True
@@ -362,3 +364,4 @@ class SpillRadixCache(RadixCache):
     def _poll(self) -> None:
         if self.spill_io is not None:
             self.spill_io.poll()
+            self.spill_metrics.set_tier_used(self.spill_io.tier.stats().bytes_stored)

@@ -15,6 +15,7 @@ from typing import Any
 from sgl_hicache.config import SpillConfig
 
 BACKEND_NAME = "hicache_spill"
+RESTORE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 COUNTERS = {
     "match_requests": "prefix matches served by the spill cache",
@@ -43,6 +44,8 @@ class SpillMetrics:
 
     totals: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0.0))
     prometheus: dict[str, Any] | None = None
+    restore_seconds: Any = None  # Histogram child, when exported
+    tier_used_bytes: Any = None  # Gauge child, when exported
 
     @classmethod
     def local(cls) -> SpillMetrics:
@@ -50,7 +53,7 @@ class SpillMetrics:
 
     @classmethod
     def create(cls, config: SpillConfig, tp_rank: int = 0) -> SpillMetrics:
-        from prometheus_client import Counter, Gauge
+        from prometheus_client import Counter, Gauge, Histogram
 
         labels = {"tp_rank": str(tp_rank)}
         names = list(labels)
@@ -64,7 +67,23 @@ class SpillMetrics:
             name: Counter(f"sglang:hicache_spill_{name}", doc, names, registry=None).labels(**labels)
             for name, doc in COUNTERS.items()
         }
-        return cls(prometheus=counters)
+        used = Gauge("sglang:hicache_spill_tier_used_bytes", "bytes of published extents in the tier", names,
+                     registry=None, multiprocess_mode="mostrecent")  # fmt: skip
+        restore = Histogram("sglang:hicache_spill_restore_seconds", "time to restore a request's spilled KV",
+                            names, registry=None, buckets=RESTORE_BUCKETS)  # fmt: skip
+        return cls(
+            prometheus=counters,
+            restore_seconds=restore.labels(**labels),
+            tier_used_bytes=used.labels(**labels),
+        )
+
+    def observe_restore(self, seconds: float) -> None:
+        if self.restore_seconds is not None:
+            self.restore_seconds.observe(seconds)
+
+    def set_tier_used(self, nbytes: int) -> None:
+        if self.tier_used_bytes is not None:
+            self.tier_used_bytes.set(nbytes)
 
     def inc(self, name: str, amount: float = 1) -> None:
         if amount:

@@ -1,12 +1,14 @@
 """Spill on eviction, restore on resume, on the real server (issue 5's server tests).
 
-One server with a small device pool serves every test in this module, in order; each test uses its
-own token sequences, and the destructive test (tier directory removed) runs last.
+One server with a small device pool serves the tests of this module, in file order; each test uses
+its own token sequences, and the destructive test (tier directory removed) is the last one.
 """
 
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 import time
 import urllib.error
 from pathlib import Path
@@ -89,6 +91,9 @@ def test_resume_restores_history_with_output_identical_to_resident_run(server: A
     assert counter(base, "restored_tokens") - restored >= history
     assert counter(base, "restored_bytes") > read, "the tier's read counter did not move"
     assert resumed == reference
+    series = metrics(base)
+    assert series['sglang:hicache_spill_restore_seconds_count{tp_rank="0"}'] >= 1
+    assert series['sglang:hicache_spill_tier_used_bytes{tp_rank="0"}'] > 0
 
 
 def test_prefetch_at_arrival_feeds_the_restore(server: Any) -> None:
@@ -127,18 +132,6 @@ def test_corrupt_extent_recomputes_with_identical_output(server: Any) -> None:
     assert resumed == reference
 
 
-def test_tier_directory_removed_while_serving(server: Any) -> None:
-    base = server.base_url
-    turn2, reference, _ = two_turns(base, 61)
-    push_out(base, 61)
-    shutil.rmtree(server.tier_dir)
-    resumed, _ = generate(base, turn2)
-    assert resumed == reference
-    push_out(base, 62)  # spills now fail: eviction must fall back to dropping, serving goes on
-    again, _ = generate(base, turn2)
-    assert again == reference
-
-
 def test_warm_restart_resumes_a_conversation_from_the_tier(
     tiny_model: Path, tmp_path: Path, start_server: Any
 ) -> None:
@@ -171,6 +164,18 @@ def test_client_hint_warms_a_conversation_before_its_next_turn(server: Any) -> N
     assert cached >= history and resumed == reference
 
 
+def test_resume_hint_example_runs(server: Any) -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "resume_hint.py"
+    out = subprocess.run(
+        [sys.executable, str(example), "--base-url", server.base_url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "hint:" in out.stdout and "next turn:" in out.stdout
+
+
 def test_client_hint_with_chat_messages_and_bad_bodies(server: Any) -> None:
     base = server.base_url
     reply = post_json(base + "/hicache/prefetch", {"messages": [{"role": "user", "content": "hello there"}]})
@@ -178,3 +183,15 @@ def test_client_hint_with_chat_messages_and_bad_bodies(server: Any) -> None:
     with pytest.raises(urllib.error.HTTPError) as err:
         post_json(base + "/hicache/prefetch", {"text": "no"})
     assert err.value.code == 400
+
+
+def test_tier_directory_removed_while_serving(server: Any) -> None:
+    base = server.base_url
+    turn2, reference, _ = two_turns(base, 61)
+    push_out(base, 61)
+    shutil.rmtree(server.tier_dir)
+    resumed, _ = generate(base, turn2)
+    assert resumed == reference
+    push_out(base, 62)  # spills now fail: eviction must fall back to dropping, serving goes on
+    again, _ = generate(base, turn2)
+    assert again == reference
