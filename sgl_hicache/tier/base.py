@@ -182,7 +182,9 @@ class Tier(abc.ABC):
     def check_integrity(self) -> None:
         """Verify index vs files vs byte accounting; raise AssertionError with the numbers.
 
-        Call when idle (no operation in flight); blocks for a directory walk.
+        Call when idle (no operation in flight); blocks for a directory walk. In a directory
+        shared with another live process, extents it published since our scan (and its temp
+        files) are reported as unindexed: check a shared directory from one process at a time.
         """
 
     @abc.abstractmethod
