@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import Sequence
@@ -116,6 +117,31 @@ class SpillIO:
                 tokens += need
         return tokens
 
+    def readiness(self, refs: Sequence[SpillRef]) -> tuple[Readiness, float]:
+        """Whether a restore of `refs` would find all its bytes at hand, starting the reads it still
+        needs. Never blocks. Returns the verdict and how long the oldest pending read has run."""
+        self.poll()
+        waited = 0.0
+        state = Readiness.READY
+        for extent, need in _needs(refs).values():
+            if extent.state is ExtentState.WRITING and extent.staged is not None:
+                continue
+            read = self._start_read(extent, need, prefetch=False)
+            if read is None:
+                return Readiness.FAILED, 0.0
+            if read.done is not None and not read.done.ok:
+                self._lose(read)
+                return Readiness.FAILED, 0.0
+            if read.done is None:
+                state = Readiness.PENDING
+                waited = max(waited, time.monotonic() - read.started)
+        return state, waited
+
+    def abandon(self, refs: Sequence[SpillRef]) -> None:
+        """Give up the reads started for `refs` (their restore will not happen)."""
+        for extent_id in _needs(refs):
+            self._finish_read(extent_id)
+
     def restore(self, parts: Sequence[tuple[SpillRef, torch.Tensor]]) -> bool:
         """Unpack each ref's tokens into its slots (same length); all or nothing."""
         sources = self._gather(_needs([ref for ref, _ in parts]))
@@ -152,8 +178,11 @@ class SpillIO:
         read = self._reads.get(id(extent))
         nbytes = packed_nbytes(self.view, nbytes_tokens)
         if read is not None and read.nbytes >= nbytes and read.usable:
-            self.metrics.inc("prefetch_coalesced" if prefetch else "prefetch_hits")
-            read.prefetched = read.prefetched and prefetch
+            if prefetch:
+                self.metrics.inc("prefetch_coalesced")
+            elif read.prefetched:  # the first restore attempt that finds a prefetch's read
+                self.metrics.inc("prefetch_hits")
+                read.prefetched = False
             return read
         if extent.state is not ExtentState.ON_TIER:
             return None
@@ -184,10 +213,17 @@ class SpillIO:
         if read.done.ok:
             self.metrics.inc("restored_bytes", read.done.nbytes)
             return True
+        self._lose(read)
+        return False
+
+    def _lose(self, read: PendingRead) -> None:
+        """A read failed: its extent is LOST (its nodes will be pruned), counted once."""
+        if read.extent.state is ExtentState.LOST:
+            return
+        assert read.done is not None
         if read.done.status in (Status.CORRUPT, Status.MISS):
             self.metrics.inc("corrupt_extents")
         read.extent.state = ExtentState.LOST
-        return False
 
     def _finish_read(self, extent_id: int) -> None:
         read = self._reads.pop(extent_id, None)
@@ -203,9 +239,11 @@ class SpillIO:
             del self._reads[id(read.extent)]
 
     def _expire_prefetches(self) -> None:
+        """Reads nobody consumed within `prefetch_ttl_s` (an unused prefetch, or a restore whose
+        request went away while waiting) give their staging back."""
         now = time.monotonic()
         for read in list(self._reads.values()):
-            if read.prefetched and now - read.started > self.prefetch_ttl_s:
+            if now - read.started > self.prefetch_ttl_s:
                 self.metrics.inc("prefetch_abandoned")
                 self._abandon(read)
 
@@ -225,6 +263,12 @@ def _needs(refs: Sequence[SpillRef]) -> dict[int, tuple[Extent, int]]:
         _, need = needs.get(id(ref.extent), (ref.extent, 0))
         needs[id(ref.extent)] = (ref.extent, max(need, ref.offset + ref.count))
     return needs
+
+
+class Readiness(enum.Enum):
+    READY = "ready"  # every byte is in staging or read and verified
+    PENDING = "pending"  # reads in flight
+    FAILED = "failed"  # a read failed or could not start: recompute
 
 
 @dataclass(eq=False)

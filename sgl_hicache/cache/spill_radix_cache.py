@@ -42,9 +42,9 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from sgl_hicache.cache.prefix_keys import PrefixHasher, tenant_of
-from sgl_hicache.cache.spill_io import SpillIO
+from sgl_hicache.cache.spill_io import Readiness, SpillIO
 from sgl_hicache.cache.spill_state import ExtentState, SpillRef
-from sgl_hicache.config import SpillConfig
+from sgl_hicache.config import PrefetchPolicy, SpillConfig
 from sgl_hicache.server.hints import HintInbox
 from sgl_hicache.server.metrics import SpillMetrics
 from sgl_hicache.tier import NamespaceId
@@ -243,11 +243,39 @@ class SpillRadixCache(RadixCache):
         if chain is None or sum(len(n.key) for n in chain) != params.host_hit_length:
             return 0, anchor if anchor is not None else self.root_node
         spilled = [n for n in chain if n.evicted]
-        if spilled and not self._restore(spilled):
-            return 0, anchor
+        if spilled:
+            ready = self._restore_readiness(spilled)
+            if ready is Readiness.PENDING:
+                return None  # the scheduler retries admission next round; its loop never waits on I/O
+            if ready is Readiness.FAILED:
+                self.spill_metrics.inc("restore_failures")
+                if self.spill_io is not None:
+                    self.spill_io.abandon([node.spill for node in spilled])
+                return 0, anchor
+            if not self._restore(spilled):
+                return 0, anchor
         if params.req is not None:
             params.req.host_hit_is_storage = True  # per-tier cached-token details: ours is the storage tier
         return params.host_hit_length, params.best_match_node
+
+    def _restore_readiness(self, nodes: list[TreeNode]) -> Readiness:
+        """Apply the prefetch policy to the reads this restore needs (starting any missing ones):
+        WAIT defers admission until they land (up to the I/O timeout), TIMEOUT up to
+        `prefetch_timeout_s`, BEST_EFFORT not at all; past the limit the request recomputes."""
+        if self.spill_io is None:
+            return Readiness.FAILED
+        refs = [node.spill for node in nodes]
+        state, waited = self.spill_io.readiness(refs)
+        if state is not Readiness.PENDING:
+            return state
+        policy = self.spill_config.prefetch_policy
+        limit = {PrefetchPolicy.WAIT: self.spill_io.timeout_s, PrefetchPolicy.TIMEOUT: self.spill_config.prefetch_timeout_s,
+                 PrefetchPolicy.BEST_EFFORT: 0.0}[policy]  # fmt: skip
+        if waited < limit:
+            self.spill_metrics.inc("restore_deferrals")
+            return Readiness.PENDING
+        self.spill_metrics.inc("restores_too_late")
+        return Readiness.FAILED
 
     def _path_up(self, node: TreeNode, anchor: TreeNode | None) -> list[TreeNode] | None:
         chain = []

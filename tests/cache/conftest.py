@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -53,12 +54,16 @@ class Stack:
     def load_back(self, match: Any) -> tuple[int, Any]:
         from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
 
+        """What the scheduler does: retry admission while the cache answers None (reads in flight)."""
         req = SimpleNamespace(last_node=match.last_device_node)
         params = InitLoadBackParams(
             best_match_node=match.best_match_node, host_hit_length=match.host_hit_length, req=req
         )
-        result: tuple[int, Any] = self.cache.init_load_back(params)
-        return result
+        deadline = time.monotonic() + 30
+        while (result := self.cache.init_load_back(params)) is None:
+            assert time.monotonic() < deadline, "admission deferred for 30 s"
+            time.sleep(0.005)
+        return result  # type: ignore[no-any-return]
 
     def evict_all(self) -> None:
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams

@@ -41,3 +41,57 @@ def test_unused_prefetch_is_released_after_its_ttl(make_stack: Any) -> None:
     m = s.match(A)
     assert s.load_back(m)[0] == 40 and s.metrics.totals["reads_on_demand"] == 1
     s.cache.check_integrity()
+
+
+def slow_stack(make_stack: Any, **overrides: Any) -> Any:
+    from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
+
+    s = make_stack(**overrides)
+    s.insert(A)
+    s.evict_all()
+    s.cache.spill_io.tier = FaultyTier(s.cache.spill_io.tier, FaultSpec(latency_s=0.3))
+    return s
+
+
+def first_answer(s: Any) -> Any:
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+
+    m = s.match(A)
+    req = SimpleNamespace(last_node=m.last_device_node)
+    return m, s.cache.init_load_back(InitLoadBackParams(m.best_match_node, m.host_hit_length, req=req))
+
+
+def test_wait_policy_defers_admission_until_the_read_lands(make_stack: Any) -> None:
+    from sgl_hicache.config import PrefetchPolicy
+
+    s = slow_stack(make_stack, prefetch_policy=PrefetchPolicy.WAIT)
+    _, answer = first_answer(s)
+    assert answer is None, "admission must be deferred, not block the scheduler on the read"
+    loaded, last = s.load_back(s.match(A))
+    assert loaded == 40 and read_kv(s.pool, last.value) == expected_kv(A)
+    assert s.metrics.totals["restore_deferrals"] >= 1
+    s.cache.check_integrity()
+
+
+def test_best_effort_policy_recomputes_rather_than_wait(make_stack: Any) -> None:
+    from sgl_hicache.config import PrefetchPolicy
+
+    s = slow_stack(make_stack, prefetch_policy=PrefetchPolicy.BEST_EFFORT)
+    m, answer = first_answer(s)
+    assert answer == (0, m.last_device_node)
+    assert s.metrics.totals["restores_too_late"] == 1 and s.metrics.totals["restore_failures"] == 1
+    s.cache.spill_io.wait_writes()
+    s.cache.check_integrity()
+
+
+def test_timeout_policy_gives_up_after_its_limit(make_stack: Any) -> None:
+    from sgl_hicache.config import PrefetchPolicy
+
+    s = slow_stack(make_stack, prefetch_policy=PrefetchPolicy.TIMEOUT, prefetch_timeout_s=0.05)
+    _, answer = first_answer(s)
+    assert answer is None
+    time.sleep(0.1)
+    m, answer = first_answer(s)
+    assert answer == (0, m.last_device_node) and s.metrics.totals["restores_too_late"] == 1
