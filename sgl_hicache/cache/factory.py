@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from sgl_hicache.kernels import KVPoolView
     from sgl_hicache.server.hints import HintInbox
     from sgl_hicache.server.metrics import SpillMetrics
-    from sgl_hicache.tier import Namespace
+    from sgl_hicache.tier import Namespace, Tier
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,27 @@ def namespace_for(ctx: TreeCacheBuildContext, view: KVPoolView) -> Namespace:
     return Namespace(model=model, layout=layout, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
 
 
+TEST_FAULTS_ENV = "SGL_HICACHE_TEST_FAULTS"
+
+
+def with_test_faults(tier: Tier) -> Tier:
+    """Fault injection for tests only: `SGL_HICACHE_TEST_FAULTS='{"latency_s": 1.5}'` (FaultSpec fields)
+    wraps the tier in a FaultyTier, and says so loudly. Unset in production."""
+    import json
+    import os
+
+    from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
+
+    raw = os.environ.get(TEST_FAULTS_ENV)
+    if not raw:
+        return tier
+    spec = FaultSpec(**json.loads(raw))
+    logger.warning(
+        "sgl_hicache: FAULT INJECTION ACTIVE (%s=%s): the tier is a FaultyTier", TEST_FAULTS_ENV, raw
+    )
+    return FaultyTier(tier, spec)
+
+
 def open_spill_io(
     config: SpillConfig, namespace: Namespace, view: KVPoolView, metrics: SpillMetrics
 ) -> SpillIO | None:
@@ -92,5 +113,6 @@ def open_spill_io(
             e,
         )
         return None
+    tier = with_test_faults(tier)
     timeout = max(config.prefetch_timeout_s, 10.0)
     return SpillIO(tier, view, StagingPool(config.staging_bytes), metrics, timeout, config.prefetch_ttl_s)

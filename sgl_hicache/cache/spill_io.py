@@ -135,6 +135,9 @@ class SpillIO:
             if read.done is None:
                 state = Readiness.PENDING
                 waited = max(waited, time.monotonic() - read.started)
+                if not read.deferred:  # count each late read once, not each retry
+                    read.deferred = True
+                    self.metrics.inc("restore_deferrals")
         return state, waited
 
     def abandon(self, refs: Sequence[SpillRef]) -> None:
@@ -283,3 +286,4 @@ class PendingRead:
     prefetched: bool
     done: Completion | None = None
     usable: bool = True
+    deferred: bool = False  # a restore already found it pending

@@ -272,7 +272,6 @@ class SpillRadixCache(RadixCache):
         limit = {PrefetchPolicy.WAIT: self.spill_io.timeout_s, PrefetchPolicy.TIMEOUT: self.spill_config.prefetch_timeout_s,
                  PrefetchPolicy.BEST_EFFORT: 0.0}[policy]  # fmt: skip
         if waited < limit:
-            self.spill_metrics.inc("restore_deferrals")
             return Readiness.PENDING
         self.spill_metrics.inc("restores_too_late")
         return Readiness.FAILED

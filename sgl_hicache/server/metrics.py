@@ -34,7 +34,7 @@ COUNTERS = {
     "prefetch_hits": "restores that found their read already started by a prefetch",
     "prefetch_abandoned": "prefetched reads released unused after their time to live",
     "reads_on_demand": "extent reads a restore had to start itself (no prefetch)",
-    "restore_deferrals": "admissions deferred because the request's reads had not landed yet",
+    "restore_deferrals": "extent reads a restore found still in flight (its admission waited for them)",
     "restores_too_late": "restores given up because their reads outlasted the prefetch policy's limit",
 }
 
