@@ -8,8 +8,8 @@ from pathlib import Path
 
 from sgl_hicache.tier.format import EXTENT_SUFFIX, TEMP_SUFFIX
 from sgl_hicache.tier.keys import KEY_BYTES, ExtentKey, NamespaceId
-from sgl_hicache.tier.paths import FANOUT_CHARS, ExtentPaths, temp_owner
-from sgl_hicache.tier.scan import STALE_TEMP_S
+from sgl_hicache.tier.paths import FANOUT_CHARS, ExtentPaths
+from sgl_hicache.tier.scan import is_stale_temp
 
 _HEX_NAME = 2 * KEY_BYTES
 
@@ -52,7 +52,7 @@ def classify(ns_dir: Path, now: float) -> NsFiles:
             if de.name.endswith(EXTENT_SUFFIX):
                 files.extents.append(de)
             elif de.name.endswith(TEMP_SUFFIX):
-                (files.stale_temps if _is_stale(de, now) else files.live_temps).append(de.path)
+                (files.stale_temps if is_stale_temp(de, now) else files.live_temps).append(de.path)
         except FileNotFoundError:
             continue  # removed meanwhile by a server sharing the directory
     files.extents.sort(key=lambda de: de.name)
@@ -66,22 +66,6 @@ def key_of(de: os.DirEntry[str]) -> ExtentKey | None:
     if not _is_hex(stem, _HEX_NAME) or Path(de.path).parent.name != stem[:FANOUT_CHARS]:
         return None
     return ExtentKey(bytes.fromhex(stem))
-
-
-def _is_stale(de: os.DirEntry[str], now: float) -> bool:
-    """The startup scan's rule: stale if the writer pid is gone or the file is over an hour old."""
-    pid = temp_owner(de.name)
-    return pid is None or not _alive(pid) or now - de.stat().st_mtime >= STALE_TEMP_S
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _is_hex(name: str, length: int) -> bool:

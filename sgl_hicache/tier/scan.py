@@ -54,10 +54,16 @@ def _scan_part(files: list[os.DirEntry[str]], ns: NamespaceId, now: float) -> Sc
     return result
 
 
-def _remove_if_stale(de: os.DirEntry[str], now: float) -> int:
+def is_stale_temp(de: os.DirEntry[str], now: float) -> bool:
+    """The rule for temp files (also used by `sgl-hicache fsck`): stale if its writer pid is gone or
+    it is older than STALE_TEMP_S. Raises FileNotFoundError if it vanished meanwhile."""
     pid = temp_owner(de.name)
+    return pid is None or not _alive(pid) or now - de.stat().st_mtime >= STALE_TEMP_S
+
+
+def _remove_if_stale(de: os.DirEntry[str], now: float) -> int:
     try:
-        if pid is not None and _alive(pid) and now - de.stat().st_mtime < STALE_TEMP_S:
+        if not is_stale_temp(de, now):
             return 0
         os.unlink(de.path)
         return 1
