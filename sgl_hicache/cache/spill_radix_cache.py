@@ -391,4 +391,4 @@ class SpillRadixCache(RadixCache):
     def _poll(self) -> None:
         if self.spill_io is not None:
             self.spill_io.poll()
-            self.spill_metrics.set_tier_used(self.spill_io.tier.stats().bytes_stored)
+            self.spill_metrics.set_tier_stats(self.spill_io.tier.stats())

@@ -15,6 +15,14 @@ from typing import Any
 from sgl_hicache.config import SpillConfig
 
 BACKEND_NAME = "hicache_spill"
+TIER_GAUGES = {  # TierStats field: (metric name, help)
+    "bytes_stored": ("tier_used_bytes", "bytes of published extents in the tier"),
+    "extents": ("tier_extents", "published extents in the tier"),
+    "io_errors": ("tier_io_errors", "I/O errors the tier met since start (EIO, EACCES, EROFS, ...)"),
+    "checksum_failures": ("tier_checksum_failures", "reads that failed verification since start"),
+    "no_space": ("tier_no_space", "stores refused for lack of space since start"),
+    "evictions": ("tier_evictions", "extents the tier evicted to stay within its budget since start"),
+}
 RESTORE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 COUNTERS = {
@@ -47,7 +55,7 @@ class SpillMetrics:
     totals: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0.0))
     prometheus: dict[str, Any] | None = None
     restore_seconds: Any = None  # Histogram child, when exported
-    tier_used_bytes: Any = None  # Gauge child, when exported
+    tier_gauges: dict[str, Any] | None = None  # TierStats field -> Gauge child, when exported
 
     @classmethod
     def local(cls) -> SpillMetrics:
@@ -69,23 +77,25 @@ class SpillMetrics:
             name: Counter(f"sglang:hicache_spill_{name}", doc, names, registry=None).labels(**labels)
             for name, doc in COUNTERS.items()
         }
-        used = Gauge("sglang:hicache_spill_tier_used_bytes", "bytes of published extents in the tier", names,
-                     registry=None, multiprocess_mode="mostrecent")  # fmt: skip
         restore = Histogram("sglang:hicache_spill_restore_seconds", "time to restore a request's spilled KV",
                             names, registry=None, buckets=RESTORE_BUCKETS)  # fmt: skip
-        return cls(
-            prometheus=counters,
-            restore_seconds=restore.labels(**labels),
-            tier_used_bytes=used.labels(**labels),
-        )
+        gauges = {
+            stat: Gauge(
+                f"sglang:hicache_spill_{name}", doc, names, registry=None, multiprocess_mode="mostrecent"
+            ).labels(**labels)
+            for stat, (name, doc) in TIER_GAUGES.items()
+        }
+        return cls(prometheus=counters, restore_seconds=restore.labels(**labels), tier_gauges=gauges)
 
     def observe_restore(self, seconds: float) -> None:
         if self.restore_seconds is not None:
             self.restore_seconds.observe(seconds)
 
-    def set_tier_used(self, nbytes: int) -> None:
-        if self.tier_used_bytes is not None:
-            self.tier_used_bytes.set(nbytes)
+    def set_tier_stats(self, stats: Any) -> None:
+        """Mirror the tier's own counters (a `TierStats`) to their gauges."""
+        if self.tier_gauges is not None:
+            for stat, gauge in self.tier_gauges.items():
+                gauge.set(getattr(stats, stat))
 
     def inc(self, name: str, amount: float = 1) -> None:
         if amount:

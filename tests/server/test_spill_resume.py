@@ -94,6 +94,7 @@ def test_resume_restores_history_with_output_identical_to_resident_run(server: A
     series = metrics(base)
     assert series['sglang:hicache_spill_restore_seconds_count{tp_rank="0"}'] >= 1
     assert series['sglang:hicache_spill_tier_used_bytes{tp_rank="0"}'] > 0
+    assert series['sglang:hicache_spill_tier_extents{tp_rank="0"}'] > 0
 
 
 def test_prefetch_at_arrival_feeds_the_restore(server: Any) -> None:
@@ -195,3 +196,4 @@ def test_tier_directory_removed_while_serving(server: Any) -> None:
     push_out(base, 62)  # spills now fail: eviction must fall back to dropping, serving goes on
     again, _ = generate(base, turn2)
     assert again == reference
+    assert metrics(base)['sglang:hicache_spill_tier_io_errors{tp_rank="0"}'] > 0
