@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.workdir:
         args.workdir.mkdir(parents=True, exist_ok=True)
-        launch_and_chat(args.workdir)
+        launch_and_chat(args.workdir.resolve())
     else:
         with tempfile.TemporaryDirectory(prefix="sgl_hicache_demo_") as d:
             launch_and_chat(Path(d))
