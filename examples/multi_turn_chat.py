@@ -60,19 +60,70 @@ def chat_turn(
     return "".join(parts), (ttft if ttft is not None else total) * 1e3, total * 1e3, prompt, cached
 
 
+class Chat:
+    """One conversation: its messages so far, and a printed row per turn."""
+
+    def __init__(self, base_url: str, name: str, max_tokens: int = 32) -> None:
+        self.client = OpenAI(base_url=base_url, api_key="none")
+        self.model = self.client.models.list().data[0].id
+        self.name, self.max_tokens = name, max_tokens
+        self.messages: list[dict[str, str]] = [
+            {"role": "system", "content": "You are a concise, helpful assistant."}
+        ]
+        self.results: list[TurnResult] = []
+
+    def ask(self, question: str) -> TurnResult:
+        self.messages.append({"role": "user", "content": question})
+        reply, ttft, total, prompt, cached = chat_turn(
+            self.client, self.model, self.messages, self.max_tokens
+        )
+        self.messages.append({"role": "assistant", "content": reply})
+        result = TurnResult(len(self.results) + 1, prompt, cached, ttft, total, reply)
+        self.results.append(result)
+        print(
+            f"{self.name:>6} {result.turn:>4} {prompt:>7} {cached:>7} {ttft:>9.1f} {total:>9.1f}", flush=True
+        )
+        return result
+
+
+HEADER = f"{'chat':>6} {'turn':>4} {'prompt':>7} {'cached':>7} {'TTFT ms':>9} {'total ms':>9}"
+
+
 def run_chat(base_url: str, questions: list[str] = QUESTIONS, max_tokens: int = 32) -> list[TurnResult]:
-    client = OpenAI(base_url=base_url, api_key="none")
-    model = client.models.list().data[0].id
-    messages: list[dict[str, str]] = [{"role": "system", "content": "You are a concise, helpful assistant."}]
-    results = []
-    print(f"{'turn':>4} {'prompt':>7} {'cached':>7} {'TTFT ms':>9} {'total ms':>9}", flush=True)
-    for i, question in enumerate(questions, 1):
-        messages.append({"role": "user", "content": question})
-        reply, ttft, total, prompt, cached = chat_turn(client, model, messages, max_tokens)
-        messages.append({"role": "assistant", "content": reply})
-        results.append(TurnResult(i, prompt, cached, ttft, total, reply))
-        print(f"{i:>4} {prompt:>7} {cached:>7} {ttft:>9.1f} {total:>9.1f}", flush=True)
-    return results
+    chat = Chat(base_url, "A", max_tokens)
+    print(HEADER, flush=True)
+    for question in questions:
+        chat.ask(question)
+    return chat.results
+
+
+def spill_demo(server_url: str) -> list[TurnResult]:
+    """Conversation A, then other users' long conversations push A out of the device pool (its KV is
+    spilled to the tier), then A resumes: its history comes back from the tier as cached tokens."""
+    a = Chat(server_url + "/v1", "A")
+    print(HEADER, flush=True)
+    for question in QUESTIONS[:3]:
+        a.ask(question)
+    print("  ... other users' long conversations push A out of the device pool ...", flush=True)
+    words = " ".join(QUESTIONS).split()
+    for k in range(1, 4):  # distinct long prompts, so nothing of them is shared with A or each other
+        other = Chat(server_url + "/v1", f"U{k}", max_tokens=8)
+        other.ask(" ".join(f"{w}{(i * k) % 97}" for i, w in enumerate(words * 3)))
+    a.ask(QUESTIONS[3])
+    stats = spill_stats(server_url)
+    print(f"spill tier: {stats['spilled_tokens']:.0f} tokens spilled, {stats['restored_tokens']:.0f} restored, "
+          f"{stats['dropped_tokens']:.0f} dropped", flush=True)  # fmt: skip
+    return a.results
+
+
+def spill_stats(server_url: str) -> dict[str, float]:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(server_url + "/server_info", timeout=30) as r:
+        info = json.loads(r.read())
+    counters: dict[str, float] = info["internal_states"][0]["hicache_spill"]["counters"]
+    return counters
 
 
 def launch_and_chat(workdir: Path) -> list[TurnResult]:
@@ -86,10 +137,13 @@ def launch_and_chat(workdir: Path) -> list[TurnResult]:
     flags = [*CPU_FLAGS, "--enable-cache-report", "--enable-hicache-spill", "--hicache-spill-dir", str(tier),
              "--hicache-spill-capacity", "1G", "--hicache-spill-min-free", "0"]  # fmt: skip
     log = workdir / "server.log"
-    print(f"starting the patched sglang server (CPU, tiny model, spill tier {tier}); log: {log}", flush=True)
-    with ServerProcess(model, max_total_tokens=4096, extra_args=flags, log_path=log) as server:
+    print(
+        f"starting the patched sglang server (CPU, tiny model, 1024-token device pool, spill tier {tier}); log: {log}",
+        flush=True,
+    )
+    with ServerProcess(model, max_total_tokens=1024, extra_args=flags, log_path=log) as server:
         print(f"server up at {server.base_url}", flush=True)
-        results = run_chat(server.base_url + "/v1")
+        results = spill_demo(server.base_url)
     print("server stopped", flush=True)
     return results
 
