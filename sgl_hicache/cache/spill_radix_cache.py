@@ -47,7 +47,7 @@ from sgl_hicache.cache.spill_state import ExtentState, SpillRef
 from sgl_hicache.config import PrefetchPolicy, SpillConfig
 from sgl_hicache.server.hints import HintInbox
 from sgl_hicache.server.metrics import SpillMetrics
-from sgl_hicache.tier import NamespaceId
+from sgl_hicache.tier import ExtentKey, NamespaceId
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class SpillRadixCache(RadixCache):
             self.spilled_tokens -= child.spill.count
             stack.extend(child.children.values())
 
-    def _node_keys(self, node: TreeNode) -> tuple[Any, Any]:
+    def _node_keys(self, node: TreeNode) -> tuple[ExtentKey, ExtentKey]:
         path = []
         walk = node.parent
         while walk is not self.root_node:
