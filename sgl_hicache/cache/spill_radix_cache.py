@@ -1,6 +1,7 @@
-"""`SpillRadixCache`: sglang's pure-Python `RadixCache` whose evictions spill to the NVMe tier.
+"""`SpillRadixCache`: the radix cache whose evictions spill to the NVMe tier (I/O and policy; the
+tree mechanics of spilled nodes are `SpilledTree`'s, in spilled_tree.py).
 
-Why `RadixCache` and not the default `UnifiedRadixCache`: in sglang 0.5.23 the unified cache keeps
+Why sglang's `RadixCache` and not the default `UnifiedRadixCache`: in sglang 0.5.23 the unified cache keeps
 its tree in a Rust core (nodes are opaque ids), so no Python subclass can keep a node *spilled* or
 walk a cold subtree; `RadixCache` is the pure-Python tree that sglang's own FlexKV backend extends
 the same way. See docs/DESIGN.md.
@@ -15,8 +16,7 @@ What changes, and where sglang calls it:
   `init_load_back` when it admits the request.
 - `init_load_back`: allocates slots, restores the spilled nodes on the path (all or nothing) and
   turns them back into device-resident nodes, so prefill sees them as cached prefix.
-- `_insert_helper`: an insert that runs over spilled nodes (their restore failed and the request
-  recomputed them) adopts the request's slots for them instead of treating them as duplicates.
+- `prefetch` / `take_hints`: start the reads of a prompt's spilled prefix ahead of its restore.
 Everything else (locking, accounting of evictable/protected sizes, scheduling) is sglang's, with
 spilled nodes counted in neither: they hold no device memory.
 """
@@ -39,11 +39,12 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     MatchResult,
 )
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
+from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
 from sgl_hicache.cache.prefix_keys import PrefixHasher, tenant_of
 from sgl_hicache.cache.spill_io import Readiness, SpillIO
 from sgl_hicache.cache.spill_state import ExtentState, SpillRef
+from sgl_hicache.cache.spilled_tree import SpilledTree
 from sgl_hicache.config import PrefetchPolicy, SpillConfig
 from sgl_hicache.server.hints import HintInbox
 from sgl_hicache.server.metrics import SpillMetrics
@@ -52,7 +53,7 @@ from sgl_hicache.tier import ExtentKey, NamespaceId
 logger = logging.getLogger(__name__)
 
 
-class SpillRadixCache(RadixCache):
+class SpillRadixCache(SpilledTree):
     def __init__(self, params: CacheInitParams, config: SpillConfig, metrics: SpillMetrics,
                  io: SpillIO | None, namespace_id: NamespaceId, hints: HintInbox | None = None) -> None:  # fmt: skip
         self.spill_config = config
@@ -105,28 +106,11 @@ class SpillRadixCache(RadixCache):
         self.spill_metrics.inc("spilled_tokens", n)
         return True
 
-    def _mark_spilled(self, node: TreeNode, ref: SpillRef) -> None:
-        self.token_to_kv_pool_allocator.free_segment(node.value, start_pos=0)
-        self.evictable_size_ -= len(node.key)
-        node.value = None
-        node.spill = ref
-        self.spilled_tokens += ref.count
-        self._update_leaf_status(node)
-        self._update_leaf_status(node.parent)
-
     def _drop_node(self, node: TreeNode) -> None:
         self.token_to_kv_pool_allocator.free_segment(node.value, start_pos=0)
         self.spill_metrics.inc("dropped_tokens", len(node.value))
         self._forget_spilled(node)
         self._delete_leaf(node)
-
-    def _forget_spilled(self, node: TreeNode) -> None:
-        """Account for the spilled descendants of `node` leaving the tree with it."""
-        stack = list(node.children.values())
-        while stack:
-            child = stack.pop()
-            self.spilled_tokens -= child.spill.count
-            stack.extend(child.children.values())
 
     def _node_keys(self, node: TreeNode) -> tuple[ExtentKey, ExtentKey]:
         path = []
@@ -156,62 +140,6 @@ class SpillRadixCache(RadixCache):
         last_spilled, host_len = self._match_spilled(last_device, key[device_len:])
         return MatchResult(device_prefix_len=device_len, last_device_node=last_device, last_host_node=last_spilled,
                            best_match_node=last_spilled, host_hit_length=host_len)  # fmt: skip
-
-    def _match_prefix_helper(self, node: TreeNode, key: RadixKey) -> tuple[list[torch.Tensor], TreeNode]:
-        """sglang's walk, stopping at the first spilled node (device-resident prefix only)."""
-        now = time.monotonic()
-        node.last_access_time = now
-        values = []
-        while len(key) > 0:
-            child = node.children.get(key.child_key(self.page_size))
-            if child is None or child.evicted:
-                break
-            child.last_access_time = now
-            n = child.key.match(key, page_size=self.page_size)
-            if n < len(child.key):
-                node = self._split_node(child.key, child, n)
-                values.append(node.value)
-                break
-            values.append(child.value)
-            node, key = child, key[n:]
-        return values, node
-
-    def _match_spilled(self, node: TreeNode, key: RadixKey) -> tuple[TreeNode, int]:
-        matched = 0
-        while len(key) > 0:
-            child = node.children.get(key.child_key(self.page_size))
-            if child is None or not child.evicted:
-                break
-            if child.spill.extent.state is ExtentState.LOST:
-                self._prune_spilled(child)
-                break
-            n = child.key.match(key, page_size=self.page_size)
-            if n < len(child.key):
-                child = self._split_node(child.key, child, n)
-            matched += n
-            node, key = child, key[n:]
-        return node, matched
-
-    def _split_node(self, key: RadixKey, child: TreeNode, split_len: int) -> TreeNode:
-        """sglang's split, also splitting the spill reference (spilled nodes, and resident ones that
-        still know their clean copy on the tier)."""
-        ref: SpillRef | None = getattr(child, "spill", None)
-        spilled = child.evicted
-        if spilled:
-            child.value = torch.empty(len(child.key), dtype=torch.int64)  # sglang's split slices it
-        new_node = super()._split_node(key, child, split_len)
-        if spilled:
-            new_node.value = child.value = None
-        if ref is not None:
-            new_node.spill, child.spill = ref.split(split_len)
-        return new_node
-
-    def _prune_spilled(self, node: TreeNode) -> None:
-        """Remove a spilled node whose KV is lost, and its (spilled) subtree."""
-        self.spilled_tokens -= node.spill.count
-        self._forget_spilled(node)
-        node.parent.children.pop(node.key.child_key(self.page_size), None)
-        self._update_leaf_status(node.parent)
 
     # ---- prefetch at arrival ----------------------------------------------------------------
 
@@ -276,15 +204,6 @@ class SpillRadixCache(RadixCache):
         self.spill_metrics.inc("restores_too_late")
         return Readiness.FAILED
 
-    def _path_up(self, node: TreeNode, anchor: TreeNode | None) -> list[TreeNode] | None:
-        chain = []
-        while node is not anchor:
-            if node is self.root_node or node is None:
-                return None
-            chain.append(node)
-            node = node.parent
-        return chain[::-1]
-
     def _restore(self, nodes: list[TreeNode]) -> bool:
         n = sum(len(node.key) for node in nodes)
         slots = self._alloc_slots(n)
@@ -310,36 +229,6 @@ class SpillRadixCache(RadixCache):
             self.evict(EvictParams(num_tokens=n - allocator.available_size()))
         return allocator.alloc(n) if allocator.available_size() >= n else None
 
-    def _mark_resident(self, node: TreeNode, value: torch.Tensor) -> None:
-        node.value = value
-        self.spilled_tokens -= node.spill.count
-        self.evictable_size_ += len(node.key)
-        if node.lock_ref > 0:  # cannot happen for spilled nodes today; keep accounting exact anyway
-            self.evictable_size_ -= len(node.key)
-            self.protected_size_ += len(node.key)
-        self._update_leaf_status(node)
-        self._update_leaf_status(node.parent)
-
-    # ---- insert over spilled nodes ----------------------------------------------------------
-
-    def _insert_helper(self, node: TreeNode, key: RadixKey, value: Any, priority: int = 0,
-                       inserted_len: int = 0) -> tuple[int, TreeNode]:  # fmt: skip
-        adopted = self._adopt_spilled(node, key, value)
-        prefix_len, last = super()._insert_helper(node, key, value, priority, inserted_len)
-        # Adopted tokens are the tail of the matched prefix and now own the request's slots:
-        # they must not be reported as duplicates (the caller frees duplicates' slots).
-        return prefix_len - adopted, last
-
-    def _adopt_spilled(self, node: TreeNode, key: RadixKey, value: torch.Tensor) -> int:
-        """Give the spilled nodes on `key`'s path the request's slots; returns how many tokens."""
-        values, last = self._match_prefix_helper(node, key)
-        pos = sum(len(v) for v in values)
-        end, matched = self._match_spilled(last, key[pos:])
-        for spilled in self._path_up(end, last) or []:
-            self._mark_resident(spilled, value[pos : pos + len(spilled.key)].clone())
-            pos += len(spilled.key)
-        return matched
-
     # ---- accounting -------------------------------------------------------------------------
 
     def reset(self) -> None:
@@ -350,16 +239,6 @@ class SpillRadixCache(RadixCache):
         super().reset()
         self.spilled_tokens = 0
         attach_tier_extents(self)
-
-    def all_values_flatten(self) -> torch.Tensor:
-        values = []
-        stack = list(self.root_node.children.values())
-        while stack:
-            node = stack.pop()
-            if not node.evicted:
-                values.append(node.value)
-                stack.extend(node.children.values())
-        return torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
 
     def report(self) -> dict[str, Any]:
         """Counters, staging, tier stats and an integrity verdict (for `GET /server_info`)."""
