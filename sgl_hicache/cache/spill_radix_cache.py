@@ -48,7 +48,7 @@ from sgl_hicache.cache.spilled_tree import SpilledTree
 from sgl_hicache.config import PrefetchPolicy, SpillConfig
 from sgl_hicache.server.hints import HintInbox
 from sgl_hicache.server.metrics import SpillMetrics
-from sgl_hicache.tier import ExtentKey, NamespaceId
+from sgl_hicache.tier import ExtentInfo, ExtentKey, NamespaceId
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ class SpillRadixCache(SpilledTree):
         self.spill_io = io
         self.namespace_id = namespace_id
         self.hints = hints
+        self.tier_orphans: dict[ExtentKey, list[ExtentInfo]] = {}  # see warm_start.py
         self.spilled_tokens = 0
         super().__init__(params)  # calls reset(), which attaches the tier's extents (warm start)
 
@@ -135,11 +136,23 @@ class SpillRadixCache(SpilledTree):
         key = key.page_aligned(self.page_size)
         if len(key) == 0:
             return self._empty_match_result
+        last_device, device_len, last_spilled, host_len = self._walk(key)
+        return MatchResult(device_prefix_len=device_len, last_device_node=last_device, last_host_node=last_spilled,
+                           best_match_node=last_spilled, host_hit_length=host_len)  # fmt: skip
+
+    def _walk(self, key: RadixKey) -> tuple[TreeNode, int, TreeNode, int]:
+        """(deepest device node, device tokens, deepest spilled node, spilled tokens) on `key`'s
+        path, attaching orphan tier extents (warm restart of salted tenants) where the path ends."""
+        from sgl_hicache.cache.warm_start import attach_on_match
+
         values, last_device = self._match_prefix_helper(self.root_node, key)
         device_len = sum(len(v) for v in values)
         last_spilled, host_len = self._match_spilled(last_device, key[device_len:])
-        return MatchResult(device_prefix_len=device_len, last_device_node=last_device, last_host_node=last_spilled,
-                           best_match_node=last_spilled, host_hit_length=host_len)  # fmt: skip
+        end = device_len + host_len
+        if end < len(key) and self.tier_orphans and attach_on_match(self, last_spilled, key, end):
+            last_spilled, more = self._match_spilled(last_spilled, key[end:])
+            host_len += more
+        return last_device, device_len, last_spilled, host_len
 
     # ---- prefetch at arrival ----------------------------------------------------------------
 
@@ -150,8 +163,7 @@ class SpillRadixCache(SpilledTree):
             return 0
         self._poll()
         key = RadixKey(array("q", token_ids), extra_key, cache_salt=cache_salt).page_aligned(self.page_size)
-        values, last = self._match_prefix_helper(self.root_node, key)
-        end, matched = self._match_spilled(last, key[sum(len(v) for v in values) :])
+        last, _, end, matched = self._walk(key)
         if not matched:
             return 0
         self.spill_metrics.inc("prefetch_requests")

@@ -1,11 +1,12 @@
 """Warm restart: turn the tier's published extents back into spilled nodes of a fresh tree.
 
-Extents name their prefix by `prefix_key` (see prefix_keys.py), so the tree is rebuilt by walking
-from the default tenant's root key: the children of a node are the extents whose parent key equals
-the node's key, and each child's key is re-derived from its stored tokens and checked. What cannot be
-attached is left on the tier (aged out by its LRU): extents of salted tenants (the salt is not stored
-on disk), and a second extent starting with the same first token under one parent (the radix tree
-keeps one child per first token; the first one found wins).
+Extents name their prefix by `prefix_key` (see prefix_keys.py). At start, the default tenant's tree
+is rebuilt by walking from its root key: the children of a node are the extents whose parent key
+equals the node's key, each child's key re-derived from its stored tokens and checked.
+Everything else stays an *orphan*, indexed by parent key: extents of salted tenants (the salt is
+never stored on disk) and extents under such orphans. A request brings its own tokens and tenant, so
+when its match ends where an orphan's parent key says it starts, and the orphan's key equals the hash
+of the request's next tokens, the orphan is attached then (`attach_on_match`), without a disk read.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from __future__ import annotations
 import logging
 from array import array
 from collections import defaultdict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
-from sgl_hicache.cache.prefix_keys import PrefixHasher
+from sgl_hicache.cache.prefix_keys import PrefixHasher, tenant_of
 from sgl_hicache.cache.spill_state import Extent, ExtentState, SpillRef
 from sgl_hicache.tier import ExtentInfo, ExtentKey
 
@@ -40,15 +41,58 @@ def attach_tier_extents(cache: SpillRadixCache) -> int:
     attached = 0
     while stack:
         node, hasher = stack.pop()
-        for info in children.get(hasher.key(), []):
+        for info in children.pop(hasher.key(), []):
             child = _attach(cache, node, hasher, info)
             if child is not None:
                 attached += info.token_count
                 stack.append(child)
     cache.spilled_tokens += attached
+    cache.tier_orphans = dict(children)
     if attached:
         logger.info("sgl_hicache: warm start attached %d spilled tokens from the tier", attached)
     return attached
+
+
+def attach_on_match(cache: SpillRadixCache, node: TreeNode, key: RadixKey, pos: int) -> int:
+    """Attach orphan extents that continue `key` after its first `pos` tokens (where `node` ends);
+    returns the tokens attached (as spilled nodes under `node`)."""
+    tokens = key.raw_token_ids()
+    hasher = PrefixHasher(cache.namespace_id, tenant_of(key.extra_key, key.cache_salt)).update(tokens[:pos])
+    attached = 0
+    while pos < len(key):
+        candidates = cache.tier_orphans.get(hasher.key(), [])
+        found = next((c for c in candidates if _continues(c, hasher, tokens, pos, cache.page_size)), None)
+        if found is None or key[pos:].child_key(cache.page_size) in node.children:
+            break
+        candidates.remove(found)
+        n = found.token_count
+        node = _new_spilled(
+            node,
+            RadixKey(tokens[pos : pos + n], key.extra_key, cache_salt=key.cache_salt),
+            found.key,
+            cache.page_size,
+        )
+        hasher.update(tokens[pos : pos + n])
+        pos, attached = pos + n, attached + n
+    cache.spilled_tokens += attached
+    return attached
+
+
+def _continues(info: ExtentInfo, hasher: PrefixHasher, tokens: Any, pos: int, page_size: int) -> bool:
+    n = info.token_count
+    return (
+        0 < n <= len(tokens) - pos
+        and n % page_size == 0
+        and hasher.copy().update(tokens[pos : pos + n]).key() == info.key
+    )
+
+
+def _new_spilled(parent: TreeNode, key: RadixKey, extent_key: ExtentKey, page_size: int) -> TreeNode:
+    node = TreeNode()
+    node.parent, node.key, node.value = parent, key, None
+    node.spill = SpillRef(Extent(extent_key, len(key), ExtentState.ON_TIER), 0, len(key))
+    parent.children[key.child_key(page_size)] = node
+    return node
 
 
 def _attach(
@@ -61,11 +105,6 @@ def _attach(
     if child_hasher.key() != info.key:
         return None  # not a prefix extent of this tree (e.g. another key scheme): leave it alone
     key = RadixKey(array("q", tokens.tolist()))
-    child_key = key.child_key(cache.page_size)
-    if child_key in parent.children:
+    if key.child_key(cache.page_size) in parent.children:
         return None
-    node = TreeNode()
-    node.parent, node.key, node.value = parent, key, None
-    node.spill = SpillRef(Extent(info.key, len(tokens), ExtentState.ON_TIER), 0, len(tokens))
-    parent.children[child_key] = node
-    return node, child_hasher
+    return _new_spilled(parent, key, info.key, cache.page_size), child_hasher

@@ -129,7 +129,7 @@ def test_warm_start_attaches_the_tiers_extents_as_spilled_nodes(make_stack: Any)
     s = make_stack()
     s.insert([1, 2] + A)
     s.insert([1, 2] + B)
-    s.insert(B, salt="carol")  # salted tenants cannot be re-attached (the salt is not on disk)
+    s.insert(B, salt="carol")  # salted: re-attached only when a request of that tenant brings the tokens
     s.evict_all()
     s.cache.spill_io.tier.close()
     again = make_stack(tier_dir=s.tier_dir)
@@ -138,5 +138,9 @@ def test_warm_start_attaches_the_tiers_extents_as_spilled_nodes(make_stack: Any)
     assert m.host_hit_length == 42
     loaded, last = again.load_back(m)
     assert loaded == 42 and read_kv(again.pool, last.value) == expected_kv(A)
-    assert again.match(B, salt="carol").host_hit_length == 0
+    assert again.match(B, salt="dave").host_hit_length == 0 and again.match(B).host_hit_length == 0
+    m = again.match(B + [7], salt="carol")
+    assert m.host_hit_length == 20 and again.cache.spilled_tokens == 62 - 42 + 20
+    loaded, last = again.load_back(m)
+    assert loaded == 20 and read_kv(again.pool, last.value) == expected_kv(B)
     again.cache.check_integrity()
