@@ -140,6 +140,7 @@ def test_warm_restart_resumes_a_conversation_from_the_tier(
     args = ("--enable-hicache-spill", "--hicache-spill-dir", str(tier), "--hicache-spill-min-free", "0")
     first = start_server(tiny_model, *args, max_total_tokens=POOL)
     turn2, reference, history = two_turns(first.base_url, 81)
+    salted2, salted_ref, salted_history = two_turns(first.base_url, 91, salt="erin")
     push_out(first.base_url, 81)
     written = counter(first.base_url, "spilled_bytes")
     deadline = time.monotonic() + 30
@@ -150,6 +151,9 @@ def test_warm_restart_resumes_a_conversation_from_the_tier(
     resumed, cached = generate(second.base_url, turn2)
     assert cached >= history, f"after restart the resumed turn reused only {cached} of {history} tokens"
     assert resumed == reference
+    assert generate(second.base_url, salted2, salt="frank")[1] == 0
+    resumed, cached = generate(second.base_url, salted2, salt="erin")
+    assert cached >= salted_history and resumed == salted_ref
 
 
 def test_client_hint_warms_a_conversation_before_its_next_turn(server: Any) -> None:
