@@ -106,8 +106,15 @@ def run_system(
                 f"{name:>9} L={length:>6}: resume TTFT {ms:8.1f} ms, cached {cached}; resident hit {resident_ms:8.1f} ms"
             )
         results["metrics"] = scrape(server.base_url) if spill_dir else {}
+        results["state"] = spill_state(server.base_url) if spill_dir else {}
         results["rss_mb"] = tree_rss_mb(server.proc.pid if server.proc else 0)
     return results
+
+
+def spill_state(base: str) -> dict[str, Any]:
+    with urllib.request.urlopen(base + "/server_info", timeout=60) as r:
+        state: dict[str, Any] = json.loads(r.read())["internal_states"][0]["hicache_spill"]
+    return state
 
 
 def tree_rss_mb(pid: int) -> float:
@@ -152,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     figures["rss_mb_recompute"] = base["rss_mb"]
     figures["rss_mb_spill"] = ours["rss_mb"]
     figures["staging_limit_mb"] = SpillConfig().staging_bytes / 2**20  # the default, used above
+    figures["staging_peak_mb"] = ours["state"]["staging_peak_bytes"] / 2**20
+    figures["staging_refused"] = ours["state"]["staging_refused"]
+    figures["dropped_tokens"] = ours["metrics"].get("dropped_tokens_total", 0.0)
     figures["restored_bytes"] = ours["metrics"].get("restored_bytes_total", 0.0)
     figures["spilled_bytes"] = ours["metrics"].get("spilled_bytes_total", 0.0)
     emit(figures)

@@ -267,6 +267,8 @@ class SpillRadixCache(SpilledTree):
             "counters": dict(self.spill_metrics.totals),
             "staging_used_bytes": io.staging.used_bytes if io else 0,
             "staging_capacity_bytes": io.staging.capacity_bytes if io else 0,
+            "staging_peak_bytes": io.staging.peak_bytes if io else 0,
+            "staging_refused": io.staging.refused if io else 0,
             "writes_in_flight": io.writes_in_flight if io else 0,
             "tier": dataclasses.asdict(io.tier.stats()) if io else None,
             "integrity": integrity,

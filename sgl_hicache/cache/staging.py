@@ -18,6 +18,8 @@ class StagingPool:
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
         self._used = 0
+        self.peak_bytes = 0  # high-water mark since start (to size the budget from measurement)
+        self.refused = 0  # acquisitions refused for lack of budget
         self._lock = threading.Lock()
 
     @property
@@ -28,8 +30,10 @@ class StagingPool:
         """A page-aligned uint8 host tensor of `nbytes`, or None if over budget. Never blocks."""
         with self._lock:
             if self._used + nbytes > self.capacity_bytes:
+                self.refused += 1
                 return None
             self._used += nbytes
+            self.peak_bytes = max(self.peak_bytes, self._used)
         return (
             torch.frombuffer(alloc_aligned(nbytes), dtype=torch.uint8)
             if nbytes
