@@ -29,11 +29,15 @@ def tokens(seed: int, n: int = PROMPT) -> list[int]:
     return [(i * 7 + seed * 131) % 900 + 20 for i in range(n)]
 
 
-def generate(base: str, ids: list[int], n: int = 8, salt: str | None = None) -> tuple[list[int], int]:
+def generate_full(base: str, ids: list[int], n: int = 8, salt: str | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0}}
     if salt is not None:
         body["cache_salt"] = salt
-    out = post_json(base + "/generate", body)
+    return post_json(base + "/generate", body)
+
+
+def generate(base: str, ids: list[int], n: int = 8, salt: str | None = None) -> tuple[list[int], int]:
+    out = generate_full(base, ids, n, salt)
     return out["output_ids"], out["meta_info"]["cached_tokens"]
 
 
@@ -86,8 +90,12 @@ def test_resume_restores_history_with_output_identical_to_resident_run(server: A
     )
     push_out(base, 1)
     assert counter(base, "spilled_tokens") > spilled
-    resumed, cached = generate(base, turn2)
+    out = generate_full(base, turn2)
+    resumed, cached = out["output_ids"], out["meta_info"]["cached_tokens"]
     assert cached >= history, f"the resumed turn reused only {cached} of {history} history tokens"
+    assert out["meta_info"]["cached_tokens_details"]["storage"] >= history, (
+        "restored tokens are the storage tier's"
+    )
     assert counter(base, "restored_tokens") - restored >= history
     assert counter(base, "restored_bytes") > read, "the tier's read counter did not move"
     assert resumed == reference
