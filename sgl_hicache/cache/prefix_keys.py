@@ -1,7 +1,7 @@
 """Extent keys for radix-tree nodes: a hash of the whole token path, not of node boundaries.
 
-A node's extent is named `prefix_key(ns, tenant, tokens[:end])` and records its parent as
-`prefix_key(ns, tenant, tokens[:start])`. Keys depend only on absolute positions, never on where the
+A node's extent is named by the hash of (namespace, tenant, tokens[:end]) and records as its parent
+the hash of (namespace, tenant, tokens[:start]) (`PrefixHasher` computes both in one pass). Keys depend only on absolute positions, never on where the
 tree happened to split its nodes, so an extent written before a split is still found after it, and
 a child's recorded parent equals the key of whatever extent ends where the child starts.
 The tenant (sglang's `extra_key` and `cache_salt`, e.g. LoRA id and per-user salt) is hashed first:
@@ -26,7 +26,7 @@ def tenant_of(extra_key: str | None, cache_salt: str | None) -> bytes:
 
 
 class PrefixHasher:
-    """Incremental `prefix_key`: feed a token path left to right, take keys at any boundary."""
+    """Feed a token path left to right; `key()` names the prefix fed so far."""
 
     def __init__(self, ns: NamespaceId, tenant: bytes) -> None:
         self._h = xxhash.xxh3_128()
@@ -44,7 +44,3 @@ class PrefixHasher:
         clone = PrefixHasher.__new__(PrefixHasher)
         clone._h = self._h.copy()
         return clone
-
-
-def prefix_key(ns: NamespaceId, tenant: bytes, tokens: Sequence[int] | np.ndarray) -> ExtentKey:
-    return PrefixHasher(ns, tenant).update(tokens).key()

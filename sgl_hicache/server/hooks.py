@@ -34,7 +34,7 @@ def add_spill_state(result: Any, controller: Any, *args: Any, **kwargs: Any) -> 
 
     cache = controller.scheduler.tree_cache
     if isinstance(cache, SpillRadixCache) and isinstance(result.internal_state, dict):
-        result.internal_state[STATE_KEY] = cache.report()
+        result.internal_state[STATE_KEY] = cache.report(idle=controller.scheduler.is_fully_idle())
     return result
 
 

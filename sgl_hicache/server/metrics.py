@@ -58,10 +58,6 @@ class SpillMetrics:
     tier_gauges: dict[str, Any] | None = None  # TierStats field -> Gauge child, when exported
 
     @classmethod
-    def local(cls) -> SpillMetrics:
-        return cls()
-
-    @classmethod
     def create(cls, config: SpillConfig, tp_rank: int = 0) -> SpillMetrics:
         from prometheus_client import Counter, Gauge, Histogram
 

@@ -58,11 +58,11 @@ class ServerProcess:
         ]  # fmt: skip
 
     def start(self, timeout_s: float = 180.0) -> ServerProcess:
-        log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **self.env}
-        self.proc = subprocess.Popen(
-            self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        with open(self.log_path or os.devnull, "wb") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
         try:
             self._wait_healthy(timeout_s)
         except BaseException:

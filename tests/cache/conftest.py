@@ -125,7 +125,7 @@ def make_stack(tmp_path: Path) -> Iterator[Callable[..., Stack]]:
                          enabled=True, min_spill_tokens=4, **overrides)  # fmt: skip
         view = from_sglang_pool(pool)
         ns = Namespace("test-model", KVLayout(LAYERS, HEADS, HEAD_DIM, KVDtype.BF16, 1))
-        metrics = SpillMetrics.local()
+        metrics = SpillMetrics()
         io = open_spill_io(config, ns, view, metrics) if spill else None
         stack = Stack(SpillRadixCache(params, config, metrics, io, ns.id), pool, allocator, tier_dir, metrics)
         opened.append(stack)
