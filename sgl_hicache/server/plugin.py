@@ -3,6 +3,8 @@ and our one read-only hook (`sgl_hicache.server.hooks`).
 
 sglang calls `register()` once early in each of its processes (`load_plugins()`, which is guarded
 against running twice), so `--radix-cache-backend hicache_spill` resolves in the scheduler.
+With `SGL_HICACHE_CPU_HICACHE_COMPAT=1` it also applies `sgl_hicache.platform.hicache_cpu_compat`,
+which lets sglang's own HiCache run on CPU (the benchmark's peer).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from sgl_hicache.server.metrics import BACKEND_NAME
 
 
 def register() -> None:
+    _apply_cpu_hicache_compat()
     from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
 
     from sgl_hicache.cache.factory import build_spill_cache
@@ -19,3 +22,10 @@ def register() -> None:
     if get_radix_cache_factory(BACKEND_NAME) is None:
         register_radix_cache_backend(BACKEND_NAME, build_spill_cache)
         register_hooks()
+
+
+def _apply_cpu_hicache_compat() -> None:
+    from sgl_hicache.platform import hicache_cpu_compat
+
+    if hicache_cpu_compat.enabled_by_env():
+        hicache_cpu_compat.apply()
