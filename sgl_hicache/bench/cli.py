@@ -1,0 +1,137 @@
+"""`python -m sgl_hicache.bench`: ours vs sglang's default cache vs sglang HiCache, side by side.
+
+Each system serves the same generated model with the same device pool, host-memory budget and
+token-level workloads (closed-loop multi-turn chat at each concurrency, then a Mooncake-format
+trace replay). Progress goes to stderr; results go to OUT_DIR/run-<time>/ as results.json,
+requests.csv, summary.csv and ttft_per_round.png; the last stdout line is one JSON object.
+Exit status: 0, or 1 when `--gate`/`--soak` fail, 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from sgl_hicache.bench import gate, report, run, soak
+from sgl_hicache.bench.spec import SYSTEMS, BenchSpec, Gate, MultiTurn, Shape, Soak, SpecError, Trace, quick
+from sgl_hicache.bench.summary import Figures, ratios, summarize
+from sgl_hicache.server.process import ServerStartError
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sgl_hicache.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    shape, mt, tr = Shape(), MultiTurn(), Trace()
+    p.add_argument(
+        "--quick", action="store_true", help="concurrency 8 only, 3 rounds, 24 trace requests (≈10 min)"
+    )
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of %(default)s")
+    p.add_argument(
+        "--model", default=shape.model, help="generated size (tiny, small) or model dir (default %(default)s)"
+    )
+    p.add_argument(
+        "--pool-tokens",
+        type=int,
+        default=shape.pool_tokens,
+        help="device KV pool, tokens (default %(default)s)",
+    )
+    p.add_argument(
+        "--host-budget-mb",
+        type=int,
+        default=shape.host_budget_mb,
+        help="host memory for HiCache's L2 and our staging, MiB (default %(default)s)",
+    )
+    p.add_argument("--page-size", type=int, default=shape.page_size)
+    p.add_argument(
+        "--concurrency", default="8,16", help="multi-turn concurrencies, comma-separated; '' for none"
+    )
+    p.add_argument("--rounds", type=int, default=mt.rounds)
+    p.add_argument("--first-tokens", type=int, default=mt.first_tokens)
+    p.add_argument("--question-tokens", type=int, default=mt.question_tokens)
+    p.add_argument("--output-tokens", type=int, default=mt.output_tokens)
+    p.add_argument("--trace", type=Path, help="Mooncake-format JSONL trace (default: a synthesized one)")
+    p.add_argument("--no-trace", action="store_true", help="skip the trace replay")
+    p.add_argument("--trace-requests", type=int, default=tr.requests)
+    p.add_argument("--time-scale", type=float, default=tr.time_scale)
+    p.add_argument("--token-scale", type=float, default=tr.token_scale)
+    p.add_argument("--gate", action="store_true", help="apply the gate's thresholds to the exit status")
+    p.add_argument("--soak", type=float, default=0.0, metavar="MINUTES", help="then soak ours for MINUTES")
+    p.add_argument(
+        "--out", type=Path, default=Path("out/bench"), help="output directory (default %(default)s)"
+    )
+    p.add_argument("--keep-page-cache", action="store_true", help="do not drop the page cache between phases")
+    return p
+
+
+def spec_from(args: argparse.Namespace) -> BenchSpec:
+    shape = Shape(model=args.model, pool_tokens=args.pool_tokens, host_budget_mb=args.host_budget_mb,
+                  page_size=args.page_size)  # fmt: skip
+    concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    multiturn = tuple(MultiTurn(concurrency=c, rounds=args.rounds, first_tokens=args.first_tokens,
+                                question_tokens=args.question_tokens, output_tokens=args.output_tokens)
+                      for c in concurrencies)  # fmt: skip
+    trace = None if args.no_trace else Trace(path=args.trace, requests=args.trace_requests,
+                                              time_scale=args.time_scale, token_scale=args.token_scale)  # fmt: skip
+    spec = BenchSpec(
+        shape=shape, multiturn=multiturn, trace=trace, systems=tuple(s for s in args.systems.split(",") if s),
+        gate=Gate() if args.gate else None, soak=Soak(minutes=args.soak) if args.soak > 0 else None,
+        out_dir=args.out, drop_page_cache=not args.keep_page_cache,
+    )  # fmt: skip
+    return quick(spec) if args.quick else spec
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    try:
+        spec = spec_from(args)
+        return execute(spec)
+    except SpecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ServerStartError as e:
+        print(f"error: a server did not start: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
+
+
+def execute(spec: BenchSpec) -> int:
+    out = spec.out_dir / time.strftime("run-%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    model = run.resolve_model(spec.shape.model, spec.out_dir)
+    replay = run.trace_requests(spec, run.vocab_size(model))
+    outcomes = {name: run.run_system(name, spec, model, out, replay) for name in spec.systems}
+    workloads: dict[str, dict[str, Figures]] = {}
+    for name, o in outcomes.items():
+        for w, results in o.results.items():
+            workloads.setdefault(w, {})[name] = summarize(results, o.wall_s[w], o.metrics[w])
+    extra: dict[str, Any] = _extra(spec, outcomes)
+    failures = gate.check(spec.gate, workloads) if spec.gate else []
+    if spec.soak is not None:
+        s = soak.run(spec, spec.soak, model, out, run.vocab_size(model))
+        extra.update(s.figures())
+        failures += s.failures(spec.soak)
+    if spec.gate or spec.soak:
+        extra["gate"] = "fail" if failures else "pass"
+        extra["gate_failures"] = failures
+    line = report.final_line(workloads, {w: ratios(f) for w, f in workloads.items()}, extra)
+    report.write(out, {n: o.results for n, o in outcomes.items()}, workloads, line)
+    for f in failures:
+        print(f"gate: {f}", file=sys.stderr)
+    print(json.dumps(line, sort_keys=True), flush=True)
+    return 1 if failures else 0
+
+
+def _extra(spec: BenchSpec, outcomes: dict[str, run.SystemOutcome]) -> dict[str, Any]:
+    methods = sorted({m for o in outcomes.values() for m in o.page_cache})
+    return {
+        "out_dir": str(spec.out_dir),
+        "shape": asdict(spec.shape),
+        "page_cache": ",".join(methods) if methods else "kept",
+        "rss_peak_mb": {n: o.rss_peak_mb for n, o in outcomes.items()},
+        "tier_mb": {n: o.tier_bytes / 2**20 for n, o in outcomes.items()},
+    }

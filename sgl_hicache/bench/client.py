@@ -1,0 +1,105 @@
+"""The benchmark's HTTP client: one streamed `/generate` request with token ids, timed.
+
+Ours rather than sglang's `bench_serving`: the workloads are closed-loop (a turn's prompt contains
+the previous answer's output ids) and need per-request cached-token details by tier, which
+`bench_serving` does not return. Requests use greedy sampling with `ignore_eos`, so every system
+generates exactly the requested number of tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from sgl_hicache.bench.workload import Request
+
+TIERS = ("device", "host", "storage")
+
+
+@dataclass
+class Result:
+    """What one request measured. `error` is None on success."""
+
+    key: str
+    workload: str
+    round: int
+    resumed: bool
+    prompt_tokens: int
+    sent_s: float = 0.0  # since the workload started
+    ttft_ms: float = float("nan")
+    latency_ms: float = float("nan")
+    itl_ms: list[float] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    cached_tokens: int = 0  # sglang's `cached_tokens`: prompt tokens not computed
+    cached: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))  # by tier
+    error: str | None = None
+
+
+async def generate(
+    session: aiohttp.ClientSession, base_url: str, request: Request, workload: str, t0: float
+) -> Result:
+    """Send `request`, stream the answer, and time it. Never raises for server or network faults:
+    they are recorded in `Result.error`."""
+    result = Result(request.key, workload, request.round, request.resumed, len(request.input_ids))
+    body = {
+        "input_ids": list(request.input_ids),
+        "stream": True,
+        "sampling_params": {"max_new_tokens": request.output_tokens, "temperature": 0, "ignore_eos": True},
+    }
+    start = time.perf_counter()
+    result.sent_s = start - t0
+    try:
+        async with session.post(base_url + "/generate", json=body) as response:
+            if response.status != 200:
+                result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+                return result
+            await _consume(response, result, start)
+    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+        result.error = f"{type(e).__name__}: {e}"
+    if result.error is None and len(result.output_ids) != request.output_tokens:
+        result.error = f"got {len(result.output_ids)} output tokens, asked for {request.output_tokens}"
+    return result
+
+
+async def _consume(response: aiohttp.ClientResponse, result: Result, start: float) -> None:
+    last = start
+    async for raw in response.content:
+        line = raw.decode().strip()
+        if not line.startswith("data:") or line == "data: [DONE]":
+            continue
+        chunk: dict[str, Any] = json.loads(line.removeprefix("data:"))
+        if "error" in chunk:
+            result.error = str(chunk["error"])[:200]
+            return
+        now = time.perf_counter()
+        ids = chunk.get("output_ids") or []
+        new = len(ids) - len(result.output_ids)
+        if new > 0:
+            if not result.output_ids:
+                result.ttft_ms = (now - start) * 1e3
+            else:
+                result.itl_ms += [(now - last) * 1e3 / new] * new
+            last = now
+            result.output_ids = list(ids)
+        _cached(chunk.get("meta_info") or {}, result)
+    result.latency_ms = (time.perf_counter() - start) * 1e3
+
+
+def _cached(meta: dict[str, Any], result: Result) -> None:
+    result.cached_tokens = int(meta.get("cached_tokens") or 0)
+    details = meta.get("cached_tokens_details")
+    if isinstance(details, dict):
+        result.cached = {t: int(details.get(t) or 0) for t in TIERS}
+    elif meta.get("cached_tokens"):  # no per-tier details: sglang reports only device hits then
+        result.cached = {"device": int(meta["cached_tokens"]), "host": 0, "storage": 0}
+
+
+def new_session(timeout_s: float = 1800.0) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=timeout_s),
+        connector=aiohttp.TCPConnector(limit=0),
+    )

@@ -1,0 +1,81 @@
+"""Drive one running server through one workload and collect a `Result` per request.
+
+Multi-turn chat is closed-loop: every conversation's turn waits for its previous answer, and rounds
+are separated by a barrier where the page cache is dropped. A trace is open-loop: requests are sent
+at their (scaled) arrival times whatever the server's progress, while the page cache is dropped
+every `DROP_EVERY_S` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+from tqdm import tqdm
+
+from sgl_hicache.bench.client import Result, generate, new_session
+from sgl_hicache.bench.spec import MultiTurn
+from sgl_hicache.bench.workload import Conversation, Request
+
+DROP_EVERY_S = 2.0
+
+
+@dataclass(frozen=True)
+class Driven:
+    workload: str
+    results: list[Result]
+    wall_s: float
+
+
+async def multiturn(
+    base_url: str, spec: MultiTurn, vocab: int, salt: int, drop: Callable[[], object], bar: tqdm
+) -> Driven:
+    convs = [Conversation.open(salt * 10_000 + i, spec.first_tokens, vocab) for i in range(spec.concurrency)]
+    results: list[Result] = []
+    async with new_session() as session:
+        t0 = time.perf_counter()
+        for _ in range(spec.rounds):
+            turns = [c.next_turn(spec.question_tokens, spec.output_tokens) for c in convs]
+            done = await asyncio.gather(*(_one(session, base_url, t, spec.name, t0, bar) for t in turns))
+            for conv, turn, result in zip(convs, turns, done, strict=True):
+                conv.answered(turn, result.output_ids or [])
+            results += done
+            await asyncio.to_thread(drop)
+        wall = time.perf_counter() - t0
+    return Driven(spec.name, results, wall)
+
+
+async def replay(base_url: str, requests: list[Request], drop: Callable[[], object], bar: tqdm) -> Driven:
+    async with new_session() as session:
+        t0 = time.perf_counter()
+        dropper = asyncio.create_task(_drop_every(drop, DROP_EVERY_S))
+        try:
+            done = await asyncio.gather(*(_at(session, base_url, r, t0, bar) for r in requests))
+        finally:
+            dropper.cancel()
+        wall = time.perf_counter() - t0
+    return Driven("trace", list(done), wall)
+
+
+async def _at(
+    session: aiohttp.ClientSession, base_url: str, request: Request, t0: float, bar: tqdm
+) -> Result:
+    await asyncio.sleep(max(0.0, t0 + request.at_s - time.perf_counter()))
+    return await _one(session, base_url, request, "trace", t0, bar)
+
+
+async def _one(
+    session: aiohttp.ClientSession, base_url: str, request: Request, workload: str, t0: float, bar: tqdm
+) -> Result:
+    result = await generate(session, base_url, request, workload, t0)
+    bar.update(1)
+    return result
+
+
+async def _drop_every(drop: Callable[[], object], every_s: float) -> None:
+    while True:
+        await asyncio.sleep(every_s)
+        await asyncio.to_thread(drop)

@@ -1,0 +1,95 @@
+"""What the benchmark reads from outside a server: `/metrics`, its processes' RSS, bytes on disk."""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})? (\S+)$")
+
+
+def scrape(base_url: str) -> dict[str, float]:
+    """`/metrics` as {'name{labels}': value}; the `tp_rank`/`model_name` style labels are kept."""
+    with urllib.request.urlopen(base_url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m:
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+def total(metrics: dict[str, float], name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(
+        v for k, v in metrics.items()
+        if k.split("{")[0] == name and all(w in k for w in want)
+    )  # fmt: skip
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+def tree_rss_mb(pid: int) -> float:
+    """Resident memory of a server and all its processes (scheduler, detokenizer), MiB."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    rss = 0
+    for p in procs:
+        try:
+            rss += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            continue
+    return rss / 2**20
+
+
+def dir_bytes(root: Path | None) -> int:
+    """Bytes of the regular files under `root` (0 if it does not exist)."""
+    if root is None:
+        return 0
+    n = 0
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            try:
+                n += os.stat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                continue  # replaced or evicted meanwhile
+    return n
+
+
+class RssSampler:
+    """Samples a server's RSS every `every_s` seconds in a thread; `peak_mb` and `samples`."""
+
+    def __init__(self, pid: int, every_s: float = 1.0) -> None:
+        self.pid, self.every_s = pid, every_s
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append(tree_rss_mb(self.pid))
+            self._stop.wait(self.every_s)
+
+    @property
+    def peak_mb(self) -> float:
+        return max(self.samples, default=0.0)

@@ -1,0 +1,104 @@
+"""Write a run's results: JSON (everything), CSV (one row per request, one per system and
+workload) and a PNG of TTFT per round per system; and build the final stdout line."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from sgl_hicache.bench.client import Result
+from sgl_hicache.bench.summary import Figures, pct
+
+REQUEST_FIELDS = ("system", "workload", "key", "round", "resumed", "prompt_tokens", "sent_s", "ttft_ms",
+                  "latency_ms", "output_tokens", "cached_tokens", "cached_device", "cached_host",
+                  "cached_storage", "error")  # fmt: skip
+
+
+def _clean(x: Any) -> Any:
+    if isinstance(x, float):
+        return None if math.isnan(x) else float(f"{x:.4g}")
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_clean(v) for v in x]
+    return x
+
+
+def final_line(workloads: dict[str, dict[str, Figures]], ratios: dict[str, dict[str, float]],
+               extra: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """The headline is the first workload (the lowest-concurrency multi-turn run); every workload's
+    ratios follow under its name."""
+    head = next(iter(workloads))
+    line: dict[str, Any] = {
+        "headline_workload": head,
+        "ttft_resume_p50_ms": {s: f.ttft_resume_p50_ms for s, f in workloads[head].items()},
+        "throughput_tok_s": {s: f.throughput_tok_s for s, f in workloads[head].items()},
+        **ratios[head],
+        "errors": sum(f.errors for figures in workloads.values() for f in figures.values()),
+        "workloads": {name: ratios[name] for name in workloads},
+        **extra,
+    }
+    return _clean(line)  # type: ignore[no-any-return]
+
+
+def write(out_dir: Path, results: dict[str, dict[str, list[Result]]],
+          workloads: dict[str, dict[str, Figures]], line: dict[str, Any]) -> list[Path]:  # fmt: skip
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [
+        out_dir / "results.json",
+        out_dir / "requests.csv",
+        out_dir / "summary.csv",
+        out_dir / "ttft_per_round.png",
+    ]
+    doc: dict[str, Any] = {"final": line, "figures": {w: {s: f.to_json() for s, f in fs.items()} for w, fs in workloads.items()},
+           "requests": [_row(s, r) for s, by in results.items() for rs in by.values() for r in rs]}  # fmt: skip
+    paths[0].write_text(json.dumps(_clean(doc), indent=1) + "\n")
+    _csv(paths[1], REQUEST_FIELDS, doc["requests"])
+    rows = [{"workload": w, "system": s, **f.to_json()} for w, fs in workloads.items() for s, f in fs.items()]
+    _csv(paths[2], tuple(rows[0]) if rows else ("workload",), rows)
+    _plot(paths[3], results)
+    return paths
+
+
+def _row(system: str, r: Result) -> dict[str, Any]:
+    d = {k: v for k, v in asdict(r).items() if k in REQUEST_FIELDS}
+    d.update(system=system, output_tokens=len(r.output_ids), cached_tokens=r.cached_tokens,
+             cached_device=r.cached["device"], cached_host=r.cached["host"], cached_storage=r.cached["storage"])  # fmt: skip
+    return d
+
+
+def _csv(path: Path, fields: tuple[str, ...], rows: list[dict[str, Any]]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(fields), extrasaction="ignore")
+        w.writeheader()
+        w.writerows(_clean(rows))
+
+
+def _plot(path: Path, results: dict[str, dict[str, list[Result]]]) -> None:
+    """TTFT p50 per round per system, one panel per workload (trace: rounds = reused blocks)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted({w for by in results.values() for w in by})
+    fig, axes = plt.subplots(1, max(1, len(names)), figsize=(5 * max(1, len(names)), 4), squeeze=False)
+    for ax, name in zip(axes[0], names, strict=False):
+        for system, by in results.items():
+            ok = [r for r in by.get(name, []) if r.error is None]
+            rounds = sorted({r.round for r in ok})
+            ax.plot(
+                rounds, [pct([r.ttft_ms for r in ok if r.round == k], 50) for k in rounds], "o-", label=system
+            )
+        ax.set_title(name)
+        ax.set_xlabel("round" if name != "trace" else "blocks reused")
+        ax.set_ylabel("TTFT p50 (ms)")
+        ax.set_yscale("log")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,136 @@
+"""What one benchmark run measures: the fixed workload shape, the workloads and the gate.
+
+Every system in a run gets the same `Shape` (model, device pool, host-memory budget, page size), so
+the only difference between them is the cache. `--quick` and the full run are two presets of the
+same dataclasses; the CLI overrides single fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+SYSTEMS = ("recompute", "hicache", "ours")
+"""(a) sglang's default cache, evicted KV is recomputed; (b) sglang HiCache with host memory and its
+`file` L3 backend; (c) sgl_hicache's spill tier."""
+
+
+class SpecError(ValueError):
+    """A benchmark setting that cannot work; the message is one line for the user."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The serving setup every system shares."""
+
+    model: str = "small"  # a generated model size (sgl_hicache.modelgen) or a model directory
+    pool_tokens: int = 4096  # --max-total-tokens: the device KV pool
+    host_budget_mb: int = 64  # HiCache's host pool; our staging bound
+    page_size: int = 1
+    chunked_prefill: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.pool_tokens < 256:
+            raise SpecError(f"pool_tokens must be >= 256, got {self.pool_tokens}")
+        if self.host_budget_mb < 1:
+            raise SpecError(f"host_budget_mb must be >= 1, got {self.host_budget_mb}")
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise SpecError(f"page_size must be a power of two, got {self.page_size}")
+
+
+@dataclass(frozen=True)
+class MultiTurn:
+    """Closed-loop multi-turn chat: `concurrency` conversations run side by side for `rounds`
+    rounds; each turn is the conversation so far (previous prompts and answers) plus a new
+    question. Rounds are separated by a barrier, where the page cache is dropped."""
+
+    concurrency: int = 8
+    rounds: int = 4
+    first_tokens: int = 1024  # the opening prompt (system prompt + first question)
+    question_tokens: int = 128
+    output_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        for name in ("concurrency", "rounds", "first_tokens", "question_tokens", "output_tokens"):
+            if getattr(self, name) < 1:
+                raise SpecError(f"multi-turn {name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def name(self) -> str:
+        return f"multiturn_c{self.concurrency}"
+
+    def context_tokens(self) -> int:
+        """Tokens a conversation holds after its last round."""
+        return self.first_tokens + (self.rounds - 1) * self.question_tokens + self.rounds * self.output_tokens
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Open-loop replay of a Mooncake-format trace (a file, or one synthesized from `seed`)."""
+
+    path: Path | None = None
+    requests: int = 40  # replay at most this many (synthesized: exactly this many)
+    time_scale: float = 1.0  # arrival times are multiplied by this
+    token_scale: float = 0.25  # block, input and output lengths are multiplied by this
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.requests < 1:
+            raise SpecError(f"trace requests must be >= 1, got {self.requests}")
+        if not (self.time_scale > 0 and self.token_scale > 0):
+            raise SpecError("trace time and token scales must be > 0")
+        if self.path is not None and not Path(self.path).is_file():
+            raise SpecError(f"trace file not found: {self.path}")
+
+    @property
+    def name(self) -> str:
+        return "trace"
+
+
+@dataclass(frozen=True)
+class Gate:
+    """Pass/fail thresholds of `--gate` (ours against HiCache, and every system error-free)."""
+
+    ttft_resume_below_hicache: float = 0.25  # resumed-turn TTFT p50 at least this far below (b)
+    throughput_vs_hicache_min: float = 1.0  # output throughput not below (b)
+    max_errors: int = 0
+
+
+@dataclass(frozen=True)
+class Soak:
+    """`--soak MINUTES`: multi-turn load on ours for that long, sampling RSS and tier bytes."""
+
+    minutes: float = 0.0
+    rss_growth_mb: float = 256.0  # allowed RSS growth from the end of warm-up to the end
+    tier_capacity_mb: int = 512  # ours runs with this tier capacity; the tier may never exceed it
+    sample_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    shape: Shape = field(default_factory=Shape)
+    multiturn: tuple[MultiTurn, ...] = (MultiTurn(concurrency=8), MultiTurn(concurrency=16))
+    trace: Trace | None = field(default_factory=Trace)
+    systems: tuple[str, ...] = SYSTEMS
+    gate: Gate | None = None
+    soak: Soak | None = None
+    out_dir: Path = Path("out/bench")
+    drop_page_cache: bool = True
+
+    def __post_init__(self) -> None:
+        unknown = [s for s in self.systems if s not in SYSTEMS]
+        if unknown or not self.systems:
+            raise SpecError(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
+        if not self.multiturn and self.trace is None and self.soak is None:
+            raise SpecError("nothing to run: no multi-turn workload, no trace and no soak")
+
+
+def quick(spec: BenchSpec) -> BenchSpec:
+    """The `--quick` preset: concurrency 8 only, fewer rounds and trace requests (≈10 min here)."""
+    return replace(
+        spec,
+        multiturn=(
+            MultiTurn(concurrency=8, rounds=3, first_tokens=768, question_tokens=96, output_tokens=16),
+        ),
+        trace=None if spec.trace is None else replace(spec.trace, requests=min(spec.trace.requests, 24)),
+    )

@@ -1,0 +1,92 @@
+"""Figures per system and workload, and the ratios of ours to the baselines."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from sgl_hicache.bench.client import TIERS, Result
+from sgl_hicache.bench.probe import total
+
+NAN = float("nan")
+
+
+@dataclass(frozen=True)
+class Figures:
+    """One system on one workload. Latencies in ms; NaN where nothing was measured."""
+
+    requests: int
+    errors: int
+    resumed: int
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    ttft_resume_p50_ms: float
+    ttft_resume_p90_ms: float
+    itl_p50_ms: float
+    throughput_tok_s: float  # output tokens of successful requests per second of the workload
+    hit_rate: float  # cached prompt tokens / prompt tokens
+    hit_rate_device: float
+    hit_rate_host: float
+    hit_rate_storage: float
+    restore_gbps: float  # bytes restored from the system's disk tier per second spent restoring
+    wall_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(self).items()}
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else NAN
+
+
+def summarize(results: list[Result], wall_s: float, metrics: dict[str, float]) -> Figures:
+    ok = [r for r in results if r.error is None]
+    resumed = [r.ttft_ms for r in ok if r.resumed]
+    prompt = sum(r.prompt_tokens for r in ok) or 1
+    by_tier = {t: sum(r.cached[t] for r in ok) / prompt for t in TIERS}
+    return Figures(
+        requests=len(results),
+        errors=len(results) - len(ok),
+        resumed=len(resumed),
+        ttft_p50_ms=pct([r.ttft_ms for r in ok], 50),
+        ttft_p90_ms=pct([r.ttft_ms for r in ok], 90),
+        ttft_resume_p50_ms=pct(resumed, 50),
+        ttft_resume_p90_ms=pct(resumed, 90),
+        itl_p50_ms=pct([x for r in ok for x in r.itl_ms], 50),
+        throughput_tok_s=sum(len(r.output_ids) for r in ok) / wall_s if wall_s > 0 else NAN,
+        hit_rate=sum(r.cached_tokens for r in ok) / prompt,
+        hit_rate_device=by_tier["device"],
+        hit_rate_host=by_tier["host"],
+        hit_rate_storage=by_tier["storage"],
+        restore_gbps=restore_gbps(metrics),
+        wall_s=wall_s,
+    )
+
+
+def restore_gbps(metrics: dict[str, float]) -> float:
+    """Ours: restored bytes over the restore-latency histogram's total seconds (the time from a
+    restore's start to its KV being in the pool). Systems without those series: NaN."""
+    seconds = total(metrics, "sglang:hicache_spill_restore_seconds_sum")
+    nbytes = total(metrics, "sglang:hicache_spill_restored_bytes_total")
+    return nbytes / seconds / 1e9 if seconds > 0 else NAN
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b > 0 and not math.isnan(a) and not math.isnan(b) else NAN
+
+
+def ratios(figures: dict[str, Figures]) -> dict[str, float]:
+    """(c)/(a) and (c)/(b) for resumed-turn TTFT p50 and throughput, where both were measured."""
+    out: dict[str, float] = {}
+    ours = figures.get("ours")
+    for key in ("recompute", "hicache"):
+        base = figures.get(key)
+        if ours is None or base is None:
+            out[f"ttft_vs_{key}"] = out[f"throughput_vs_{key}"] = NAN
+            continue
+        out[f"ttft_vs_{key}"] = ratio(ours.ttft_resume_p50_ms, base.ttft_resume_p50_ms)
+        out[f"throughput_vs_{key}"] = ratio(ours.throughput_tok_s, base.throughput_tok_s)
+    return out

@@ -1,0 +1,74 @@
+"""The three systems a run compares, as server command lines over the same `Shape`.
+
+(a) `recompute`: `python -m sglang.launch_server` with sglang's default cache: evicted KV is gone.
+(b) `hicache`: the same server with `--enable-hierarchical-cache`: a host-memory L2 of the run's host
+    budget and the `file` L3 backend in a directory on the disk under test. On CPU it needs
+    `--hicache-io-backend direct --hicache-mem-layout layer_first` and our compatibility patches
+    (`sgl_hicache.platform.hicache_cpu_compat`, switched on in sglang's processes by an env var).
+(c) `ours`: `python -m sgl_hicache.launch_server --enable-hicache-spill` with the tier in a
+    directory on the same disk and its host staging bounded by the same host budget.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from sgl_hicache.bench.spec import Shape
+from sgl_hicache.server.process import CPU_FLAGS, ServerProcess
+
+COMMON_FLAGS = ("--enable-metrics", "--enable-cache-report")
+HICACHE_COMPAT_ENV = {"SGL_HICACHE_CPU_HICACHE_COMPAT": "1"}
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    module: str
+    flags: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    tier_dir: Path | None  # where it keeps KV on disk, if anywhere
+
+    def server(self, model: Path, shape: Shape, log_path: Path) -> ServerProcess:
+        return ServerProcess(
+            model, shape.pool_tokens, self.flags, module=self.module, log_path=log_path, env=dict(self.env)
+        )
+
+
+def kv_bytes_per_token(model: Path) -> int:
+    """Bytes of K and V per token over all layers, from the model's config (bf16/fp16 KV)."""
+    cfg = json.loads((model / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    return int(cfg["num_hidden_layers"]) * 2 * int(kv_heads) * int(head_dim) * 2
+
+
+def build(name: str, shape: Shape, model: Path, workdir: Path, tier_capacity_mb: int | None = None) -> System:
+    """`tier_capacity_mb` bounds ours' tier (default: the tier's own default budget)."""
+    base = (*CPU_FLAGS, *COMMON_FLAGS, "--page-size", str(shape.page_size),
+            "--chunked-prefill-size", str(shape.chunked_prefill))  # fmt: skip
+    if name == "recompute":
+        return System(name, "sglang.launch_server", base, (), None)
+    tier = workdir / f"tier-{name}"
+    if name == "hicache":
+        ratio = _host_ratio(shape, model)
+        flags: tuple[str, ...] = (*base, "--enable-hierarchical-cache", "--hicache-ratio", f"{ratio:.4f}",
+                 "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
+                 "--hicache-storage-backend", "file")  # fmt: skip
+        env = (*HICACHE_COMPAT_ENV.items(), ("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tier)))
+        return System(name, "sglang.launch_server", flags, env, tier)
+    if name == "ours":
+        flags = (*base, "--enable-hicache-spill", "--hicache-spill-dir", str(tier),
+                 "--hicache-spill-staging", f"{shape.host_budget_mb}M")  # fmt: skip
+        if tier_capacity_mb is not None:
+            flags += ("--hicache-spill-capacity", f"{tier_capacity_mb}M")
+        return System(name, "sgl_hicache.launch_server", flags, (), tier)
+    raise ValueError(f"unknown system {name!r}")
+
+
+def _host_ratio(shape: Shape, model: Path) -> float:
+    """HiCache sizes its host pool as a multiple of the device pool; this is the multiple that
+    makes it the run's host budget."""
+    pool_bytes = shape.pool_tokens * kv_bytes_per_token(model)
+    return shape.host_budget_mb * 2**20 / pool_bytes

@@ -1,0 +1,83 @@
+"""Figures from per-request results, ratios, the gate, and the written report."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from sgl_hicache.bench import gate, report
+from sgl_hicache.bench.client import Result
+from sgl_hicache.bench.spec import Gate
+from sgl_hicache.bench.summary import Figures, ratios, summarize
+
+METRICS = {
+    'sglang:hicache_spill_restored_bytes_total{tp_rank="0"}': 4e9,
+    'sglang:hicache_spill_restore_seconds_sum{tp_rank="0"}': 2.0,
+}
+
+
+def result(key: str, ttft: float, resumed: bool, *, cached: int = 0, error: str | None = None) -> Result:
+    r = Result(key, "w", int(resumed), resumed, prompt_tokens=100, ttft_ms=ttft, itl_ms=[5.0, 7.0],
+               output_ids=[1, 2, 3], cached_tokens=cached, error=error)  # fmt: skip
+    r.cached = {"device": cached // 2, "host": 0, "storage": cached - cached // 2}
+    return r
+
+
+def test_summarize_counts_only_successful_requests() -> None:
+    rs = [result("a", 100, False), result("b", 10, True, cached=80), result("c", 30, True, cached=60),
+          result("d", 1, True, error="HTTP 500")]  # fmt: skip
+    f = summarize(rs, wall_s=3.0, metrics=METRICS)
+    assert (f.requests, f.errors, f.resumed) == (4, 1, 2)
+    assert f.ttft_resume_p50_ms == 20.0 and f.ttft_p50_ms == 30.0
+    assert f.throughput_tok_s == 3.0  # 9 tokens in 3 s
+    assert f.hit_rate == pytest.approx(140 / 300)
+    assert f.hit_rate_storage == pytest.approx(70 / 300) and f.hit_rate_host == 0
+    assert f.itl_p50_ms == 6.0
+    assert f.restore_gbps == 2.0
+    assert math.isnan(summarize(rs[:1], 1.0, {}).restore_gbps)
+
+
+def figures(ttft_resume: float, tput: float, errors: int = 0) -> Figures:
+    base = summarize([result("a", 1, True)], 1.0, {})
+    return replace(base, ttft_resume_p50_ms=ttft_resume, throughput_tok_s=tput, errors=errors)
+
+
+def test_ratios_and_gate() -> None:
+    fs = {"recompute": figures(400, 10), "hicache": figures(200, 20), "ours": figures(100, 30)}
+    r = ratios(fs)
+    assert r == {"ttft_vs_recompute": 0.25, "throughput_vs_recompute": 3.0,
+                 "ttft_vs_hicache": 0.5, "throughput_vs_hicache": 1.5}  # fmt: skip
+    assert gate.check(Gate(), {"w": fs}) == []
+    slow = {**fs, "ours": figures(160, 30)}
+    assert gate.check(Gate(), {"w": slow}) == ["w: resumed TTFT p50 ours/hicache = 0.800, needs <= 0.75"]
+    weak = {**fs, "ours": figures(100, 19)}
+    assert gate.check(Gate(), {"w": weak}) == ["w: throughput ours/hicache = 0.950, needs >= 1.00"]
+    broken = {**fs, "recompute": figures(400, 10, errors=2)}
+    assert gate.check(Gate(), {"w": broken}) == ["w: recompute had 2 failed requests"]
+    assert gate.check(Gate(), {"w": {"ours": fs["ours"]}}) == [
+        "w: the gate compares ours with hicache; run both"
+    ]
+    assert math.isnan(ratios({"ours": fs["ours"]})["ttft_vs_hicache"])
+
+
+def test_report_files_and_final_line(tmp_path: Path) -> None:
+    rs = {"ours": {"w": [result("a", 10, False), result("b", 5, True, cached=50)]},
+          "recompute": {"w": [result("a", 12, False), result("b", 20, True)]}}  # fmt: skip
+    workloads = {"w": {s: summarize(by["w"], 1.0, {}) for s, by in rs.items()}}
+    line = report.final_line(workloads, {"w": ratios(workloads["w"])}, {"page_cache": "drop_caches"})
+    assert line["ttft_resume_p50_ms"] == {"ours": 5.0, "recompute": 20.0}
+    assert line["ttft_vs_recompute"] == 0.25 and line["ttft_vs_hicache"] is None
+    assert line["errors"] == 0 and line["page_cache"] == "drop_caches"
+    json.dumps(line, allow_nan=False)  # no NaN reaches the JSON line
+    paths = report.write(tmp_path, rs, workloads, line)
+    doc = json.loads(paths[0].read_text())
+    assert doc["final"] == line and len(doc["requests"]) == 4
+    rows = list(csv.DictReader(paths[1].open()))
+    assert {(r["system"], r["key"], r["cached_storage"]) for r in rows} >= {("ours", "b", "25")}
+    assert [r["system"] for r in csv.DictReader(paths[2].open())] == ["ours", "recompute"]
+    assert paths[3].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
