@@ -107,7 +107,7 @@ class Tier(abc.ABC):
 
     Buffers: the tier keeps a reference to a store's payload and a load's destination until that
     ticket's completion has been returned; the caller must neither modify (store) nor read or reuse
-    (load) the buffer before then. For direct I/O the buffer should come from
+    (load) the buffer before then, except the verified prefix of a load that `landed` reports. For direct I/O the buffer should come from
     `sgl_hicache.tier.alloc_aligned` (unaligned buffers work, through a bounce copy).
 
     Payloads are page-major (page p of all layers before page p+1), so the first n pages are a byte
@@ -141,6 +141,18 @@ class Tier(abc.ABC):
         content of `dest` is then undefined. An extent evicted meanwhile (here or by another
         process sharing the directory), or whose store has not completed yet, is a clean MISS. Loads are served before stores, but a
         waiting store is never passed over indefinitely. A load refreshes the extent's LRU age.
+        """
+
+    @abc.abstractmethod
+    def landed(self, ticket: Ticket) -> int:
+        """How many leading bytes of a load's destination are read and verified so far. Never blocks.
+
+        While a load runs (its completion not yet returned), `dest[:n]` holds verified payload that
+        the tier will not write again, so the caller may read it early (e.g. unpack it while later
+        chunks are still being read). The load may still fail afterwards (a later chunk corrupt, an
+        I/O error): only an OK completion makes the whole range good. n grows while the load runs
+        and holds until the completion is returned; it is 0 for stores, unknown tickets, loads not
+        started yet, and once the completion has been returned.
         """
 
     @abc.abstractmethod

@@ -3,7 +3,9 @@
 For other components' tests (the cache, prefetch): every submit draws from one `random.Random(seed)`
 in submission order, so a test that submits the same sequence sees the same faults.
 
-- latency: a completion is not returned before `latency_s` (+ uniform jitter) after its submit.
+- latency: a completion is not returned before `latency_s` (+ uniform jitter) after its submit;
+  meanwhile `landed` reveals the load's verified bytes at a steady rate over that time (a slow disk
+  reading chunk after chunk), never more than the wrapped tier has verified.
 - fail_rate: the operation is not passed on; it completes IO_ERROR.
 - corrupt_rate (loads): the load runs, then the destination is scribbled over, the extent is
   discarded and the completion says CORRUPT, exactly what the real tier does on a bad checksum.
@@ -50,6 +52,22 @@ class _Plan:
     corrupt_into: memoryview | None = None
 
 
+@dataclass
+class _Progress:
+    """A load's progress as `landed` reports it: the wrapped tier's verified bytes, paced."""
+
+    inner: Ticket
+    start: float
+    release_at: float
+    total: int
+    verified: int = 0  # the most the wrapped tier reported (all of it once it completed OK)
+
+    def paced(self, now: float) -> int:
+        span = self.release_at - self.start
+        share = 1.0 if span <= 0 else min(1.0, (now - self.start) / span)
+        return min(self.verified, int(self.total * share))
+
+
 class FaultyTier(Tier):
     def __init__(self, inner: Tier, spec: FaultSpec) -> None:
         self._inner, self._spec = inner, spec
@@ -60,6 +78,7 @@ class FaultyTier(Tier):
         self._held: list[tuple[float, Completion]] = []  # (release time, outer completion)
         self._ready: dict[Ticket, Completion] = {}
         self._issued: set[Ticket] = set()
+        self._progress: dict[Ticket, _Progress] = {}  # outer load ticket -> its progress
         self.injected = {"failures": 0, "corruptions": 0}
 
     @property
@@ -102,9 +121,32 @@ class FaultyTier(Tier):
         with self._lock:
             inner = self._inner.submit_load(key, view, nbytes)
             self._plans[inner] = _Plan(ticket, release_at, view if corrupt else None)
+            if not corrupt:  # a load bound to be corrupted never shows verified bytes
+                total = view.nbytes if nbytes is None else nbytes
+                self._progress[ticket] = _Progress(inner, time.monotonic(), release_at, total)
         return ticket
 
+    def landed(self, ticket: Ticket) -> int:
+        with self._lock:
+            progress = self._progress.get(ticket)
+        if progress is None:
+            return 0
+        self._observe([progress])
+        with self._lock:
+            return progress.paced(time.monotonic())
+
+    def _observe(self, loads: list[_Progress]) -> None:
+        """Record what the wrapped tier has verified of these loads (before their completions are
+        drained: after that it reports 0, and a failed load's verified prefix would be lost)."""
+        seen = [(p, self._inner.landed(p.inner)) for p in loads]
+        with self._lock:
+            for progress, n in seen:
+                progress.verified = max(progress.verified, n)
+
     def _pump(self) -> None:
+        with self._lock:
+            loads = list(self._progress.values())
+        self._observe(loads)
         for c in self._inner.get_finished():
             with self._lock:
                 plan = self._plans.pop(c.ticket)
@@ -113,6 +155,8 @@ class FaultyTier(Tier):
                 out = self._corrupt(out, plan.corrupt_into)
             with self._lock:
                 self._held.append((plan.release_at, out))
+                if c.ok and plan.ticket in self._progress:
+                    self._progress[plan.ticket].verified = c.nbytes
         now = time.monotonic()
         with self._lock:
             due = [c for t, c in self._held if t <= now]
@@ -132,6 +176,8 @@ class FaultyTier(Tier):
         with self._lock:
             done, self._ready = list(self._ready.values()), {}
             self._issued.difference_update(c.ticket for c in done)
+            for c in done:
+                self._progress.pop(c.ticket, None)
         return done
 
     def wait(self, ticket: Ticket, timeout: float | None = None) -> Completion:
@@ -144,6 +190,7 @@ class FaultyTier(Tier):
             with self._lock:
                 if ticket in self._ready:
                     self._issued.discard(ticket)
+                    self._progress.pop(ticket, None)
                     return self._ready.pop(ticket)
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"ticket {ticket} still in flight after {timeout} s")

@@ -108,17 +108,28 @@ def _decode(stored: memoryview, compression: Compression, raw_len: int) -> memor
 
 
 class LoadState:
-    """A load in flight: chunk jobs count down `remaining`; the first error wins."""
+    """A load in flight: chunk jobs count down `remaining`; the first error wins. Chunks finish in
+    any order; `landed` is the verified prefix (the leading run of chunks that passed their check)."""
 
     def __init__(self, ticket: Ticket, key: ExtentKey, ext: OpenExtent, dest: memoryview, want: int) -> None:
         self.ticket, self.key, self.ext, self.dest, self.want = ticket, key, ext, dest, want
         self.remaining = ext.header.chunk_count(want)
         self.error: Exception | None = None
         self.lock = threading.Lock()
+        self._verified = [False] * self.remaining
+        self._prefix_chunks = 0
 
-    def chunk_done(self, error: Exception | None) -> bool:
-        """Record one chunk's outcome; True for the last one."""
+    def chunk_done(self, index: int, error: Exception | None) -> bool:
+        """Record chunk `index`'s outcome; True for the last one."""
         with self.lock:
             self.error = self.error or error
+            self._verified[index] = error is None
+            while self._prefix_chunks < len(self._verified) and self._verified[self._prefix_chunks]:
+                self._prefix_chunks += 1
             self.remaining -= 1
             return self.remaining == 0
+
+    @property
+    def landed(self) -> int:
+        with self.lock:
+            return min(self.want, self._prefix_chunks * self.ext.header.chunk_bytes)

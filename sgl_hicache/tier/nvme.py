@@ -42,6 +42,7 @@ class NvmeTier(Tier):
         self._lock, self._index = self._space.lock, self._space.index
         self._completions = CompletionQueue()
         self._storing: dict[ExtentKey, Ticket] = {}  # key -> ticket of the store writing it
+        self._loading: dict[Ticket, LoadState] = {}  # loads whose completion is not returned yet
         self._closed = False
         self._rebuild_index()
         self._io = IoScheduler(cfg.io_threads)
@@ -53,10 +54,21 @@ class NvmeTier(Tier):
     # -- completions --------------------------------------------------------------------------
 
     def get_finished(self) -> list[Completion]:
-        return self._completions.drain()
+        return self._returned(self._completions.drain())
 
     def wait(self, ticket: Ticket, timeout: float | None = None) -> Completion:
-        return self._completions.wait(ticket, timeout)
+        return self._returned([self._completions.wait(ticket, timeout)])[0]
+
+    def _returned(self, done: list[Completion]) -> list[Completion]:
+        with self._lock:
+            for c in done:
+                self._loading.pop(c.ticket, None)
+        return done
+
+    def landed(self, ticket: Ticket) -> int:
+        with self._lock:
+            load = self._loading.get(ticket)
+        return 0 if load is None else load.landed
 
     def _fail(self, op: Op, ticket: Ticket, key: ExtentKey, err: Exception) -> Completion:
         """Count, log (rate-limited) and clean up after a failed job; returns its completion."""
@@ -155,6 +167,8 @@ class NvmeTier(Tier):
             )
             return
         load = LoadState(ticket, key, ext, dest, want)
+        with self._lock:
+            self._loading[ticket] = load
         if load.remaining == 0:
             self._end_load(load)
             return
@@ -168,7 +182,7 @@ class NvmeTier(Tier):
             read_chunk(load.ext, index, load.dest, load.want)
         except Exception as e:  # I/O errors, and bugs: logged by _fail, never lost
             error = e
-        if load.chunk_done(error):
+        if load.chunk_done(index, error):
             self._end_load(load)
 
     def _end_load(self, load: LoadState) -> None:
