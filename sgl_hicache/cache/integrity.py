@@ -34,7 +34,8 @@ def check_cache_integrity(cache: SpillRadixCache, held_tokens: int = 0) -> None:
             device_tokens += len(node.key)
             slots.append(node.value)
         stack.extend((child, node.evicted) for child in node.children.values())
-    _check_slots(slots, device_tokens)
+    partial = cache.partial_restores.held_tokens  # slots of restores still landing: in no node
+    _check_slots([*slots, *cache.partial_restores.held_slots()], device_tokens + partial)
     sizes = cache.evictable_size_ + cache.protected_size_
     assert sizes == device_tokens, (
         f"evictable {cache.evictable_size_} + protected {cache.protected_size_} != device {device_tokens}"
@@ -44,17 +45,18 @@ def check_cache_integrity(cache: SpillRadixCache, held_tokens: int = 0) -> None:
     )
     allocator = cache.token_to_kv_pool_allocator
     free = allocator.available_size()
-    assert free + device_tokens + held_tokens == allocator.size, (
-        f"free {free} + tree {device_tokens} + held {held_tokens} != pool {allocator.size}"
+    assert free + device_tokens + partial + held_tokens == allocator.size, (
+        f"free {free} + tree {device_tokens} + partial restores {partial} + held {held_tokens}"
+        f" != pool {allocator.size}"
     )
     if cache.spill_io is not None:
         cache.spill_io.check_integrity()
 
 
-def _check_slots(slots: list[torch.Tensor], device_tokens: int) -> None:
+def _check_slots(slots: list[torch.Tensor], owned: int) -> None:
     if not slots:
         return
     flat = torch.cat(slots)
     unique = int(torch.unique(flat).numel())
-    assert unique == device_tokens, f"{device_tokens - unique} slots are owned by more than one node"
+    assert unique == owned, f"{owned - unique} slots are owned by more than one node or restore"
     assert int(flat.min()) > 0, "slot 0 (sglang's padding slot) is owned by a node"

@@ -15,7 +15,8 @@ What changes, and where sglang calls it:
   reported as a host hit (`host_hit_length`, `best_match_node`), which makes the scheduler call
   `init_load_back` when it admits the request.
 - `init_load_back`: allocates slots, restores the spilled nodes on the path (all or nothing) and
-  turns them back into device-resident nodes, so prefill sees them as cached prefix.
+  turns them back into device-resident nodes, so prefill sees them as cached prefix. While the
+  reads are in flight it answers "retry" and unpacks the verified chunks early (restore.py).
 - `prefetch` / `take_hints`: start the reads of a prompt's spilled prefix ahead of its restore.
 Everything else (locking, accounting of evictable/protected sizes, scheduling) is sglang's, with
 spilled nodes counted in neither: they hold no device memory.
@@ -42,7 +43,9 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
 from sgl_hicache.cache.prefix_keys import PrefixHasher, tenant_of
-from sgl_hicache.cache.spill_io import Readiness, SpillIO
+from sgl_hicache.cache.reads import Readiness
+from sgl_hicache.cache.restore import PartialRestores, RestoreProgress
+from sgl_hicache.cache.spill_io import SpillIO
 from sgl_hicache.cache.spill_state import ExtentState, SpillRef
 from sgl_hicache.cache.spilled_tree import SpilledTree
 from sgl_hicache.config import PrefetchPolicy, SpillConfig
@@ -62,6 +65,7 @@ class SpillRadixCache(SpilledTree):
         self.namespace_id = namespace_id
         self.hints = hints
         self.tier_orphans: dict[ExtentKey, list[ExtentInfo]] = {}  # see warm_start.py
+        self.partial_restores = PartialRestores(params.token_to_kv_pool_allocator, config.prefetch_ttl_s)
         self.spilled_tokens = 0
         super().__init__(params)  # calls reset(), which attaches the tier's extents (warm start)
 
@@ -72,10 +76,11 @@ class SpillRadixCache(SpilledTree):
             return EvictResult()
         self._poll()
         start = time.perf_counter()
+        freed = self.partial_restores.evict(params.num_tokens)  # the cheapest to give up: see restore.py
         heap = [(self.eviction_strategy.get_priority(n), n) for n in self.evictable_leaves]
         heapq.heapify(heap)
         evicted = 0
-        while evicted < params.num_tokens and heap:
+        while freed + evicted < params.num_tokens and heap:
             _, node = heapq.heappop(heap)
             evicted += len(node.value)
             parent = node.parent
@@ -86,7 +91,11 @@ class SpillRadixCache(SpilledTree):
                 heapq.heappush(heap, (self.eviction_strategy.get_priority(parent), parent))
         self.update_eviction_metrics(evicted, start)
         self.spill_metrics.inc("evicted_tokens", evicted)
-        return EvictResult(num_tokens_evicted=evicted)
+        return EvictResult(num_tokens_evicted=freed + evicted)
+
+    def evictable_size(self) -> int:
+        """sglang's evictable tokens plus the slots of partial restores, which `evict` frees first."""
+        return self.evictable_size_ + self.partial_restores.held_tokens
 
     def _spill_node(self, node: TreeNode) -> bool:
         n = len(node.value)
@@ -167,7 +176,7 @@ class SpillRadixCache(SpilledTree):
         if not matched:
             return 0
         self.spill_metrics.inc("prefetch_requests")
-        return self.spill_io.prefetch([node.spill for node in self._path_up(end, last) or []])
+        return self.spill_io.reads.prefetch([node.spill for node in self._path_up(end, last) or []])
 
     def take_hints(self) -> None:
         """Answer the client resume hints waiting in the inbox (scheduler thread; never blocks)."""
@@ -178,6 +187,13 @@ class SpillRadixCache(SpilledTree):
 
     def init_load_back(self, params: InitLoadBackParams) -> tuple[int, Any] | None:
         self._poll()
+        rid = getattr(params.req, "rid", None)
+        answer = self._load_back(params, rid)
+        if answer is not None:  # admitted: a partial restore not consumed now never will be
+            self.partial_restores.drop(rid)
+        return answer
+
+    def _load_back(self, params: InitLoadBackParams, rid: str | None) -> tuple[int, Any] | None:
         anchor = params.req.last_node if params.req is not None else None
         chain = self._path_up(params.best_match_node, anchor)
         if chain is None or sum(len(n.key) for n in chain) != params.host_hit_length:
@@ -185,14 +201,17 @@ class SpillRadixCache(SpilledTree):
         spilled = [n for n in chain if n.evicted]
         if spilled:
             ready = self._restore_readiness(spilled)
-            if ready is Readiness.PENDING:
+            if ready is Readiness.PENDING:  # unpack what landed meanwhile (restore.py), never wait
+                if rid is not None and self.spill_io is not None:
+                    refs = tuple(node.spill for node in spilled)
+                    self.partial_restores.advance(rid, refs, self.spill_io, self._alloc_slots)
                 return None  # the scheduler retries admission next round; its loop never waits on I/O
             if ready is Readiness.FAILED:
                 self.spill_metrics.inc("restore_failures")
                 if self.spill_io is not None:
-                    self.spill_io.abandon([node.spill for node in spilled])
+                    self.spill_io.reads.finish([node.spill for node in spilled])
                 return 0, anchor
-            if not self._restore(spilled):
+            if not self._restore(spilled, rid):
                 return 0, anchor
         if params.req is not None:
             params.req.host_hit_is_storage = True  # per-tier cached-token details: ours is the storage tier
@@ -205,7 +224,7 @@ class SpillRadixCache(SpilledTree):
         if self.spill_io is None:
             return Readiness.FAILED
         refs = [node.spill for node in nodes]
-        state, waited = self.spill_io.readiness(refs)
+        state, waited = self.spill_io.reads.readiness(refs)
         if state is not Readiness.PENDING:
             return state
         policy = self.spill_config.prefetch_policy
@@ -216,22 +235,22 @@ class SpillRadixCache(SpilledTree):
         self.spill_metrics.inc("restores_too_late")
         return Readiness.FAILED
 
-    def _restore(self, nodes: list[TreeNode]) -> bool:
-        n = sum(len(node.key) for node in nodes)
-        slots = self._alloc_slots(n)
-        if slots is None or self.spill_io is None:
-            self.spill_metrics.inc("restore_failures")
-            return False
-        parts, start = [], 0
-        for node in nodes:
-            parts.append((node.spill, slots[start : start + node.spill.count]))
-            start += node.spill.count
+    def _restore(self, nodes: list[TreeNode], rid: str | None) -> bool:
+        refs = tuple(node.spill for node in nodes)
+        progress = self.partial_restores.take(rid, refs)
+        self.partial_restores.stats.finished += progress is not None
+        if progress is None:
+            slots = self._alloc_slots(sum(ref.count for ref in refs))
+            if slots is None or self.spill_io is None:
+                self.spill_metrics.inc("restore_failures")
+                return False
+            progress = RestoreProgress(refs, slots)
         t0 = time.perf_counter()
-        if not self.spill_io.restore(parts):
-            self.token_to_kv_pool_allocator.free(slots)
+        if self.spill_io is None or not self.spill_io.restore(progress):
+            self.token_to_kv_pool_allocator.free(progress.slots)
             return False
         self.spill_metrics.observe_restore(time.perf_counter() - t0)
-        for node, (_, node_slots) in zip(nodes, parts, strict=True):
+        for node, (_, node_slots) in zip(nodes, progress.parts(), strict=True):
             self._mark_resident(node, node_slots.clone())
         return True
 
@@ -249,34 +268,15 @@ class SpillRadixCache(SpilledTree):
         from sgl_hicache.cache.warm_start import attach_tier_extents
 
         super().reset()
+        self.partial_restores.clear()
         self.spilled_tokens = 0
         attach_tier_extents(self)
 
     def report(self, idle: bool) -> dict[str, Any]:
-        """Counters, staging, tier stats and an integrity verdict (for `GET /server_info`). The
-        check needs an idle scheduler (running requests hold slots outside the tree): otherwise the
-        verdict says it was skipped."""
-        import dataclasses
+        """Counters, staging, tier stats and an integrity verdict (for `GET /server_info`)."""
+        from sgl_hicache.cache.report import spill_report
 
-        integrity = "skipped: requests in flight"
-        if idle:
-            try:
-                self.check_integrity()
-                integrity = "ok"
-            except AssertionError as e:
-                integrity = f"failed: {e}"
-        io = self.spill_io
-        return {
-            "spilled_tokens_in_tree": self.spilled_tokens,
-            "counters": dict(self.spill_metrics.totals),
-            "staging_used_bytes": io.staging.used_bytes if io else 0,
-            "staging_capacity_bytes": io.staging.capacity_bytes if io else 0,
-            "staging_peak_bytes": io.staging.peak_bytes if io else 0,
-            "staging_refused": io.staging.refused if io else 0,
-            "writes_in_flight": io.writes_in_flight if io else 0,
-            "tier": dataclasses.asdict(io.tier.stats()) if io else None,
-            "integrity": integrity,
-        }
+        return spill_report(self, idle)
 
     def check_integrity(self, held_tokens: int = 0) -> None:
         """Tree, pool, staging and tier accounting agree; AssertionError with the numbers if not."""
@@ -288,4 +288,5 @@ class SpillRadixCache(SpilledTree):
     def _poll(self) -> None:
         if self.spill_io is not None:
             self.spill_io.poll()
+            self.partial_restores.expire()
             self.spill_metrics.set_tier_stats(self.spill_io.tier.stats())

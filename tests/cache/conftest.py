@@ -51,11 +51,11 @@ class Stack:
 
         return self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens), cache_salt=salt)))
 
-    def load_back(self, match: Any) -> tuple[int, Any]:
+    def load_back(self, match: Any, rid: str = "req-0") -> tuple[int, Any]:
+        """What the scheduler does: retry admission while the cache answers None (reads in flight)."""
         from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
 
-        """What the scheduler does: retry admission while the cache answers None (reads in flight)."""
-        req = SimpleNamespace(last_node=match.last_device_node)
+        req = SimpleNamespace(last_node=match.last_device_node, rid=rid)
         params = InitLoadBackParams(
             best_match_node=match.best_match_node, host_hit_length=match.host_hit_length, req=req
         )
@@ -114,15 +114,18 @@ def make_stack(tmp_path: Path) -> Iterator[Callable[..., Stack]]:
 
     opened: list[Stack] = []
 
-    def make(size: int = 256, spill: bool = True, tier_dir: Path | None = None, **overrides: Any) -> Stack:
+    def make(size: int = 256, spill: bool = True, tier_dir: Path | None = None, chunk_bytes: int = 4 << 20,
+             **overrides: Any) -> Stack:  # fmt: skip
         pool = MHATokenToKVPool(size, 1, torch.bfloat16, HEADS, HEAD_DIM, LAYERS, "cpu", False)
         allocator = TokenToKVPoolAllocator(size, torch.bfloat16, "cpu", pool, need_sort=False)
         params = CacheInitParams(
             disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator, page_size=1
         )
         tier_dir = tier_dir or tmp_path / f"tier{len(opened)}"
-        config = replace(SpillConfig(tier=TierConfig(directory=tier_dir, capacity_bytes=1 << 30, min_free_bytes=0)),
-                         enabled=True, min_spill_tokens=4, **overrides)  # fmt: skip
+        tier = TierConfig(
+            directory=tier_dir, capacity_bytes=1 << 30, min_free_bytes=0, chunk_bytes=chunk_bytes
+        )
+        config = replace(SpillConfig(tier=tier), enabled=True, min_spill_tokens=4, **overrides)
         view = from_sglang_pool(pool)
         ns = Namespace("test-model", KVLayout(LAYERS, HEADS, HEAD_DIM, KVDtype.BF16, 1))
         metrics = SpillMetrics()

@@ -1,0 +1,230 @@
+"""Reads of spilled extents into host staging, shared by prefetches and the restores that use them.
+
+Contract (every method runs on the scheduler thread and never blocks on I/O, except `await_read`):
+- one read per extent at a time (by extent identity): a prefetch, a hint and a restore of the same
+  extent share it; a read that must cover more tokens replaces a shorter one;
+- a read nobody consumes is released after `ttl_s` (`expire`);
+- a failed read marks its extent LOST (its nodes are pruned on their next visit), counted once;
+- `landed` says how many leading tokens of an extent are verified in host memory right now (a
+  staged extent still being written, a finished read, or the verified prefix of a read in flight);
+  nothing else may be read from a buffer before its read completed OK.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sgl_hicache.cache.spill_state import Extent, ExtentState, SpillRef
+from sgl_hicache.cache.staging import StagingPool
+from sgl_hicache.kernels import KVPoolView, packed_nbytes, page_bytes
+from sgl_hicache.server.metrics import SpillMetrics
+from sgl_hicache.tier import Completion, Status, Ticket, Tier
+
+logger = logging.getLogger(__name__)
+
+
+class Readiness(enum.Enum):
+    READY = "ready"  # every byte is in staging or read and verified
+    PENDING = "pending"  # reads in flight
+    FAILED = "failed"  # a read failed or could not start: recompute
+
+
+@dataclass(eq=False)
+class PendingRead:
+    """One load of an extent's first `tokens` tokens into staging; shared by a prefetch and the
+    restore using it."""
+
+    extent: Extent
+    ticket: Ticket
+    buf: torch.Tensor
+    tokens: int
+    started: float
+    prefetched: bool
+    done: Completion | None = None
+    usable: bool = True
+    deferred: bool = False  # a restore already found it pending
+
+
+def needs(refs: Sequence[SpillRef]) -> dict[int, tuple[Extent, int]]:
+    """Per extent (by identity): the extent and how many of its leading tokens the refs need."""
+    out: dict[int, tuple[Extent, int]] = {}
+    for ref in refs:
+        _, need = out.get(id(ref.extent), (ref.extent, 0))
+        out[id(ref.extent)] = (ref.extent, max(need, ref.offset + ref.count))
+    return out
+
+
+class ExtentReads:
+    def __init__(self, tier: Tier, view: KVPoolView, staging: StagingPool, metrics: SpillMetrics,
+                 timeout_s: float, ttl_s: float) -> None:  # fmt: skip
+        self.tier = tier
+        self.view = view
+        self.staging = staging
+        self.metrics = metrics
+        self.timeout_s = timeout_s
+        self.ttl_s = ttl_s
+        self._reads: dict[int, PendingRead] = {}  # by id(extent): loads started (prefetch or restore)
+        self._tickets: dict[Ticket, PendingRead] = {}  # loads whose completion is still due
+
+    def completed(self, done: Completion) -> bool:
+        """Take a load's completion (from the tier's `get_finished`); False if not one of ours."""
+        read = self._tickets.pop(done.ticket, None)
+        if read is None:
+            return False
+        read.done = done
+        if not read.usable:
+            self.staging.release(read.buf)
+        return True
+
+    @property
+    def held_bytes(self) -> int:
+        reads = {id(r): r for r in [*self._reads.values(), *self._tickets.values()]}
+        return sum(r.buf.numel() for r in reads.values())
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._tickets)
+
+    def prefetch(self, refs: Sequence[SpillRef]) -> int:
+        """Start reading what `refs` need into staging, ahead of their restore. Coalesces with reads
+        already started. Returns the tokens now on their way."""
+        tokens = 0
+        for extent, need in needs(refs).values():
+            if extent.state is ExtentState.WRITING or self.start(extent, need, prefetch=True) is not None:
+                tokens += need
+        return tokens
+
+    def readiness(self, refs: Sequence[SpillRef]) -> tuple[Readiness, float]:
+        """Whether a restore of `refs` would find all its bytes at hand, starting the reads it still
+        needs. Returns the verdict and how long the oldest pending read has run."""
+        waited = 0.0
+        state = Readiness.READY
+        for extent, need in needs(refs).values():
+            if extent.state is ExtentState.WRITING and extent.staged is not None:
+                continue
+            read = self.start(extent, need, prefetch=False)
+            if read is None:
+                return Readiness.FAILED, 0.0
+            if read.done is not None and not read.done.ok:
+                self._lose(read)
+                return Readiness.FAILED, 0.0
+            if read.done is None:
+                state = Readiness.PENDING
+                waited = max(waited, time.monotonic() - read.started)
+                if not read.deferred:  # count each late read once, not each retry
+                    read.deferred = True
+                    self.metrics.inc("restore_deferrals")
+        return state, waited
+
+    def landed(self, extent: Extent) -> tuple[torch.Tensor | None, int]:
+        """The buffer holding `extent`'s packed bytes and how many of its leading tokens are verified
+        in it now (whole pages, or all the read covers); (None, 0) when nothing is."""
+        if extent.state is ExtentState.WRITING and extent.staged is not None:
+            return extent.staged, extent.tokens
+        read = self._reads.get(id(extent))
+        if read is None or not read.usable or (read.done is not None and not read.done.ok):
+            return None, 0
+        if read.done is not None:
+            return read.buf, read.tokens
+        pages = self.tier.landed(read.ticket) // page_bytes(self.view)
+        return read.buf, min(read.tokens, pages * self.view.page_size)
+
+    def gather(self, wanted: dict[int, tuple[Extent, int]]) -> dict[int, torch.Tensor] | None:
+        """The packed bytes of every wanted extent (staging or a verified read); None on any failure.
+        Blocks for reads still in flight (at most `timeout_s` each)."""
+        pending: dict[int, PendingRead] = {}
+        for eid, (extent, need) in wanted.items():
+            if extent.state is ExtentState.WRITING and extent.staged is not None:
+                continue
+            read = self.start(extent, need, prefetch=False)
+            if read is None:
+                return None
+            pending[eid] = read
+        sources = {eid: extent.staged for eid, (extent, _) in wanted.items() if eid not in pending}
+        for eid, read in pending.items():
+            if not self._await(read):
+                return None
+            sources[eid] = read.buf
+        return sources  # type: ignore[return-value]
+
+    def start(self, extent: Extent, tokens: int, prefetch: bool) -> PendingRead | None:
+        """The read of `extent`'s first `tokens` tokens: the one under way, or a new one."""
+        read = self._reads.get(id(extent))
+        if read is not None and read.tokens >= tokens and read.usable:
+            if prefetch:
+                self.metrics.inc("prefetch_coalesced")
+            elif read.prefetched:  # the first restore attempt that finds a prefetch's read
+                self.metrics.inc("prefetch_hits")
+                read.prefetched = False
+            return read
+        if extent.state is not ExtentState.ON_TIER:
+            return None
+        nbytes = packed_nbytes(self.view, tokens)
+        buf = self.staging.acquire(nbytes)
+        if buf is None:
+            return None
+        ticket = self.tier.submit_load(extent.key, buf.numpy(), nbytes)
+        if read is not None:
+            self._abandon(read)
+        read = PendingRead(extent, ticket, buf, tokens, time.monotonic(), prefetched=prefetch)
+        self._reads[id(extent)] = read
+        self._tickets[ticket] = read
+        self.metrics.inc("prefetch_issued" if prefetch else "reads_on_demand")
+        return read
+
+    def _await(self, read: PendingRead) -> bool:
+        if read.done is None:
+            try:
+                read.done = self.tier.wait(read.ticket, timeout=self.timeout_s)
+            except TimeoutError:
+                logger.warning(
+                    "sgl_hicache: restore read of %s timed out after %.1fs",
+                    read.extent.key.hex(),
+                    self.timeout_s,
+                )
+                return False
+            self._tickets.pop(read.ticket, None)
+        if read.done.ok:
+            self.metrics.inc("restored_bytes", read.done.nbytes)
+            return True
+        self._lose(read)
+        return False
+
+    def _lose(self, read: PendingRead) -> None:
+        """A read failed: its extent is LOST (its nodes will be pruned), counted once."""
+        if read.extent.state is ExtentState.LOST:
+            return
+        assert read.done is not None
+        if read.done.status in (Status.CORRUPT, Status.MISS):
+            self.metrics.inc("corrupt_extents")
+        read.extent.state = ExtentState.LOST
+
+    def finish(self, refs: Sequence[SpillRef]) -> None:
+        """Give up the reads of `refs`' extents (used, or their restore will not happen)."""
+        for extent_id in needs(refs):
+            read = self._reads.pop(extent_id, None)
+            if read is not None:
+                self._abandon(read)
+
+    def _abandon(self, read: PendingRead) -> None:
+        """Release a read's staging now if it finished, else when its completion arrives."""
+        read.usable = False
+        if read.done is not None or read.ticket not in self._tickets:
+            self.staging.release(read.buf)
+        if self._reads.get(id(read.extent)) is read:
+            del self._reads[id(read.extent)]
+
+    def expire(self) -> None:
+        """Reads nobody consumed within `ttl_s` (an unused prefetch, or a restore whose request went
+        away while waiting) give their staging back."""
+        now = time.monotonic()
+        for read in list(self._reads.values()):
+            if now - read.started > self.ttl_s:
+                self.metrics.inc("prefetch_abandoned")
+                self._abandon(read)
