@@ -5,6 +5,12 @@ Bytes are moved as the widest word dtype every row and address allows (complex12
 CPU index kernels pay per element, so wider words are several times faster than uint8. Loads and
 stores of any dtype copy bit patterns unchanged (NaN payloads included); the tests check this.
 Page-granular plans index whole pages ([pages, page_size * row] views), token-granular ones index rows.
+
+With page_size 1 on CPU, long runs of consecutive slots (sglang's allocator hands a fresh prefill one
+run) are copied as plain slices: a slice copy streams at copy bandwidth, an index op pays the per-row
+cost of a gather even when the rows happen to be consecutive. Runs shorter than `RUN_BYTES` per buffer
+stay in the index op: a smaller slice copy runs on one thread (ATen's grain is 32K elements) and loses
+to the two-thread index op. See docs/KERNELS.md for the measurements.
 """
 
 from __future__ import annotations
@@ -15,10 +21,15 @@ from .layout import KVPoolView, common_alignment, page_bytes
 from .plan import CopyPlan
 
 _WORDS = {16: torch.complex128, 8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+RUN_BYTES = 1 << 20  # a run is copied as a slice when every buffer's piece of it is at least this big
 
 
 def pack_kv_torch(view: KVPoolView, slots: torch.Tensor, out: torch.Tensor, plan: CopyPlan) -> None:
     regions, pools = _operands(view, out, plan.n_tokens)
+    if runs := _token_runs(view, slots):
+        for region, pool in zip(regions, pools, strict=True):
+            _pack_segments(pool, region[:, 0], slots, runs)
+        return
     ps, (index, tail, first) = view.page_size, _indices(view, slots, plan)
     for region, pool in zip(regions, pools, strict=True):
         full, last = region[: index.shape[0]], region[index.shape[0] :]
@@ -34,6 +45,10 @@ def pack_kv_torch(view: KVPoolView, slots: torch.Tensor, out: torch.Tensor, plan
 
 def unpack_kv_torch(view: KVPoolView, slots: torch.Tensor, packed: torch.Tensor, plan: CopyPlan) -> None:
     regions, pools = _operands(view, packed, plan.n_tokens)
+    if runs := _token_runs(view, slots):
+        for region, pool in zip(regions, pools, strict=True):
+            _unpack_segments(pool, region[:, 0], slots, runs)
+        return
     ps, (index, tail, first) = view.page_size, _indices(view, slots, plan)
     for region, pool in zip(regions, pools, strict=True):
         full, last = region[: index.shape[0]], region[index.shape[0] :]
@@ -45,6 +60,51 @@ def unpack_kv_torch(view: KVPoolView, slots: torch.Tensor, packed: torch.Tensor,
             pool.index_put_((index,), full)
             if tail.numel():
                 pool.index_copy_(0, tail, last[0, : tail.numel()])
+
+
+def long_runs(slots: torch.Tensor, min_len: int) -> list[tuple[int, int, int]]:
+    """(start, end, first slot) of each maximal run `slots[start:end] == first, first+1, ...` with at
+    least `min_len` (>= 1) slots, in order. Any slots: a repeat or a step down ends a run."""
+    n = slots.numel()
+    if n < min_len:
+        return []
+    breaks = torch.nonzero(slots[1:] != slots[:-1] + 1).flatten() + 1
+    bounds = torch.cat([breaks.new_zeros(1), breaks, breaks.new_full((1,), n)])
+    starts, ends = bounds[:-1], bounds[1:]
+    keep = ends - starts >= min_len
+    starts, ends = starts[keep], ends[keep]
+    return list(zip(starts.tolist(), ends.tolist(), slots[starts].tolist(), strict=True))
+
+
+def _token_runs(view: KVPoolView, slots: torch.Tensor) -> list[tuple[int, int, int]]:
+    """The runs worth a slice copy (page_size 1 on CPU only: on a GPU this would add a host sync)."""
+    if view.page_size != 1 or slots.device.type != "cpu":
+        return []
+    return long_runs(slots, -(-RUN_BYTES // min(view.row_bytes)))
+
+
+def _pack_segments(pool: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, runs: list) -> None:
+    """rows[i] <- pool[slots[i]]: runs as slices, the gaps between them as index ops."""
+    done = 0
+    for start, end, first in runs:
+        if done < start:
+            torch.ops.aten.index.Tensor_out(pool, [slots[done:start]], out=rows[done:start])
+        rows[start:end].copy_(pool[first : first + end - start])
+        done = end
+    if done < slots.numel():
+        torch.ops.aten.index.Tensor_out(pool, [slots[done:]], out=rows[done:])
+
+
+def _unpack_segments(pool: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, runs: list) -> None:
+    """pool[slots[i]] <- rows[i]: runs as slices, the gaps between them as index ops."""
+    done = 0
+    for start, end, first in runs:
+        if done < start:
+            pool.index_put_((slots[done:start],), rows[done:start])
+        pool[first : first + end - start].copy_(rows[start:end])
+        done = end
+    if done < slots.numel():
+        pool.index_put_((slots[done:],), rows[done:])
 
 
 def _indices(view: KVPoolView, slots: torch.Tensor, plan: CopyPlan) -> tuple[torch.Tensor, torch.Tensor, int]:
