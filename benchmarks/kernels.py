@@ -5,9 +5,14 @@
 
 Runs on CUDA/ROCm when present (the Triton path), else on CPU (the torch path). Each configuration
 first checks the API's bytes against the reference with torch.equal, then times pack, unpack,
-reference pack/unpack and a device copy of the same number of bytes, interleaved round by round
-(best of rounds). The headline figures are page_size 1 with scattered slots (token-granular); the
-`_p{N}` figures use whole shuffled pages (page-granular). Last stdout line: one JSON object.
+reference pack/unpack, a device copy of the same number of bytes and a plain gather of the same rows
+(per buffer, `index_select` into a contiguous buffer: what any row gather costs, before our layout),
+interleaved round by round (best of rounds). The headline figures are page_size 1 with uniformly
+scattered slots (token-granular), the worst case: sglang's page_size-1 allocator hands a prefill a
+run of its FIFO free list (one run on a fresh pool) and a decode step one slot per running request,
+so real slots are runs and ascending strides. `_runs` uses shuffled runs of `--runs` slots, `_run1`
+all slots as one run (a node filled by one prefill), `_p{N}` whole shuffled pages (page-granular).
+Last stdout line: one JSON object.
 """
 
 from __future__ import annotations
@@ -44,8 +49,11 @@ def make_pool(args: argparse.Namespace, page_size: int, device: torch.device) ->
 
 def make_slots(view: KVPoolView, n: int, runs: int = 0) -> torch.Tensor:
     """Scattered slots (page_size 1), shuffled whole pages (page_size > 1), or with runs > 0
-    shuffled runs of that many consecutive slots (what sglang's allocator hands one request)."""
+    shuffled runs of that many consecutive slots (what sglang's allocator hands one request);
+    runs >= n: one run at a random offset."""
     ps = view.page_size
+    if runs >= n:
+        return torch.arange(n).add_(int(torch.randint(0, view.num_slots - n + 1, ()))).to(view.device)
     if runs:
         chunks = torch.arange(view.num_slots // runs * runs).view(-1, runs)
         return chunks[torch.randperm(chunks.shape[0])].flatten()[:n].to(view.device)
@@ -100,12 +108,17 @@ def measure(view: KVPoolView, n: int, backend: str, rounds: int, runs: int = 0) 
     nbytes = packed_nbytes(view, n)
     out = torch.empty(nbytes, dtype=torch.uint8, device=view.device)
     src, dst = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=view.device), torch.empty_like(out)
+    rows = [b.view(torch.uint8).view(view.num_slots, -1) for b in view.buffers]
+    gathered = [dst[i * n * r.shape[1] :][: n * r.shape[1]].view(n, -1) for i, r in enumerate(rows)]
     ops: dict[str, Callable[[], Any]] = {
         "pack": lambda: pack_kv(view, slots, out, backend=backend),  # type: ignore[arg-type]
         "unpack": lambda: unpack_kv(view, slots, out, backend=backend),  # type: ignore[arg-type]
         "ref_pack": lambda: ref_pack(view, slots),
         "ref_unpack": lambda: ref_unpack(view, slots, out),
         "copy": lambda: dst.copy_(src),
+        "gather": lambda: [
+            torch.index_select(r, 0, slots, out=g) for r, g in zip(rows, gathered, strict=True)
+        ],
     }
     best = {name: float("inf") for name in ops}
     for _ in range(rounds + 1):  # the first round warms up (Triton compiles, pages fault in)
@@ -163,6 +176,10 @@ def run_config(args: argparse.Namespace, page_size: int, device: torch.device) -
             f"page_size 1, runs of {args.runs}: pack {in_runs['pack']:.2f}, unpack {in_runs['unpack']:.2f} GB/s"
         )
         figures |= {f"{k}_runs": v for k, v in in_runs.items()}
+        correct = correct and check(view, make_slots(view, n, n), args.backend)
+        one_run = measure(view, n, args.backend, args.rounds, n)
+        log(f"page_size 1, one run: pack {one_run['pack']:.2f}, unpack {one_run['unpack']:.2f} GB/s")
+        figures |= {f"{k}_run1": v for k, v in one_run.items()}
     if args.sweep:
         figures |= sweep(view, n, args.rounds)
     return {"correct": correct, **figures}
@@ -220,6 +237,8 @@ def main() -> None:
         "unpack_vs_copy": head["unpack"] / head["copy"],
         "pack_vs_ref": head["pack"] / head["ref_pack"],
         "unpack_vs_ref": head["unpack"] / head["ref_unpack"],
+        "gather_vs_copy": head["gather"] / head["copy"],
+        "pack_vs_gather": head["pack"] / head["gather"],
     }
     for ps in page_sizes[1:]:
         r = results[ps]
@@ -233,6 +252,8 @@ def main() -> None:
         figures |= {
             "pack_vs_copy_runs": head["pack_runs"] / head["copy_runs"],
             "unpack_vs_copy_runs": head["unpack_runs"] / head["copy_runs"],
+            "pack_vs_copy_run1": head["pack_run1"] / head["copy_run1"],
+            "unpack_vs_copy_run1": head["unpack_run1"] / head["copy_run1"],
         }
     if args.sweep:
         for ps, r in results.items():
