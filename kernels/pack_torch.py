@@ -22,6 +22,9 @@ from .plan import CopyPlan
 
 _WORDS = {16: torch.complex128, 8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 RUN_BYTES = 1 << 20  # a run is copied as a slice when every buffer's piece of it is at least this big
+Run = tuple[
+    int, int, int
+]  # (start, end) in `slots`, and the first slot: slots[start:end] = first, first+1, ...
 
 
 def pack_kv_torch(view: KVPoolView, slots: torch.Tensor, out: torch.Tensor, plan: CopyPlan) -> None:
@@ -62,7 +65,7 @@ def unpack_kv_torch(view: KVPoolView, slots: torch.Tensor, packed: torch.Tensor,
                 pool.index_copy_(0, tail, last[0, : tail.numel()])
 
 
-def long_runs(slots: torch.Tensor, min_len: int) -> list[tuple[int, int, int]]:
+def long_runs(slots: torch.Tensor, min_len: int) -> list[Run]:
     """(start, end, first slot) of each maximal run `slots[start:end] == first, first+1, ...` with at
     least `min_len` (>= 1) slots, in order. Any slots: a repeat or a step down ends a run."""
     n = slots.numel()
@@ -76,14 +79,14 @@ def long_runs(slots: torch.Tensor, min_len: int) -> list[tuple[int, int, int]]:
     return list(zip(starts.tolist(), ends.tolist(), slots[starts].tolist(), strict=True))
 
 
-def _token_runs(view: KVPoolView, slots: torch.Tensor) -> list[tuple[int, int, int]]:
+def _token_runs(view: KVPoolView, slots: torch.Tensor) -> list[Run]:
     """The runs worth a slice copy (page_size 1 on CPU only: on a GPU this would add a host sync)."""
     if view.page_size != 1 or slots.device.type != "cpu":
         return []
     return long_runs(slots, -(-RUN_BYTES // min(view.row_bytes)))
 
 
-def _pack_segments(pool: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, runs: list) -> None:
+def _pack_segments(pool: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, runs: list[Run]) -> None:
     """rows[i] <- pool[slots[i]]: runs as slices, the gaps between them as index ops."""
     done = 0
     for start, end, first in runs:
@@ -95,7 +98,7 @@ def _pack_segments(pool: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, 
         torch.ops.aten.index.Tensor_out(pool, [slots[done:]], out=rows[done:])
 
 
-def _unpack_segments(pool: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, runs: list) -> None:
+def _unpack_segments(pool: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, runs: list[Run]) -> None:
     """pool[slots[i]] <- rows[i]: runs as slices, the gaps between them as index ops."""
     done = 0
     for start, end, first in runs:
