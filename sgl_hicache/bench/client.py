@@ -85,7 +85,12 @@ async def _consume(response: aiohttp.ClientResponse, result: Result, start: floa
                 result.itl_ms += [(now - last) * 1e3 / new] * new
             last = now
             result.output_ids = list(ids)
-        _cached(chunk.get("meta_info") or {}, result)
+        meta = chunk.get("meta_info") or {}
+        _cached(meta, result)
+        finish = meta.get("finish_reason") or {}
+        if isinstance(finish, dict) and finish.get("type") == "abort":
+            result.error = f"aborted: {str(finish.get('message'))[:200]}"
+            return
     result.latency_ms = (time.perf_counter() - start) * 1e3
 
 

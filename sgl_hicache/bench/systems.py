@@ -53,7 +53,7 @@ def build(name: str, shape: Shape, model: Path, workdir: Path, tier_capacity_mb:
     tier = workdir / f"tier-{name}"
     if name == "hicache":
         ratio = _host_ratio(shape, model)
-        flags: tuple[str, ...] = (*base, "--enable-hierarchical-cache", "--hicache-ratio", f"{ratio:.4f}",
+        flags: tuple[str, ...] = (*base, "--enable-hierarchical-cache", "--hicache-ratio", f"{ratio:.6f}",
                  "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
                  "--hicache-storage-backend", "file")  # fmt: skip
         env = (*HICACHE_COMPAT_ENV.items(), ("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tier)))
@@ -68,7 +68,8 @@ def build(name: str, shape: Shape, model: Path, workdir: Path, tier_capacity_mb:
 
 
 def _host_ratio(shape: Shape, model: Path) -> float:
-    """HiCache sizes its host pool as a multiple of the device pool; this is the multiple that
-    makes it the run's host budget."""
-    pool_bytes = shape.pool_tokens * kv_bytes_per_token(model)
-    return shape.host_budget_mb * 2**20 / pool_bytes
+    """HiCache sizes its host pool as `--hicache-ratio` times the device pool (in tokens, rounded
+    down to whole pages); this is the ratio that makes it the run's host budget (+0.5 token
+    against float rounding)."""
+    host_tokens = shape.host_budget_mb * 2**20 // kv_bytes_per_token(model)
+    return (host_tokens + 0.5) / shape.pool_tokens
