@@ -72,14 +72,15 @@ def spec_from(args: argparse.Namespace) -> BenchSpec:
     shape = Shape(model=args.model, pool_tokens=args.pool_tokens, host_budget_mb=args.host_budget_mb,
                   page_size=args.page_size)  # fmt: skip
     concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
-    multiturn = tuple(MultiTurn(concurrency=c, rounds=args.rounds, first_tokens=args.first_tokens,
-                                question_tokens=args.question_tokens, output_tokens=args.output_tokens)
-                      for c in concurrencies)  # fmt: skip
+    turns = {"rounds": args.rounds, "first_tokens": args.first_tokens, "question_tokens": args.question_tokens,
+             "output_tokens": args.output_tokens}  # fmt: skip
+    multiturn = tuple(MultiTurn(concurrency=c, **turns) for c in concurrencies)
+    soak_load = MultiTurn(concurrency=concurrencies[0] if concurrencies else MultiTurn().concurrency, **turns)
     trace = None if args.no_trace else Trace(path=args.trace, requests=args.trace_requests,
                                               time_scale=args.time_scale, token_scale=args.token_scale)  # fmt: skip
     spec = BenchSpec(
         shape=shape, multiturn=multiturn, trace=trace, systems=tuple(s for s in args.systems.split(",") if s),
-        gate=Gate() if args.gate else None, soak=Soak(minutes=args.soak) if args.soak > 0 else None,
+        gate=Gate() if args.gate else None, soak=Soak(minutes=args.soak, load=soak_load) if args.soak > 0 else None,
         out_dir=args.out, drop_page_cache=not args.keep_page_cache,
     )  # fmt: skip
     return quick(spec) if args.quick else spec
@@ -104,7 +105,8 @@ def execute(spec: BenchSpec) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model = run.resolve_model(spec.shape.model, spec.out_dir)
     replay = run.trace_requests(spec, run.vocab_size(model))
-    outcomes = {name: run.run_system(name, spec, model, out, replay) for name in spec.systems}
+    compare = bool(spec.multiturn or replay)
+    outcomes = {name: run.run_system(name, spec, model, out, replay) for name in spec.systems if compare}
     workloads: dict[str, dict[str, Figures]] = {}
     for name, o in outcomes.items():
         for w, results in o.results.items():

@@ -18,6 +18,9 @@ REQUEST_FIELDS = ("system", "workload", "key", "round", "resumed", "prompt_token
                   "cached_storage", "error")  # fmt: skip
 
 
+_RATIOS = ("ttft_vs_recompute", "ttft_vs_hicache", "throughput_vs_recompute", "throughput_vs_hicache")
+
+
 def _clean(x: Any) -> Any:
     if isinstance(x, float):
         return None if math.isnan(x) else float(f"{x:.4g}")
@@ -32,12 +35,13 @@ def final_line(workloads: dict[str, dict[str, Figures]], ratios: dict[str, dict[
                extra: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
     """The headline is the first workload (the lowest-concurrency multi-turn run); every workload's
     ratios follow under its name."""
-    head = next(iter(workloads))
+    head = next(iter(workloads), None)
+    figures = workloads.get(head, {}) if head else {}
     line: dict[str, Any] = {
         "headline_workload": head,
-        "ttft_resume_p50_ms": {s: f.ttft_resume_p50_ms for s, f in workloads[head].items()},
-        "throughput_tok_s": {s: f.throughput_tok_s for s, f in workloads[head].items()},
-        **ratios[head],
+        "ttft_resume_p50_ms": {s: f.ttft_resume_p50_ms for s, f in figures.items()},
+        "throughput_tok_s": {s: f.throughput_tok_s for s, f in figures.items()},
+        **(ratios[head] if head else dict.fromkeys(_RATIOS)),
         "errors": sum(f.errors for figures in workloads.values() for f in figures.values()),
         "workloads": {name: ratios[name] for name in workloads},
         **extra,

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from sgl_hicache.bench import drive, pagecache, systems
 from sgl_hicache.bench.probe import dir_bytes, tree_rss_mb
-from sgl_hicache.bench.spec import BenchSpec, MultiTurn, Soak
+from sgl_hicache.bench.spec import BenchSpec, Soak
 
 SALT_BASE = 1000
 
@@ -31,6 +31,8 @@ class SoakOutcome:
 
     def failures(self, soak: Soak) -> list[str]:
         out = []
+        if not self.requests:
+            out.append("soak: no request completed")
         if self.errors:
             out.append(f"soak: {self.errors} of {self.requests} requests failed")
         if not self.samples:
@@ -55,9 +57,8 @@ class SoakOutcome:
 def run(spec: BenchSpec, soak: Soak, model: Path, workdir: Path, vocab: int) -> SoakOutcome:
     system = systems.build("ours", spec.shape, model, workdir, tier_capacity_mb=soak.tier_capacity_mb)
     outcome = SoakOutcome()
-    load = spec.multiturn[0] if spec.multiturn else MultiTurn()
+    load = soak.load
     stop = threading.Event()
-    deadline = time.monotonic() + soak.minutes * 60
 
     def drop() -> None:
         if spec.drop_page_cache:
@@ -67,6 +68,7 @@ def run(spec: BenchSpec, soak: Soak, model: Path, workdir: Path, vocab: int) -> 
         pid = server.proc.pid if server.proc else 0
         sampler = threading.Thread(target=_sample, args=(outcome, pid, system.tier_dir, soak.sample_s, stop))
         sampler.start()
+        deadline = time.monotonic() + soak.minutes * 60  # from the moment the server is up
         quiet = tqdm(disable=True)  # the soak's bar shows elapsed time, not requests
         try:
             with tqdm(total=round(soak.minutes * 60), desc="soak", file=sys.stderr, unit="s") as bar:

@@ -103,6 +103,7 @@ class Soak:
     """`--soak MINUTES`: multi-turn load on ours for that long, sampling RSS and tier bytes."""
 
     minutes: float = 0.0
+    load: MultiTurn = field(default_factory=MultiTurn)  # one cycle; repeated with new conversations
     rss_growth_mb: float = 256.0  # allowed RSS growth from the end of warm-up to the end
     tier_capacity_mb: int = 512  # ours runs with this tier capacity; the tier may never exceed it
     sample_s: float = 5.0

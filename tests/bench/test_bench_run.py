@@ -36,3 +36,18 @@ def test_three_systems_side_by_side(tmp_path: Path) -> None:
     assert {r["system"] for r in doc["requests"]} == {"recompute", "hicache", "ours"}
     for name in ("requests.csv", "summary.csv", "ttft_per_round.png"):
         assert (run_dir / name).stat().st_size > 0
+
+
+def test_soak_alone_passes_and_reports(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "sgl_hicache.bench", "--model", "tiny", "--pool-tokens", "512",
+           "--concurrency", "", "--no-trace", "--rounds", "2", "--first-tokens", "200",
+           "--output-tokens", "4", "--soak", "0.4", "--out", str(tmp_path)]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = json.loads(p.stdout.strip().splitlines()[-1])
+    assert line["gate"] == "pass" and line["gate_failures"] == []
+    assert (
+        line["soak_requests"] >= 16 and line["soak_errors"] == 0
+    )  # 8 conversations x 2 rounds, at least once
+    assert 0 < line["soak_tier_peak_mb"] <= 512
+    assert line["soak_rss_peak_mb"] >= line["soak_rss_start_mb"] > 0

@@ -81,3 +81,18 @@ def test_report_files_and_final_line(tmp_path: Path) -> None:
     assert {(r["system"], r["key"], r["cached_storage"]) for r in rows} >= {("ours", "b", "25")}
     assert [r["system"] for r in csv.DictReader(paths[2].open())] == ["ours", "recompute"]
     assert paths[3].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_soak_verdicts() -> None:
+    from sgl_hicache.bench.soak import SoakOutcome
+    from sgl_hicache.bench.spec import Soak
+
+    soak = Soak(minutes=1, rss_growth_mb=100, tier_capacity_mb=1)
+    steady = SoakOutcome(requests=10, samples=[(0, 900, 0), (20, 1000, 2**19), (60, 1090, 2**20)])
+    assert steady.failures(soak) == []  # growth is counted from the end of warm-up (t >= 12 s)
+    growing = SoakOutcome(requests=10, samples=[(0, 900, 0), (20, 1000, 0), (60, 1101, 0)])
+    assert growing.failures(soak) == ["soak: RSS grew 101 MiB after warm-up, bound 100"]
+    over = SoakOutcome(requests=10, errors=1, samples=[(0, 900, 0), (60, 900, 2**20 + 1)])
+    assert over.failures(soak) == ["soak: 1 of 10 requests failed", "soak: tier held 1 MiB, capacity 1"]
+    assert SoakOutcome().failures(soak) == ["soak: no request completed", "soak: no samples taken"]
+    assert steady.figures()["soak_rss_peak_mb"] == 1090
