@@ -148,7 +148,7 @@ class SpillConfig:
     )
     min_spill_tokens: int = option(16, "subtrees with fewer tokens are dropped, not spilled")
     prefetch_policy: PrefetchPolicy = option(
-        PrefetchPolicy.TIMEOUT,
+        PrefetchPolicy.WAIT,  # chosen by benchmarks/prefetch_policy.py: see docs/DESIGN.md
         "when a resumed request may run: wait, best_effort, timeout",
         "--hicache-spill-prefetch-policy",
     )
