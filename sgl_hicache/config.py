@@ -74,8 +74,10 @@ class Compression(enum.StrEnum):
 class PrefetchPolicy(enum.StrEnum):
     """When a request whose prefix runs into spilled KV becomes schedulable.
 
-    WAIT: only after its restore landed (or failed). BEST_EFFORT: at once; whatever landed is used.
-    TIMEOUT: waits for the restore up to `prefetch_timeout_s`, then schedules with what landed.
+    Restores are all or nothing: a request either gets its whole spilled prefix back or recomputes it.
+    WAIT: only after its reads landed or failed (bounded by the tier's I/O timeout,
+    max(`prefetch_timeout_s`, 10 s)). BEST_EFFORT: at once; if the reads have not landed yet the
+    prefix is recomputed. TIMEOUT: waits up to `prefetch_timeout_s`, then recomputes.
     """
 
     WAIT = "wait"

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def execute(spec: BenchSpec) -> int:
-    out = spec.out_dir / time.strftime("run-%Y%m%d-%H%M%S")
+    out = (spec.out_dir / time.strftime("run-%Y%m%d-%H%M%S")).resolve()  # servers get absolute paths
     out.mkdir(parents=True, exist_ok=True)
     model = run.resolve_model(spec.shape.model, spec.out_dir)
     replay = run.trace_requests(spec, run.vocab_size(model))

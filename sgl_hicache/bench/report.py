@@ -18,7 +18,8 @@ REQUEST_FIELDS = ("system", "workload", "key", "round", "resumed", "prompt_token
                   "cached_storage", "error")  # fmt: skip
 
 
-_RATIOS = ("ttft_vs_recompute", "ttft_vs_hicache", "throughput_vs_recompute", "throughput_vs_hicache")
+_RATIOS = ("ttft_vs_recompute", "ttft_vs_hicache", "ttft_vs_resident", "throughput_vs_recompute",
+           "throughput_vs_hicache", "throughput_vs_resident")  # fmt: skip
 
 
 def _clean(x: Any) -> Any:

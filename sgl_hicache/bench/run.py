@@ -65,7 +65,9 @@ def trace_requests(spec: BenchSpec, vocab: int) -> list[Request]:
 def run_system(
     name: str, spec: BenchSpec, model: Path, workdir: Path, replay: list[Request]
 ) -> SystemOutcome:
-    system = systems.build(name, spec.shape, model, workdir)
+    tokens = sum(m.concurrency * (m.context_tokens() + m.question_tokens) for m in spec.multiturn)
+    tokens += sum(len(r.input_ids) + r.output_tokens for r in replay)
+    system = systems.build(name, spec.shape, model, workdir, workload_tokens=tokens)
     outcome = SystemOutcome()
     vocab = vocab_size(model)
     tiers = [d for d in (system.tier_dir,) if d is not None]
@@ -76,7 +78,7 @@ def run_system(
 
     n = sum(m.concurrency * m.rounds for m in spec.multiturn) + len(replay)
     with (
-        system.server(model, spec.shape, workdir / f"{name}.log") as server,
+        system.server(model, workdir / f"{name}.log") as server,
         RssSampler(server.proc.pid if server.proc else 0) as rss,
         tqdm(total=n, desc=f"{name:>9}", file=sys.stderr, unit="req") as bar,
     ):

@@ -64,7 +64,7 @@ def run(spec: BenchSpec, soak: Soak, model: Path, workdir: Path, vocab: int) -> 
         if spec.drop_page_cache:
             pagecache.drop([system.tier_dir] if system.tier_dir else [])
 
-    with system.server(model, spec.shape, workdir / "soak.log") as server:
+    with system.server(model, workdir / "soak.log") as server:
         pid = server.proc.pid if server.proc else 0
         sampler = threading.Thread(target=_sample, args=(outcome, pid, system.tier_dir, soak.sample_s, stop))
         sampler.start()

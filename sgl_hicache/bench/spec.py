@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-SYSTEMS = ("recompute", "hicache", "ours")
+SYSTEMS = ("recompute", "hicache", "ours", "resident")
 """(a) sglang's default cache, evicted KV is recomputed; (b) sglang HiCache with host memory and its
-`file` L3 backend; (c) sgl_hicache's spill tier."""
+`file` L3 backend; (c) sgl_hicache's spill tier; and a reference: sglang's default cache with a pool
+that holds the whole workload (every reusable prefix a device hit)."""
 
 
 class SpecError(ValueError):

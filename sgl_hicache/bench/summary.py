@@ -79,10 +79,11 @@ def ratio(a: float, b: float) -> float:
 
 
 def ratios(figures: dict[str, Figures]) -> dict[str, float]:
-    """(c)/(a) and (c)/(b) for resumed-turn TTFT p50 and throughput, where both were measured."""
+    """Ours over (a), (b) and the resident reference, for resumed-turn TTFT p50 and throughput,
+    where both were measured."""
     out: dict[str, float] = {}
     ours = figures.get("ours")
-    for key in ("recompute", "hicache"):
+    for key in ("recompute", "hicache", "resident"):
         base = figures.get(key)
         if ours is None or base is None:
             out[f"ttft_vs_{key}"] = out[f"throughput_vs_{key}"] = NAN

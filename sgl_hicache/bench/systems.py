@@ -7,6 +7,9 @@
     (`sgl_hicache.platform.hicache_cpu_compat`, switched on in sglang's processes by an env var).
 (c) `ours`: `python -m sgl_hicache.launch_server --enable-hicache-spill` with the tier in a
     directory on the same disk and its host staging bounded by the same host budget.
+(d) `resident`: a reference, not a competitor: sglang's default cache with a device pool large
+    enough to hold the whole workload, so every reusable prefix is a device hit. It is the best any
+    cache could do on this machine; `ttft_vs_resident` says how close ours comes.
 """
 
 from __future__ import annotations
@@ -29,10 +32,11 @@ class System:
     flags: tuple[str, ...]
     env: tuple[tuple[str, str], ...]
     tier_dir: Path | None  # where it keeps KV on disk, if anywhere
+    pool_tokens: int  # its device KV pool (--max-total-tokens)
 
-    def server(self, model: Path, shape: Shape, log_path: Path) -> ServerProcess:
+    def server(self, model: Path, log_path: Path) -> ServerProcess:
         return ServerProcess(
-            model, shape.pool_tokens, self.flags, module=self.module, log_path=log_path, env=dict(self.env)
+            model, self.pool_tokens, self.flags, module=self.module, log_path=log_path, env=dict(self.env)
         )
 
 
@@ -44,12 +48,17 @@ def kv_bytes_per_token(model: Path) -> int:
     return int(cfg["num_hidden_layers"]) * 2 * int(kv_heads) * int(head_dim) * 2
 
 
-def build(name: str, shape: Shape, model: Path, workdir: Path, tier_capacity_mb: int | None = None) -> System:
-    """`tier_capacity_mb` bounds ours' tier (default: the tier's own default budget)."""
+def build(name: str, shape: Shape, model: Path, workdir: Path, *, tier_capacity_mb: int | None = None,
+          workload_tokens: int = 0) -> System:  # fmt: skip
+    """`tier_capacity_mb` bounds ours' tier (default: the tier's own default budget);
+    `workload_tokens` (every prompt and output token of the run) sizes the resident pool."""
     base = (*CPU_FLAGS, *COMMON_FLAGS, "--page-size", str(shape.page_size),
             "--chunked-prefill-size", str(shape.chunked_prefill))  # fmt: skip
     if name == "recompute":
-        return System(name, "sglang.launch_server", base, (), None)
+        return System(name, "sglang.launch_server", base, (), None, shape.pool_tokens)
+    if name == "resident":
+        pool = max(shape.pool_tokens, workload_tokens + shape.pool_tokens)
+        return System(name, "sglang.launch_server", base, (), None, pool)
     tier = workdir / f"tier-{name}"
     if name == "hicache":
         ratio = _host_ratio(shape, model)
@@ -57,13 +66,13 @@ def build(name: str, shape: Shape, model: Path, workdir: Path, tier_capacity_mb:
                  "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
                  "--hicache-storage-backend", "file")  # fmt: skip
         env = (*HICACHE_COMPAT_ENV.items(), ("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tier)))
-        return System(name, "sglang.launch_server", flags, env, tier)
+        return System(name, "sglang.launch_server", flags, env, tier, shape.pool_tokens)
     if name == "ours":
         flags = (*base, "--enable-hicache-spill", "--hicache-spill-dir", str(tier),
                  "--hicache-spill-staging", f"{shape.host_budget_mb}M")  # fmt: skip
         if tier_capacity_mb is not None:
             flags += ("--hicache-spill-capacity", f"{tier_capacity_mb}M")
-        return System(name, "sgl_hicache.launch_server", flags, (), tier)
+        return System(name, "sgl_hicache.launch_server", flags, (), tier, shape.pool_tokens)
     raise ValueError(f"unknown system {name!r}")
 
 

@@ -49,9 +49,10 @@ def figures(ttft_resume: float, tput: float, errors: int = 0) -> Figures:
 
 def test_ratios_and_gate() -> None:
     fs = {"recompute": figures(400, 10), "hicache": figures(200, 20), "ours": figures(100, 30)}
-    r = ratios(fs)
+    r = ratios({**fs, "resident": figures(80, 40)})
     assert r == {"ttft_vs_recompute": 0.25, "throughput_vs_recompute": 3.0,
-                 "ttft_vs_hicache": 0.5, "throughput_vs_hicache": 1.5}  # fmt: skip
+                 "ttft_vs_hicache": 0.5, "throughput_vs_hicache": 1.5,
+                 "ttft_vs_resident": 1.25, "throughput_vs_resident": 0.75}  # fmt: skip
     assert gate.check(Gate(), {"w": fs}) == []
     slow = {**fs, "ours": figures(160, 30)}
     assert gate.check(Gate(), {"w": slow}) == ["w: resumed TTFT p50 ours/hicache = 0.800, needs <= 0.75"]
