@@ -71,7 +71,7 @@ def parser() -> argparse.ArgumentParser:
 def spec_from(args: argparse.Namespace) -> BenchSpec:
     shape = Shape(model=args.model, pool_tokens=args.pool_tokens, host_budget_mb=args.host_budget_mb,
                   page_size=args.page_size)  # fmt: skip
-    concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    concurrencies = _ints(args.concurrency, "--concurrency")
     turns = {"rounds": args.rounds, "first_tokens": args.first_tokens, "question_tokens": args.question_tokens,
              "output_tokens": args.output_tokens}  # fmt: skip
     multiturn = tuple(MultiTurn(concurrency=c, **turns) for c in concurrencies)
@@ -86,6 +86,13 @@ def spec_from(args: argparse.Namespace) -> BenchSpec:
     return quick(spec) if args.quick else spec
 
 
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        return [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        raise SpecError(f"{flag} takes comma-separated integers, got {text!r}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
@@ -96,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except ServerStartError as e:
-        print(f"error: a server did not start: {str(e).splitlines()[0]}", file=sys.stderr)
+        where = f"{args.out}/run-*/<system>.log"
+        print(f"error: a server did not start: {str(e).splitlines()[0]} (its log: {where})", file=sys.stderr)
         return 1
 
 
@@ -121,7 +129,8 @@ def execute(spec: BenchSpec) -> int:
         extra["gate"] = "fail" if failures else "pass"
         extra["gate_failures"] = failures
     line = report.final_line(workloads, {w: ratios(f) for w, f in workloads.items()}, extra)
-    report.write(out, {n: o.results for n, o in outcomes.items()}, workloads, line)
+    report.write(out, {n: o.results for n, o in outcomes.items()}, workloads, line,
+                 {n: o.metrics for n, o in outcomes.items()})  # fmt: skip
     for f in failures:
         print(f"gate: {f}", file=sys.stderr)
     print(json.dumps(line, sort_keys=True), flush=True)

@@ -51,7 +51,9 @@ def final_line(workloads: dict[str, dict[str, Figures]], ratios: dict[str, dict[
 
 
 def write(out_dir: Path, results: dict[str, dict[str, list[Result]]],
-          workloads: dict[str, dict[str, Figures]], line: dict[str, Any]) -> list[Path]:  # fmt: skip
+          workloads: dict[str, dict[str, Figures]], line: dict[str, Any],
+          metrics: dict[str, dict[str, dict[str, float]]] | None = None) -> list[Path]:  # fmt: skip
+    """`metrics`: per system and workload, how each `/metrics` series moved (only those that did)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [
         out_dir / "results.json",
@@ -60,7 +62,9 @@ def write(out_dir: Path, results: dict[str, dict[str, list[Result]]],
         out_dir / "ttft_per_round.png",
     ]
     doc: dict[str, Any] = {"final": line, "figures": {w: {s: f.to_json() for s, f in fs.items()} for w, fs in workloads.items()},
-           "requests": [_row(s, r) for s, by in results.items() for rs in by.values() for r in rs]}  # fmt: skip
+           "requests": [_row(s, r) for s, by in results.items() for rs in by.values() for r in rs],
+           "metrics": {s: {w: {k: v for k, v in m.items() if v} for w, m in by.items()}
+                       for s, by in (metrics or {}).items()}}  # fmt: skip
     paths[0].write_text(json.dumps(_clean(doc), indent=1) + "\n")
     _csv(paths[1], REQUEST_FIELDS, doc["requests"])
     rows = [{"workload": w, "system": s, **f.to_json()} for w, fs in workloads.items() for s, f in fs.items()]

@@ -19,6 +19,7 @@ import pytest
         (["--concurrency", "", "--no-trace"], "nothing to run"),
         (["--rounds", "0"], "multi-turn rounds must be >= 1"),
         (["--model", "/nonexistent-model"], "neither a generated size"),
+        (["--concurrency", "8,x"], "--concurrency takes comma-separated integers, got '8,x'"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:

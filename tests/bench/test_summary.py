@@ -75,8 +75,10 @@ def test_report_files_and_final_line(tmp_path: Path) -> None:
     assert line["ttft_vs_recompute"] == 0.25 and line["ttft_vs_hicache"] is None
     assert line["errors"] == 0 and line["page_cache"] == "drop_caches"
     json.dumps(line, allow_nan=False)  # no NaN reaches the JSON line
-    paths = report.write(tmp_path, rs, workloads, line)
+    moved = {"ours": {"w": {"a": 2.0, "b": 0.0}}}
+    paths = report.write(tmp_path, rs, workloads, line, moved)
     doc = json.loads(paths[0].read_text())
+    assert doc["metrics"] == {"ours": {"w": {"a": 2.0}}}
     assert doc["final"] == line and len(doc["requests"]) == 4
     rows = list(csv.DictReader(paths[1].open()))
     assert {(r["system"], r["key"], r["cached_storage"]) for r in rows} >= {("ours", "b", "25")}
