@@ -41,6 +41,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import emit, log
+from sgl_hicache.bench import pagecache
+from sgl_hicache.bench.probe import spill_state
 from sgl_hicache.server.process import CPU_FLAGS, ServerProcess
 
 POLICIES = ("wait", "timeout", "best_effort")
@@ -106,17 +108,6 @@ def push_out(base: str, w: Workload, seed: int) -> None:
         generate(base, seq(seed * 1000 + k, 2048), 1)
 
 
-def drop_page_cache() -> bool:
-    try:
-        import os
-
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def measured_round(base: str, w: Workload, histories: list[list[int]], rnd: int) -> tuple[list[Turn], float]:
     """One measured window; returns its turns and its wall time. Histories grow by the question."""
     turns: list[Turn] = []
@@ -151,12 +142,6 @@ def measured_round(base: str, w: Workload, histories: list[list[int]], rnd: int)
     return turns, time.perf_counter() - t0
 
 
-def spill_state(base: str) -> dict[str, Any]:
-    with urllib.request.urlopen(base + "/server_info", timeout=60) as r:
-        state: dict[str, Any] = json.loads(r.read())["internal_states"][0]["hicache_spill"]
-    return state
-
-
 def run_policy(model: Path, policy: str, w: Workload, workdir: Path, latency_s: float) -> dict[str, Any]:
     flags = [*CPU_FLAGS, "--chunked-prefill-size", "4096", "--enable-hicache-spill",
              "--hicache-spill-dir", str(workdir / f"tier-{policy}"), "--hicache-spill-min-free", "0",
@@ -171,7 +156,7 @@ def run_policy(model: Path, policy: str, w: Workload, workdir: Path, latency_s: 
             generate(base, ids, 1)
         for rnd in range(w.rounds):
             push_out(base, w, seed=rnd + 1)
-            dropped &= drop_page_cache()
+            dropped &= pagecache.drop([workdir]) == "drop_caches"
             got, seconds = measured_round(base, w, histories, rnd)
             turns += got
             window += seconds

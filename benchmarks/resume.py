@@ -34,6 +34,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import emit, log
+from sgl_hicache.bench.probe import scrape, spill_state, tree_rss_mb
 from sgl_hicache.config import SpillConfig
 from sgl_hicache.server.process import CPU_FLAGS, ServerProcess
 
@@ -71,15 +72,10 @@ def resume_once(base: str, length: int, pool: int, seed: int) -> tuple[float, in
     return ms, cached, resident_ms
 
 
-def scrape(base: str) -> dict[str, float]:
-    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
-        text = r.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("sglang:hicache_spill_") and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name.split("{")[0].removeprefix("sglang:hicache_spill_")] = float(value)
-    return out
+def spill_counters(base: str) -> dict[str, float]:
+    """Our `sglang:hicache_spill_*` series by short name (`dropped_tokens_total`, ...)."""
+    prefix = "sglang:hicache_spill_"
+    return {k.split("{")[0].removeprefix(prefix): v for k, v in scrape(base).items() if k.startswith(prefix)}
 
 
 def run_system(
@@ -105,24 +101,10 @@ def run_system(
             log(
                 f"{name:>9} L={length:>6}: resume TTFT {ms:8.1f} ms, cached {cached}; resident hit {resident_ms:8.1f} ms"
             )
-        results["metrics"] = scrape(server.base_url) if spill_dir else {}
+        results["metrics"] = spill_counters(server.base_url) if spill_dir else {}
         results["state"] = spill_state(server.base_url) if spill_dir else {}
         results["rss_mb"] = tree_rss_mb(server.proc.pid if server.proc else 0)
     return results
-
-
-def spill_state(base: str) -> dict[str, Any]:
-    with urllib.request.urlopen(base + "/server_info", timeout=60) as r:
-        state: dict[str, Any] = json.loads(r.read())["internal_states"][0]["hicache_spill"]
-    return state
-
-
-def tree_rss_mb(pid: int) -> float:
-    """Resident memory of the server and all its processes (scheduler, detokenizer), MiB."""
-    import psutil
-
-    root = psutil.Process(pid)
-    return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)]) / 2**20
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
+import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -23,6 +26,13 @@ def scrape(base_url: str) -> dict[str, float]:
         if m:
             out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
     return out
+
+
+def spill_state(base_url: str) -> dict[str, Any]:
+    """Our cache's state from `GET /server_info` (counters, staging, tier stats, integrity)."""
+    with urllib.request.urlopen(base_url + "/server_info", timeout=60) as r:
+        state: dict[str, Any] = json.loads(r.read())["internal_states"][0]["hicache_spill"]
+    return state
 
 
 def total(metrics: dict[str, float], name: str, **labels: str) -> float:
@@ -68,16 +78,17 @@ def dir_bytes(root: Path | None) -> int:
     return n
 
 
-class RssSampler:
-    """Samples a server's RSS every `every_s` seconds in a thread; `peak_mb` and `samples`."""
+class Sampler:
+    """Samples a server's RSS (MiB) and the bytes under its tier directory every `every_s` seconds
+    in a thread: `samples` is a list of (seconds since start, rss_mb, tier_bytes)."""
 
-    def __init__(self, pid: int, every_s: float = 1.0) -> None:
-        self.pid, self.every_s = pid, every_s
-        self.samples: list[float] = []
+    def __init__(self, pid: int, tier: Path | None = None, every_s: float = 1.0) -> None:
+        self.pid, self.tier, self.every_s = pid, tier, every_s
+        self.samples: list[tuple[float, float, int]] = []
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
 
-    def __enter__(self) -> RssSampler:
+    def __enter__(self) -> Sampler:
         self._thread.start()
         return self
 
@@ -86,10 +97,11 @@ class RssSampler:
         self._thread.join()
 
     def _run(self) -> None:
+        t0 = time.monotonic()
         while not self._stop.is_set():
-            self.samples.append(tree_rss_mb(self.pid))
+            self.samples.append((time.monotonic() - t0, tree_rss_mb(self.pid), dir_bytes(self.tier)))
             self._stop.wait(self.every_s)
 
     @property
-    def peak_mb(self) -> float:
-        return max(self.samples, default=0.0)
+    def peak_rss_mb(self) -> float:
+        return max((s[1] for s in self.samples), default=0.0)

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from sgl_hicache.bench import drive, pagecache, systems, trace
 from sgl_hicache.bench.client import Result
-from sgl_hicache.bench.probe import RssSampler, delta, dir_bytes, scrape
+from sgl_hicache.bench.probe import Sampler, delta, dir_bytes, scrape
 from sgl_hicache.bench.spec import BenchSpec, SpecError
 from sgl_hicache.bench.workload import Request
 
@@ -79,7 +79,7 @@ def run_system(
     n = sum(m.concurrency * m.rounds for m in spec.multiturn) + len(replay)
     with (
         system.server(model, workdir / f"{name}.log") as server,
-        RssSampler(server.proc.pid if server.proc else 0) as rss,
+        Sampler(server.proc.pid if server.proc else 0) as rss,
         tqdm(total=n, desc=f"{name:>9}", file=sys.stderr, unit="req") as bar,
     ):
         for salt, mt in enumerate(spec.multiturn, 1):
@@ -87,7 +87,7 @@ def run_system(
         if replay:
             _record(outcome, server.base_url, drive.replay(server.base_url, replay, drop, bar))
         outcome.tier_bytes = dir_bytes(system.tier_dir)
-    outcome.rss_peak_mb = rss.peak_mb
+    outcome.rss_peak_mb = rss.peak_rss_mb
     if system.tier_dir is not None:
         shutil.rmtree(system.tier_dir, ignore_errors=True)
     return outcome

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from sgl_hicache.bench import drive, pagecache, systems
-from sgl_hicache.bench.probe import dir_bytes, tree_rss_mb
+from sgl_hicache.bench.probe import Sampler
 from sgl_hicache.bench.spec import BenchSpec, Soak
 
 SALT_BASE = 1000
@@ -58,38 +57,27 @@ def run(spec: BenchSpec, soak: Soak, model: Path, workdir: Path, vocab: int) -> 
     system = systems.build("ours", spec.shape, model, workdir, tier_capacity_mb=soak.tier_capacity_mb)
     outcome = SoakOutcome()
     load = soak.load
-    stop = threading.Event()
 
     def drop() -> None:
         if spec.drop_page_cache:
             pagecache.drop([system.tier_dir] if system.tier_dir else [])
 
-    with system.server(model, workdir / "soak.log") as server:
-        pid = server.proc.pid if server.proc else 0
-        sampler = threading.Thread(target=_sample, args=(outcome, pid, system.tier_dir, soak.sample_s, stop))
-        sampler.start()
+    with (
+        system.server(model, workdir / "soak.log") as server,
+        Sampler(server.proc.pid if server.proc else 0, system.tier_dir, soak.sample_s) as sampler,
+        tqdm(total=round(soak.minutes * 60), desc="soak", file=sys.stderr, unit="s") as bar,
+    ):
         deadline = time.monotonic() + soak.minutes * 60  # from the moment the server is up
         quiet = tqdm(disable=True)  # the soak's bar shows elapsed time, not requests
-        try:
-            with tqdm(total=round(soak.minutes * 60), desc="soak", file=sys.stderr, unit="s") as bar:
-                cycle = 0
-                while time.monotonic() < deadline:
-                    t = time.monotonic()
-                    driven = asyncio.run(
-                        drive.multiturn(server.base_url, load, vocab, SALT_BASE + cycle, drop, quiet)
-                    )
-                    outcome.requests += len(driven.results)
-                    outcome.errors += sum(r.error is not None for r in driven.results)
-                    bar.update(round(time.monotonic() - t))
-                    cycle += 1
-        finally:
-            stop.set()
-            sampler.join()
+        cycle = 0
+        while time.monotonic() < deadline:
+            t = time.monotonic()
+            driven = asyncio.run(
+                drive.multiturn(server.base_url, load, vocab, SALT_BASE + cycle, drop, quiet)
+            )
+            outcome.requests += len(driven.results)
+            outcome.errors += sum(r.error is not None for r in driven.results)
+            bar.update(round(time.monotonic() - t))
+            cycle += 1
+    outcome.samples = sampler.samples
     return outcome
-
-
-def _sample(outcome: SoakOutcome, pid: int, tier: Path | None, every_s: float, stop: threading.Event) -> None:
-    t0 = time.monotonic()
-    while not stop.is_set():
-        outcome.samples.append((time.monotonic() - t0, tree_rss_mb(pid), dir_bytes(tier)))
-        stop.wait(every_s)

@@ -116,21 +116,15 @@ def test_apply_is_idempotent() -> None:
     from sglang.srt.mem_cache.pool_host import base, mha
 
     assert not compat.is_applied()
+
+    def targets() -> tuple[object, ...]:
+        return (base.HostKVCache.__init__, mha.transfer_kv_direct, torch.cpu.Stream.synchronize,
+                torch.cpu.Stream.query)  # fmt: skip
+
     assert compat.apply() is True
-    patched = (
-        base.HostKVCache.__init__,
-        mha.transfer_kv_direct,
-        torch.cpu.Stream.synchronize,
-        torch.cpu.Stream.query,
-    )
+    patched = targets()
     assert compat.apply() is True
-    again = (
-        base.HostKVCache.__init__,
-        mha.transfer_kv_direct,
-        torch.cpu.Stream.synchronize,
-        torch.cpu.Stream.query,
-    )
-    assert all(a is b for a, b in zip(patched, again, strict=True))
+    assert all(a is b for a, b in zip(patched, targets(), strict=True))
     assert base.HostKVCache.__init__.__wrapped__.__name__ == "__init__"  # type: ignore[attr-defined]
     assert not hasattr(base.HostKVCache.__init__.__wrapped__, "__wrapped__")  # type: ignore[attr-defined]
     assert compat.is_applied()
