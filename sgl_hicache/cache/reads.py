@@ -5,6 +5,8 @@ Contract (every method runs on the scheduler thread and never blocks on I/O, exc
   extent share it; a read that must cover more tokens replaces a shorter one;
 - a read nobody consumes is released after `ttl_s` (`expire`);
 - a failed read marks its extent LOST (its nodes are pruned on their next visit), counted once;
+- a read is good only if the tier says OK *and* it holds exactly the bytes asked for: anything
+  else (a short completion included) is a MISMATCH, never KV;
 - `landed` says how many leading tokens of an extent are verified in host memory right now (a
   staged extent still being written, a finished read, or the verified prefix of a read in flight);
   nothing else may be read from a buffer before its read completed OK.
@@ -16,7 +18,7 @@ import enum
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -71,13 +73,14 @@ class ExtentReads:
         self.ttl_s = ttl_s
         self._reads: dict[int, PendingRead] = {}  # by id(extent): loads started (prefetch or restore)
         self._tickets: dict[Ticket, PendingRead] = {}  # loads whose completion is still due
+        self._mismatch_logged = False
 
     def completed(self, done: Completion) -> bool:
         """Take a load's completion (from the tier's `get_finished`); False if not one of ours."""
         read = self._tickets.pop(done.ticket, None)
         if read is None:
             return False
-        read.done = done
+        read.done = self._checked(read, done)
         if not read.usable:
             self.staging.release(read.buf)
         return True
@@ -190,18 +193,32 @@ class ExtentReads:
                 )
                 return False
             self._tickets.pop(read.ticket, None)
+            read.done = self._checked(read, read.done)
         if read.done.ok:
             self.metrics.inc("restored_bytes", read.done.nbytes)
             return True
         self._lose(read)
         return False
 
+    def _checked(self, read: PendingRead, done: Completion) -> Completion:
+        """`done`, or a MISMATCH if it claims success with other than the bytes asked for."""
+        want = packed_nbytes(self.view, read.tokens)
+        if done.ok and done.nbytes != want:
+            return replace(done, status=Status.MISMATCH, detail=f"loaded {done.nbytes} B of {want} B")
+        return done
+
     def _lose(self, read: PendingRead) -> None:
         """A read failed: its extent is LOST (its nodes will be pruned), counted once."""
         if read.extent.state is ExtentState.LOST:
             return
         assert read.done is not None
-        if read.done.status in (Status.CORRUPT, Status.MISS):
+        if read.done.status is Status.MISMATCH:
+            self.metrics.inc("mismatch_extents")
+            if not self._mismatch_logged:  # counted every time, logged once
+                self._mismatch_logged = True
+                logger.warning("sgl_hicache: extent %s is not what its key names (%s): recomputing; "
+                               "later ones are only counted", read.extent.key.hex(), read.done.detail)  # fmt: skip
+        elif read.done.status in (Status.CORRUPT, Status.MISS):
             self.metrics.inc("corrupt_extents")
         read.extent.state = ExtentState.LOST
 
@@ -219,6 +236,11 @@ class ExtentReads:
             self.staging.release(read.buf)
         if self._reads.get(id(read.extent)) is read:
             del self._reads[id(read.extent)]
+
+    def clear(self) -> None:
+        """Give up every read (a flush): staging comes back as their completions arrive."""
+        for read in list(self._reads.values()):
+            self._abandon(read)
 
     def expire(self) -> None:
         """Reads nobody consumed within `ttl_s` (an unused prefetch, or a restore whose request went

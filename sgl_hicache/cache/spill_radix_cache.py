@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import os
 import time
 from array import array
 from typing import Any
@@ -42,16 +43,16 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
-from sgl_hicache.cache.prefix_keys import PrefixHasher, tenant_of
 from sgl_hicache.cache.reads import Readiness
 from sgl_hicache.cache.restore import PartialRestores, RestoreProgress
 from sgl_hicache.cache.spill_io import SpillIO
-from sgl_hicache.cache.spill_state import ExtentState, SpillRef
+from sgl_hicache.cache.spill_state import Extent, ExtentState, SpillRef
 from sgl_hicache.cache.spilled_tree import SpilledTree
 from sgl_hicache.config import PrefetchPolicy, SpillConfig
 from sgl_hicache.server.hints import HintInbox
 from sgl_hicache.server.metrics import SpillMetrics
-from sgl_hicache.tier import ExtentInfo, ExtentKey, NamespaceId
+from sgl_hicache.tier import ExtentInfo, ExtentKey, NamespaceId, chain_key
+from sgl_hicache.tier.keys import PathHasher, tenant_of
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class SpillRadixCache(SpilledTree):
         self.tier_orphans: dict[ExtentKey, list[ExtentInfo]] = {}  # see warm_start.py
         self.partial_restores = PartialRestores(params.token_to_kv_pool_allocator, config.prefetch_ttl_s)
         self.spilled_tokens = 0
+        self.epoch: bytes | None = None  # seeds every path key; None until the first reset()
         super().__init__(params)  # calls reset(), which attaches the tier's extents (warm start)
 
     # ---- eviction → spill -------------------------------------------------------------------
@@ -100,9 +102,8 @@ class SpillRadixCache(SpilledTree):
     def _spill_node(self, node: TreeNode) -> bool:
         n = len(node.value)
         ref: SpillRef | None = getattr(node, "spill", None)
-        if ref is not None and ref.whole and ref.extent.state is ExtentState.ON_TIER and self.spill_io is not None \
-                and self.spill_io.tier.contains(ref.extent.key):  # fmt: skip
-            self._mark_spilled(node, ref)  # clean: its extent is still on the tier, no rewrite
+        if ref is not None and ref.count == n and self._still_stored(ref.extent):
+            self._mark_spilled(node, ref)  # clean: the exact range it was restored from, no rewrite
             return True
         # Short nodes are not worth an extent, unless dropping them would orphan spilled children.
         if self.spill_io is None or (n < self.spill_config.min_spill_tokens and not node.children):
@@ -116,6 +117,13 @@ class SpillRadixCache(SpilledTree):
         self.spill_metrics.inc("spilled_tokens", n)
         return True
 
+    def _still_stored(self, extent: Extent) -> bool:
+        if self.spill_io is None:
+            return False
+        if extent.state is ExtentState.WRITING:
+            return extent.staged is not None
+        return extent.state is ExtentState.ON_TIER and self.spill_io.tier.contains(extent.key)
+
     def _drop_node(self, node: TreeNode) -> None:
         self.token_to_kv_pool_allocator.free_segment(node.value, start_pos=0)
         self.spill_metrics.inc("dropped_tokens", len(node.value))
@@ -123,16 +131,21 @@ class SpillRadixCache(SpilledTree):
         self._delete_leaf(node)
 
     def _node_keys(self, node: TreeNode) -> tuple[ExtentKey, ExtentKey]:
+        """(path key of the tokens before `node`, extent key of `node`'s own tokens after them)."""
         path = []
         walk = node.parent
         while walk is not self.root_node:
             path.append(walk.key.raw_token_ids())
             walk = walk.parent
-        hasher = PrefixHasher(self.namespace_id, tenant_of(node.key.extra_key, node.key.cache_salt))
+        hasher = self.path_hasher(node.key)
         for tokens in reversed(path):
             hasher.update(tokens)
-        parent_key = hasher.key()
-        return parent_key, hasher.update(node.key.raw_token_ids()).key()
+        parent = hasher.key()
+        return parent, chain_key(self.namespace_id, parent, node.key.raw_token_ids())
+
+    def path_hasher(self, key: RadixKey) -> PathHasher:
+        """A hasher of paths of `key`'s tenant in the current epoch, at the root."""
+        return PathHasher(self.namespace_id, tenant_of(key.extra_key, key.cache_salt), self.epoch or b"")
 
     # ---- match: device prefix + spilled continuation ---------------------------------------
 
@@ -263,14 +276,26 @@ class SpillRadixCache(SpilledTree):
     # ---- accounting -------------------------------------------------------------------------
 
     def reset(self) -> None:
-        """sglang's reset (at start and on flush_cache): an empty tree, to which the tier's
-        published extents are attached as spilled nodes (warm restart)."""
+        """sglang's reset: an empty tree. At start, the tier's published extents are attached to it
+        as spilled nodes (warm restart). Any later reset is a flush (`/flush_cache`, a weight update
+        with flush_cache): it starts a new epoch, a random seed of every path key, so no extent named
+        before it can ever be found again (those age out of the tier by LRU), and none named after it
+        is attached by a restart (the weights in memory may no longer be the ones on disk)."""
         from sgl_hicache.cache.warm_start import attach_tier_extents
 
         super().reset()
         self.partial_restores.clear()
         self.spilled_tokens = 0
-        attach_tier_extents(self)
+        self.tier_orphans = {}
+        if self.spill_io is not None:
+            self.spill_io.reads.clear()
+        if self.epoch is None:
+            self.epoch = b""
+            attach_tier_extents(self)
+            return
+        self.epoch = os.urandom(16)
+        self.spill_metrics.inc("flushes")
+        logger.info("sgl_hicache: cache flushed; spilled KV from before the flush will not be served")
 
     def report(self, idle: bool) -> dict[str, Any]:
         """Counters, staging, tier stats and an integrity verdict (for `GET /server_info`)."""

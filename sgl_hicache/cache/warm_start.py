@@ -1,8 +1,10 @@
 """Warm restart: turn the tier's published extents back into spilled nodes of a fresh tree.
 
-Extents name their prefix by `prefix_key` (see prefix_keys.py). At start, the default tenant's tree
-is rebuilt by walking from its root key: the children of a node are the extents whose parent key
-equals the node's key, each child's key re-derived from its stored tokens and checked.
+An extent's key is `chain_key(ns, parent path key, tokens)` (tier/keys.py). At start, the default
+tenant's tree is rebuilt by walking from the root's path key: the children of a node are the extents
+whose parent equals the node's path key, and each is attached only if its key equals the chain key
+of that path and its stored tokens (the tier also refuses a file whose own parent and tokens do not
+hash to its key), so an extent is attached exactly where it starts, with exactly its tokens.
 Everything else stays an *orphan*, indexed by parent key: extents of salted tenants (the salt is
 never stored on disk) and extents under such orphans. A request brings its own tokens and tenant, so
 when its match ends where an orphan's parent key says it starts, and the orphan's key equals the hash
@@ -18,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
-from sgl_hicache.cache.prefix_keys import PrefixHasher, tenant_of
 from sgl_hicache.cache.spill_state import Extent, ExtentState, SpillRef
-from sgl_hicache.tier import ExtentInfo, ExtentKey
+from sgl_hicache.tier import ExtentInfo, ExtentKey, chain_key
+from sgl_hicache.tier.keys import PathHasher
 
 if TYPE_CHECKING:
     from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
@@ -36,8 +38,8 @@ def attach_tier_extents(cache: SpillRadixCache) -> int:
     children: dict[ExtentKey, list[ExtentInfo]] = defaultdict(list)
     for info in tier.extents():
         children[info.parent].append(info)
-    root = PrefixHasher(cache.namespace_id, b"")
-    stack: list[tuple[TreeNode, PrefixHasher]] = [(cache.root_node, root)]
+    root = PathHasher(cache.namespace_id, b"", cache.epoch or b"")  # the default tenant
+    stack: list[tuple[TreeNode, PathHasher]] = [(cache.root_node, root)]
     attached = 0
     while stack:
         node, hasher = stack.pop()
@@ -57,11 +59,11 @@ def attach_on_match(cache: SpillRadixCache, node: TreeNode, key: RadixKey, pos: 
     """Attach orphan extents that continue `key` after its first `pos` tokens (where `node` ends);
     returns the tokens attached (as spilled nodes under `node`)."""
     tokens = key.raw_token_ids()
-    hasher = PrefixHasher(cache.namespace_id, tenant_of(key.extra_key, key.cache_salt)).update(tokens[:pos])
+    hasher = cache.path_hasher(key).update(tokens[:pos])
     attached = 0
     while pos < len(key):
         candidates = cache.tier_orphans.get(hasher.key(), [])
-        found = next((c for c in candidates if _continues(c, hasher, tokens, pos, cache.page_size)), None)
+        found = next((c for c in candidates if _continues(cache, c, hasher, tokens, pos)), None)
         if found is None or key[pos:].child_key(cache.page_size) in node.children:
             break
         candidates.remove(found)
@@ -78,12 +80,12 @@ def attach_on_match(cache: SpillRadixCache, node: TreeNode, key: RadixKey, pos: 
     return attached
 
 
-def _continues(info: ExtentInfo, hasher: PrefixHasher, tokens: Any, pos: int, page_size: int) -> bool:
+def _continues(cache: SpillRadixCache, info: ExtentInfo, hasher: PathHasher, tokens: Any, pos: int) -> bool:
     n = info.token_count
     return (
         0 < n <= len(tokens) - pos
-        and n % page_size == 0
-        and hasher.copy().update(tokens[pos : pos + n]).key() == info.key
+        and n % cache.page_size == 0
+        and chain_key(cache.namespace_id, hasher.key(), tokens[pos : pos + n]) == info.key
     )
 
 
@@ -96,14 +98,14 @@ def _new_spilled(parent: TreeNode, key: RadixKey, extent_key: ExtentKey, page_si
 
 
 def _attach(
-    cache: SpillRadixCache, parent: TreeNode, hasher: PrefixHasher, info: ExtentInfo
-) -> tuple[TreeNode, PrefixHasher] | None:
+    cache: SpillRadixCache, parent: TreeNode, hasher: PathHasher, info: ExtentInfo
+) -> tuple[TreeNode, PathHasher] | None:
     tokens = cache.spill_io.tier.read_tokens(info.key) if cache.spill_io is not None else None
     if tokens is None or len(tokens) == 0 or len(tokens) % cache.page_size:
         return None
+    if chain_key(cache.namespace_id, hasher.key(), tokens) != info.key:
+        return None  # does not start where this node ends: leave it alone
     child_hasher = hasher.copy().update(tokens)
-    if child_hasher.key() != info.key:
-        return None  # not a prefix extent of this tree (e.g. another key scheme): leave it alone
     key = RadixKey(array("q", tokens.tolist()))
     if key.child_key(cache.page_size) in parent.children:
         return None

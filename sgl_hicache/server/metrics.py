@@ -20,6 +20,7 @@ TIER_GAUGES = {  # TierStats field: (metric name, help)
     "extents": ("tier_extents", "published extents in the tier"),
     "io_errors": ("tier_io_errors", "I/O errors the tier met since start (EIO, EACCES, EROFS, ...)"),
     "checksum_failures": ("tier_checksum_failures", "reads that failed verification since start"),
+    "mismatches": ("tier_mismatches", "reads of extents that were not what their key names since start"),
     "no_space": ("tier_no_space", "stores refused for lack of space since start"),
     "evictions": ("tier_evictions", "extents the tier evicted to stay within its budget since start"),
 }
@@ -36,6 +37,8 @@ COUNTERS = {
     "restored_bytes": "packed KV bytes read back for restores",
     "restore_failures": "restores abandoned (miss, corruption, I/O error, timeout, no memory): recomputed",
     "corrupt_extents": "extents found corrupt or missing on read",
+    "mismatch_extents": "extents whose header or length was not what their key names (never used as KV)",
+    "flushes": "cache flushes (flush_cache, weight updates): each starts a new key epoch",
     "prefetch_requests": "arriving requests whose prefix runs into spilled KV (reads started at arrival)",
     "prefetch_issued": "extent reads started by a prefetch",
     "prefetch_coalesced": "prefetches that joined a read already started for the same extent",

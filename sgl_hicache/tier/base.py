@@ -38,6 +38,8 @@ class Status(enum.Enum):
     OK = "ok"
     MISS = "miss"  # load: no such extent (never stored, evicted, removed by another process)
     CORRUPT = "corrupt"  # load: checksum, truncation, version or namespace mismatch; extent dropped
+    MISMATCH = "mismatch"  # load: well-formed, but not what the key names (its parent and tokens do not
+    #                       hash to the key) or shorter than requested; extent dropped
     NO_SPACE = "no_space"  # store: over budget with nothing evictable, or the volume is full
     IO_ERROR = "io_error"  # EIO, EACCES, EROFS, directory gone, ...; logged (rate-limited), counted
     REJECTED = "rejected"  # bad request: destination too small, extent larger than capacity, closed
@@ -84,6 +86,7 @@ class TierStats:
     load_bytes: int
     misses: int
     checksum_failures: int
+    mismatches: int
     io_errors: int
     no_space: int
     evictions: int
@@ -123,7 +126,8 @@ class Tier(abc.ABC):
     def submit_store(
         self, key: ExtentKey, payload: Buffer, tokens: Sequence[int] | np.ndarray, parent: ExtentKey
     ) -> Ticket:
-        """Queue writing `payload` as extent `key` (made by `chain_key(parent, tokens)`).
+        """Queue writing `payload` as extent `key`, which must be `chain_key(ns, parent, tokens)`
+        (ValueError otherwise: the key names exactly what the extent holds, see keys.py).
 
         Never blocks. Publishing is atomic (temp file + rename, fsync per `TierConfig.fsync`): a
         failed or partial write is never visible. Storing a key already present completes OK at
@@ -135,10 +139,12 @@ class Tier(abc.ABC):
     def submit_load(self, key: ExtentKey, dest: Buffer, nbytes: int | None = None) -> Ticket:
         """Queue reading the first `nbytes` payload bytes (all if None) of `key` into `dest`.
 
-        Never blocks. Only chunks covering the prefix are read and verified; Completion.nbytes is
-        min(nbytes, payload length). `dest` must hold that many bytes, else REJECTED. Any checksum,
-        truncation, version or namespace mismatch drops the extent and reports CORRUPT; the
-        content of `dest` is then undefined. An extent evicted meanwhile (here or by another
+        Never blocks. Only chunks covering the prefix are read and verified; an OK completion has
+        exactly `nbytes` (or the payload length, if None). `dest` must hold that many bytes, else
+        REJECTED. Any checksum, truncation, version or namespace mismatch drops the extent and
+        reports CORRUPT; a file whose recorded parent and tokens do not hash to `key`, or whose
+        payload is shorter than `nbytes`, is dropped and reported MISMATCH. The content of `dest`
+        is then undefined. An extent evicted meanwhile (here or by another
         process sharing the directory), or whose store has not completed yet, is a clean MISS. Loads are served before stores, but a
         waiting store is never passed over indefinitely. A load refreshes the extent's LRU age.
         """

@@ -10,7 +10,7 @@ from collections import Counter
 
 from sgl_hicache.tier.base import Op, Status
 from sgl_hicache.tier.directio import ShortIO
-from sgl_hicache.tier.format import FormatError
+from sgl_hicache.tier.format import FormatError, Mismatch
 
 logger = logging.getLogger("sgl_hicache.tier")
 
@@ -20,6 +20,8 @@ _NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
 
 def classify(op: Op, err: Exception) -> Status:
     """Status for an error raised by a store or load job (anything else is a bug and propagates)."""
+    if isinstance(err, Mismatch):
+        return Status.MISMATCH
     if isinstance(err, FormatError) or (op is Op.LOAD and isinstance(err, ShortIO)):
         return Status.CORRUPT
     if op is Op.LOAD and isinstance(err, FileNotFoundError):

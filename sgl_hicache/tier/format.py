@@ -21,7 +21,7 @@ from sgl_hicache.config import Compression
 from sgl_hicache.tier.keys import KEY_BYTES, ExtentKey, KVDtype, KVLayout, NamespaceId
 
 MAGIC = b"SGLHCEXT"
-VERSION = 1
+VERSION = 2  # 2: extent keys are chain_key(parent path, tokens), checked on load
 ALIGN = 4096
 EXTENT_SUFFIX = ".ext"
 TEMP_SUFFIX = ".tmp"
@@ -36,6 +36,11 @@ _CHUNK_ENTRY_MAX = 1 + 3 * 9  # msgpack fixarray of three uint64
 
 class FormatError(ValueError):
     """The bytes are not a valid extent of this format version and namespace."""
+
+
+class Mismatch(FormatError):
+    """A well-formed extent that is not what was asked for: its parent and tokens do not hash to
+    its key, or it holds fewer payload bytes than requested."""
 
 
 def align_up(n: int, align: int = ALIGN) -> int:

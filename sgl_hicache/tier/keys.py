@@ -1,10 +1,18 @@
-"""Keys and namespaces: every extent is content-addressed inside exactly one namespace.
+"""Keys and namespaces: the project's one key scheme (docs/FORMAT.md, "Keys").
 
-An extent's key is a chained hash: `chain_key(ns, parent, tokens) = xxh3-128(ns id ‖ parent key ‖
-tokens)`, so a key names a whole prefix (its parent's tokens included), and two namespaces never
-produce the same key. A namespace id is derived from everything that makes KV bytes incompatible:
-model identity, KV layout and dtype, tensor-parallel rank/size, page size, and a tenant salt (so
-tenants cannot probe each other's prefixes by hash).
+Two kinds of 16-byte hashes, both inside one namespace:
+- a **path key** `PathHasher(...).key()` names a token path from the start of a sequence, for one
+  tenant (sglang's `extra_key` / `cache_salt`) and one cache epoch: it depends only on the tokens,
+  never on where a radix tree split them;
+- an **extent key** `chain_key(ns, parent, tokens)` = xxh3-128(ns id ‖ parent ‖ tokens) names the run
+  `tokens` that follows the path whose path key is `parent`: it fixes where the run starts (the
+  whole path before it), its length and its tokens. Two different ranges never share a key (up to
+  128-bit hash collisions), so a key can only ever find the KV of exactly the range it was made for.
+
+Every extent file records its parent and tokens; the tier re-derives `chain_key` from them on every
+load and refuses a file whose key does not match (`Status.MISMATCH`). A namespace id is derived from
+everything that makes KV bytes incompatible: model identity (weights fingerprint included), KV
+layout and dtype, tensor-parallel rank/size, page size.
 """
 
 from __future__ import annotations
@@ -26,7 +34,8 @@ NamespaceId = NewType("NamespaceId", bytes)
 
 KEY_BYTES = 16
 ROOT_KEY = ExtentKey(bytes(KEY_BYTES))
-"""The parent of an extent that starts at the beginning of a sequence."""
+"""An all-zero parent key, for tools and tests that store extents without a path (the cache always
+uses path keys: `PathHasher`)."""
 
 
 class KVDtype(enum.IntEnum):
@@ -75,7 +84,7 @@ class Namespace:
         lay = self.layout
         fields = [self.model, lay.num_layers, lay.num_heads, lay.head_dim, int(lay.dtype), lay.page_size]
         fields += [self.tp_rank, self.tp_size, self.tenant_salt]
-        return NamespaceId(xxhash.xxh3_128_digest(msgpack.packb(["sgl_hicache.ns.v1", *fields])))
+        return NamespaceId(xxhash.xxh3_128_digest(msgpack.packb(["sgl_hicache.ns.v2", *fields])))
 
 
 def tokens_to_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
@@ -102,3 +111,35 @@ def check_key(key: bytes) -> ExtentKey:
     if not isinstance(key, bytes) or len(key) != KEY_BYTES:
         raise ValueError(f"an extent key is {KEY_BYTES} bytes, got {key!r:.40}")
     return ExtentKey(key)
+
+
+class PathHasher:
+    """Feed a token path left to right; `key()` is the path key of the prefix fed so far.
+
+    Seeded with the namespace, the tenant tag (`tenant_of`) and the cache epoch (empty at start; a
+    new random one after every flush, so nothing named before a flush is found after it)."""
+
+    def __init__(self, ns: NamespaceId, tenant: bytes = b"", epoch: bytes = b"") -> None:
+        self._h = xxhash.xxh3_128()
+        self._h.update(b"sgl_hicache.path.v2" + ns)
+        for part in (tenant, epoch):
+            self._h.update(len(part).to_bytes(4, "little") + part)
+
+    def update(self, tokens: Sequence[int] | np.ndarray) -> PathHasher:
+        self._h.update(tokens_to_bytes(tokens))
+        return self
+
+    def key(self) -> ExtentKey:
+        return ExtentKey(self._h.digest())
+
+    def copy(self) -> PathHasher:
+        clone = PathHasher.__new__(PathHasher)
+        clone._h = self._h.copy()
+        return clone
+
+
+def tenant_of(extra_key: str | None, cache_salt: str | None) -> bytes:
+    """The tenant tag of a radix key (empty for the default tenant)."""
+    if extra_key is None and cache_salt is None:
+        return b""
+    return f"{extra_key!r}\x00{cache_salt!r}".encode()

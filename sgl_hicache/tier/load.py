@@ -11,14 +11,24 @@ import os
 import threading
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 import zstandard
 
 from sgl_hicache.config import Compression
 from sgl_hicache.tier.base import Ticket
 from sgl_hicache.tier.directio import O_DIRECT, alloc_aligned, is_aligned, pread_exact
-from sgl_hicache.tier.format import ALIGN, Chunk, FormatError, Header, align_up, decode_fixed, decode_meta
-from sgl_hicache.tier.keys import ExtentKey, NamespaceId
+from sgl_hicache.tier.format import (
+    ALIGN,
+    Chunk,
+    FormatError,
+    Header,
+    Mismatch,
+    align_up,
+    decode_fixed,
+    decode_meta,
+)
+from sgl_hicache.tier.keys import ExtentKey, NamespaceId, chain_key
 
 _local = threading.local()
 
@@ -42,12 +52,15 @@ class OpenExtent:
 
 
 def open_extent(path: os.PathLike[str] | str, ns: NamespaceId, key: ExtentKey, direct: bool) -> OpenExtent:
-    """Open and verify; raises FileNotFoundError (miss), FormatError/ShortIO (corrupt), OSError."""
+    """Open and verify; raises FileNotFoundError (miss), Mismatch (not what `key` names),
+    FormatError/ShortIO (corrupt), OSError."""
     fd = os.open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
     try:
         header, tokens, chunks = _read_header(fd, direct)
         if header.namespace != ns or header.key != key:
             raise FormatError("extent belongs to another namespace or key")
+        if chain_key(ns, header.parent, np.frombuffer(tokens, dtype="<u4")) != key:
+            raise Mismatch("the extent's parent and tokens do not hash to its key")
         if os.fstat(fd).st_size < header.file_size:
             raise FormatError(f"truncated extent: {os.fstat(fd).st_size} < {header.file_size} bytes")
     except BaseException:

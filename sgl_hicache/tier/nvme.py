@@ -20,10 +20,10 @@ from sgl_hicache.tier.capacity import Space
 from sgl_hicache.tier.completions import CompletionQueue
 from sgl_hicache.tier.directio import as_view, probe_direct_io
 from sgl_hicache.tier.faults import Counters, FaultLog, classify, logger
-from sgl_hicache.tier.format import FormatError
+from sgl_hicache.tier.format import FormatError, Mismatch
 from sgl_hicache.tier.index import Entry, OverBudget
 from sgl_hicache.tier.integrity import check_files
-from sgl_hicache.tier.keys import ExtentKey, Namespace, check_key, tokens_to_bytes
+from sgl_hicache.tier.keys import ExtentKey, Namespace, chain_key, check_key, tokens_to_bytes
 from sgl_hicache.tier.load import LoadState, OpenExtent, open_extent, read_chunk
 from sgl_hicache.tier.paths import ExtentPaths
 from sgl_hicache.tier.scan import scan
@@ -78,7 +78,7 @@ class NvmeTier(Tier):
             logger.error("spill tier %s job failed unexpectedly", op.value, exc_info=err)
         elif status in (Status.IO_ERROR, Status.NO_SPACE):
             self._faults.report(op, err, str(self._paths.ns_dir))
-        if status is Status.CORRUPT:
+        if status in (Status.CORRUPT, Status.MISMATCH):
             self._space.drop(key)
         elif status is Status.MISS:  # removed behind our back (another process): forget it
             with self._lock:
@@ -92,6 +92,8 @@ class NvmeTier(Tier):
     ) -> Ticket:
         view = as_view(payload, writable=False)
         req = StoreRequest(check_key(key), check_key(parent), tokens_to_bytes(tokens), view)
+        if chain_key(self._ns_id, parent, tokens) != key:
+            raise ValueError("an extent key must be chain_key(namespace, parent, tokens) of what it holds")
         ticket = self._completions.issue()
         with self._lock:  # queue under the lock: close() cannot slip in between
             closed, present, leader = self._closed, key in self._index, self._storing.get(key)
@@ -159,7 +161,13 @@ class NvmeTier(Tier):
             self._completions.post(self._fail(Op.LOAD, ticket, key, e))
             return
         length = ext.header.payload_len
-        want = length if nbytes is None else max(0, min(nbytes, length))
+        want = length if nbytes is None else max(0, nbytes)
+        if want > length:
+            self._close_load(ext, key)
+            self._completions.post(
+                self._fail(Op.LOAD, ticket, key, Mismatch(f"{length} B < {want} B requested"))
+            )
+            return
         if dest.nbytes < want:
             self._close_load(ext, key)
             self._completions.post(
@@ -271,5 +279,8 @@ class NvmeTier(Tier):
         self._counters.add("removed_bad_files", result.removed_bad)
 
 
-_COUNTER_OF = {Status.MISS: "misses", Status.CORRUPT: "checksum_failures", Status.NO_SPACE: "no_space"}
+_COUNTER_OF = {
+    Status.MISS: "misses", Status.CORRUPT: "checksum_failures", Status.MISMATCH: "mismatches",
+    Status.NO_SPACE: "no_space",
+}  # fmt: skip
 _DERIVED = {"extents", "bytes_stored", "capacity_bytes", "direct_io"}

@@ -73,35 +73,54 @@ class Stack:
             self.cache.spill_io.wait_writes()
 
 
-def expected_kv(tokens: list[int]) -> list[float]:
-    """What `read_kv` returns for slots filled with `tokens` (values pass through bf16)."""
-    return (torch.tensor(tokens, dtype=torch.float32) * 10).to(torch.bfloat16).float().tolist()
+MARK_BITS = 14  # each bf16 element holds 14 bits of a marker: sign and top exponent bit stay 0 (finite)
+MARK_MAX = 1 << (2 * MARK_BITS)  # ids are spread over two elements: lossless up to 2**28
 
 
-def fill_kv(pool: Any, slots: torch.Tensor, tokens: list[int]) -> None:
-    vals = torch.tensor(tokens, dtype=torch.float32)
+def expected_kv(ids: list[int]) -> list[int]:
+    """What `read_kv` returns for slots filled with `ids` (lossless: the ids themselves)."""
+    return [int(i) for i in ids]
+
+
+def marker_bits(ids: torch.Tensor, layer: int, which: int) -> torch.Tensor:
+    """The raw bits of every K (which=0) / V (which=1) element of `layer` for tokens `ids`: element
+    (head 0, dim 0) holds the low 14 bits of the id, (0, 1) the high 14, every other element an
+    injective function of the id and its own position, so a wrong byte anywhere changes the id read."""
+    mask = (1 << MARK_BITS) - 1
+    pos = torch.arange(HEADS * HEAD_DIM, dtype=torch.int64).view(HEADS, HEAD_DIM)
+    salt = (pos * 131 + layer * 977 + which * 389)[None]
+    bits = (ids[:, None, None] + salt) & mask
+    bits[:, 0, 0] = ids & mask
+    bits[:, 0, 1] = (ids >> MARK_BITS) & mask
+    return bits.to(torch.int16)
+
+
+def fill_kv(pool: Any, slots: torch.Tensor, ids: list[int]) -> None:
+    """Write the lossless marker of each id (see `marker_bits`) into every element of its slot."""
+    vals = torch.tensor(ids, dtype=torch.int64)
+    assert all(0 <= i < MARK_MAX for i in ids), "marker ids out of range"
     for layer in range(LAYERS):
         for which, buf in enumerate((pool.k_buffer[layer], pool.v_buffer[layer])):
-            buf[slots] = (
-                (vals * 10 + layer * 3 + which).to(buf.dtype)[:, None, None].expand(-1, HEADS, HEAD_DIM)
+            buf.view(torch.int16)[slots] = marker_bits(vals, layer, which)
+
+
+def read_kv(pool: Any, slots: torch.Tensor) -> list[int]:
+    """The id whose marker each slot holds; asserts every element of every layer agrees with it."""
+    k0 = pool.k_buffer[0].view(torch.int16)[slots].to(torch.int64)
+    ids = k0[:, 0, 0] | (k0[:, 0, 1] << MARK_BITS)
+    for layer in range(LAYERS):
+        for which, buf in enumerate((pool.k_buffer[layer], pool.v_buffer[layer])):
+            got = buf.view(torch.int16)[slots]
+            assert torch.equal(got, marker_bits(ids, layer, which)), (
+                "a slot's KV elements disagree with its id"
             )
-
-
-def read_kv(pool: Any, slots: torch.Tensor) -> list[float]:
-    """The per-token KV value stored at `slots` (layer 0, K), checked consistent across all layers."""
-    out = []
-    for layer in range(LAYERS):
-        for which, buf in enumerate((pool.k_buffer[layer], pool.v_buffer[layer])):
-            got = buf[slots].float()
-            assert torch.equal(got, got[:, :1, :1].expand_as(got)), "a token's KV rows differ within a slot"
-            if layer == 0 and which == 0:
-                out = got[:, 0, 0].tolist()
-    return out
+    return [int(i) for i in ids]
 
 
 @pytest.fixture
 def make_stack(tmp_path: Path) -> Iterator[Callable[..., Stack]]:
     from sgl_hicache.kernels import from_sglang_pool
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
@@ -115,11 +134,16 @@ def make_stack(tmp_path: Path) -> Iterator[Callable[..., Stack]]:
     opened: list[Stack] = []
 
     def make(size: int = 256, spill: bool = True, tier_dir: Path | None = None, chunk_bytes: int = 4 << 20,
-             **overrides: Any) -> Stack:  # fmt: skip
-        pool = MHATokenToKVPool(size, 1, torch.bfloat16, HEADS, HEAD_DIM, LAYERS, "cpu", False)
-        allocator = TokenToKVPoolAllocator(size, torch.bfloat16, "cpu", pool, need_sort=False)
+             page_size: int = 1, **overrides: Any) -> Stack:  # fmt: skip
+        pool = MHATokenToKVPool(size, page_size, torch.bfloat16, HEADS, HEAD_DIM, LAYERS, "cpu", False)
+        if page_size == 1:
+            allocator = TokenToKVPoolAllocator(size, torch.bfloat16, "cpu", pool, need_sort=False)
+        else:
+            allocator = PagedTokenToKVPoolAllocator(
+                size, page_size, torch.bfloat16, "cpu", pool, need_sort=False
+            )
         params = CacheInitParams(
-            disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator, page_size=1
+            disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator, page_size=page_size
         )
         tier_dir = tier_dir or tmp_path / f"tier{len(opened)}"
         tier = TierConfig(
@@ -127,7 +151,7 @@ def make_stack(tmp_path: Path) -> Iterator[Callable[..., Stack]]:
         )
         config = replace(SpillConfig(tier=tier), enabled=True, min_spill_tokens=4, **overrides)
         view = from_sglang_pool(pool)
-        ns = Namespace("test-model", KVLayout(LAYERS, HEADS, HEAD_DIM, KVDtype.BF16, 1))
+        ns = Namespace("test-model", KVLayout(LAYERS, HEADS, HEAD_DIM, KVDtype.BF16, page_size))
         metrics = SpillMetrics()
         io = open_spill_io(config, ns, view, metrics) if spill else None
         stack = Stack(SpillRadixCache(params, config, metrics, io, ns.id), pool, allocator, tier_dir, metrics)

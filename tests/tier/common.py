@@ -17,5 +17,10 @@ def payload_for(i: int, nbytes: int) -> np.ndarray:
     return np.random.default_rng(i).integers(0, 256, nbytes, dtype=np.uint8)
 
 
+def tokens_for(i: int) -> list[int]:
+    """The tokens extent `i` holds (its key is their chain key after ROOT_KEY)."""
+    return [i, i + 1]
+
+
 def key_for(i: int, ns: Namespace = NS) -> ExtentKey:
-    return chain_key(ns.id, ROOT_KEY, [i, i + 1])
+    return chain_key(ns.id, ROOT_KEY, tokens_for(i))

@@ -9,7 +9,7 @@ import pytest
 
 from sgl_hicache.tier import ROOT_KEY, Status
 from sgl_hicache.tier.format import ALIGN
-from tests.tier.common import key_for, payload_for
+from tests.tier.common import key_for, payload_for, tokens_for
 
 
 def file_bytes(n: int) -> int:
@@ -19,9 +19,9 @@ def file_bytes(n: int) -> int:
 def test_lru_evicts_least_recently_used(make_tier):
     tier = make_tier(capacity_bytes=4 * file_bytes(10_000))
     for i in range(4):
-        assert tier.wait(tier.submit_store(key_for(i), payload_for(i, 10_000), [i], ROOT_KEY)).ok
+        assert tier.wait(tier.submit_store(key_for(i), payload_for(i, 10_000), tokens_for(i), ROOT_KEY)).ok
     assert tier.wait(tier.submit_load(key_for(0), bytearray(10_000))).ok  # 0 is now most recent
-    assert tier.wait(tier.submit_store(key_for(4), payload_for(4, 10_000), [4], ROOT_KEY)).ok
+    assert tier.wait(tier.submit_store(key_for(4), payload_for(4, 10_000), tokens_for(4), ROOT_KEY)).ok
     assert [tier.contains(key_for(i)) for i in range(5)] == [True, False, True, True, True]
     assert tier.stats().evictions == 1
     tier.check_integrity()
@@ -39,7 +39,7 @@ def test_random_workload_never_exceeds_capacity(make_tier, mount_point, seed):
         i = rng.randrange(60)
         if rng.random() < 0.6:
             sizes.setdefault(i, rng.randrange(1, 120_000))
-            tier.submit_store(key_for(i), payload_for(i, sizes[i]), [i], ROOT_KEY)
+            tier.submit_store(key_for(i), payload_for(i, sizes[i]), tokens_for(i), ROOT_KEY)
         elif i in sizes:
             tier.submit_load(key_for(i), bytearray(sizes[i]))
         assert used_bytes(fs) - baseline <= capacity
@@ -67,7 +67,7 @@ def used_bytes(directory) -> int:
 def test_loaded_bytes_are_right_under_eviction_pressure(make_tier):
     tier = make_tier(capacity_bytes=200_000, io_threads=4)
     for i in range(30):
-        tier.submit_store(key_for(i), payload_for(i, 40_000), [i], ROOT_KEY)
+        tier.submit_store(key_for(i), payload_for(i, 40_000), tokens_for(i), ROOT_KEY)
         buf = bytearray(40_000)
         j = random.Random(i).randrange(i + 1)
         done = tier.wait(tier.submit_load(key_for(j), buf))
@@ -80,7 +80,7 @@ def test_loaded_bytes_are_right_under_eviction_pressure(make_tier):
 
 def test_extent_larger_than_capacity_is_no_space(make_tier):
     tier = make_tier(capacity_bytes=100_000)
-    done = tier.wait(tier.submit_store(key_for(1), payload_for(1, 200_000), [1], ROOT_KEY))
+    done = tier.wait(tier.submit_store(key_for(1), payload_for(1, 200_000), tokens_for(1), ROOT_KEY))
     assert done.status is Status.NO_SPACE and tier.stats().no_space == 1
     assert not list(tier_dir(tier).rglob("*.ext")) and not list(tier_dir(tier).rglob("*.tmp"))
 
@@ -89,14 +89,14 @@ def test_free_space_watermark(make_tier, tmp_path):
     st = os.statvfs(tmp_path)
     free = st.f_bavail * st.f_frsize
     tier = make_tier(min_free_bytes=free + (1 << 30))
-    done = tier.wait(tier.submit_store(key_for(1), payload_for(1, 1000), [1], ROOT_KEY))
+    done = tier.wait(tier.submit_store(key_for(1), payload_for(1, 1000), tokens_for(1), ROOT_KEY))
     assert done.status is Status.NO_SPACE
 
 
 def test_restart_enforces_smaller_budget_and_removes_stale_temp(make_tier, tmp_path):
     tier = make_tier()
     for i in range(6):
-        assert tier.wait(tier.submit_store(key_for(i), payload_for(i, 10_000), [i], ROOT_KEY)).ok
+        assert tier.wait(tier.submit_store(key_for(i), payload_for(i, 10_000), tokens_for(i), ROOT_KEY)).ok
     tier.close()
     fan = next(tier_dir(tier).rglob("*.ext")).parent
     (fan / f".{'a' * 32}.999999999.deadbeef.tmp").write_bytes(b"partial")

@@ -13,13 +13,15 @@ import pytest
 
 from sgl_hicache.tier import ROOT_KEY, Status
 from sgl_hicache.tier import capacity as capacity_module
-from tests.tier.common import key_for, payload_for
+from tests.tier.common import key_for, payload_for, tokens_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def store(tier, i: int, n: int = 5000) -> Status:
-    return tier.wait(tier.submit_store(key_for(i), payload_for(i, n), [i], ROOT_KEY), timeout=30).status
+    return tier.wait(
+        tier.submit_store(key_for(i), payload_for(i, n), tokens_for(i), ROOT_KEY), timeout=30
+    ).status
 
 
 def load(tier, i: int, n: int = 5000) -> Status:

@@ -8,13 +8,15 @@ import pytest
 
 from sgl_hicache.tier import ROOT_KEY, Status
 from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
-from tests.tier.common import key_for, payload_for
+from tests.tier.common import key_for, payload_for, tokens_for
 
 
 def run(tier) -> list[Status]:
     statuses = []
     for i in range(30):
-        statuses.append(tier.wait(tier.submit_store(key_for(i), payload_for(i, 3000), [i], ROOT_KEY)).status)
+        statuses.append(
+            tier.wait(tier.submit_store(key_for(i), payload_for(i, 3000), tokens_for(i), ROOT_KEY)).status
+        )
         statuses.append(tier.wait(tier.submit_load(key_for(i), bytearray(3000))).status)
     return statuses
 
@@ -33,7 +35,7 @@ def test_same_seed_same_faults(make_tier, tmp_path):
 def test_corruption_scribbles_and_discards(make_tier):
     tier = FaultyTier(make_tier(), FaultSpec(corrupt_rate=1.0))
     data = payload_for(1, 3000)
-    assert tier.wait(tier.submit_store(key_for(1), data, [1], ROOT_KEY)).ok
+    assert tier.wait(tier.submit_store(key_for(1), data, tokens_for(1), ROOT_KEY)).ok
     buf = bytearray(3000)
     done = tier.wait(tier.submit_load(key_for(1), buf))
     assert done.status is Status.CORRUPT and bytes(buf) != data.tobytes()
@@ -43,14 +45,16 @@ def test_corruption_scribbles_and_discards(make_tier):
 def test_failures_are_not_passed_on(make_tier):
     inner = make_tier()
     tier = FaultyTier(inner, FaultSpec(fail_rate=1.0))
-    assert tier.wait(tier.submit_store(key_for(1), b"x" * 10, [1], ROOT_KEY)).status is Status.IO_ERROR
+    assert (
+        tier.wait(tier.submit_store(key_for(1), b"x" * 10, tokens_for(1), ROOT_KEY)).status is Status.IO_ERROR
+    )
     assert inner.stats().stores == 0 and not tier.contains(key_for(1))
 
 
 def test_latency_holds_completions(make_tier):
     tier = FaultyTier(make_tier(), FaultSpec(latency_s=1.0))
     t0 = time.monotonic()
-    ticket = tier.submit_store(key_for(1), b"x" * 10, [1], ROOT_KEY)
+    ticket = tier.submit_store(key_for(1), b"x" * 10, tokens_for(1), ROOT_KEY)
     time.sleep(0.05)
     assert tier.get_finished() == [] or time.monotonic() - t0 >= 1.0  # (a stalled test machine)
     assert tier.wait(ticket).ok and time.monotonic() - t0 >= 1.0

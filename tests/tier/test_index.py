@@ -8,7 +8,7 @@ import pytest
 from sgl_hicache.config import Fsync
 from sgl_hicache.tier import ROOT_KEY, ExtentKey, chain_key
 from sgl_hicache.tier.index import Entry, Index
-from tests.tier.common import NS, key_for, payload_for
+from tests.tier.common import NS, key_for, payload_for, tokens_for
 
 
 def k(i: int) -> ExtentKey:
@@ -60,7 +60,7 @@ def test_check_reports_numbers():
 
 def test_check_integrity_finds_stray_files(make_tier):
     tier = make_tier()
-    assert tier.wait(tier.submit_store(key_for(1), payload_for(1, 100), [1], ROOT_KEY)).ok
+    assert tier.wait(tier.submit_store(key_for(1), payload_for(1, 100), tokens_for(1), ROOT_KEY)).ok
     tier.check_integrity()
     path = tier._paths.extent(key_for(1))
     stray = path.with_name("f" * 32 + ".ext")
@@ -72,7 +72,7 @@ def test_check_integrity_finds_stray_files(make_tier):
 @pytest.mark.parametrize("fsync", list(Fsync))
 def test_every_fsync_policy_round_trips(make_tier, fsync):
     tier = make_tier(fsync=fsync)
-    assert tier.wait(tier.submit_store(key_for(1), payload_for(1, 9000), [1], ROOT_KEY)).ok
+    assert tier.wait(tier.submit_store(key_for(1), payload_for(1, 9000), tokens_for(1), ROOT_KEY)).ok
     buf = bytearray(9000)
     assert tier.wait(tier.submit_load(key_for(1), buf)).ok and bytes(buf) == payload_for(1, 9000).tobytes()
 

@@ -9,12 +9,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sgl_hicache.config import Compression
-from sgl_hicache.tier import ROOT_KEY, Status
+from sgl_hicache.tier import ROOT_KEY, Status, chain_key
 from sgl_hicache.tier.format import FIXED_SIZE, decode_fixed
-from tests.tier.common import CHUNK, key_for, payload_for
+from tests.tier.common import CHUNK, NS, key_for, payload_for, tokens_for
 
 DATA = payload_for(7, 2 * CHUNK + 3000)
 TOKENS = list(range(700))
+KEY7 = chain_key(NS.id, ROOT_KEY, TOKENS)
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
@@ -22,7 +23,7 @@ FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 def stored(request, make_tier, tmp_path):
     """A tier holding extent 7, its file path and pristine bytes."""
     tier = make_tier(compression=request.param)
-    assert tier.wait(tier.submit_store(key_for(7), DATA, TOKENS, ROOT_KEY)).ok
+    assert tier.wait(tier.submit_store(KEY7, DATA, TOKENS, ROOT_KEY)).ok
     path = next((tmp_path / "tier").rglob("*.ext"))
     return tier, path, path.read_bytes()
 
@@ -40,7 +41,7 @@ def covered(raw: bytes) -> list[range]:
 
 def load_all(tier):
     dest = bytearray(DATA.nbytes)
-    return tier.wait(tier.submit_load(key_for(7), dest)), bytes(dest)
+    return tier.wait(tier.submit_load(KEY7, dest)), bytes(dest)
 
 
 @FAST
@@ -80,7 +81,7 @@ def test_corrupt_extent_leaves_index_and_accounting(stored):
 def test_scan_drops_bad_headers_and_foreign_files(make_tier, tmp_path: Path):
     tier = make_tier()
     for i in range(3):
-        assert tier.wait(tier.submit_store(key_for(i), payload_for(i, 5000), [i], ROOT_KEY)).ok
+        assert tier.wait(tier.submit_store(key_for(i), payload_for(i, 5000), tokens_for(i), ROOT_KEY)).ok
     tier.close()
     files = sorted((tmp_path / "tier").rglob("*.ext"))
     files[0].write_bytes(b"garbage" * 1000)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from sgl_hicache.tier import ROOT_KEY, Status
-from tests.tier.common import key_for, payload_for
+from tests.tier.common import key_for, payload_for, tokens_for
 from tests.tier.writer_proc import size_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,7 +103,7 @@ def test_concurrent_writer_reader_and_evictor(make_tier, procs, tmp_path):
 def test_evicted_by_other_process_is_a_clean_miss(make_tier, tmp_path):
     directory = tmp_path / "tier"
     a, b = make_tier(directory=directory), make_tier(directory=directory)
-    assert a.wait(a.submit_store(key_for(1), payload_for(1, 5000), [1], ROOT_KEY)).ok
+    assert a.wait(a.submit_store(key_for(1), payload_for(1, 5000), tokens_for(1), ROOT_KEY)).ok
     assert b.discard(key_for(1))
     done = a.wait(a.submit_load(key_for(1), bytearray(5000)))
     assert done.status is Status.MISS and not a.contains(key_for(1))

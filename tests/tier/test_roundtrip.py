@@ -11,7 +11,7 @@ import torch
 
 from sgl_hicache.config import Compression
 from sgl_hicache.tier import ROOT_KEY, KVDtype, KVLayout, Namespace, Status, alloc_aligned, chain_key
-from tests.tier.common import CHUNK, NS, key_for, payload_for
+from tests.tier.common import CHUNK, NS, key_for, payload_for, tokens_for
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
 
@@ -36,11 +36,15 @@ def test_prefix_reads(make_tier, nbytes, compression):
     tier = make_tier(compression=compression)
     data = payload_for(1, 3 * CHUNK + 4096 + 123)
     assert tier.wait(tier.submit_store(key_for(1), data, [1, 2], ROOT_KEY)).ok
-    want = min(nbytes, data.nbytes)
-    dest = alloc_aligned(want)
+    if nbytes > data.nbytes:  # more than the extent holds: never a short OK
+        done = tier.wait(tier.submit_load(key_for(1), alloc_aligned(4096), nbytes))
+        assert (done.status, done.nbytes) == (Status.MISMATCH, 0)
+        assert not tier.contains(key_for(1)) and tier.stats().mismatches == 1
+        return
+    dest = alloc_aligned(nbytes)
     done = tier.wait(tier.submit_load(key_for(1), dest, nbytes))
-    assert (done.status, done.nbytes) == (Status.OK, want)
-    assert bytes(dest) == data[:want].tobytes()
+    assert (done.status, done.nbytes) == (Status.OK, nbytes)
+    assert bytes(dest) == data[:nbytes].tobytes()
 
 
 def test_prefix_read_touches_only_needed_chunks(make_tier, tmp_path):
@@ -146,18 +150,18 @@ def test_payload_starts_4096_aligned(make_tier, tmp_path):
     tier = make_tier()
     data = np.full(5000, 0xAB, dtype=np.uint8)
     tokens = list(range(3000))  # meta larger than one block
-    assert tier.wait(tier.submit_store(key_for(1), data, tokens, ROOT_KEY)).ok
+    assert tier.wait(tier.submit_store(chain_key(NS.id, ROOT_KEY, tokens), data, tokens, ROOT_KEY)).ok
     raw = next((tmp_path / "tier").rglob("*.ext")).read_bytes()
     start = raw.index(b"\xab" * 5000)
     assert start % 4096 == 0 and start >= 3000 * 4
-    assert tier.read_tokens(key_for(1)).tolist() == tokens
+    assert tier.read_tokens(chain_key(NS.id, ROOT_KEY, tokens)).tolist() == tokens
 
 
 def test_closed_tier_rejects(make_tier):
     tier = make_tier()
     tier.close()
     assert tier.wait(tier.submit_load(key_for(1), bytearray(1))).status is Status.REJECTED
-    assert tier.wait(tier.submit_store(key_for(1), b"x", [1], ROOT_KEY)).status is Status.REJECTED
+    assert tier.wait(tier.submit_store(key_for(1), b"x", tokens_for(1), ROOT_KEY)).status is Status.REJECTED
 
 
 def test_bad_arguments_raise(make_tier):
@@ -167,7 +171,7 @@ def test_bad_arguments_raise(make_tier):
     with pytest.raises(ValueError):
         tier.submit_load(key_for(1), b"read-only")
     with pytest.raises(ValueError):
-        tier.submit_store(key_for(1), np.zeros((4, 4))[:, 1], [1], ROOT_KEY)
+        tier.submit_store(key_for(1), np.zeros((4, 4))[:, 1], tokens_for(1), ROOT_KEY)
 
 
 def test_concurrent_stores_of_one_key_write_once(make_tier):
@@ -182,8 +186,16 @@ def test_concurrent_stores_of_one_key_write_once(make_tier):
 def test_torch_tensors_as_buffers(make_tier):
     tier = make_tier()
     kv = torch.randn(4, 3, 33).to(torch.bfloat16)
-    assert tier.wait(tier.submit_store(key_for(8), kv, [8], ROOT_KEY)).ok
+    assert tier.wait(tier.submit_store(key_for(8), kv, tokens_for(8), ROOT_KEY)).ok
     out = torch.empty_like(kv)
     assert tier.wait(tier.submit_load(key_for(8), out)).ok and torch.equal(out, kv)
     with pytest.raises(ValueError):
         tier.submit_load(key_for(8), out.transpose(0, 2))  # not contiguous
+
+
+def test_a_key_must_name_what_the_extent_holds(make_tier):
+    tier = make_tier()
+    with pytest.raises(ValueError, match="chain_key"):
+        tier.submit_store(key_for(1), b"x" * 10, tokens_for(2), ROOT_KEY)
+    with pytest.raises(ValueError, match="chain_key"):
+        tier.submit_store(key_for(1), b"x" * 10, tokens_for(1), key_for(0))  # right tokens, other start
