@@ -14,6 +14,7 @@ import os
 import sys
 import warnings
 
+from sgl_hicache.cache.identity import UNISOLATED
 from sgl_hicache.config import ConfigError, SpillConfig
 from sgl_hicache.server.flags import add_flags, config_from
 from sgl_hicache.server.handoff import export_config
@@ -36,7 +37,25 @@ def parse(argv: list[str]) -> tuple[SpillConfig, list[str]]:
         raise ConfigError(f"--enable-hicache-spill needs --radix-cache-backend {BACKEND_NAME}, got {backend}")
     if config.enabled and backend is None:
         rest = [*rest, "--radix-cache-backend", BACKEND_NAME]
+    if config.enabled or backend == BACKEND_NAME:
+        refuse_unisolated(rest)
     return config, rest
+
+
+def refuse_unisolated(argv: list[str]) -> None:
+    """ConfigError naming the first sglang flag in `argv` that turns on a parallelism the spill
+    namespace does not isolate yet (`identity.UNISOLATED`). The cache factory checks the resolved
+    configuration again (a `--config` file can set these too)."""
+    for entry in UNISOLATED:
+        if any(_turns_on(argv, flag, entry.boolean) for flag in entry.flags):
+            raise ConfigError(entry.message())
+
+
+def _turns_on(argv: list[str], flag: str, boolean: bool) -> bool:
+    if boolean:
+        return flag in argv
+    value = _flag_value(argv, flag)
+    return value is not None and value.isdigit() and int(value) > 1
 
 
 def _flag_value(argv: list[str], name: str) -> str | None:
@@ -72,7 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="Environment variable SGL_HICACHE")
     if _flag_value(sglang_argv, "--device") == "cpu":
         os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-    return run_sglang(sglang_argv)
+    from sgl_hicache.server.hints import HintSocketError, private_runtime_dir
+
+    try:
+        with private_runtime_dir():  # the hint socket's directory, for every process of the server
+            return run_sglang(sglang_argv)
+    except HintSocketError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
 
 
 def run_sglang(argv: list[str]) -> int:

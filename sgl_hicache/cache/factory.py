@@ -5,8 +5,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-import torch
-
+from sgl_hicache.cache.identity import namespace_for
 from sgl_hicache.config import ConfigError, SpillConfig
 
 if TYPE_CHECKING:
@@ -20,11 +19,6 @@ if TYPE_CHECKING:
     from sgl_hicache.tier import Namespace, Tier
 
 logger = logging.getLogger(__name__)
-
-_KV_DTYPES = {
-    torch.float32: "FP32", torch.float16: "FP16", torch.bfloat16: "BF16",
-    torch.float8_e4m3fn: "FP8_E4M3", torch.float8_e5m2: "FP8_E5M2", torch.int8: "INT8",
-}  # fmt: skip
 
 
 def build_spill_cache(ctx: TreeCacheBuildContext) -> BasePrefixCache:
@@ -49,30 +43,23 @@ def build_spill_cache(ctx: TreeCacheBuildContext) -> BasePrefixCache:
 
 
 def open_hint_inbox(ctx: TreeCacheBuildContext) -> HintInbox | None:
-    """The resume-hint socket, on a single-rank scheduler only; None (hints off, logged) otherwise."""
-    import zmq
+    """The resume-hint socket in the launcher's private runtime directory, on a single-rank scheduler
+    only; None (hints off, logged) without that directory or with TP > 1. Raises HintSocketError if
+    the directory is not private or the bind fails: the server does not start."""
+    import os
 
-    from sgl_hicache.server.hints import HintInbox
+    from sgl_hicache.server.hints import RUNTIME_DIR_ENV, HintInbox, HintLimits
 
     if ctx.tp_size != 1:
         logger.warning("sgl_hicache: client resume hints are off with tensor parallelism > 1")
         return None
-    try:
-        return HintInbox(ctx.server_args.port)
-    except zmq.ZMQError as e:
-        logger.error("sgl_hicache: cannot open the resume-hint socket (%s); /hicache/prefetch is off", e)
+    runtime_dir = os.environ.get(RUNTIME_DIR_ENV)
+    if not runtime_dir:
+        logger.warning("sgl_hicache: client resume hints are off (no %s: start the server with "
+                       "python -m sgl_hicache.launch_server)", RUNTIME_DIR_ENV)  # fmt: skip
         return None
-
-
-def namespace_for(ctx: TreeCacheBuildContext, view: KVPoolView) -> Namespace:
-    from sgl_hicache.tier import KVDtype, KVLayout, Namespace
-
-    args = ctx.server_args
-    layout = KVLayout(num_layers=len(view.layers), num_heads=view.heads, head_dim=view.head_dim,
-                      dtype=KVDtype[_KV_DTYPES[view.dtype]], page_size=view.page_size)  # fmt: skip
-    # The tier's KVLayout has no MHA/MLA kind nor a separate V head size: both go into the identity.
-    model = f"{args.model_path}@{args.revision or ''}|{view.kind.value}|v{view.v_head_dim or view.head_dim}"
-    return Namespace(model=model, layout=layout, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
+    limits = HintLimits(int(ctx.model_config.vocab_size), int(ctx.model_config.context_len))
+    return HintInbox(runtime_dir, limits)
 
 
 TEST_FAULTS_ENV = "SGL_HICACHE_TEST_FAULTS"

@@ -1,0 +1,311 @@
+"""Model-based test of the spill cache against a plain reference (issue 11): it hunts for wrong KV.
+
+The reference is a dict: every (weights version, tenant, token prefix) gets its own KV id, written
+into a slot's KV as a lossless marker (conftest.py). A request's KV is "computed" by writing the
+reference ids of its prefixes; after every step, every device-resident node of every cache must hold
+exactly the reference ids of its path, for the weights that cache runs. The machine drives the cache
+the way sglang's scheduler does (match, restore with deferred admission re-matched every round,
+allocate with eviction, insert, free duplicates, unlock) and interleaves what can happen between:
+evictions, prefetches, flushes (a weight update: new ids from then on), restarts (the weights on
+disk again), and another process deleting, corrupting or rewriting extent files.
+
+Runs at page size 1 and 16, and with two caches sharing one tier directory. Steps per run: the
+`SGL_HICACHE_FUZZ_EXAMPLES` environment variable (default: CI size; `make fuzz` runs more).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+import time
+from array import array
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from tests.cache.conftest import Stack, build_stack, close_stack, fill_kv, read_kv
+
+EXAMPLES = int(os.environ.get("SGL_HICACHE_FUZZ_EXAMPLES", "20"))
+STEPS = 100
+SALTS = (None, None, None, "alice")  # mostly the default tenant
+RARE = st.integers(0, 3)  # flush, restart and tampering act when this draws 0: a quarter of their turns
+
+
+class Reference:
+    """The KV every token must have: one id per (weights version, tenant, prefix)."""
+
+    def __init__(self) -> None:
+        self._ids: dict[tuple[int, str | None, tuple[int, ...]], int] = {}
+        self._versions = 0
+
+    def kv(self, version: int, salt: str | None, tokens: list[int]) -> list[int]:
+        out = []
+        for i in range(len(tokens)):
+            key = (version, salt, tuple(tokens[: i + 1]))
+            out.append(self._ids.setdefault(key, len(self._ids) + 1))
+        return out
+
+    def new_version(self) -> int:
+        self._versions += 1
+        return self._versions
+
+
+class Server:
+    """One cache and the weights version it runs ('0' = the weights on disk)."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.version = 0
+        self.pending: dict[str, tuple[list[int], str | None]] = {}  # deferred admissions by rid
+
+
+class SpillCacheMachine(RuleBasedStateMachine):
+    page_size = 1
+    pool_tokens = 96
+    max_tokens = 64
+    servers_sharing = 1
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = Path(tempfile.mkdtemp(prefix="sgl_hicache_stateful_"))
+        self.ref = Reference()
+        self.servers = [Server(self._stack()) for _ in range(self.servers_sharing)]
+        self.convs: list[tuple[list[int], str | None]] = []
+        self.rids = 0
+        self.tampered = False
+
+    def _stack(self) -> Stack:
+        return build_stack(
+            self.dir / "tier", size=self.pool_tokens, page_size=self.page_size, chunk_bytes=4096
+        )
+
+    def teardown(self) -> None:
+        for server in self.servers:
+            close_stack(server.stack)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    @initialize(seed=st.integers(0, 2**16))
+    def first_conversation(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+
+    def _new_tokens(self, data: Any) -> tuple[list[int], str | None]:
+        """A conversation's next prompt: an old one cut anywhere (inside an earlier turn too) or
+        whole, plus new tokens from a small alphabet (so prefixes collide), page-aligned in all."""
+        if self.convs and data.draw(st.booleans(), label="continue"):
+            base, salt = self.convs[data.draw(st.integers(0, len(self.convs) - 1), label="conv")]
+            base = base[: data.draw(st.integers(0, len(base)), label="cut")]
+        else:
+            base, salt = [], data.draw(st.sampled_from(SALTS), label="salt")
+        room = self.max_tokens - len(base)
+        extra = data.draw(
+            st.lists(st.integers(1, 6), min_size=1, max_size=max(1, min(24, room))), label="new"
+        )
+        tokens = (base + extra)[: self.max_tokens]
+        tokens = tokens[: len(tokens) // self.page_size * self.page_size]
+        return (tokens, salt) if tokens else ([1] * self.page_size, salt)
+
+    def _request(self, data: Any, which: int) -> None:
+        server = self.servers[which % len(self.servers)]
+        tokens, salt = self._new_tokens(data)
+        self.convs.append((tokens, salt))
+        self.rids += 1
+        self._admit(server, f"r{self.rids}", tokens, salt)
+
+    # Requests are most of what a cache sees: hypothesis picks rules evenly, so there are three.
+    @rule(data=st.data(), which=st.integers(0, 1))
+    def request(self, data: Any, which: int) -> None:
+        self._request(data, which)
+
+    @rule(data=st.data(), which=st.integers(0, 1))
+    def request_2(self, data: Any, which: int) -> None:
+        self._request(data, which)
+
+    @rule(data=st.data(), which=st.integers(0, 1))
+    def request_3(self, data: Any, which: int) -> None:
+        self._request(data, which)
+
+    @precondition(lambda self: any(s.pending for s in self.servers))
+    @rule(data=st.data())
+    def retry_deferred(self, data: Any) -> None:
+        server = next(s for s in self.servers if s.pending)
+        rid = data.draw(st.sampled_from(sorted(server.pending)), label="rid")
+        tokens, salt = server.pending.pop(rid)
+        time.sleep(0.002)  # let reads land
+        self._admit(server, rid, tokens, salt)
+
+    def _admit(self, server: Server, rid: str, tokens: list[int], salt: str | None) -> None:
+        """One scheduling round for the request: match (again), restore; deferred or run."""
+        from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+
+        s = server.stack
+        m = s.match(tokens, salt)
+        node = m.last_device_node
+        if m.host_hit_length:
+            req = type("Req", (), {"last_node": node, "rid": rid})()
+            answer = s.cache.init_load_back(
+                InitLoadBackParams(
+                    best_match_node=m.best_match_node, host_hit_length=m.host_hit_length, req=req
+                )
+            )
+            if answer is None:
+                server.pending[rid] = (tokens, salt)
+                return
+            node = answer[1]
+        self._run(server, node, tokens, salt)
+
+    def _run(self, server: Server, node: Any, tokens: list[int], salt: str | None) -> None:
+        """Compute the rest of the prompt into new slots, insert, free duplicates (sglang's
+        cache_finished_req), with the prefix locked meanwhile."""
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        s = server.stack
+        prefix = s.cache.path_device_indices(node)
+        need = len(tokens) - len(prefix)
+        s.cache.inc_lock_ref(node)
+        try:
+            if s.allocator.available_size() < need:
+                s.cache.evict(EvictParams(num_tokens=need - s.allocator.available_size()))
+            new = s.allocator.alloc(need) if need else torch.empty(0, dtype=torch.int64)
+            if new is None:
+                return  # the pool cannot hold it now: the request waits (dropped here)
+            fill_kv(s.pool, new, self.ref.kv(server.version, salt, tokens)[len(prefix) :])
+            values = torch.cat([prefix.to(torch.int64), new.to(torch.int64)])
+            key = RadixKey(array("q", tokens), cache_salt=salt)
+            result = s.cache.insert(InsertParams(key=key, value=values))
+            if result.prefix_len > len(prefix):
+                s.allocator.free(values[len(prefix) : result.prefix_len])
+        finally:
+            s.cache.dec_lock_ref(node)
+
+    # ---- what happens between requests --------------------------------------------------------
+
+    @rule(which=st.integers(0, 1), tokens=st.integers(1, 200))
+    def evict(self, which: int, tokens: int) -> None:
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        self.servers[which % len(self.servers)].stack.cache.evict(EvictParams(num_tokens=tokens))
+
+    @rule(which=st.integers(0, 1))
+    def writes_land(self, which: int) -> None:
+        io = self.servers[which % len(self.servers)].stack.cache.spill_io
+        io.wait_writes()
+
+    @precondition(lambda self: bool(self.convs))
+    @rule(data=st.data(), which=st.integers(0, 1))
+    def prefetch(self, data: Any, which: int) -> None:
+        tokens, salt = self.convs[data.draw(st.integers(0, len(self.convs) - 1), label="conv")]
+        self.servers[which % len(self.servers)].stack.cache.prefetch(tokens, None, salt)
+
+    @rule(which=st.integers(0, 1), roll=RARE)
+    def flush(self, which: int, roll: int) -> None:
+        """sglang's flush_cache (idle only), as after a weight update: new KV from now on."""
+        server = self.servers[which % len(self.servers)]
+        if server.pending or roll:
+            return
+        server.stack.cache.reset()
+        server.stack.allocator.clear()
+        server.version = self.ref.new_version()
+
+    @rule(which=st.integers(0, 1), roll=RARE)
+    def restart(self, which: int, roll: int) -> None:
+        """A new process on the same directory: the weights on disk again, a fresh pool."""
+        if roll:
+            return
+        server = self.servers[which % len(self.servers)]
+        server.stack.cache.spill_io.wait_writes()
+        close_stack(server.stack)
+        server.stack, server.version, server.pending = self._stack(), 0, {}
+
+    def _extent_files(self) -> list[Path]:
+        return sorted((self.dir / "tier").rglob("*.ext"))
+
+    @rule(pick=st.integers(0, 10**6), how=st.sampled_from(["delete", "flip", "rewrite"]), roll=RARE)
+    def another_process_tampers(self, pick: int, how: str, roll: int) -> None:
+        files = self._extent_files()
+        if not files or roll:
+            return
+        path = files[pick % len(files)]
+        self.tampered = True
+        try:
+            if how == "delete":
+                path.unlink()
+            elif how == "flip":
+                data = bytearray(path.read_bytes())
+                data[-1 - pick % min(len(data), 8192)] ^= 0x5A
+                path.write_bytes(bytes(data))
+            else:
+                _rewrite_with_other_tokens(path, self.servers[0].stack)
+        except FileNotFoundError:  # evicted by the tier meanwhile
+            pass
+
+    # ---- the invariant ------------------------------------------------------------------------
+
+    @invariant()
+    def resident_kv_is_the_references(self) -> None:
+        if not hasattr(self, "rng"):
+            return
+        for server in self.servers:
+            check_resident_kv(server.stack, self.ref, server.version, self.page_size)
+            server.stack.cache.check_integrity(with_tier=not self.tampered and self.servers_sharing == 1)
+
+
+def check_resident_kv(s: Stack, ref: Reference, version: int, page_size: int) -> None:
+    stack: list[tuple[Any, list[int]]] = [(child, []) for child in s.cache.root_node.children.values()]
+    while stack:
+        node, before = stack.pop()
+        path = before + list(node.key.token_ids)
+        if not node.evicted:
+            want = ref.kv(version, node.key.cache_salt, path)[len(before) :]
+            assert read_kv(s.pool, node.value) == want, f"wrong KV at tokens {len(before)}..{len(path)}"
+        stack.extend((child, path) for child in node.children.values())
+
+
+def _rewrite_with_other_tokens(path: Path, s: Stack) -> None:
+    """A well-formed extent under the same file name whose header holds other tokens (what a
+    foreign writer of another key scheme could leave): the tier must refuse it as a mismatch."""
+    from sgl_hicache.tier.format import decode_fixed
+    from sgl_hicache.tier.keys import ExtentKey, tokens_to_bytes
+    from sgl_hicache.tier.paths import ExtentPaths
+    from sgl_hicache.tier.store import StoreRequest, prepare, write_extent
+
+    header = decode_fixed(path.read_bytes()[:4096])
+    tier = s.cache.spill_io.tier
+    payload = np.full(header.payload_len, 7, dtype=np.uint8)
+    tokens = tokens_to_bytes([99] * header.token_count)
+    req = StoreRequest(ExtentKey(header.key), ExtentKey(header.parent), tokens, memoryview(payload))
+    path.unlink()
+    write_extent(
+        prepare(req, tier._cfg), tier._cfg, tier.namespace, ExtentPaths(s.tier_dir, tier.namespace.id), False
+    )
+
+
+class SpillCachePage16(SpillCacheMachine):
+    page_size = 16
+    pool_tokens = 256
+    max_tokens = 128
+
+
+class TwoCachesOneDirectory(SpillCacheMachine):
+    servers_sharing = 2
+
+
+_SETTINGS = settings(
+    max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)  # fmt: skip
+TestSpillCache = SpillCacheMachine.TestCase
+TestSpillCache.settings = _SETTINGS
+TestSpillCachePage16 = SpillCachePage16.TestCase
+TestSpillCachePage16.settings = _SETTINGS
+TestTwoCachesOneDirectory = TwoCachesOneDirectory.TestCase
+TestTwoCachesOneDirectory.settings = _SETTINGS
