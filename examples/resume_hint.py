@@ -31,10 +31,8 @@ def hint(base_url: str, messages: list[dict[str, str]], cache_salt: str | None =
 
 
 def warm_then_ask(base_url: str, history: list[dict[str, str]], question: str) -> str:
-    reply = hint(base_url, history)  # returns at once
-    print(
-        f"hint: {reply['prompt_tokens']} tokens of history, {reply['prefetch_tokens']} on their way from the tier"
-    )
+    reply = hint(base_url, history)  # returns at once; the reads of the spilled history have started
+    print(f"hint: {reply['prompt_tokens']} tokens of history, accepted: {reply['accepted']}")
     time.sleep(0.5)  # ... the user is typing ...
     client = OpenAI(base_url=base_url + "/v1", api_key="none")
     model = client.models.list().data[0].id

@@ -1,25 +1,24 @@
-"""The spill cache's state for `GET /server_info` (`SpillRadixCache.report`)."""
+"""The spill cache's state for `GET /server_info` (`SpillRadixCache.report`).
+
+The integrity verdict is opt-in (`SGL_HICACHE_REPORT_INTEGRITY=1`; otherwise `"off"`): the check
+runs on the scheduler thread and lists every file of the tier, so any client of `GET /server_info`
+could stall the scheduler by polling it on a large tier. Tests and debugging turn it on.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
 
+INTEGRITY_ENV = "SGL_HICACHE_REPORT_INTEGRITY"
+
 
 def spill_report(cache: SpillRadixCache, idle: bool) -> dict[str, Any]:
-    """Counters, staging, early unpacking, tier stats and an integrity verdict. The check needs an
-    idle scheduler (running requests hold slots outside the tree): otherwise the verdict says it
-    was skipped."""
-    integrity = "skipped: requests in flight"
-    if idle:
-        try:
-            cache.check_integrity()
-            integrity = "ok"
-        except AssertionError as e:
-            integrity = f"failed: {e}"
+    """Counters, staging, early unpacking, tier stats and an integrity verdict."""
     io = cache.spill_io
     return {
         "spilled_tokens_in_tree": cache.spilled_tokens,
@@ -32,5 +31,20 @@ def spill_report(cache: SpillRadixCache, idle: bool) -> dict[str, Any]:
         "partial_restores": len(cache.partial_restores.held_slots()),
         "early_unpack": dataclasses.asdict(cache.partial_restores.stats),
         "tier": dataclasses.asdict(io.tier.stats()) if io else None,
-        "integrity": integrity,
+        "integrity": integrity_verdict(cache, idle),
     }
+
+
+def integrity_verdict(cache: SpillRadixCache, idle: bool) -> str:
+    """Verdict: "off" unless opted in, "skipped: ..." unless the scheduler is idle (running requests hold
+    slots outside the tree), else "ok" or "failed: ..." (a tier file another process removed meanwhile
+    is an OSError: a failure like any other, not an exception)."""
+    if os.environ.get(INTEGRITY_ENV) != "1":
+        return "off"
+    if not idle:
+        return "skipped: requests in flight"
+    try:
+        cache.check_integrity()
+    except (AssertionError, OSError) as e:
+        return f"failed: {e}"
+    return "ok"

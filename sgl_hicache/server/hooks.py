@@ -1,5 +1,5 @@
 """The patches of sglang we make, all through sglang's own plugin hook registry (no file edited),
-both AFTER hooks that call sglang's original first and change none of its state:
+AFTER hooks (but 5) that call sglang's original first and change none of its state:
 
 1. `SchedulerInternalStateController.get_internal_state` (sglang 0.5.23,
    `sglang/srt/managers/scheduler_components/internal_state.py`): adds a `"hicache_spill"` entry
@@ -14,30 +14,74 @@ both AFTER hooks that call sglang's original first and change none of its state:
    answers waiting client resume hints (`hints.py`). Why: hints must run on the scheduler thread.
 4. `http_server.set_global_state` (the HTTP process, once at start): afterwards, adds
    `POST /hicache/prefetch` to sglang's FastAPI app (`http_routes.py`).
-`tests/server/test_concurrent_clients.py` and `tests/server/test_spill_resume.py` prove they still
-hold for the pinned version.
+5. `sglang.srt.utils.common.kill_process_tree`, the one BEFORE hook: when sglang is about to kill
+   its own main process (every shutdown path of 0.5.23 ends with SIGKILL to itself, so no `finally`
+   of our launcher runs), first removes the hint socket's private runtime directory if this process
+   made it (`hints.remove_runtime_dir`). Why: otherwise every server start leaves one in the temp
+   directory.
+`tests/server/test_concurrent_clients.py`, `tests/server/test_spill_resume.py` and
+`tests/server/test_hostile_hints.py` prove they still hold for the pinned version.
+
+No exception of ours reaches sglang's code: an exception leaving an AFTER hook on the scheduler
+loop would end the scheduler process, and with it the server. Every hook body is `contained`: an
+exception is counted (`HOOK_ERRORS`, in the spill state as `hook_errors`), logged with its traceback
+the first time per hook, and sglang goes on as if the hook had done nothing.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
+from collections import Counter
+from collections.abc import Callable
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 TARGET = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state"
 PREFETCH_TARGET = "sglang.srt.managers.scheduler.Scheduler._prefetch_kvcache"
 HINTS_TARGET = "sglang.srt.managers.scheduler.Scheduler.ingest_requests"
 ROUTES_TARGET = "sglang.srt.entrypoints.http_server.set_global_state"
+EXIT_TARGET = "sglang.srt.utils.common.kill_process_tree"
 STATE_KEY = "hicache_spill"
 
+HOOK_ERRORS: Counter[str] = Counter()  # hook name -> exceptions it contained, in this process
+_LOGGED: set[str] = set()  # hooks whose first exception was logged
 
+
+def contained(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """`hook` that never raises an Exception: it counts and logs it (once per hook) and returns
+    None, which tells sglang's hook wrapper to go on unchanged (AFTER: its result; BEFORE: its args)."""
+
+    @functools.wraps(hook)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return hook(*args, **kwargs)
+        except Exception:
+            HOOK_ERRORS[hook.__name__] += 1
+            if hook.__name__ not in _LOGGED:
+                _LOGGED.add(hook.__name__)
+                logger.exception(
+                    "sgl_hicache: hook %s failed; sglang goes on (logged once, counted)", hook.__name__
+                )
+            return None
+
+    return run
+
+
+@contained
 def add_spill_state(result: Any, controller: Any, *args: Any, **kwargs: Any) -> Any:
     from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
 
     cache = controller.scheduler.tree_cache
     if isinstance(cache, SpillRadixCache) and isinstance(result.internal_state, dict):
-        result.internal_state[STATE_KEY] = cache.report(idle=controller.scheduler.is_fully_idle())
+        state = cache.report(idle=controller.scheduler.is_fully_idle())
+        result.internal_state[STATE_KEY] = {**state, "hook_errors": dict(HOOK_ERRORS)}
     return result
 
 
+@contained
 def prefetch_at_arrival(result: Any, scheduler: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
     from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
 
@@ -47,6 +91,7 @@ def prefetch_at_arrival(result: Any, scheduler: Any, req: Any, *args: Any, **kwa
     return result
 
 
+@contained
 def take_hints(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
 
@@ -56,6 +101,7 @@ def take_hints(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     return result
 
 
+@contained
 def add_routes(result: Any, *args: Any, **kwargs: Any) -> Any:
     from sglang.srt.entrypoints.http_server import app
 
@@ -65,6 +111,15 @@ def add_routes(result: Any, *args: Any, **kwargs: Any) -> Any:
     return result
 
 
+@contained
+def remove_runtime_dir_first(parent_pid: int | None = None, include_parent: bool = True, *args: Any,
+                             **kwargs: Any) -> None:  # fmt: skip
+    from sgl_hicache.server.hints import remove_runtime_dir
+
+    if include_parent and parent_pid == os.getpid():
+        remove_runtime_dir()
+
+
 def register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -72,3 +127,4 @@ def register_hooks() -> None:
     HookRegistry.register(PREFETCH_TARGET, prefetch_at_arrival, HookType.AFTER)
     HookRegistry.register(HINTS_TARGET, take_hints, HookType.AFTER)
     HookRegistry.register(ROUTES_TARGET, add_routes, HookType.AFTER)
+    HookRegistry.register(EXIT_TARGET, remove_runtime_dir_first, HookType.BEFORE)

@@ -2,55 +2,117 @@
 
 Body: `{"messages": [...]}` (the conversation so far, tokenized with the model's chat template, no
 generation prompt: the next turn's prompt starts with exactly these tokens) or `{"input_ids": [...]}`;
-optional `"cache_salt"` and `"extra_key"` select the tenant, as on sglang's own endpoints.
-Answer, at once: `{"prompt_tokens": n, "prefetch_tokens": m}`, m being the tokens whose reads the
-hint started (or that were already on their way); 400 for a bad body, 503 if the scheduler did not
-answer in time.
+optional `"cache_salt"` and `"extra_key"` (strings) select the tenant, as on sglang's own endpoints.
+Answer, at once: `{"accepted": true, "prompt_tokens": n}` (why not more: `hints.py`). Errors are one
+JSON line `{"error": "..."}`: 400 for a bad body (not JSON, ids not integers in [0, vocab size),
+empty or longer than the context, keys not short strings, a chat template that refuses the
+messages), 413 for a body over `MAX_BODY_BYTES`, 503 when hints are off, too many are in flight or
+the scheduler did not answer in time.
+
+Everything that costs CPU (JSON parsing, the chat template) runs off the event loop, and at most
+`MAX_IN_FLIGHT` hints are handled at a time: the others get 503 at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from sgl_hicache.server.hints import RUNTIME_DIR_ENV, Hint, HintError, HintLimits, check_hint, send_hint
+
 ROUTE = "/hicache/prefetch"
+MAX_BODY_BYTES = 4 << 20
+MAX_MESSAGES = 1024
+MAX_IN_FLIGHT = 32
+
+
+class BodyTooLarge(Exception):
+    pass
 
 
 def add_prefetch_route(app: Any) -> None:
     """Idempotent: registers the route on sglang's FastAPI app once."""
     if any(getattr(r, "path", None) == ROUTE for r in app.routes):
         return
+    slots = asyncio.Semaphore(MAX_IN_FLIGHT)
+
+    async def prefetch_endpoint(request: Request) -> JSONResponse:
+        if slots.locked():
+            return error(503, "too many resume hints in flight; try again later")
+        async with slots:
+            return await answer_hint(request)
+
     app.add_api_route(ROUTE, prefetch_endpoint, methods=["POST"])
 
 
-async def prefetch_endpoint(request: Request) -> JSONResponse:
+def error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": " ".join(message.split())[:300]}, status_code=status)
+
+
+async def answer_hint(request: Request) -> JSONResponse:
     from sglang.srt.entrypoints.http_server import get_global_state
 
-    from sgl_hicache.server.hints import send_hint
-
+    runtime_dir = os.environ.get(RUNTIME_DIR_ENV)
+    if not runtime_dir:
+        return error(503, "resume hints are off: start the server with python -m sgl_hicache.launch_server")
     manager = get_global_state().tokenizer_manager
+    limits = HintLimits(int(manager.model_config.vocab_size), int(manager.context_len))
     try:
-        body = await request.json()
-        ids = hint_token_ids(body, manager.tokenizer)
-    except (ValueError, TypeError, KeyError) as e:
-        return JSONResponse({"error": f"bad prefetch hint: {e}"}, status_code=400)
-    reply = await asyncio.to_thread(
-        send_hint, manager.server_args.port, ids, body.get("extra_key"), body.get("cache_salt")
-    )
-    return JSONResponse({"prompt_tokens": len(ids), **reply}, status_code=503 if "error" in reply else 200)
+        data = await read_body(request, MAX_BODY_BYTES)
+        hint = await asyncio.to_thread(parse_hint, data, manager.tokenizer, limits)
+    except BodyTooLarge as e:
+        return error(413, str(e))
+    except HintError as e:
+        return error(400, str(e))
+    reply = await asyncio.to_thread(send_hint, runtime_dir, hint)
+    if "error" in reply:
+        status = reply.get("status")
+        return error(status if status in (400, 500) else 503, str(reply["error"]))
+    return JSONResponse({"accepted": True, "prompt_tokens": len(hint.ids)})
 
 
-def hint_token_ids(body: dict[str, Any], tokenizer: Any) -> list[int]:
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (BodyTooLarge) as soon as it is known to exceed `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and (len(declared) > 12 or int(declared) > limit):
+        raise BodyTooLarge(f"the body is over {limit} bytes")
+    data = bytearray()
+    async for chunk in request.stream():
+        data += chunk
+        if len(data) > limit:
+            raise BodyTooLarge(f"the body is over {limit} bytes")
+    return bytes(data)
+
+
+def parse_hint(data: bytes, tokenizer: Any, limits: HintLimits) -> Hint:
+    """The checked hint of a request body (blocking: JSON and chat template); HintError if bad."""
+    try:
+        body = json.loads(data)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise HintError(f"the body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise HintError("the body must be a JSON object")
+    return check_hint(hint_token_ids(body, tokenizer), body.get("extra_key"), body.get("cache_salt"), limits)
+
+
+def hint_token_ids(body: dict[str, Any], tokenizer: Any) -> Any:
+    """The unchecked token ids of a body: its `input_ids`, or its `messages` through the chat template."""
     if "input_ids" in body:
-        ids = body["input_ids"]
-    elif "messages" in body:
-        out = tokenizer.apply_chat_template(body["messages"], tokenize=True, add_generation_prompt=False)
-        ids = out if isinstance(out, list) else out["input_ids"]
-    else:
-        raise ValueError("give 'messages' or 'input_ids'")
-    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-        raise ValueError("token ids must be a list of integers")
-    return ids
+        return body["input_ids"]
+    if "messages" not in body:
+        raise HintError("give 'messages' or 'input_ids'")
+    messages = body["messages"]
+    if not isinstance(messages, list) or not 1 <= len(messages) <= MAX_MESSAGES:
+        raise HintError(f"'messages' must be a list of 1 to {MAX_MESSAGES} messages")
+    if not all(isinstance(m, dict) for m in messages) or tokenizer is None:
+        raise HintError("'messages' must be JSON objects, and the server must have a tokenizer")
+    try:
+        out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=False)
+        return out if isinstance(out, list) else out["input_ids"]
+    except Exception as e:  # the template is code run on client data: any failure is a bad body
+        raise HintError(f"the chat template refused these messages ({type(e).__name__})") from None

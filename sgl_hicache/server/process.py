@@ -3,22 +3,32 @@
 Used by the demo, the tests and the benchmarks. The server runs in its own process group (session),
 so `stop()` ends it and every process it spawned (scheduler, detokenizer) even if it hangs; the
 context manager stops it also when the body raises.
+
+Being in its own session, a server does not get the driver's Ctrl-C, and nothing stops it when the
+driver is killed (`timeout` sends SIGTERM). So every started server is registered (`_Reaper`), and
+the first `start()` installs, in the main thread, SIGTERM and SIGINT handlers and an `atexit` hook
+that stop every registered server; the handlers then do what the handler they replaced would have
+done (SIGINT: KeyboardInterrupt), or exit with 128 + the signal number. A signal the driver ignores
+stays ignored.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
+from types import FrameType, TracebackType
+from typing import Any
 
 CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--skip-server-warmup")
 
@@ -63,6 +73,7 @@ class ServerProcess:
             self.proc = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
+        _REAPER.add(self.proc)
         try:
             self._wait_healthy(timeout_s)
         except BaseException:
@@ -102,6 +113,7 @@ class ServerProcess:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
             _wait_group_gone(self.proc, pgid, 10.0)
+        _REAPER.discard(pgid)
         self.proc = None
 
     def __enter__(self) -> ServerProcess:
@@ -113,14 +125,67 @@ class ServerProcess:
         self.stop()
 
 
+class _Reaper:
+    """The process groups of this process's started, not yet stopped servers; stops them all on
+    SIGTERM, SIGINT and exit (handlers installed by the first `add`)."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, subprocess.Popen[bytes]] = {}  # pgid (the leader's pid) -> leader
+        self.previous: dict[int, Any] = {}  # signal -> the handler ours replaced
+        self.installed = False
+
+    def add(self, proc: subprocess.Popen[bytes]) -> None:
+        self.live[proc.pid] = proc
+        if not self.installed:
+            self.installed = True
+            atexit.register(self.stop_all)
+            self._install_handlers()
+
+    def discard(self, pgid: int) -> None:
+        self.live.pop(pgid, None)
+
+    def stop_all(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every group at once, SIGKILL what is left after `grace_s` (as `stop`: sglang takes
+        about 6 s to end), then wait up to 5 s more."""
+        procs = list(self.live.items())
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            for pgid, _ in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pgid, sig)
+            deadline = time.monotonic() + wait_s
+            procs = [(g, p) for g, p in procs if not _wait_group_gone(p, g, deadline - time.monotonic())]
+        self.live.clear()
+
+    def _install_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread; atexit still applies
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            current = signal.getsignal(signum)
+            if current is not signal.SIG_IGN:
+                self.previous[signum] = current
+                signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.stop_all()
+        previous = self.previous.get(signum)
+        if callable(previous):
+            previous(signum, frame)  # e.g. Python's SIGINT handler: KeyboardInterrupt
+        else:
+            sys.exit(128 + signum)
+
+
+_REAPER = _Reaper()
+
+
 def _wait_group_gone(proc: subprocess.Popen[bytes], pgid: int, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while True:
         proc.poll()  # reap our direct child; its orphans are reaped by init
         if not _group_alive(pgid):
             return True
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.1)
-    return False
 
 
 def _group_alive(pgid: int) -> bool:

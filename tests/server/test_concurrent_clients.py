@@ -46,7 +46,8 @@ def test_concurrent_clients_end_with_a_clean_integrity_check(
     tiny_model: Path, tmp_path: Path, start_server: Any
 ) -> None:
     server = start_server(tiny_model, "--enable-hicache-spill", "--hicache-spill-dir", str(tmp_path / "tier"),
-                          "--hicache-spill-min-free", "0", max_total_tokens=1024)  # fmt: skip
+                          "--hicache-spill-min-free", "0", max_total_tokens=1024,
+                          env={"SGL_HICACHE_REPORT_INTEGRITY": "1"})  # fmt: skip
     assert spill_state(server.base_url)["integrity"] == "ok"
     with ThreadPoolExecutor(max_workers=6) as pool:
         results = list(pool.map(lambda s: client(server.base_url, s), range(12)))
