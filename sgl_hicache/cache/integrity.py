@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
 
 
-def check_cache_integrity(cache: SpillRadixCache, held_tokens: int = 0) -> None:
+def check_cache_integrity(cache: SpillRadixCache, held_tokens: int = 0, with_tier: bool = True) -> None:
     device_tokens, spilled_tokens, slots = 0, 0, []
     stack = [(child, False) for child in cache.root_node.children.values()]
     while stack:
@@ -50,7 +50,7 @@ def check_cache_integrity(cache: SpillRadixCache, held_tokens: int = 0) -> None:
         f" != pool {allocator.size}"
     )
     if cache.spill_io is not None:
-        cache.spill_io.check_integrity()
+        cache.spill_io.check_integrity(with_tier)
 
 
 def _check_slots(slots: list[torch.Tensor], owned: int) -> None:

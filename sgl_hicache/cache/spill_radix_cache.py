@@ -303,12 +303,13 @@ class SpillRadixCache(SpilledTree):
 
         return spill_report(self, idle)
 
-    def check_integrity(self, held_tokens: int = 0) -> None:
-        """Tree, pool, staging and tier accounting agree; AssertionError with the numbers if not."""
+    def check_integrity(self, held_tokens: int = 0, with_tier: bool = True) -> None:
+        """Tree, pool, staging and (`with_tier`) tier accounting agree; AssertionError with the
+        numbers if not."""
         from sgl_hicache.cache.integrity import check_cache_integrity
 
         self._poll()
-        check_cache_integrity(self, held_tokens)
+        check_cache_integrity(self, held_tokens, with_tier)
 
     def _poll(self) -> None:
         if self.spill_io is not None:

@@ -117,8 +117,9 @@ def read_kv(pool: Any, slots: torch.Tensor) -> list[int]:
     return [int(i) for i in ids]
 
 
-@pytest.fixture
-def make_stack(tmp_path: Path) -> Iterator[Callable[..., Stack]]:
+def build_stack(tier_dir: Path, size: int = 256, spill: bool = True, chunk_bytes: int = 4 << 20,
+                page_size: int = 1, capacity_bytes: int = 1 << 30, **overrides: Any) -> Stack:  # fmt: skip
+    """A real sglang pool and allocator under a SpillRadixCache whose tier lives in `tier_dir`."""
     from sgl_hicache.kernels import from_sglang_pool
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
@@ -131,34 +132,39 @@ def make_stack(tmp_path: Path) -> Iterator[Callable[..., Stack]]:
     from sgl_hicache.server.metrics import SpillMetrics
     from sgl_hicache.tier import KVDtype, KVLayout, Namespace
 
+    pool = MHATokenToKVPool(size, page_size, torch.bfloat16, HEADS, HEAD_DIM, LAYERS, "cpu", False)
+    if page_size == 1:
+        allocator = TokenToKVPoolAllocator(size, torch.bfloat16, "cpu", pool, need_sort=False)
+    else:
+        allocator = PagedTokenToKVPoolAllocator(size, page_size, torch.bfloat16, "cpu", pool, need_sort=False)
+    params = CacheInitParams(
+        disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator, page_size=page_size
+    )
+    tier = TierConfig(
+        directory=tier_dir, capacity_bytes=capacity_bytes, min_free_bytes=0, chunk_bytes=chunk_bytes
+    )
+    config = replace(SpillConfig(tier=tier), enabled=True, min_spill_tokens=4, **overrides)
+    view = from_sglang_pool(pool)
+    ns = Namespace("test-model", KVLayout(LAYERS, HEADS, HEAD_DIM, KVDtype.BF16, page_size))
+    metrics = SpillMetrics()
+    io = open_spill_io(config, ns, view, metrics) if spill else None
+    return Stack(SpillRadixCache(params, config, metrics, io, ns.id), pool, allocator, tier_dir, metrics)
+
+
+def close_stack(stack: Stack) -> None:
+    if stack.cache.spill_io is not None:
+        stack.cache.spill_io.tier.close()  # idempotent
+
+
+@pytest.fixture
+def make_stack(tmp_path: Path) -> Iterator[Callable[..., Stack]]:
     opened: list[Stack] = []
 
-    def make(size: int = 256, spill: bool = True, tier_dir: Path | None = None, chunk_bytes: int = 4 << 20,
-             page_size: int = 1, **overrides: Any) -> Stack:  # fmt: skip
-        pool = MHATokenToKVPool(size, page_size, torch.bfloat16, HEADS, HEAD_DIM, LAYERS, "cpu", False)
-        if page_size == 1:
-            allocator = TokenToKVPoolAllocator(size, torch.bfloat16, "cpu", pool, need_sort=False)
-        else:
-            allocator = PagedTokenToKVPoolAllocator(
-                size, page_size, torch.bfloat16, "cpu", pool, need_sort=False
-            )
-        params = CacheInitParams(
-            disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator, page_size=page_size
-        )
-        tier_dir = tier_dir or tmp_path / f"tier{len(opened)}"
-        tier = TierConfig(
-            directory=tier_dir, capacity_bytes=1 << 30, min_free_bytes=0, chunk_bytes=chunk_bytes
-        )
-        config = replace(SpillConfig(tier=tier), enabled=True, min_spill_tokens=4, **overrides)
-        view = from_sglang_pool(pool)
-        ns = Namespace("test-model", KVLayout(LAYERS, HEADS, HEAD_DIM, KVDtype.BF16, page_size))
-        metrics = SpillMetrics()
-        io = open_spill_io(config, ns, view, metrics) if spill else None
-        stack = Stack(SpillRadixCache(params, config, metrics, io, ns.id), pool, allocator, tier_dir, metrics)
+    def make(tier_dir: Path | None = None, **kw: Any) -> Stack:
+        stack = build_stack(tier_dir or tmp_path / f"tier{len(opened)}", **kw)
         opened.append(stack)
         return stack
 
     yield make
     for stack in opened:
-        if stack.cache.spill_io is not None:
-            stack.cache.spill_io.tier.close()  # idempotent
+        close_stack(stack)
