@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint typecheck pytest bench clean
+.PHONY: setup demo test lint typecheck pytest fuzz bench clean
 
 setup:
 	@bash scripts/setup_venv.sh
@@ -24,6 +24,11 @@ pytest: setup
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 test: lint typecheck pytest
+
+# The model-based cache test at nightly size (make test runs it at CI size): ~20x the examples.
+FUZZ_EXAMPLES ?= 400
+fuzz: setup
+	SGL_HICACHE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q tests/cache/test_stateful.py tests/cache/test_exactness.py
 
 bench: setup
 	$(PY) -m sgl_hicache.bench --quick
