@@ -9,6 +9,11 @@ in submission order, so a test that submits the same sequence sees the same faul
 - fail_rate: the operation is not passed on; it completes IO_ERROR.
 - corrupt_rate (loads): the load runs, then the destination is scribbled over, the extent is
   discarded and the completion says CORRUPT, exactly what the real tier does on a bad checksum.
+- silent_corrupt_rate (loads; tests only): the load runs and completes OK, but the destination's
+  bytes are flipped after the wrapped tier verified them: a tier serving wrong bytes undetected,
+  the one failure the cache cannot catch. Server differential tests use it to show they detect
+  wrong KV. Such a load, like a corrupted one, never shows verified bytes through `landed`. Drawn
+  only when the rate is above 0, so existing seeds keep their fault sequences.
 """
 
 from __future__ import annotations
@@ -36,9 +41,10 @@ class FaultSpec:
     jitter_s: float = 0.0
     fail_rate: float = 0.0
     corrupt_rate: float = 0.0
+    silent_corrupt_rate: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("fail_rate", "corrupt_rate"):
+        for name in ("fail_rate", "corrupt_rate", "silent_corrupt_rate"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.latency_s < 0 or self.jitter_s < 0:
@@ -50,6 +56,15 @@ class _Plan:
     ticket: Ticket
     release_at: float
     corrupt_into: memoryview | None = None
+    silent: bool = False  # corrupt_into is flipped but the completion stays OK
+
+
+def flip_silently(dest: memoryview, nbytes: int) -> None:
+    """XOR 0x55 into every even byte of `dest[:nbytes]`: for little-endian bf16, fp16 and fp32 values
+    that flips mantissa bits only (never the exponent, so no value becomes inf or NaN), perturbing
+    every value of the payload."""
+    view = np.frombuffer(dest, dtype=np.uint8, count=nbytes)
+    view[0::2] ^= 0x55
 
 
 @dataclass
@@ -79,20 +94,22 @@ class FaultyTier(Tier):
         self._ready: dict[Ticket, Completion] = {}
         self._issued: set[Ticket] = set()
         self._progress: dict[Ticket, _Progress] = {}  # outer load ticket -> its progress
-        self.injected = {"failures": 0, "corruptions": 0}
+        self.injected = {"failures": 0, "corruptions": 0, "silent_corruptions": 0}
 
     @property
     def namespace(self) -> Namespace:
         return self._inner.namespace
 
-    def _draw(self) -> tuple[Ticket, float, bool, bool]:
+    def _draw(self) -> tuple[Ticket, float, bool, bool, bool]:
         with self._lock:
             ticket = Ticket(next(self._tickets))
             self._issued.add(ticket)
             delay = self._spec.latency_s + self._rng.uniform(0, self._spec.jitter_s)
             fail = self._rng.random() < self._spec.fail_rate
             corrupt = self._rng.random() < self._spec.corrupt_rate
-            return ticket, time.monotonic() + delay, fail, corrupt
+            rate = self._spec.silent_corrupt_rate
+            silent = rate > 0 and self._rng.random() < rate
+            return ticket, time.monotonic() + delay, fail, corrupt, silent and not corrupt
 
     def _inject_failure(self, ticket: Ticket, op: Op, key: ExtentKey, release_at: float) -> Ticket:
         with self._lock:
@@ -105,7 +122,7 @@ class FaultyTier(Tier):
     def submit_store(
         self, key: ExtentKey, payload: Buffer, tokens: Sequence[int] | np.ndarray, parent: ExtentKey
     ) -> Ticket:
-        ticket, release_at, fail, _ = self._draw()
+        ticket, release_at, fail, _, _ = self._draw()
         if fail:
             return self._inject_failure(ticket, Op.STORE, key, release_at)
         with self._lock:  # held so that _pump cannot see the inner completion before its plan
@@ -114,14 +131,14 @@ class FaultyTier(Tier):
         return ticket
 
     def submit_load(self, key: ExtentKey, dest: Buffer, nbytes: int | None = None) -> Ticket:
-        ticket, release_at, fail, corrupt = self._draw()
+        ticket, release_at, fail, corrupt, silent = self._draw()
         if fail:
             return self._inject_failure(ticket, Op.LOAD, key, release_at)
         view = as_view(dest, writable=True)
         with self._lock:
             inner = self._inner.submit_load(key, view, nbytes)
-            self._plans[inner] = _Plan(ticket, release_at, view if corrupt else None)
-            if not corrupt:  # a load bound to be corrupted never shows verified bytes
+            self._plans[inner] = _Plan(ticket, release_at, view if corrupt or silent else None, silent)
+            if not (corrupt or silent):  # a load bound to be corrupted never shows verified bytes
                 total = view.nbytes if nbytes is None else nbytes
                 self._progress[ticket] = _Progress(inner, time.monotonic(), release_at, total)
         return ticket
@@ -152,7 +169,7 @@ class FaultyTier(Tier):
                 plan = self._plans.pop(c.ticket)
             out = replace(c, ticket=plan.ticket)
             if plan.corrupt_into is not None and c.ok:
-                out = self._corrupt(out, plan.corrupt_into)
+                out = self._corrupt(out, plan.corrupt_into, plan.silent)
             with self._lock:
                 self._held.append((plan.release_at, out))
                 if c.ok and plan.ticket in self._progress:
@@ -163,7 +180,12 @@ class FaultyTier(Tier):
             self._held = [(t, c) for t, c in self._held if t > now]
             self._ready.update((c.ticket, c) for c in due)
 
-    def _corrupt(self, c: Completion, dest: memoryview) -> Completion:
+    def _corrupt(self, c: Completion, dest: memoryview, silent: bool) -> Completion:
+        if silent:
+            flip_silently(dest, c.nbytes)
+            with self._lock:
+                self.injected["silent_corruptions"] += 1
+            return c
         if c.nbytes:
             dest[: min(c.nbytes, 64)] = bytes(b ^ 0xFF for b in dest[: min(c.nbytes, 64)])
         self._inner.discard(c.key)

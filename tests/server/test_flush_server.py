@@ -53,7 +53,9 @@ def test_flush_cache_endpoint_never_serves_kv_from_before_it(server: ServerProce
     base = server.base_url
     turn2 = spilled_conversation(base, 201)
     flushes, restored = counter(base, "flushes"), counter(base, "restored_tokens")
-    with urllib.request.urlopen(urllib.request.Request(base + "/flush_cache", method="POST"), timeout=60) as r:
+    with urllib.request.urlopen(
+        urllib.request.Request(base + "/flush_cache", method="POST"), timeout=60
+    ) as r:
         assert r.status == 200
     assert counter(base, "flushes") == flushes + 1
     _, cached = generate(base, turn2)

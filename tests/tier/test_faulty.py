@@ -42,6 +42,24 @@ def test_corruption_scribbles_and_discards(make_tier):
     assert not tier.contains(key_for(1)) and tier.injected["corruptions"] == 1
 
 
+def test_silent_corruption_completes_ok_with_wrong_bytes_and_never_shows_them_early(make_tier):
+    tier = FaultyTier(make_tier(), FaultSpec(latency_s=0.2, silent_corrupt_rate=1.0))
+    data = payload_for(1, 3000)
+    assert tier.wait(tier.submit_store(key_for(1), data, tokens_for(1), ROOT_KEY)).ok
+    buf = bytearray(3000)
+    ticket = tier.submit_load(key_for(1), buf)
+    seen = []
+    while not (done := [c for c in tier.get_finished() if c.ticket == ticket]):
+        seen.append(tier.landed(ticket))
+        time.sleep(0.005)
+    assert done[0].status is Status.OK and done[0].nbytes == 3000
+    assert set(seen) == {0}, "a silently corrupted load must not show its verified bytes early"
+    expected = data.copy()
+    expected[0::2] ^= 0x55  # every value of the payload is perturbed
+    assert bytes(buf) == expected.tobytes()
+    assert tier.contains(key_for(1)) and tier.injected["silent_corruptions"] == 1
+
+
 def test_failures_are_not_passed_on(make_tier):
     inner = make_tier()
     tier = FaultyTier(inner, FaultSpec(fail_rate=1.0))
@@ -62,6 +80,8 @@ def test_latency_holds_completions(make_tier):
         tier.wait(ticket)
 
 
-def test_spec_is_validated():
+@pytest.mark.parametrize("field", ["fail_rate", "corrupt_rate", "silent_corrupt_rate"])
+@pytest.mark.parametrize("value", [-0.1, 1.5])
+def test_spec_is_validated(field, value):
     with pytest.raises(ValueError):
-        FaultSpec(fail_rate=1.5)
+        FaultSpec(**{field: value})
