@@ -103,13 +103,13 @@ def dead_pid() -> int:
 def plant_problems(td: TierDir) -> tuple[Path, Path, Path, Path]:
     """Flip a payload byte of extent a[0], truncate a[1], add a stale and a live temp file."""
     corrupt, truncated = td.a[0].path, td.a[1].path
-    header_len = decode_fixed(corrupt.read_bytes()[:4096]).header_len
+    header_len = decode_fixed(corrupt.read_bytes()[:4096], None).header_len
     with open(corrupt, "r+b") as f:
         f.seek(header_len + 7)
         byte = f.read(1)
         f.seek(header_len + 7)
         f.write(bytes([byte[0] ^ 0xFF]))
-    os.truncate(truncated, decode_fixed(truncated.read_bytes()[:4096]).header_len + 4096)
+    os.truncate(truncated, decode_fixed(truncated.read_bytes()[:4096], None).header_len + 4096)
     key_hex = td.a[2].key.hex()
     stale = td.a[2].path.parent / f".{key_hex}.{dead_pid()}.0badf00d.tmp"
     live = td.a[2].path.parent / f".{key_hex}.{os.getpid()}.600df00d.tmp"  # this test's pid: alive
@@ -132,6 +132,7 @@ def test_inspect_json(tier_dir: TierDir) -> None:
     assert (b["extents"], b["payload_bytes"], b["tokens"]) == (1, sum(SIZES_B), len(tier_dir.b[0].tokens))
     assert 0 <= a["newest_age_s"] <= a["oldest_age_s"] < 60
     assert (a["bad_headers"], a["stale_temp_files"], a["live_temp_files"]) == (0, 0, 0)
+    assert report["macs_verified"] is True
     assert "hit" not in r.stdout
 
 
@@ -150,7 +151,8 @@ def test_inspect_table(tier_dir: TierDir) -> None:
 def test_fsck_clean(tier_dir: TierDir) -> None:
     r = cli("fsck", tier_dir.root)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.strip() == "fsck: 5 extents in 2 namespaces, 0 problems"
+    macs = f"MACs verified with {tier_dir.root / '.secret'}"
+    assert r.stdout.strip() == f"fsck: 5 extents in 2 namespaces, 0 problems; {macs}"
 
 
 def test_fsck_finds_and_repairs_exactly_the_broken(tier_dir: TierDir, open_tiers: OpenTier) -> None:
@@ -169,7 +171,7 @@ def test_fsck_finds_and_repairs_exactly_the_broken(tier_dir: TierDir, open_tiers
 
     r = cli("fsck", "--repair", tier_dir.root)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.splitlines()[-1] == "fsck: 5 extents in 2 namespaces, 3 problems, 3 removed"
+    assert r.stdout.splitlines()[-1].startswith("fsck: 5 extents in 2 namespaces, 3 problems, 3 removed; ")
     assert all_files(tier_dir.root) == before - {corrupt, truncated, stale}
     assert cli("fsck", tier_dir.root).returncode == 0
 
@@ -181,6 +183,22 @@ def test_fsck_finds_and_repairs_exactly_the_broken(tier_dir: TierDir, open_tiers
         assert tier.wait(tier.submit_load(s.key, dest), timeout=30).ok
         assert np.array_equal(dest, s.payload)
     tier.check_integrity()
+
+
+def test_fsck_verifies_macs_with_the_directory_secret(tier_dir: TierDir) -> None:
+    secret = tier_dir.root / ".secret"
+    secret.write_bytes(os.urandom(32))  # as if every extent had been planted by someone else
+    r = cli("fsck", tier_dir.root)
+    assert r.returncode == 1 and r.stdout.count("header MAC mismatch") == 5, r.stdout
+    assert json.loads(cli("inspect", tier_dir.root, "--json").stdout)["namespaces"][0]["bad_headers"] > 0
+    secret.unlink()
+    r = cli("fsck", tier_dir.root)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip().endswith(
+        f"0 problems; MACs NOT verified: no {secret} (a server would drop every extent)"
+    )
+    r = cli("inspect", tier_dir.root, "--json")
+    assert json.loads(r.stdout)["macs_verified"] is False and "MACs NOT verified" in r.stderr
 
 
 def test_fsck_names_a_misplaced_extent(tier_dir: TierDir) -> None:

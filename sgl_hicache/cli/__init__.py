@@ -5,7 +5,8 @@
 
 No model, namespace or server is needed: every 32-hex subdirectory of DIR is a namespace, and each
 extent is read with the tier's own code (`format.decode_fixed`, `load.open_extent`/`read_chunk`),
-so fsck accepts exactly what a load accepts. Imports neither torch nor sglang.
+so fsck accepts exactly what a load accepts (header and meta MACs included, when it can read the
+directory's `.secret`: run it as the server's user). Imports neither torch nor sglang.
 
 walk.py     namespace dirs, files sorted by role (extents, stale / live temp files)
 summary.py  inspect: header-only totals, table or JSON
@@ -30,8 +31,8 @@ _INSPECT = (
     "not shown: the tier does not record them (LRU order lives in each server process's memory)."
 )
 _FSCK = (
-    "Read and verify every extent (header, meta, every chunk checksum); list broken extents and stale "
-    "temp files. Exit 0: clean (or all repaired); 1: problems remain; 2: bad DIR. Run it on the host "
+    "Read and verify every extent (header and meta MACs with the directory's secret, when readable; every "
+    "chunk checksum); list broken extents and stale temp files. Exit 0: clean (or all repaired); 1: problems remain; 2: bad DIR. Run it on the host "
     "of the servers: temp files are judged by their writer's pid. Safe beside a running server (a "
     "removed extent is a clean miss for it; its byte accounting catches up at its next start)."
 )

@@ -1,9 +1,10 @@
 """`sgl-hicache fsck`: verify every chunk of every extent with the tier's own load code.
 
-A problem is `corrupt` (any FormatError or short read: what a load would report CORRUPT),
-`stale-temp` (a crashed writer's temp file) or `unreadable` (another OSError such as EIO or
-EACCES). `--repair` removes the first two kinds, as the tier itself would; unreadable files are
-kept for the operator to look at.
+Header and meta MACs are verified with the directory's secret when it can be read (run fsck as the
+server's user, or root); the summary line says whether they were. A problem is `corrupt` (any
+FormatError or short read: what a load would report CORRUPT), `stale-temp` (a crashed writer's
+temp file) or `unreadable` (another OSError such as EIO or EACCES). `--repair` removes the first
+two kinds, as the tier itself would; unreadable files are kept for the operator to look at.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
-from sgl_hicache.cli.walk import NsFiles, classify, key_of, namespace_dirs
+from sgl_hicache.cli.walk import NsFiles, classify, directory_seal, key_of, namespace_dirs
 from sgl_hicache.tier.directio import O_DIRECT, ShortIO, alloc_aligned
-from sgl_hicache.tier.format import FormatError
+from sgl_hicache.tier.format import FormatError, Seal
 from sgl_hicache.tier.keys import ExtentKey, NamespaceId
 from sgl_hicache.tier.load import open_extent, read_chunk
 
@@ -34,19 +35,19 @@ class Problem(NamedTuple):
     detail: str
 
 
-def verify_extent(de: os.DirEntry[str], ns: NamespaceId) -> Problem | None:
-    """Verify header, meta and every chunk as a full load would; O_DIRECT where the filesystem
-    allows it, so the device is checked rather than the page cache."""
+def verify_extent(de: os.DirEntry[str], ns: NamespaceId, seal: Seal | None) -> Problem | None:
+    """Verify header, meta and every chunk as a full load would (MACs only with a `seal`);
+    O_DIRECT where the filesystem allows it, so the device is checked rather than the page cache."""
     key = key_of(de)
     if key is None:
         return Problem("corrupt", de.path, "misnamed or misplaced: loads never find it")
     try:
         try:
-            _read_all(de.path, ns, key, direct=bool(O_DIRECT))
+            _read_all(de.path, ns, key, bool(O_DIRECT), seal)
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
-            _read_all(de.path, ns, key, direct=False)
+            _read_all(de.path, ns, key, False, seal)
     except FileNotFoundError:
         return None  # evicted meanwhile by a server sharing the directory
     except (FormatError, ShortIO) as e:
@@ -56,8 +57,8 @@ def verify_extent(de: os.DirEntry[str], ns: NamespaceId) -> Problem | None:
     return None
 
 
-def _read_all(path: str, ns: NamespaceId, key: ExtentKey, direct: bool) -> None:
-    ext = open_extent(path, ns, key, direct)
+def _read_all(path: str, ns: NamespaceId, key: ExtentKey, direct: bool, seal: Seal | None) -> None:
+    ext = open_extent(path, ns, key, direct, seal)
     try:
         dest = _scratch(ext.header.payload_len)
         for i in range(len(ext.chunks)):
@@ -74,16 +75,18 @@ def _scratch(nbytes: int) -> memoryview:
     return buf[:nbytes]
 
 
-def problems_of(files: NsFiles, pool: ThreadPoolExecutor) -> Iterator[Problem]:
-    yield from (p for p in pool.map(lambda de: verify_extent(de, files.ns), files.extents) if p)
+def problems_of(files: NsFiles, seal: Seal | None, pool: ThreadPoolExecutor) -> Iterator[Problem]:
+    yield from (p for p in pool.map(lambda de: verify_extent(de, files.ns, seal), files.extents) if p)
     yield from (Problem("stale-temp", p, "writer gone or over an hour old") for p in files.stale_temps)
 
 
 def cmd_fsck(root: Path, repair: bool) -> int:
-    """Print one line per problem (`removed` once repaired) and a summary; 1 if any remain."""
+    """Print one line per problem (`removed` once repaired) and a summary (saying whether MACs
+    were verified); 1 if any remain."""
     namespaces = [classify(d, time.time()) for d in namespace_dirs(root)]
+    seal, macs = directory_seal(root)
     with ThreadPoolExecutor(VERIFY_THREADS, thread_name_prefix="sgl-hicache-fsck") as pool:
-        problems = [p for files in namespaces for p in problems_of(files, pool)]
+        problems = [p for files in namespaces for p in problems_of(files, seal, pool)]
     remaining = 0
     for p in problems:
         fixed = repair and p.kind != "unreadable" and _remove(p.path)
@@ -91,7 +94,9 @@ def cmd_fsck(root: Path, repair: bool) -> int:
         print(f"{'removed ' + p.kind if fixed else p.kind}  {p.path}  ({p.detail})")
     extents = sum(len(f.extents) for f in namespaces)
     removed = f", {len(problems) - remaining} removed" if repair else ""
-    print(f"fsck: {extents} extents in {len(namespaces)} namespaces, {len(problems)} problems{removed}")
+    print(
+        f"fsck: {extents} extents in {len(namespaces)} namespaces, {len(problems)} problems{removed}; {macs}"
+    )
     return 1 if remaining else 0
 
 

@@ -1,16 +1,20 @@
-"""`sgl-hicache inspect`: per-namespace totals from the extents' fixed headers (no payload reads)."""
+"""`sgl-hicache inspect`: per-namespace totals from the extents' fixed headers (no payload reads).
+
+Header MACs are checked when the directory's secret can be read; if not, a warning goes to stderr
+and the JSON says `"macs_verified": false`."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from sgl_hicache.cli.walk import NsFiles, classify, key_of, namespace_dirs
-from sgl_hicache.tier.format import ALIGN, FormatError, Header, decode_fixed
-from sgl_hicache.tier.keys import NamespaceId
+from sgl_hicache.cli.walk import NsFiles, classify, directory_seal, key_of, namespace_dirs
+from sgl_hicache.tier.format import ALIGN, FormatError, Header, Seal, decode_fixed
+from sgl_hicache.tier.keys import NamespaceId, chain_key_from_digest
 
 
 @dataclass(frozen=True)
@@ -31,12 +35,12 @@ class NsSummary:
     live_temp_files: int
 
 
-def summarize(files: NsFiles, now_ns: int) -> NsSummary:
+def summarize(files: NsFiles, now_ns: int, seal: Seal | None) -> NsSummary:
     headers: list[tuple[Header, int]] = []
     bad = 0
     for de in files.extents:
         try:
-            headers.append(_valid_header(de, files.ns))
+            headers.append(_valid_header(de, files.ns, seal))
         except FileNotFoundError:
             continue  # evicted meanwhile
         except (FormatError, OSError):
@@ -50,12 +54,15 @@ def summarize(files: NsFiles, now_ns: int) -> NsSummary:
     )  # fmt: skip
 
 
-def _valid_header(de: os.DirEntry[str], ns: NamespaceId) -> tuple[Header, int]:
-    """Header and file size of an extent the tier's startup scan would index; raises FormatError."""
+def _valid_header(de: os.DirEntry[str], ns: NamespaceId, seal: Seal | None) -> tuple[Header, int]:
+    """Header and file size of an extent the tier's startup scan would index (its MAC checked only
+    with a `seal`); raises FormatError."""
     with open(de.path, "rb", buffering=0) as f:
-        header, size = decode_fixed(f.read(ALIGN)), os.fstat(f.fileno()).st_size
+        header, size = decode_fixed(f.read(ALIGN), seal), os.fstat(f.fileno()).st_size
     if header.namespace != ns or header.key != key_of(de) or size < header.file_size:
         raise FormatError("foreign, misplaced or truncated extent")
+    if chain_key_from_digest(ns, header.parent, header.token_count, header.token_digest) != header.key:
+        raise FormatError("key does not match the header's parent, token count and digest")
     return header, size
 
 
@@ -98,9 +105,18 @@ def format_table(rows: list[NsSummary]) -> str:
 
 def cmd_inspect(root: Path, as_json: bool) -> int:
     now = time.time_ns()
-    rows = [summarize(classify(d, now / 1e9), now) for d in namespace_dirs(root)]
+    dirs = namespace_dirs(root)
+    seal, macs = directory_seal(root)
+    if seal is None:
+        print(f"sgl-hicache inspect: {macs}", file=sys.stderr)
+    rows = [summarize(classify(d, now / 1e9), now, seal) for d in dirs]
     if as_json:
-        print(json.dumps({"directory": str(root), "namespaces": [asdict(r) for r in rows]}))
+        report = {
+            "directory": str(root),
+            "macs_verified": seal is not None,
+            "namespaces": [asdict(r) for r in rows],
+        }
+        print(json.dumps(report))
     else:
         print(format_table(rows))
     return 0

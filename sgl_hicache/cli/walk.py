@@ -6,10 +6,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sgl_hicache.tier.format import EXTENT_SUFFIX, TEMP_SUFFIX
+from sgl_hicache.tier.format import EXTENT_SUFFIX, TEMP_SUFFIX, Seal
 from sgl_hicache.tier.keys import KEY_BYTES, ExtentKey, NamespaceId
 from sgl_hicache.tier.paths import FANOUT_CHARS, ExtentPaths
 from sgl_hicache.tier.scan import is_stale_temp
+from sgl_hicache.tier.trust import SECRET_NAME, UntrustedDirectory, read_secret
 
 _HEX_NAME = 2 * KEY_BYTES
 
@@ -42,6 +43,24 @@ def namespace_dirs(root: Path) -> list[Path]:
     if _is_hex(root.name, _HEX_NAME):
         raise UsageError(f"{root}: looks like a namespace directory; pass the tier directory above it")
     raise UsageError(f"{root}: not a tier directory (no namespace directories)")
+
+
+def directory_seal(root: Path) -> tuple[Seal | None, str]:
+    """The seal of tier `root` (from its secret, which must belong to the directory's owner) and a
+    note saying whether MACs are verified; without a readable secret (another user), they are not."""
+    secret = root / SECRET_NAME
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            return Seal(read_secret(fd, root, os.fstat(fd).st_uid)), f"MACs verified with {secret}"
+        finally:
+            os.close(fd)
+    except FileNotFoundError:
+        return None, f"MACs NOT verified: no {secret} (a server would drop every extent)"
+    except UntrustedDirectory as e:
+        return None, f"MACs NOT verified: {e}"
+    except OSError as e:
+        return None, f"MACs NOT verified: cannot read {secret}: {e.strerror}"
 
 
 def classify(ns_dir: Path, now: float) -> NsFiles:

@@ -6,10 +6,13 @@ import os
 from pathlib import Path
 
 from sgl_hicache.config import ConfigError, SpillConfig
+from sgl_hicache.tier.trust import UntrustedDirectory, check_trusted
 
 
 def check_tier_directory(directory: Path) -> None:
-    """The tier directory must be a writable directory, or creatable under a writable one.
+    """The tier directory must be a writable directory, or creatable under a writable one, and, if
+    it exists, trusted as the tier would at open (ours, no symlink, not group/other-writable, its
+    secret private: `tier.trust`).
 
     Raises ConfigError naming the flag. Creates nothing: the tier creates the directory when it opens.
     """
@@ -23,6 +26,12 @@ def check_tier_directory(directory: Path) -> None:
         raise ConfigError(f"--hicache-spill-dir: {existing} is not a directory, so {path} cannot be created")
     if not existing.is_dir():
         raise ConfigError(f"--hicache-spill-dir: {path} exists and is not a directory")
+    try:
+        check_trusted(path)
+    except UntrustedDirectory as e:
+        raise ConfigError(f"--hicache-spill-dir: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"--hicache-spill-dir: cannot check {path}: {e.strerror}") from None
     if os.statvfs(existing).f_flag & os.ST_RDONLY:
         raise ConfigError(f"--hicache-spill-dir: {existing} is on a read-only filesystem")
     if not os.access(existing, os.W_OK | os.X_OK):

@@ -4,6 +4,7 @@ base.py         Tier contract, Completion/Status/TierStats result types
 keys.py         Namespace, KVLayout, chained ExtentKeys
 format.py       extent header encode/decode (docs/FORMAT.md)
 paths.py        fan-out file layout, free space
+trust.py        the directory must be ours; its secret, which keys every header MAC
 nvme.py         NvmeTier, the implementation: submit/complete, store and load jobs
 store.py        write one extent              load.py        read/verify one extent's chunks
 capacity.py     budget, watermark, eviction   index.py       LRU index, pins, byte accounting
@@ -20,13 +21,17 @@ from sgl_hicache.config import TierConfig
 from sgl_hicache.tier.base import Completion, ExtentInfo, Op, Status, Ticket, Tier, TierStats
 from sgl_hicache.tier.directio import alloc_aligned
 from sgl_hicache.tier.keys import ROOT_KEY, ExtentKey, KVDtype, KVLayout, Namespace, NamespaceId, chain_key
+from sgl_hicache.tier.trust import UntrustedDirectory
 
 
 def open_tier(config: TierConfig, namespace: Namespace) -> Tier:
     """Open (creating if needed) the tier in `config.directory` for `namespace`.
 
     Scans existing extents of the namespace (rebuilding the index, enforcing the budget, removing
-    stale temp files) before returning. Raises OSError if the directory cannot be created.
+    stale temp files and files not sealed with the directory's secret) before returning. Raises
+    `UntrustedDirectory` (an OSError: one line saying how to fix it) if the directory or its
+    secret is a symlink, not owned by this uid, or open to group/other (see trust.py), and
+    OSError if the directory cannot be created.
     """
     from sgl_hicache.tier.nvme import NvmeTier
 
@@ -35,5 +40,6 @@ def open_tier(config: TierConfig, namespace: Namespace) -> Tier:
 
 __all__ = [
     "ROOT_KEY", "Completion", "ExtentInfo", "ExtentKey", "KVDtype", "KVLayout", "Namespace", "NamespaceId",
-    "Op", "Status", "Ticket", "Tier", "TierStats", "alloc_aligned", "chain_key", "open_tier",
+    "Op", "Status", "Ticket", "Tier", "TierStats", "UntrustedDirectory", "alloc_aligned", "chain_key",
+    "open_tier",
 ]  # fmt: skip

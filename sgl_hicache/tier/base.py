@@ -124,10 +124,15 @@ class Tier(abc.ABC):
 
     @abc.abstractmethod
     def submit_store(
-        self, key: ExtentKey, payload: Buffer, tokens: Sequence[int] | np.ndarray, parent: ExtentKey
-    ) -> Ticket:
+        self, key: ExtentKey, payload: Buffer, tokens: Sequence[int] | np.ndarray, parent: ExtentKey,
+        *, store_tokens: bool = True,
+    ) -> Ticket:  # fmt: skip
         """Queue writing `payload` as extent `key`, which must be `chain_key(ns, parent, tokens)`
         (ValueError otherwise: the key names exactly what the extent holds, see keys.py).
+
+        The file records the token count and `token_digest(tokens)` always, and the token ids
+        themselves only if `store_tokens` (pass False for any tenant whose prompts must not be on
+        disk in clear: `read_tokens` then returns None for this extent; loads verify it all the same).
 
         Never blocks. Publishing is atomic (temp file + rename, fsync per `TierConfig.fsync`): a
         failed or partial write is never visible. Storing a key already present completes OK at
@@ -141,9 +146,11 @@ class Tier(abc.ABC):
 
         Never blocks. Only chunks covering the prefix are read and verified; an OK completion has
         exactly `nbytes` (or the payload length, if None). `dest` must hold that many bytes, else
-        REJECTED. Any checksum, truncation, version or namespace mismatch drops the extent and
-        reports CORRUPT; a file whose recorded parent and tokens do not hash to `key`, or whose
-        payload is shorter than `nbytes`, is dropped and reported MISMATCH. The content of `dest`
+        REJECTED. A file not sealed with this directory's secret (header or meta MAC wrong: not
+        written by a holder of the secret), and any checksum, truncation, version or namespace
+        mismatch, drops the extent and reports CORRUPT; a file whose recorded parent, token count
+        and token digest do not hash to `key`, or whose payload is shorter than `nbytes`, is
+        dropped and reported MISMATCH. Both checks precede the first payload byte read. The content of `dest`
         is then undefined. An extent evicted meanwhile (here or by another
         process sharing the directory), or whose store has not completed yet, is a clean MISS. Loads are served before stores, but a
         waiting store is never passed over indefinitely. A load refreshes the extent's LRU age.
@@ -186,7 +193,9 @@ class Tier(abc.ABC):
 
     @abc.abstractmethod
     def read_tokens(self, key: ExtentKey) -> np.ndarray | None:
-        """Token ids stored in the header of `key` (uint32), or None if missing/corrupt. Blocks."""
+        """Token ids stored in the header of `key` (uint32), verified like a load's header (MACs,
+        key, and the ids against the digest; a bad file is dropped). None if missing, bad, or
+        stored with `store_tokens=False`. Blocks."""
 
     @abc.abstractmethod
     def discard(self, key: ExtentKey) -> bool:

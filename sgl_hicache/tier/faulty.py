@@ -120,13 +120,14 @@ class FaultyTier(Tier):
         return ticket
 
     def submit_store(
-        self, key: ExtentKey, payload: Buffer, tokens: Sequence[int] | np.ndarray, parent: ExtentKey
-    ) -> Ticket:
+        self, key: ExtentKey, payload: Buffer, tokens: Sequence[int] | np.ndarray, parent: ExtentKey,
+        *, store_tokens: bool = True,
+    ) -> Ticket:  # fmt: skip
         ticket, release_at, fail, _, _ = self._draw()
         if fail:
             return self._inject_failure(ticket, Op.STORE, key, release_at)
         with self._lock:  # held so that _pump cannot see the inner completion before its plan
-            inner = self._inner.submit_store(key, payload, tokens, parent)
+            inner = self._inner.submit_store(key, payload, tokens, parent, store_tokens=store_tokens)
             self._plans[inner] = _Plan(ticket, release_at)
         return ticket
 

@@ -1,8 +1,14 @@
 """Extent file format (see docs/FORMAT.md): fixed header, msgpack meta, 4096-aligned payload.
 
-    [0, FIXED_SIZE)            fixed header (struct `_FIXED`, little-endian), own xxh3-64
-    [FIXED_SIZE, +meta_len)    msgpack {"t": token ids (<u4 bytes), "c": [[offset, length, xxh3-64], ...]}
+    [0, FIXED_SIZE)            fixed header (struct `_FIXED`, little-endian), ends with two MACs
+    [FIXED_SIZE, +meta_len)    msgpack {"c": [[offset, length, xxh3-64], ...], "t": token ids (<u4
+                               bytes; only if the writer allowed it: never for salted tenants)}
     [header_len, ...)          payload chunks; header_len and every chunk offset are multiples of 4096
+
+Authenticity (`Seal`): `meta_mac` = blake2b-128 keyed with the directory's secret over the meta;
+`header_mac` = the same over the fixed header's bytes before it (meta_mac included). Checking
+header_mac alone vouches for the fixed header (the startup scan); with meta_mac it vouches for the
+meta and so for every chunk checksum: only a holder of the secret could have written the file.
 
 Chunk i holds raw payload bytes [i * chunk_bytes, (i + 1) * chunk_bytes); its checksum covers the
 bytes as stored (compressed or not), so a prefix read verifies only the chunks it touches.
@@ -10,28 +16,31 @@ bytes as stored (compressed or not), so a prefix read verifies only the chunks i
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import msgpack
-import xxhash
+import numpy as np
 
 from sgl_hicache.config import Compression
-from sgl_hicache.tier.keys import KEY_BYTES, ExtentKey, KVDtype, KVLayout, NamespaceId
+from sgl_hicache.tier.keys import ExtentKey, KVDtype, KVLayout, NamespaceId, token_digest
 
 MAGIC = b"SGLHCEXT"
-VERSION = 2  # 2: extent keys are chain_key(parent path, tokens), checked on load
+VERSION = 3  # 3: keyed header MACs; keys over a token digest; token ids only where allowed
 ALIGN = 4096
 EXTENT_SUFFIX = ".ext"
 TEMP_SUFFIX = ".tmp"
+MAC_BYTES = 16
 
-_FIXED = struct.Struct("<8sHHI16s16s16sIIIIBBHIIIQQIQQQ")
+_FIXED = struct.Struct("<8sHHI16s16s16sIIIIBBHIIIQQI16sQ16s16s")
 FIXED_SIZE = _FIXED.size
+_MACED = FIXED_SIZE - MAC_BYTES  # header_mac covers the fixed header before it
 _COMPRESSION_CODES = {Compression.NONE: 0, Compression.ZSTD: 1}
 _CODE_COMPRESSION = {v: k for k, v in _COMPRESSION_CODES.items()}
-_ZERO8 = bytes(8)
 _CHUNK_ENTRY_MAX = 1 + 3 * 9  # msgpack fixarray of three uint64
+_META_ERRORS = (ValueError, TypeError, KeyError, AttributeError, msgpack.UnpackException)
 
 
 class FormatError(ValueError):
@@ -39,8 +48,26 @@ class FormatError(ValueError):
 
 
 class Mismatch(FormatError):
-    """A well-formed extent that is not what was asked for: its parent and tokens do not hash to
-    its key, or it holds fewer payload bytes than requested."""
+    """A well-formed extent that is not what was asked for: its parent, token count and token
+    digest do not hash to its key, its token ids do not hash to its digest, or it holds fewer
+    payload bytes than requested."""
+
+
+class Seal:
+    """The MACs of one tier directory: blake2b-128 keyed with its secret (`trust.py`)."""
+
+    def __init__(self, secret: bytes) -> None:
+        self._secret = secret
+
+    def header(self, fixed: bytes) -> bytes:
+        return hashlib.blake2b(
+            fixed, digest_size=MAC_BYTES, key=self._secret, person=b"sglhc.header.v3"
+        ).digest()
+
+    def meta(self, meta: bytes) -> bytes:
+        return hashlib.blake2b(
+            meta, digest_size=MAC_BYTES, key=self._secret, person=b"sglhc.meta.v3"
+        ).digest()
 
 
 def align_up(n: int, align: int = ALIGN) -> int:
@@ -66,13 +93,14 @@ class Header:
     layout: KVLayout
     compression: Compression
     token_count: int
+    token_digest: bytes  # keys.token_digest of the extent's tokens
     chunk_bytes: int
     payload_len: int
     stored_len: int
     created_ns: int
     header_len: int = 0
     meta_len: int = 0
-    meta_xxh: int = 0
+    meta_mac: bytes = bytes(MAC_BYTES)
 
     @property
     def file_size(self) -> int:
@@ -88,26 +116,29 @@ def header_bound(token_bytes: int, n_chunks: int) -> int:
     return align_up(FIXED_SIZE + 16 + token_bytes + 5 + n_chunks * _CHUNK_ENTRY_MAX)
 
 
-def encode_header(header: Header, tokens: bytes, chunks: list[Chunk]) -> bytes:
-    """Fixed header + meta, zero-padded to `header.header_len` (0: the least multiple of 4096)."""
-    meta = msgpack.packb({"t": tokens, "c": [[c.offset, c.length, c.xxh] for c in chunks]})
+def encode_header(header: Header, tokens: bytes | None, chunks: list[Chunk], seal: Seal) -> bytes:
+    """Fixed header + meta (token ids only if `tokens` is given), sealed, zero-padded to
+    `header.header_len` (0: the least multiple of 4096)."""
+    obj: dict[str, object] = {"c": [[c.offset, c.length, c.xxh] for c in chunks]}
+    if tokens is not None:
+        obj["t"] = tokens
+    meta = msgpack.packb(obj)
     header_len = header.header_len or align_up(FIXED_SIZE + len(meta))
     if header_len < FIXED_SIZE + len(meta) or header_len % ALIGN:
         raise ValueError(f"header_len {header_len} cannot hold {FIXED_SIZE + len(meta)} header bytes")
-    h = replace(header, header_len=header_len, meta_len=len(meta), meta_xxh=xxhash.xxh3_64_intdigest(meta))
-    fixed = _pack(h, 0)
-    fixed = _pack(h, xxhash.xxh3_64_intdigest(fixed))
-    return fixed + meta + bytes(header_len - FIXED_SIZE - len(meta))
+    h = replace(header, header_len=header_len, meta_len=len(meta), meta_mac=seal.meta(meta))
+    fixed = _pack(h)[:_MACED]
+    return fixed + seal.header(fixed) + meta + bytes(header_len - FIXED_SIZE - len(meta))
 
 
-def _pack(h: Header, header_xxh: int) -> bytes:
+def _pack(h: Header) -> bytes:
     lay = h.layout
     return _FIXED.pack(
         MAGIC, VERSION, 0, h.header_len, h.namespace, h.key, h.parent,
         lay.num_layers, lay.num_heads, lay.head_dim, lay.page_size, int(lay.dtype),
         _COMPRESSION_CODES[h.compression], 0, h.token_count, h.chunk_bytes,
-        h.chunk_count(h.payload_len), h.payload_len, h.stored_len, h.meta_len, h.meta_xxh,
-        h.created_ns, header_xxh,
+        h.chunk_count(h.payload_len), h.payload_len, h.stored_len, h.meta_len, h.token_digest,
+        h.created_ns, h.meta_mac, bytes(MAC_BYTES),
     )  # fmt: skip
 
 
@@ -118,39 +149,45 @@ class IndexFields(NamedTuple):
     key: bytes
     parent: bytes
     token_count: int
+    token_digest: bytes
     payload_len: int
     file_size: int
     created_ns: int
 
 
-def peek_index(buf: bytes) -> IndexFields:
-    """Check magic, version and header checksum of a fixed header; raises FormatError."""
+def peek_index(buf: bytes, seal: Seal) -> IndexFields:
+    """Check magic, version and header MAC of a fixed header; raises FormatError."""
     if len(buf) < FIXED_SIZE:
         raise FormatError(f"truncated header: {len(buf)} < {FIXED_SIZE} bytes")
     f = _FIXED.unpack_from(buf)
-    if f[0] != MAGIC or f[1] != VERSION or xxhash.xxh3_64_intdigest(buf[: FIXED_SIZE - 8] + _ZERO8) != f[-1]:
-        raise FormatError("bad magic, version or header checksum")
-    return IndexFields(f[4], f[5], f[6], f[14], f[17], f[3] + f[18], f[21])
+    if f[0] != MAGIC or f[1] != VERSION or seal.header(buf[:_MACED]) != f[-1]:
+        raise FormatError("bad magic, version or header MAC")
+    return IndexFields(f[4], f[5], f[6], f[14], f[20], f[17], f[3] + f[18], f[21])
 
 
-def decode_fixed(buf: bytes | memoryview) -> Header:
-    """Decode and verify the fixed header (the first FIXED_SIZE bytes); raises FormatError."""
+def decode_fixed(buf: bytes | memoryview, seal: Seal | None) -> Header:
+    """Decode and verify the fixed header (the first FIXED_SIZE bytes); raises FormatError.
+    `seal` None skips the MAC: only for tools that cannot read the directory's secret."""
     if len(buf) < FIXED_SIZE:
         raise FormatError(f"truncated header: {len(buf)} < {FIXED_SIZE} bytes")
-    f = _FIXED.unpack(bytes(buf[:FIXED_SIZE]))
+    fixed = bytes(buf[:FIXED_SIZE])
+    f = _FIXED.unpack(fixed)
     if f[0] != MAGIC:
         raise FormatError("bad magic")
     if f[1] != VERSION:
         raise FormatError(f"unsupported format version {f[1]}")
-    if xxhash.xxh3_64_intdigest(bytes(buf[: FIXED_SIZE - 8]) + _ZERO8) != f[-1]:
-        raise FormatError("header checksum mismatch")
+    if seal is not None and seal.header(fixed[:_MACED]) != f[-1]:
+        raise FormatError("header MAC mismatch: not written with this directory's secret")
     if f[12] not in _CODE_COMPRESSION or f[11] not in KVDtype._value2member_map_:
         raise FormatError("unknown compression or dtype code")
+    try:
+        layout = KVLayout(f[7], f[8], f[9], KVDtype(f[11]), f[10])
+    except ValueError as e:
+        raise FormatError(f"bad layout: {e}") from None
     header = Header(
-        namespace=NamespaceId(f[4]), key=ExtentKey(f[5]), parent=ExtentKey(f[6]),
-        layout=KVLayout(f[7], f[8], f[9], KVDtype(f[11]), f[10]),
-        compression=_CODE_COMPRESSION[f[12]], token_count=f[14], chunk_bytes=f[15],
-        payload_len=f[17], stored_len=f[18], created_ns=f[21], header_len=f[3], meta_len=f[19], meta_xxh=f[20],
+        namespace=NamespaceId(f[4]), key=ExtentKey(f[5]), parent=ExtentKey(f[6]), layout=layout,
+        compression=_CODE_COMPRESSION[f[12]], token_count=f[14], token_digest=f[20], chunk_bytes=f[15],
+        payload_len=f[17], stored_len=f[18], created_ns=f[21], header_len=f[3], meta_len=f[19], meta_mac=f[22],
     )  # fmt: skip
     _check_sizes(header, n_chunks=f[16])
     return header
@@ -161,18 +198,27 @@ def _check_sizes(h: Header, n_chunks: int) -> None:
         raise FormatError("header lengths are not 4096-aligned")
     if h.header_len < FIXED_SIZE + h.meta_len or n_chunks != h.chunk_count(h.payload_len):
         raise FormatError("inconsistent header lengths")
-    if len(h.key) != KEY_BYTES:
-        raise FormatError("bad key length")
 
 
-def decode_meta(header: Header, buf: bytes | memoryview) -> tuple[bytes, list[Chunk]]:
-    """Verify and decode the meta block (bytes [FIXED_SIZE, FIXED_SIZE + meta_len) of the file)."""
+def decode_meta(
+    header: Header, buf: bytes | memoryview, seal: Seal | None
+) -> tuple[bytes | None, list[Chunk]]:
+    """Verify and decode the meta block (bytes [FIXED_SIZE, FIXED_SIZE + meta_len) of the file):
+    the token ids (None if not stored) and the chunk table. Raises FormatError; Mismatch if the
+    stored token ids do not hash to the header's digest. `seal` None: see `decode_fixed`."""
     meta = bytes(buf[FIXED_SIZE : FIXED_SIZE + header.meta_len])
-    if len(meta) != header.meta_len or xxhash.xxh3_64_intdigest(meta) != header.meta_xxh:
-        raise FormatError("meta checksum mismatch or truncated meta")
-    obj = msgpack.unpackb(meta)
-    tokens, chunks = obj["t"], [Chunk(*c) for c in obj["c"]]
-    if len(tokens) != 4 * header.token_count or len(chunks) != header.chunk_count(header.payload_len):
+    if len(meta) != header.meta_len:
+        raise FormatError("truncated meta")
+    if seal is not None and seal.meta(meta) != header.meta_mac:
+        raise FormatError("meta MAC mismatch")
+    try:
+        obj = msgpack.unpackb(meta)
+        tokens, chunks = obj.get("t"), [Chunk(*map(int, c)) for c in obj["c"]]
+    except _META_ERRORS as e:
+        raise FormatError(f"undecodable meta: {e}") from None
+    if tokens is not None and (not isinstance(tokens, bytes) or len(tokens) != 4 * header.token_count):
+        raise FormatError("meta token ids do not match the header's count")
+    if len(chunks) != header.chunk_count(header.payload_len):
         raise FormatError("meta does not match header")
     for i, c in enumerate(chunks):
         if c.offset % ALIGN or c.offset + c.length > header.stored_len:
@@ -180,4 +226,6 @@ def decode_meta(header: Header, buf: bytes | memoryview) -> tuple[bytes, list[Ch
         raw = min(header.chunk_bytes, header.payload_len - i * header.chunk_bytes)
         if header.compression is Compression.NONE and (c.offset, c.length) != (i * header.chunk_bytes, raw):
             raise FormatError("uncompressed chunk table does not match the payload layout")
+    if tokens is not None and token_digest(np.frombuffer(tokens, dtype="<u4")) != header.token_digest:
+        raise Mismatch("the extent's token ids do not hash to its token digest")
     return tokens, chunks

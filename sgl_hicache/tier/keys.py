@@ -4,12 +4,14 @@ Two kinds of 16-byte hashes, both inside one namespace:
 - a **path key** `PathHasher(...).key()` names a token path from the start of a sequence, for one
   tenant (sglang's `extra_key` / `cache_salt`) and one cache epoch: it depends only on the tokens,
   never on where a radix tree split them;
-- an **extent key** `chain_key(ns, parent, tokens)` = xxh3-128(ns id ‖ parent ‖ tokens) names the run
-  `tokens` that follows the path whose path key is `parent`: it fixes where the run starts (the
-  whole path before it), its length and its tokens. Two different ranges never share a key (up to
-  128-bit hash collisions), so a key can only ever find the KV of exactly the range it was made for.
+- an **extent key** `chain_key(ns, parent, tokens)` = xxh3-128(ns id ‖ parent ‖ u32 count ‖
+  `token_digest(tokens)`) names the run `tokens` that follows the path whose path key is `parent`:
+  it fixes where the run starts (the whole path before it), its length and its tokens. Two
+  different ranges never share a key (up to 128-bit hash collisions), so a key can only ever find
+  the KV of exactly the range it was made for.
 
-Every extent file records its parent and tokens; the tier re-derives `chain_key` from them on every
+Every extent file records its parent, token count and token digest (the token ids themselves only
+for the default tenant); the tier re-derives the key from them (`chain_key_from_digest`) on every
 load and refuses a file whose key does not match (`Status.MISMATCH`). A namespace id is derived from
 everything that makes KV bytes incompatible: model identity (weights fingerprint included), KV
 layout and dtype, tensor-parallel rank/size, page size.
@@ -95,15 +97,24 @@ def tokens_to_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
     return arr.astype("<u4").tobytes()
 
 
+def token_digest(tokens: Sequence[int] | np.ndarray) -> bytes:
+    """xxh3-128 of the token ids as <u4 (16 bytes): what names them in a key and an extent header."""
+    return xxhash.xxh3_128_digest(tokens_to_bytes(tokens))
+
+
 def chain_key(ns: NamespaceId, parent: ExtentKey, tokens: Sequence[int] | np.ndarray) -> ExtentKey:
     """Key of the extent holding `tokens` after the prefix named by `parent` (ROOT_KEY at start)."""
-    if len(ns) != KEY_BYTES or len(parent) != KEY_BYTES:
-        raise ValueError("namespace id and parent key must be 16 bytes")
-    h = xxhash.xxh3_128()
-    h.update(ns)
-    h.update(parent)
-    h.update(tokens_to_bytes(tokens))
-    return ExtentKey(h.digest())
+    data = tokens_to_bytes(tokens)
+    return chain_key_from_digest(ns, parent, len(data) // 4, xxhash.xxh3_128_digest(data))
+
+
+def chain_key_from_digest(ns: NamespaceId, parent: ExtentKey, count: int, digest: bytes) -> ExtentKey:
+    """`chain_key` from the token count and `token_digest` alone (what an extent header holds)."""
+    if len(ns) != KEY_BYTES or len(parent) != KEY_BYTES or len(digest) != KEY_BYTES:
+        raise ValueError("namespace id, parent key and token digest must be 16 bytes")
+    if not 0 <= count < 2**32:
+        raise ValueError(f"token count must be in 0..2**32-1, got {count}")
+    return ExtentKey(xxhash.xxh3_128_digest(ns + parent + count.to_bytes(4, "little") + digest))
 
 
 def check_key(key: bytes) -> ExtentKey:

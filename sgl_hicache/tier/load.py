@@ -1,8 +1,11 @@
 """Reading one extent: open and verify the header, then read and verify the chunks of a prefix.
 
-Every chunk is checked against its xxh3-64 before its bytes count as loaded; any mismatch, short
-read (truncation), bad header, foreign namespace or key raises (FormatError / ShortIO), which the
-job reports as CORRUPT. Chunks are independent so a large extent is read by several threads.
+Before any payload byte is read, the header and meta MACs prove the file was written with this
+directory's secret (so the chunk checksums are ours too) and the key is re-derived from the
+header's parent, token count and token digest. Every chunk is checked against its xxh3-64 before
+its bytes count as loaded; any mismatch, short read (truncation), bad MAC or header, foreign
+namespace or key raises (FormatError / ShortIO), which the job reports as CORRUPT (a key that does
+not match: Mismatch, MISMATCH). Chunks are independent so a large extent is read by several threads.
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ import os
 import threading
 from dataclasses import dataclass
 
-import numpy as np
 import xxhash
 import zstandard
 
@@ -24,11 +26,12 @@ from sgl_hicache.tier.format import (
     FormatError,
     Header,
     Mismatch,
+    Seal,
     align_up,
     decode_fixed,
     decode_meta,
 )
-from sgl_hicache.tier.keys import ExtentKey, NamespaceId, chain_key
+from sgl_hicache.tier.keys import ExtentKey, NamespaceId, chain_key_from_digest
 
 _local = threading.local()
 
@@ -47,20 +50,22 @@ class OpenExtent:
     fd: int
     direct: bool
     header: Header
-    tokens: bytes
+    tokens: bytes | None  # <u4 token ids, None if the writer did not store them
     chunks: list[Chunk]
 
 
-def open_extent(path: os.PathLike[str] | str, ns: NamespaceId, key: ExtentKey, direct: bool) -> OpenExtent:
-    """Open and verify; raises FileNotFoundError (miss), Mismatch (not what `key` names),
-    FormatError/ShortIO (corrupt), OSError."""
+def open_extent(
+    path: os.PathLike[str] | str, ns: NamespaceId, key: ExtentKey, direct: bool, seal: Seal | None
+) -> OpenExtent:
+    """Open and verify (MACs unless `seal` is None: tools without the secret only); raises
+    FileNotFoundError (miss), Mismatch (not what `key` names), FormatError/ShortIO (corrupt), OSError."""
     fd = os.open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
     try:
-        header, tokens, chunks = _read_header(fd, direct)
+        header, tokens, chunks = _read_header(fd, direct, seal)
         if header.namespace != ns or header.key != key:
             raise FormatError("extent belongs to another namespace or key")
-        if chain_key(ns, header.parent, np.frombuffer(tokens, dtype="<u4")) != key:
-            raise Mismatch("the extent's parent and tokens do not hash to its key")
+        if chain_key_from_digest(ns, header.parent, header.token_count, header.token_digest) != key:
+            raise Mismatch("the extent's parent, token count and token digest do not hash to its key")
         if os.fstat(fd).st_size < header.file_size:
             raise FormatError(f"truncated extent: {os.fstat(fd).st_size} < {header.file_size} bytes")
     except BaseException:
@@ -69,16 +74,16 @@ def open_extent(path: os.PathLike[str] | str, ns: NamespaceId, key: ExtentKey, d
     return OpenExtent(fd, direct, header, tokens, chunks)
 
 
-def _read_header(fd: int, direct: bool) -> tuple[Header, bytes, list[Chunk]]:
+def _read_header(fd: int, direct: bool, seal: Seal | None) -> tuple[Header, bytes | None, list[Chunk]]:
     first = _scratch(ALIGN)
     pread_exact(fd, first, 0)
-    header = decode_fixed(first)
+    header = decode_fixed(first, seal)
     if header.header_len == ALIGN:
-        tokens, chunks = decode_meta(header, first)
+        tokens, chunks = decode_meta(header, first, seal)
         return header, tokens, chunks
     whole = alloc_aligned(header.header_len)
     pread_exact(fd, whole, 0)
-    tokens, chunks = decode_meta(header, whole)
+    tokens, chunks = decode_meta(header, whole, seal)
     return header, tokens, chunks
 
 

@@ -1,9 +1,11 @@
 """NvmeTier: the extent store on a local or NVMe-oF directory (contract: `base.Tier`).
 
 Jobs run on `IoScheduler` threads; the lock guards only the index, tickets and completions, never
-I/O. A store job checksums/compresses, reserves room (evicting LRU extents), writes a temp file and
-renames it. A load job pins the key, opens and verifies the header, then queues one job per chunk
-of the requested prefix; the last chunk job closes the file and posts the completion.
+I/O. Opening checks the directory is ours and reads its secret (trust.py), which seals every header
+(format.Seal). A store job checksums/compresses, reserves room (evicting LRU extents), writes a temp
+file and renames it. A load job pins the key, opens and verifies the header (MACs, key), then
+queues one job per chunk of the requested prefix; the last chunk job closes the file and posts the
+completion.
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ from sgl_hicache.tier.capacity import Space
 from sgl_hicache.tier.completions import CompletionQueue
 from sgl_hicache.tier.directio import as_view, probe_direct_io
 from sgl_hicache.tier.faults import Counters, FaultLog, classify, logger
-from sgl_hicache.tier.format import FormatError, Mismatch
+from sgl_hicache.tier.format import FormatError, Mismatch, Seal
 from sgl_hicache.tier.index import Entry, OverBudget
 from sgl_hicache.tier.integrity import check_files
-from sgl_hicache.tier.keys import ExtentKey, Namespace, chain_key, check_key, tokens_to_bytes
+from sgl_hicache.tier.keys import ExtentKey, Namespace, chain_key_from_digest, check_key
 from sgl_hicache.tier.load import LoadState, OpenExtent, open_extent, read_chunk
 from sgl_hicache.tier.paths import ExtentPaths
 from sgl_hicache.tier.scan import scan
@@ -35,7 +37,7 @@ class NvmeTier(Tier):
     def __init__(self, cfg: TierConfig, namespace: Namespace) -> None:
         self._cfg, self._ns, self._ns_id = cfg, namespace, namespace.id
         self._paths = ExtentPaths(cfg.directory, self._ns_id)
-        self._paths.create_root()
+        self._seal = Seal(self._paths.create_root())
         self._direct = cfg.direct_io and probe_direct_io(self._paths.ns_dir)
         self._counters, self._faults = Counters(), FaultLog()
         self._space = Space(cfg, self._paths, self._counters, self._faults)
@@ -88,11 +90,12 @@ class NvmeTier(Tier):
     # -- stores -------------------------------------------------------------------------------
 
     def submit_store(
-        self, key: ExtentKey, payload: Buffer, tokens: Sequence[int] | np.ndarray, parent: ExtentKey
-    ) -> Ticket:
+        self, key: ExtentKey, payload: Buffer, tokens: Sequence[int] | np.ndarray, parent: ExtentKey,
+        *, store_tokens: bool = True,
+    ) -> Ticket:  # fmt: skip
         view = as_view(payload, writable=False)
-        req = StoreRequest(check_key(key), check_key(parent), tokens_to_bytes(tokens), view)
-        if chain_key(self._ns_id, parent, tokens) != key:
+        req = StoreRequest.of(check_key(key), check_key(parent), tokens, view, store_tokens)
+        if chain_key_from_digest(self._ns_id, parent, req.token_count, req.token_digest) != key:
             raise ValueError("an extent key must be chain_key(namespace, parent, tokens) of what it holds")
         ticket = self._completions.issue()
         with self._lock:  # queue under the lock: close() cannot slip in between
@@ -122,7 +125,7 @@ class NvmeTier(Tier):
             prep = prepare(req, self._cfg)
             self._space.make_room(prep.file_bytes, req.key)
             try:
-                write_extent(prep, self._cfg, self._ns, self._paths, self._direct)
+                write_extent(prep, self._cfg, self._ns, self._paths, self._direct, self._seal)
             except BaseException:
                 self._space.release(prep.file_bytes)
                 raise
@@ -132,7 +135,7 @@ class NvmeTier(Tier):
         except Exception as e:  # I/O errors, and bugs: logged by _fail, never lost
             self._counters.add("store_failures")
             return self._fail(Op.STORE, ticket, req.key, e)
-        entry = Entry(req.parent, len(req.tokens) // 4, req.payload.nbytes, prep.file_bytes)
+        entry = Entry(req.parent, req.token_count, req.payload.nbytes, prep.file_bytes)
         self._space.commit(req.key, entry)
         self._counters.add("stores")
         self._counters.add("store_bytes", req.payload.nbytes)
@@ -155,7 +158,7 @@ class NvmeTier(Tier):
         with self._lock:
             self._index.pin(key)
         try:
-            ext = open_extent(self._paths.extent(key), self._ns_id, key, self._direct)
+            ext = open_extent(self._paths.extent(key), self._ns_id, key, self._direct, self._seal)
         except Exception as e:  # I/O errors, and bugs: logged by _fail, never lost
             self._unpin(key)
             self._completions.post(self._fail(Op.LOAD, ticket, key, e))
@@ -230,14 +233,14 @@ class NvmeTier(Tier):
 
     def read_tokens(self, key: ExtentKey) -> np.ndarray | None:
         try:
-            ext = open_extent(self._paths.extent(check_key(key)), self._ns_id, key, direct=False)
+            ext = open_extent(self._paths.extent(check_key(key)), self._ns_id, key, False, self._seal)
         except FormatError:
             self._space.drop(key)
             return None
         except OSError:
             return None
         os.close(ext.fd)
-        return np.frombuffer(ext.tokens, dtype="<u4").astype(np.uint32)
+        return None if ext.tokens is None else np.frombuffer(ext.tokens, dtype="<u4").astype(np.uint32)
 
     def discard(self, key: ExtentKey) -> bool:
         with self._lock:
@@ -270,7 +273,7 @@ class NvmeTier(Tier):
         self._io.close()
 
     def _rebuild_index(self) -> None:
-        result = scan(self._paths, self._ns_id)
+        result = scan(self._paths, self._ns_id, self._seal)
         for _, key, entry in result.entries:
             self._index.add(key, entry)
         self._space.enforce_budget()

@@ -4,7 +4,8 @@ One fan-out level of 256 directories: ~400 files per directory at 100k extents, 
 for ext4/xfs hashed directories), while a second level would create up to 65,536 nearly empty
 directories whose cold reads dominate the startup scan.
 
-Names carry hashes only, never prompt text. Directories are 0700 and files 0600. Temp files sit
+Names carry hashes only, never prompt text. Directories are 0700 and files 0600; the root and the
+namespace directory are checked to be ours before use (trust.py). Temp files sit
 beside their target as `.<key hex>.<pid>.<random>.tmp`, so a scan can tell a live writer's
 temp file (its pid runs) from a stale one.
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from sgl_hicache.tier.format import EXTENT_SUFFIX, TEMP_SUFFIX
 from sgl_hicache.tier.keys import ExtentKey, NamespaceId
+from sgl_hicache.tier.trust import open_trusted
 
 DIR_MODE = 0o700
 FANOUT_CHARS = 2
@@ -31,14 +33,15 @@ class ExtentPaths:
         self.root = Path(root)
         self.ns_dir = self.root / namespace.hex()
 
-    def create_root(self) -> None:
-        """Create the namespace directory and its 256 fan-out directories (mode 0700), so stores
-        do not pay for (journaled) directory creation. Raises OSError."""
-        for d in (self.root, self.ns_dir):
-            d.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    def create_root(self) -> bytes:
+        """Create or check the root and namespace directory (`trust.open_trusted`), create the 256
+        fan-out directories (mode 0700), so stores do not pay for (journaled) directory creation,
+        and return the root's secret. Raises UntrustedDirectory, OSError."""
+        secret = open_trusted(self.root, self.ns_dir.name)
         for i in range(16**FANOUT_CHARS):
             with contextlib.suppress(FileExistsError):
                 (self.ns_dir / f"{i:0{FANOUT_CHARS}x}").mkdir(mode=DIR_MODE)
+        return secret
 
     def extent(self, key: ExtentKey) -> Path:
         h = key.hex()

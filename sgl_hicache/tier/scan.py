@@ -1,8 +1,10 @@
 """Startup scan: rebuild the index from extent headers (no payload reads), drop debris.
 
-Only the fixed header (first 140 bytes) of each file is read and verified; payload and meta
-checksums are verified on load. Removed: temp files whose writer pid is gone (or older than
-STALE_TEMP_S), and extent files whose header is bad, foreign, or whose size is short. Extents enter
+Only the fixed header (first FIXED_SIZE bytes) of each file is read and verified: its MAC (so only
+files written with this directory's secret are indexed), namespace, key = file name = the chain key
+of its parent, token count and token digest, and size; the meta MAC and payload checksums are
+verified on load. Removed: temp files whose writer pid is gone (or older than STALE_TEMP_S), and
+extent files that fail any of those checks. Extents enter
 the LRU in publish order (header `created_ns`): a restart forgets access order.
 """
 
@@ -14,9 +16,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from sgl_hicache.tier.format import EXTENT_SUFFIX, FIXED_SIZE, TEMP_SUFFIX, FormatError, peek_index
+from sgl_hicache.tier.format import EXTENT_SUFFIX, FIXED_SIZE, TEMP_SUFFIX, FormatError, Seal, peek_index
 from sgl_hicache.tier.index import Entry
-from sgl_hicache.tier.keys import ExtentKey, NamespaceId
+from sgl_hicache.tier.keys import ExtentKey, NamespaceId, chain_key_from_digest
 from sgl_hicache.tier.paths import ExtentPaths, temp_owner
 
 STALE_TEMP_S = 3600.0
@@ -30,11 +32,11 @@ class ScanResult:
     removed_bad: int = 0
 
 
-def scan(paths: ExtentPaths, ns: NamespaceId, threads: int = SCAN_THREADS) -> ScanResult:
+def scan(paths: ExtentPaths, ns: NamespaceId, seal: Seal, threads: int = SCAN_THREADS) -> ScanResult:
     """Scan the namespace directory, one top-level fan-out directory per task, `threads` at once."""
     now = time.time()
     with ThreadPoolExecutor(threads, thread_name_prefix="sgl-hicache-scan") as pool:
-        parts = list(pool.map(lambda part: _scan_part(part(), ns, now), paths.parts()))
+        parts = list(pool.map(lambda part: _scan_part(part(), ns, seal, now), paths.parts()))
     result = ScanResult()
     for part in parts:
         result.entries += part.entries
@@ -44,13 +46,13 @@ def scan(paths: ExtentPaths, ns: NamespaceId, threads: int = SCAN_THREADS) -> Sc
     return result
 
 
-def _scan_part(files: list[os.DirEntry[str]], ns: NamespaceId, now: float) -> ScanResult:
+def _scan_part(files: list[os.DirEntry[str]], ns: NamespaceId, seal: Seal, now: float) -> ScanResult:
     result = ScanResult()
     for de in files:
         if de.name.endswith(TEMP_SUFFIX):
             result.removed_temp += _remove_if_stale(de, now)
         elif de.name.endswith(EXTENT_SUFFIX):
-            _scan_extent(de, ns, result)
+            _scan_extent(de, ns, seal, result)
     return result
 
 
@@ -83,16 +85,18 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _scan_extent(de: os.DirEntry[str], ns: NamespaceId, result: ScanResult) -> None:
+def _scan_extent(de: os.DirEntry[str], ns: NamespaceId, seal: Seal, result: ScanResult) -> None:
     try:
         fd = os.open(de.path, os.O_RDONLY)
         try:
             head, size = os.pread(fd, FIXED_SIZE, 0), os.fstat(fd).st_size
         finally:
             os.close(fd)
-        h = peek_index(head)
+        h = peek_index(head, seal)
         if h.namespace != ns or h.key.hex() + EXTENT_SUFFIX != de.name or size < h.file_size:
             raise FormatError("foreign or truncated extent")
+        if chain_key_from_digest(ns, ExtentKey(h.parent), h.token_count, h.token_digest) != h.key:
+            raise FormatError("the extent's parent, token count and digest do not hash to its key")
     except FileNotFoundError:
         return  # removed meanwhile (another process evicted it)
     except FormatError:

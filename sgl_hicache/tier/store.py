@@ -15,17 +15,18 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import xxhash
 import zstandard
 
 from sgl_hicache.config import Compression, Fsync, TierConfig
 from sgl_hicache.tier.directio import O_DIRECT, alloc_aligned, is_aligned, pwritev_exact
-from sgl_hicache.tier.format import Chunk, Header, align_up, encode_header, header_bound
-from sgl_hicache.tier.keys import ExtentKey, Namespace
+from sgl_hicache.tier.format import Chunk, Header, Seal, align_up, encode_header, header_bound
+from sgl_hicache.tier.keys import ExtentKey, Namespace, token_digest, tokens_to_bytes
 from sgl_hicache.tier.paths import FILE_MODE, ExtentPaths
 
 GROUP_BYTES = 16 << 20  # hashed, then written in one pwritev
@@ -36,8 +37,20 @@ _local = threading.local()
 class StoreRequest:
     key: ExtentKey
     parent: ExtentKey
-    tokens: bytes  # <u4 token ids
+    token_count: int
+    token_digest: bytes  # keys.token_digest
+    tokens: bytes | None  # <u4 token ids to record in the header, or None (a salted tenant's)
     payload: memoryview  # format "B", contiguous
+
+    @classmethod
+    def of(
+        cls, key: ExtentKey, parent: ExtentKey, tokens: Sequence[int] | np.ndarray, payload: memoryview,
+        store_tokens: bool = True,
+    ) -> StoreRequest:  # fmt: skip
+        """The request to store `payload` as `key` with header fields for `tokens` (not checked
+        against `key`: the tier does that). Raises ValueError for token ids outside u32."""
+        data = tokens_to_bytes(tokens)
+        return cls(key, parent, len(data) // 4, token_digest(tokens), data if store_tokens else None, payload)
 
 
 @dataclass(frozen=True)
@@ -68,16 +81,19 @@ def prepare(req: StoreRequest, cfg: TierConfig) -> Prepared:
     for s in stored:
         offsets.append(offset)
         offset += align_up(len(s))
-    return Prepared(req, header_bound(len(req.tokens), len(stored)), stored, offsets)
+    return Prepared(req, header_bound(len(req.tokens or b""), len(stored)), stored, offsets)
 
 
-def write_extent(prep: Prepared, cfg: TierConfig, ns: Namespace, paths: ExtentPaths, direct: bool) -> None:
-    """Publish `prep` under its final name. Raises OSError; the temp file is then removed."""
+def write_extent(
+    prep: Prepared, cfg: TierConfig, ns: Namespace, paths: ExtentPaths, direct: bool, seal: Seal
+) -> None:
+    """Publish `prep` under its final name, sealed with `seal`. Raises OSError; the temp file is
+    then removed."""
     tmp = paths.temp_for(prep.req.key)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | (O_DIRECT if direct else 0), FILE_MODE)
     try:
         chunks = _write_chunks(fd, prep)
-        pwritev_exact(fd, [_aligned(_header(prep, cfg, ns, chunks), "header")], 0)
+        pwritev_exact(fd, [_aligned(_header(prep, cfg, ns, chunks, seal), "header")], 0)
         if cfg.fsync is not Fsync.NONE:
             os.fdatasync(fd)
     except BaseException:
@@ -121,14 +137,15 @@ def _direct_ok(data: memoryview | bytes) -> bool:
     return not view.readonly and is_aligned(view)
 
 
-def _header(prep: Prepared, cfg: TierConfig, ns: Namespace, chunks: list[Chunk]) -> bytes:
+def _header(prep: Prepared, cfg: TierConfig, ns: Namespace, chunks: list[Chunk], seal: Seal) -> bytes:
     req = prep.req
     header = Header(
         namespace=ns.id, key=req.key, parent=req.parent, layout=ns.layout, compression=cfg.compression,
-        token_count=len(req.tokens) // 4, chunk_bytes=cfg.chunk_bytes, payload_len=req.payload.nbytes,
-        stored_len=prep.stored_len, created_ns=time.time_ns(), header_len=prep.header_len,
+        token_count=req.token_count, token_digest=req.token_digest, chunk_bytes=cfg.chunk_bytes,
+        payload_len=req.payload.nbytes, stored_len=prep.stored_len, created_ns=time.time_ns(),
+        header_len=prep.header_len,
     )  # fmt: skip
-    return encode_header(header, req.tokens, chunks)
+    return encode_header(header, req.tokens, chunks, seal)
 
 
 def _aligned(data: memoryview | bytes, slot: str) -> memoryview:

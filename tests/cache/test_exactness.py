@@ -86,7 +86,6 @@ def _forge(s: Any, tokens: list[int], payload_tokens: int, parent: bytes | None 
     """Replace the extent that holds `tokens` (at the root) with a well-formed file of another
     length or other tokens, under the same key: what a foreign writer could leave behind."""
     from sgl_hicache.tier import ROOT_KEY
-    from sgl_hicache.tier.keys import tokens_to_bytes
     from sgl_hicache.tier.paths import ExtentPaths
     from sgl_hicache.tier.store import StoreRequest, prepare, write_extent
 
@@ -97,9 +96,10 @@ def _forge(s: Any, tokens: list[int], payload_tokens: int, parent: bytes | None 
     paths = ExtentPaths(s.tier_dir, ns.id)
     paths.extent(key).unlink()
     payload = np.zeros(payload_tokens * 2 * 2 * 2 * 8 * 2, dtype=np.uint8)
-    req = StoreRequest(key, parent or ROOT_KEY, tokens_to_bytes(header_tokens or tokens), memoryview(payload))
+    req = StoreRequest.of(key, parent or ROOT_KEY, header_tokens or tokens, memoryview(payload))
     cfg = tier._cfg
-    write_extent(prepare(req, cfg), cfg, ns, paths, direct=False)
+    # sealed with the directory's secret: only the key check can refuse it
+    write_extent(prepare(req, cfg), cfg, ns, paths, False, tier._seal)
 
 
 def test_a_short_extent_is_a_mismatch_never_kv(make_stack: Any) -> None:

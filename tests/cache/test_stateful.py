@@ -277,19 +277,18 @@ def _rewrite_with_other_tokens(path: Path, s: Stack) -> None:
     """A well-formed extent under the same file name whose header holds other tokens (what a
     foreign writer of another key scheme could leave): the tier must refuse it as a mismatch."""
     from sgl_hicache.tier.format import decode_fixed
-    from sgl_hicache.tier.keys import ExtentKey, tokens_to_bytes
+    from sgl_hicache.tier.keys import ExtentKey
     from sgl_hicache.tier.paths import ExtentPaths
     from sgl_hicache.tier.store import StoreRequest, prepare, write_extent
 
-    header = decode_fixed(path.read_bytes()[:4096])
+    header = decode_fixed(path.read_bytes()[:4096], None)
     tier = s.cache.spill_io.tier
     payload = np.full(header.payload_len, 7, dtype=np.uint8)
-    tokens = tokens_to_bytes([99] * header.token_count)
-    req = StoreRequest(ExtentKey(header.key), ExtentKey(header.parent), tokens, memoryview(payload))
+    tokens = [99] * header.token_count
+    req = StoreRequest.of(ExtentKey(header.key), ExtentKey(header.parent), tokens, memoryview(payload))
     path.unlink()
-    write_extent(
-        prepare(req, tier._cfg), tier._cfg, tier.namespace, ExtentPaths(s.tier_dir, tier.namespace.id), False
-    )
+    paths = ExtentPaths(s.tier_dir, tier.namespace.id)
+    write_extent(prepare(req, tier._cfg), tier._cfg, tier.namespace, paths, False, tier._seal)  # sealed
 
 
 class SpillCachePage16(SpillCacheMachine):

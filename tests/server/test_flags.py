@@ -163,3 +163,46 @@ def test_read_only_filesystem_is_rejected() -> None:
     result = launch("--enable-hicache-spill", "--hicache-spill-dir", "/proc/sys/tier")
     assert result.returncode == 2
     assert "read-only filesystem" in result.stderr or "no write permission" in result.stderr, result.stderr
+
+
+def _untrusted_dirs(tmp_path: Path) -> dict[str, Path]:
+    """Existing tier directories that another user could have written (see tier/trust.py)."""
+    made = {name: tmp_path / name for name in ("group", "foreign", "secret", "link")}
+    for path in made.values():
+        path.mkdir(mode=0o700)
+    made["group"].chmod(0o770)
+    os.chown(made["foreign"], 65534, -1)
+    (made["secret"] / ".secret").write_bytes(bytes(32))
+    (made["secret"] / ".secret").chmod(0o644)
+    made["link"].rmdir()
+    made["link"].symlink_to(made["group"])
+    return made
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("group", "is writable by group or others (mode 0770): another user could plant extents"),
+        ("foreign", "is owned by uid 65534, not uid 0 (this server)"),
+        ("secret", "/secret/.secret has mode 0644: it keys the MAC of every extent"),
+        ("link", "/link is a symbolic link: configure the directory it points to instead"),
+    ],
+)
+def test_untrusted_tier_directory_is_refused_before_start(tmp_path: Path, name: str, message: str) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("making a directory of another uid needs root")
+    path = _untrusted_dirs(tmp_path)[name]
+    with pytest.raises(ConfigError, match=r"^--hicache-spill-dir: ") as refused:
+        parse(["--enable-hicache-spill", "--hicache-spill-dir", str(path)])
+    assert message in str(refused.value)
+
+
+def test_untrusted_tier_directory_exits_2_with_one_line(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o700)
+    shared.chmod(0o775)
+    result = launch("--enable-hicache-spill", "--hicache-spill-dir", str(shared))
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert f"--hicache-spill-dir: tier directory {shared} is writable by group or others" in lines[0]
+    assert f"`chmod 700 {shared}`" in lines[0] and list(shared.iterdir()) == []

@@ -36,7 +36,8 @@ def make_tier(tmp_path: Path) -> Iterator[Callable[..., Tier]]:
 
 @pytest.fixture
 def mount_point(tmp_path: Path) -> Iterator[Callable[[str, str], Path]]:
-    """Mount a filesystem (`mount -t <fstype> -o <opts>`) under tmp_path; skip if not permitted."""
+    """Mount a filesystem (`mount -t <fstype> -o <opts>`) under tmp_path; skip if not permitted. A tier
+    directory must not be open to group/other: pass `mode=0700` for a tmpfs the tier uses as its root."""
     mounted: list[Path] = []
 
     def mount(fstype: str, opts: str) -> Path:

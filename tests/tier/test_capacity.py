@@ -31,7 +31,7 @@ def test_lru_evicts_least_recently_used(make_tier):
 def test_random_workload_never_exceeds_capacity(make_tier, mount_point, seed):
     rng = random.Random(seed)
     capacity = 300_000
-    fs = mount_point("tmpfs", "size=16m")
+    fs = mount_point("tmpfs", "size=16m,mode=0700")
     tier = make_tier(directory=fs, capacity_bytes=capacity, io_threads=rng.choice([1, 3, 8]))
     baseline = used_bytes(fs)
     sizes = {}

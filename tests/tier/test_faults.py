@@ -32,7 +32,7 @@ def load(tier, i: int, n: int = 5000) -> Status:
 
 
 def test_enospc_on_small_filesystem(make_tier, mount_point, monkeypatch):
-    small = mount_point("tmpfs", "size=1m")
+    small = mount_point("tmpfs", "size=1m,mode=0700")
     tier = make_tier(directory=small)
     assert store(tier, 1, 300_000) is Status.OK
     assert store(tier, 2, 2_000_000) is Status.NO_SPACE  # refused by the free-space check
@@ -58,7 +58,7 @@ def test_direct_io_disabled_by_config(make_tier):
 
 
 def test_read_only_filesystem(make_tier, mount_point):
-    fs = mount_point("tmpfs", "size=4m")
+    fs = mount_point("tmpfs", "size=4m,mode=0700")
     tier = make_tier(directory=fs)
     assert store(tier, 1) is Status.OK
     r = subprocess.run(["mount", "-o", "remount,ro", str(fs)], capture_output=True)

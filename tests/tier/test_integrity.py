@@ -30,10 +30,10 @@ def stored(request, make_tier, tmp_path):
 
 def covered(raw: bytes) -> list[range]:
     """Byte ranges protected by a checksum: fixed header + meta, and the stored chunks."""
-    h = decode_fixed(raw)
+    h = decode_fixed(raw, None)
     from sgl_hicache.tier.format import decode_meta
 
-    _, chunks = decode_meta(h, raw)
+    _, chunks = decode_meta(h, raw, None)
     return [range(FIXED_SIZE + h.meta_len)] + [
         range(h.header_len + c.offset, h.header_len + c.offset + c.length) for c in chunks
     ]
