@@ -135,6 +135,9 @@ class TierConfig:
         )
 
 
+MIN_IO_TIMEOUT_S = 10.0
+
+
 @dataclass(frozen=True)
 class SpillConfig:
     """Spill on eviction, restore on resume (`sgl_hicache.cache`, `sgl_hicache.prefetch`)."""
@@ -178,6 +181,11 @@ class SpillConfig:
             "prefetch_timeout_s",
             f"prefetch timeout must be > 0, got {self.prefetch_timeout_s}",
         )
+
+    @property
+    def io_timeout_s(self) -> float:
+        """How long a restore waits for one read before it gives up and recomputes."""
+        return max(self.prefetch_timeout_s, MIN_IO_TIMEOUT_S)
 
     def to_json(self) -> str:
         return json.dumps(_to_plain(self), sort_keys=True)

@@ -1,10 +1,12 @@
 """`python -m sgl_hicache.launch_server [sglang flags] --enable-hicache-spill [--hicache-spill-* ...]`
 
 Every sglang 0.5.23 flag plus ours (see `sgl_hicache.server.flags`). Our flags are parsed and checked
-before sglang starts: a bad one prints one line and exits with code 2, having written nothing.
+before sglang starts: a bad one prints one line and exits with code 2, having written nothing. So
+does an installed sglang that is not the one we were written against (`sgl_hicache.server.sglang_seam`).
 With `--enable-hicache-spill`, `--radix-cache-backend hicache_spill` is added for sglang, and the
 config travels to the scheduler processes in `SGL_HICACHE_CONFIG`. `--device cpu` also sets
-`SGLANG_USE_CPU_ENGINE=1`, which sglang's CPU engine needs.
+`SGLANG_USE_CPU_ENGINE=1`, which sglang's CPU engine needs, and with `--tp-size N>1` the defaults of
+`sgl_hicache.platform.cpu_tp_env` (our CPU platform and a thread binding), unless already set.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import warnings
 
 from sgl_hicache.cache.identity import UNISOLATED
 from sgl_hicache.config import ConfigError, SpillConfig
+from sgl_hicache.platform.cpu_tp_env import cpu_tp_env
 from sgl_hicache.server.flags import add_flags, config_from
 from sgl_hicache.server.handoff import export_config
 from sgl_hicache.server.metrics import BACKEND_NAME
+from sgl_hicache.server.sglang_seam import SeamError, check_seam
 from sgl_hicache.server.validate import check_config
 
 PROG = "python -m sgl_hicache.launch_server"
@@ -83,22 +87,30 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config, sglang_argv = parse(argv)
     except ConfigError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     export_config(config)
     # sglang rewrites every SGL_* variable to SGLANG_* with a "deprecated" warning; ours are not its.
     os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), _QUIET_SGL_ENV]))
     warnings.filterwarnings("ignore", message="Environment variable SGL_HICACHE")
     if _flag_value(sglang_argv, "--device") == "cpu":
         os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+        os.environ.update(cpu_tp_env(sglang_argv))  # only for --tp-size > 1; never overrides
+    try:
+        check_seam()  # imports sglang, which reads the environment set above
+    except SeamError as e:
+        return fail(e)
     from sgl_hicache.server.hints import HintSocketError, private_runtime_dir
 
     try:
         with private_runtime_dir():  # the hint socket's directory, for every process of the server
             return run_sglang(sglang_argv)
     except HintSocketError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
+
+
+def fail(error: Exception) -> int:
+    print(f"{PROG}: error: {error}", file=sys.stderr)
+    return 2
 
 
 def run_sglang(argv: list[str]) -> int:

@@ -26,7 +26,9 @@ def build_spill_cache(ctx: TreeCacheBuildContext) -> BasePrefixCache:
     from sgl_hicache.kernels import from_sglang_pool
     from sgl_hicache.server.handoff import import_config
     from sgl_hicache.server.metrics import SpillMetrics
+    from sgl_hicache.server.sglang_seam import check_seam
 
+    check_seam()  # never build on a broken seam (SeamError ends the scheduler, and the server)
     if ctx.enable_hierarchical_cache:
         raise ConfigError(
             "--radix-cache-backend hicache_spill replaces --enable-hierarchical-cache; pass one of them"
@@ -101,5 +103,6 @@ def open_spill_io(
         )
         return None
     tier = with_test_faults(tier)
-    timeout = max(config.prefetch_timeout_s, 10.0)
-    return SpillIO(tier, view, StagingPool(config.staging_bytes), metrics, timeout, config.prefetch_ttl_s)
+    return SpillIO(
+        tier, view, StagingPool(config.staging_bytes), metrics, config.io_timeout_s, config.prefetch_ttl_s
+    )

@@ -49,14 +49,15 @@ class SpillIO:
         self.reads.tier = tier
 
     def store(
-        self, key: ExtentKey, parent: ExtentKey, tokens: np.ndarray, slots: torch.Tensor
+        self, key: ExtentKey, parent: ExtentKey, tokens: np.ndarray, slots: torch.Tensor, store_tokens: bool
     ) -> Extent | None:
+        """`store_tokens`: whether the extent file may hold the token ids (the default tenant's only)."""
         nbytes = packed_nbytes(self.view, len(slots))
         buf = self.staging.acquire(nbytes)
         if buf is None:
             return None
         self._pack(slots, buf)
-        ticket = self.tier.submit_store(key, buf.numpy(), tokens, parent)
+        ticket = self.tier.submit_store(key, buf.numpy(), tokens, parent, store_tokens=store_tokens)
         extent = Extent(key, len(slots), ExtentState.WRITING, staged=buf)
         self._writing[ticket] = extent
         self.metrics.inc("spilled_bytes", nbytes)

@@ -66,6 +66,8 @@ class SpillRadixCache(SpilledTree):
         self.namespace_id = namespace_id
         self.hints = hints
         self.tier_orphans: dict[ExtentKey, list[ExtentInfo]] = {}  # see warm_start.py
+        self.deferred_rid: str | None = None  # the request the last init_load_back deferred
+        self._deferred_since: dict[str, float] = {}  # rid -> when its admission was first deferred
         self.partial_restores = PartialRestores(params.token_to_kv_pool_allocator, config.prefetch_ttl_s)
         self.spilled_tokens = 0
         self.epoch: bytes | None = None  # seeds every path key; None until the first reset()
@@ -110,7 +112,8 @@ class SpillRadixCache(SpilledTree):
             return False
         parent_key, key = self._node_keys(node)
         tokens = np.asarray(node.key.raw_token_ids(), dtype=np.int64)
-        extent = self.spill_io.store(key, parent_key, tokens, node.value)
+        default_tenant = tenant_of(node.key.extra_key, node.key.cache_salt) == b""  # others: no ids on disk
+        extent = self.spill_io.store(key, parent_key, tokens, node.value, default_tenant)
         if extent is None:
             return False
         self._mark_spilled(node, SpillRef(extent, 0, n))
@@ -202,9 +205,18 @@ class SpillRadixCache(SpilledTree):
         self._poll()
         rid = getattr(params.req, "rid", None)
         answer = self._load_back(params, rid)
+        self.deferred_rid = rid if answer is None else None  # read by hooks.skip_deferred_admission
         if answer is not None:  # admitted: a partial restore not consumed now never will be
             self.partial_restores.drop(rid)
+            if rid is not None:
+                self._deferred_since.pop(rid, None)
         return answer
+
+    def take_deferral(self, rid: str | None) -> bool:
+        """Whether the last `init_load_back` deferred request `rid` (consumed: answers once)."""
+        deferred = rid is not None and self.deferred_rid == rid
+        self.deferred_rid = None
+        return deferred
 
     def _load_back(self, params: InitLoadBackParams, rid: str | None) -> tuple[int, Any] | None:
         anchor = params.req.last_node if params.req is not None else None
@@ -213,7 +225,7 @@ class SpillRadixCache(SpilledTree):
             return 0, anchor if anchor is not None else self.root_node
         spilled = [n for n in chain if n.evicted]
         if spilled:
-            ready = self._restore_readiness(spilled)
+            ready = self._restore_readiness(spilled, rid)
             if ready is Readiness.PENDING:  # unpack what landed meanwhile (restore.py), never wait
                 if rid is not None and self.spill_io is not None:
                     refs = tuple(node.spill for node in spilled)
@@ -230,16 +242,21 @@ class SpillRadixCache(SpilledTree):
             params.req.host_hit_is_storage = True  # per-tier cached-token details: ours is the storage tier
         return params.host_hit_length, params.best_match_node
 
-    def _restore_readiness(self, nodes: list[TreeNode]) -> Readiness:
+    def _restore_readiness(self, nodes: list[TreeNode], rid: str | None) -> Readiness:
         """Apply the prefetch policy to the reads this restore needs (starting any missing ones):
         WAIT defers admission until they land (up to the I/O timeout), TIMEOUT up to
-        `prefetch_timeout_s`, BEST_EFFORT not at all; past the limit the request recomputes."""
+        `prefetch_timeout_s`, BEST_EFFORT not at all; past the limit the request recomputes. The
+        wait counts from the oldest read or the request's first deferral, whichever is earlier, so
+        reads restarted meanwhile (a TTL expiry, a split) never defer a request forever."""
         if self.spill_io is None:
             return Readiness.FAILED
         refs = [node.spill for node in nodes]
         state, waited = self.spill_io.reads.readiness(refs)
         if state is not Readiness.PENDING:
             return state
+        if rid is not None:
+            now = time.monotonic()
+            waited = max(waited, now - self._deferred_since.setdefault(rid, now))
         policy = self.spill_config.prefetch_policy
         limit = {PrefetchPolicy.WAIT: self.spill_io.timeout_s, PrefetchPolicy.TIMEOUT: self.spill_config.prefetch_timeout_s,
                  PrefetchPolicy.BEST_EFFORT: 0.0}[policy]  # fmt: skip
@@ -266,6 +283,12 @@ class SpillRadixCache(SpilledTree):
         for node, (_, node_slots) in zip(nodes, progress.parts(), strict=True):
             self._mark_resident(node, node_slots.clone())
         return True
+
+    def _forget_old_deferrals(self) -> None:
+        """Requests deferred long ago and never seen again (aborted) leave no state behind."""
+        cutoff = time.monotonic() - 2 * (self.spill_config.io_timeout_s + self.spill_config.prefetch_ttl_s)
+        for rid in [r for r, t in self._deferred_since.items() if t < cutoff]:
+            del self._deferred_since[rid]
 
     def _alloc_slots(self, n: int) -> torch.Tensor | None:
         allocator = self.token_to_kv_pool_allocator
@@ -315,4 +338,5 @@ class SpillRadixCache(SpilledTree):
         if self.spill_io is not None:
             self.spill_io.poll()
             self.partial_restores.expire()
+            self._forget_old_deferrals()
             self.spill_metrics.set_tier_stats(self.spill_io.tier.stats())

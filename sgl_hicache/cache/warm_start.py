@@ -3,8 +3,9 @@
 An extent's key is `chain_key(ns, parent path key, tokens)` (tier/keys.py). At start, the default
 tenant's tree is rebuilt by walking from the root's path key: the children of a node are the extents
 whose parent equals the node's path key, and each is attached only if its key equals the chain key
-of that path and its stored tokens (the tier also refuses a file whose own parent and tokens do not
-hash to its key), so an extent is attached exactly where it starts, with exactly its tokens.
+of that path and its stored tokens (the tier also refuses a file whose own parent, token count and
+token digest do not hash to its key, or whose MAC fails), so an extent is attached exactly where it
+starts, with exactly its tokens.
 Everything else stays an *orphan*, indexed by parent key: extents of salted tenants (the salt is
 never stored on disk) and extents under such orphans. A request brings its own tokens and tenant, so
 when its match ends where an orphan's parent key says it starts, and the orphan's key equals the hash

@@ -19,6 +19,11 @@ AFTER hooks (but 5) that call sglang's original first and change none of its sta
    of our launcher runs), first removes the hint socket's private runtime directory if this process
    made it (`hints.remove_runtime_dir`). Why: otherwise every server start leaves one in the temp
    directory.
+6. `PrefillAdder.add_one_req` (`sglang/srt/managers/schedule_policy.py`), AFTER: when our
+   `init_load_back` deferred the request (its reads are in flight) sglang answers `OTHER`, and its
+   admission loop then stops, holding back every request queued behind the deferred one; we turn
+   exactly that answer into `CONTINUE` (skip this request for this round, as sglang does for its
+   own storage prefetches that are not done). Nothing was admitted or allocated for it.
 `tests/server/test_concurrent_clients.py`, `tests/server/test_spill_resume.py` and
 `tests/server/test_hostile_hints.py` prove they still hold for the pinned version.
 
@@ -44,6 +49,9 @@ PREFETCH_TARGET = "sglang.srt.managers.scheduler.Scheduler._prefetch_kvcache"
 HINTS_TARGET = "sglang.srt.managers.scheduler.Scheduler.ingest_requests"
 ROUTES_TARGET = "sglang.srt.entrypoints.http_server.set_global_state"
 EXIT_TARGET = "sglang.srt.utils.common.kill_process_tree"
+ADMIT_TARGET = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
+# Every target `register_hooks` patches; `sglang_seam.SEAM` checks each against the installed sglang.
+TARGETS = (TARGET, PREFETCH_TARGET, HINTS_TARGET, ROUTES_TARGET, EXIT_TARGET, ADMIT_TARGET)
 STATE_KEY = "hicache_spill"
 
 HOOK_ERRORS: Counter[str] = Counter()  # hook name -> exceptions it contained, in this process
@@ -112,6 +120,18 @@ def add_routes(result: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 @contained
+def skip_deferred_admission(result: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
+
+    cache = adder.tree_cache
+    if result is AddReqResult.OTHER and isinstance(cache, SpillRadixCache) and cache.take_deferral(req.rid):
+        return AddReqResult.CONTINUE
+    return result
+
+
+@contained
 def remove_runtime_dir_first(parent_pid: int | None = None, include_parent: bool = True, *args: Any,
                              **kwargs: Any) -> None:  # fmt: skip
     from sgl_hicache.server.hints import remove_runtime_dir
@@ -128,3 +148,4 @@ def register_hooks() -> None:
     HookRegistry.register(HINTS_TARGET, take_hints, HookType.AFTER)
     HookRegistry.register(ROUTES_TARGET, add_routes, HookType.AFTER)
     HookRegistry.register(EXIT_TARGET, remove_runtime_dir_first, HookType.BEFORE)
+    HookRegistry.register(ADMIT_TARGET, skip_deferred_admission, HookType.AFTER)

@@ -30,6 +30,8 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
+from sgl_hicache.platform.cpu_tp_env import cpu_tp_env
+
 CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--skip-server-warmup")
 
 
@@ -69,6 +71,7 @@ class ServerProcess:
 
     def start(self, timeout_s: float = 180.0) -> ServerProcess:
         env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **self.env}
+        env.update(cpu_tp_env(self.command(), env))  # --device cpu --tp-size N: platform, thread bind
         with open(self.log_path or os.devnull, "wb") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True

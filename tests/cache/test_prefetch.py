@@ -95,3 +95,29 @@ def test_timeout_policy_gives_up_after_its_limit(make_stack: Any) -> None:
     time.sleep(0.1)
     m, answer = first_answer(s)
     assert answer == (0, m.last_device_node) and s.metrics.totals["restores_too_late"] == 1
+
+
+def test_reads_restarted_past_their_ttl_never_defer_a_request_forever(make_stack: Any) -> None:
+    """A hung tier: every read outlives its TTL and is started again; the request's own wait still
+    counts from its first deferral, so it recomputes once the policy's limit has passed."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+
+    from sgl_hicache.config import PrefetchPolicy
+    from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
+
+    s = make_stack(prefetch_policy=PrefetchPolicy.TIMEOUT, prefetch_timeout_s=0.3, prefetch_ttl_s=0.05)
+    s.insert(A)
+    s.evict_all()
+    s.cache.spill_io.tier = FaultyTier(s.cache.spill_io.tier, FaultSpec(latency_s=30.0))
+    deadline = time.monotonic() + 5
+    while True:
+        m = s.match(A)
+        req = SimpleNamespace(last_node=m.last_device_node, rid="hung")
+        answer = s.cache.init_load_back(InitLoadBackParams(m.best_match_node, m.host_hit_length, req=req))
+        if answer is not None:
+            break
+        assert time.monotonic() < deadline, "deferred for 5 s with a 0.3 s limit"
+        time.sleep(0.02)
+    assert answer == (0, m.last_device_node) and s.metrics.totals["restores_too_late"] == 1

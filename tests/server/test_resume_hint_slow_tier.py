@@ -1,22 +1,36 @@
-"""With a slow tier, a conversation hinted ahead resumes faster than one that was not, with the same output.
+"""On a slow tier: a conversation hinted ahead resumes faster than one that was not, with the same
+output; and a resumed request whose reads are in flight holds back no request queued behind it.
 
-The tier is wrapped in a FaultyTier adding 1.5 s to every operation (SGL_HICACHE_TEST_FAULTS); the
-comparison is between two requests of one run, and the injected gap dwarfs any noise.
+The tier is wrapped in a FaultyTier adding LATENCY_S to every operation (SGL_HICACHE_TEST_FAULTS);
+the comparisons are between requests of one run, and the injected gap dwarfs any noise. One server
+serves both tests.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.server.conftest import post_json
-from tests.server.test_spill_resume import POOL, counter, generate, push_out, two_turns
+from sgl_hicache.server.process import ServerProcess
+from tests.server.conftest import SPILL_FLAGS, post_json
+from tests.server.test_spill_resume import POOL, counter, generate, push_out, tokens, two_turns
 
 pytestmark = pytest.mark.server
-LATENCY_S = 1.5
+LATENCY_S = 2.5
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    tmp = tmp_path_factory.mktemp("slow_tier")
+    args = (*SPILL_FLAGS, "--enable-hicache-spill", "--hicache-spill-dir", str(tmp / "tier"),
+            "--hicache-spill-min-free", "0", "--hicache-spill-prefetch-policy", "wait")  # fmt: skip
+    env = {"SGL_HICACHE_TEST_FAULTS": f'{{"latency_s": {LATENCY_S}}}'}
+    with ServerProcess(tiny_model, POOL, args, log_path=tmp / "server.log", env=env) as s:
+        yield s
 
 
 def timed(base: str, ids: list[int]) -> tuple[float, list[int], int]:
@@ -25,12 +39,7 @@ def timed(base: str, ids: list[int]) -> tuple[float, list[int], int]:
     return time.perf_counter() - t0, out, cached
 
 
-def test_hinted_resume_beats_unhinted_on_a_slow_tier(
-    tiny_model: Path, tmp_path: Path, start_server: Any
-) -> None:
-    server = start_server(tiny_model, "--enable-hicache-spill", "--hicache-spill-dir", str(tmp_path / "tier"),
-                          "--hicache-spill-min-free", "0", "--hicache-spill-prefetch-policy", "wait",
-                          max_total_tokens=POOL, env={"SGL_HICACHE_TEST_FAULTS": f'{{"latency_s": {LATENCY_S}}}'})  # fmt: skip
+def test_hinted_resume_beats_unhinted_on_a_slow_tier(server: ServerProcess) -> None:
     base = server.base_url
     hinted2, hinted_ref, history = two_turns(base, 201)
     plain2, plain_ref, _ = two_turns(base, 301)
@@ -46,3 +55,24 @@ def test_hinted_resume_beats_unhinted_on_a_slow_tier(
     assert out_hinted == hinted_ref and out_plain == plain_ref
     assert t_plain - t_hinted > LATENCY_S / 2, f"hinted {t_hinted:.2f}s vs unhinted {t_plain:.2f}s"
     assert counter(base, "restore_deferrals") > 0  # the unhinted one waited, without blocking the loop
+
+
+def test_a_deferred_restore_holds_back_no_request_queued_behind_it(server: ServerProcess) -> None:
+    base = server.base_url
+    resumed, reference, history = two_turns(base, 401)
+    push_out(base, 401)
+    time.sleep(LATENCY_S + 1)  # the spill writes are published: the resume must read the slow tier
+    finished: dict[str, tuple[float, tuple[list[int], int]]] = {}
+
+    def run(name: str, ids: list[int]) -> None:
+        out = generate(base, ids)
+        finished[name] = (time.perf_counter(), out)
+
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(run, "resumed", resumed)
+        time.sleep(0.5)  # the resumed request is queued first, its admission deferred on its reads
+        second = pool.submit(run, "fresh", tokens(402, 40))
+        first.result(), second.result()
+    assert finished["fresh"][0] < finished["resumed"][0], "the fresh request waited for the deferred restore"
+    out, cached = finished["resumed"][1]
+    assert cached >= history and out == reference
