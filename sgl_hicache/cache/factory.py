@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 
 def build_spill_cache(ctx: TreeCacheBuildContext) -> BasePrefixCache:
+    from sgl_hicache.cache.agreement import for_group
     from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
     from sgl_hicache.kernels import from_sglang_pool
     from sgl_hicache.server.handoff import import_config
@@ -39,9 +40,14 @@ def build_spill_cache(ctx: TreeCacheBuildContext) -> BasePrefixCache:
     metrics = SpillMetrics.create(config, ctx.tp_rank)
     view = from_sglang_pool(ctx.params.token_to_kv_pool_allocator.get_kvcache())
     namespace = namespace_for(ctx, view)
-    io = open_spill_io(config, namespace, view, metrics) if config.enabled else None
+    io = open_spill_io(config, namespace, view, metrics, ctx.tp_rank) if config.enabled else None
+    agreement = for_group(ctx.params.tp_cache_group, ctx.tp_size)  # ranks agree on local outcomes
+    if config.enabled and not agreement.all_ok(io is not None) and io is not None:
+        logger.error("sgl_hicache: another TP rank could not open its tier; serving without spill")
+        io.tier.close()
+        io = None
     hints = open_hint_inbox(ctx) if io is not None else None
-    return SpillRadixCache(ctx.params, config, metrics, io, namespace.id, hints)
+    return SpillRadixCache(ctx.params, config, metrics, io, namespace.id, hints, agreement)
 
 
 def open_hint_inbox(ctx: TreeCacheBuildContext) -> HintInbox | None:
@@ -67,16 +73,21 @@ def open_hint_inbox(ctx: TreeCacheBuildContext) -> HintInbox | None:
 TEST_FAULTS_ENV = "SGL_HICACHE_TEST_FAULTS"
 
 
-def with_test_faults(tier: Tier) -> Tier:
+TEST_FAULTS_RANKS_ENV = "SGL_HICACHE_TEST_FAULTS_RANKS"
+
+
+def with_test_faults(tier: Tier, tp_rank: int = 0) -> Tier:
     """Fault injection for tests only: `SGL_HICACHE_TEST_FAULTS='{"latency_s": 1.5}'` (FaultSpec fields)
-    wraps the tier in a FaultyTier, and says so loudly. Unset in production."""
+    wraps the tier in a FaultyTier, and says so loudly; `SGL_HICACHE_TEST_FAULTS_RANKS="1"` limits it
+    to those TP ranks. Unset in production."""
     import json
     import os
 
     from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
 
     raw = os.environ.get(TEST_FAULTS_ENV)
-    if not raw:
+    ranks = os.environ.get(TEST_FAULTS_RANKS_ENV)
+    if not raw or (ranks and str(tp_rank) not in ranks.split(",")):
         return tier
     spec = FaultSpec(**json.loads(raw))
     logger.warning(
@@ -86,7 +97,7 @@ def with_test_faults(tier: Tier) -> Tier:
 
 
 def open_spill_io(
-    config: SpillConfig, namespace: Namespace, view: KVPoolView, metrics: SpillMetrics
+    config: SpillConfig, namespace: Namespace, view: KVPoolView, metrics: SpillMetrics, tp_rank: int = 0
 ) -> SpillIO | None:
     """The tier and staging; None (spill off, evictions drop as in sglang) if the tier cannot open."""
     from sgl_hicache.cache.spill_io import SpillIO
@@ -102,7 +113,7 @@ def open_spill_io(
             e,
         )
         return None
-    tier = with_test_faults(tier)
+    tier = with_test_faults(tier, tp_rank)
     return SpillIO(
         tier, view, StagingPool(config.staging_bytes), metrics, config.io_timeout_s, config.prefetch_ttl_s
     )

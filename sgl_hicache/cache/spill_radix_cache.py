@@ -43,6 +43,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
+from sgl_hicache.cache.agreement import Agreement, SingleRank
 from sgl_hicache.cache.reads import Readiness
 from sgl_hicache.cache.restore import PartialRestores, RestoreProgress
 from sgl_hicache.cache.spill_io import SpillIO
@@ -59,7 +60,10 @@ logger = logging.getLogger(__name__)
 
 class SpillRadixCache(SpilledTree):
     def __init__(self, params: CacheInitParams, config: SpillConfig, metrics: SpillMetrics,
-                 io: SpillIO | None, namespace_id: NamespaceId, hints: HintInbox | None = None) -> None:  # fmt: skip
+                 io: SpillIO | None, namespace_id: NamespaceId, hints: HintInbox | None = None,
+                 agreement: Agreement | None = None) -> None:  # fmt: skip
+        self.agreement = agreement or SingleRank()
+        self.prune_lost_on_walk = self.agreement.size == 1
         self.spill_config = config
         self.spill_metrics = metrics
         self.spill_io = io
@@ -84,18 +88,34 @@ class SpillRadixCache(SpilledTree):
         heap = [(self.eviction_strategy.get_priority(n), n) for n in self.evictable_leaves]
         heapq.heapify(heap)
         evicted = 0
+        victims: list[tuple[TreeNode, bool]] = []
         while freed + evicted < params.num_tokens and heap:
             _, node = heapq.heappop(heap)
             evicted += len(node.value)
             parent = node.parent
-            if not self._spill_node(node):
+            spilled = self._spill_node(node)
+            if not spilled:
                 self._drop_node(node)
+            victims.append((node, spilled))
             self.kv_events.record_remove(node)
-            if parent in self.evictable_leaves:
+            if parent in self.evictable_leaves:  # the same whether the victim spilled or dropped
                 heapq.heappush(heap, (self.eviction_strategy.get_priority(parent), parent))
+        self._agree_on_spills(victims)
         self.update_eviction_metrics(evicted, start)
         self.spill_metrics.inc("evicted_tokens", evicted)
         return EvictResult(num_tokens_evicted=freed + evicted)
+
+    def _agree_on_spills(self, victims: list[tuple[TreeNode, bool]]) -> None:
+        """A victim stays spilled only if every rank spilled it; elsewhere it is dropped after all.
+        Parents come after their children in `victims`: undo from the end, so a dropped parent takes
+        its subtree and its already detached descendants are skipped."""
+        if self.agreement.size == 1 or not victims:
+            return
+        agreed = self.agreement.min([int(spilled) for _, spilled in victims])
+        for (node, spilled), ok in reversed(list(zip(victims, agreed, strict=True))):
+            if spilled and not ok and self._attached(node):
+                self._prune_spilled(node)
+                self.spill_metrics.inc("tp_disagreements")
 
     def evictable_size(self) -> int:
         """sglang's evictable tokens plus the slots of partial restores, which `evict` frees first."""
@@ -174,7 +194,8 @@ class SpillRadixCache(SpilledTree):
         device_len = sum(len(v) for v in values)
         last_spilled, host_len = self._match_spilled(last_device, key[device_len:])
         end = device_len + host_len
-        if end < len(key) and self.tier_orphans and attach_on_match(self, last_spilled, key, end):
+        lazy_attach = self.tier_orphans and self.agreement.size == 1  # TP > 1: a local outcome, not agreed
+        if end < len(key) and lazy_attach and attach_on_match(self, last_spilled, key, end):
             last_spilled, more = self._match_spilled(last_spilled, key[end:])
             host_len += more
         return last_device, device_len, last_spilled, host_len
@@ -225,9 +246,13 @@ class SpillRadixCache(SpilledTree):
             return 0, anchor if anchor is not None else self.root_node
         spilled = [n for n in chain if n.evicted]
         if spilled:
-            ready = self._restore_readiness(spilled, rid)
+            ready = self._agreed_readiness(spilled, self._restore_readiness(spilled, rid))
+            if ready is None:  # a rank found an extent lost: every rank drops the spilled chain
+                self._drop_lost(spilled)
+                return 0, anchor
             if ready is Readiness.PENDING:  # unpack what landed meanwhile (restore.py), never wait
-                if rid is not None and self.spill_io is not None:
+                single = self.agreement.size == 1  # early unpack takes slots at a local moment
+                if single and rid is not None and self.spill_io is not None:
                     refs = tuple(node.spill for node in spilled)
                     self.partial_restores.advance(rid, refs, self.spill_io, self._alloc_slots)
                 return None  # the scheduler retries admission next round; its loop never waits on I/O
@@ -241,6 +266,24 @@ class SpillRadixCache(SpilledTree):
         if params.req is not None:
             params.req.host_hit_is_storage = True  # per-tier cached-token details: ours is the storage tier
         return params.host_hit_length, params.best_match_node
+
+    def _agreed_readiness(self, nodes: list[TreeNode], ready: Readiness) -> Readiness | None:
+        """The readiness every rank agrees on (the least ready); None: some rank's extent is LOST."""
+        lost = any(node.spill.extent.state is ExtentState.LOST for node in nodes)
+        code = {Readiness.READY: 3, Readiness.PENDING: 2}.get(ready, 0 if lost else 1)
+        agreed = self.agreement.min([code])[0]
+        self.spill_metrics.inc("tp_disagreements", int(agreed != code))
+        if agreed == 0 and self.agreement.size > 1:
+            return None
+        return {3: Readiness.READY, 2: Readiness.PENDING}.get(agreed, Readiness.FAILED)
+
+    def _drop_lost(self, nodes: list[TreeNode]) -> None:
+        """After an agreed loss: the first spilled node of the chain goes, with its subtree."""
+        self.spill_metrics.inc("restore_failures")
+        if self.spill_io is not None:
+            self.spill_io.reads.finish([node.spill for node in nodes])
+        if self._attached(nodes[0]):
+            self._prune_spilled(nodes[0])
 
     def _restore_readiness(self, nodes: list[TreeNode], rid: str | None) -> Readiness:
         """Apply the prefetch policy to the reads this restore needs (starting any missing ones):
@@ -271,14 +314,20 @@ class SpillRadixCache(SpilledTree):
         self.partial_restores.stats.finished += progress is not None
         if progress is None:
             slots = self._alloc_slots(sum(ref.count for ref in refs))
-            if slots is None or self.spill_io is None:
-                self.spill_metrics.inc("restore_failures")
-                return False
-            progress = RestoreProgress(refs, slots)
+            if slots is not None and self.spill_io is not None:
+                progress = RestoreProgress(refs, slots)
+            elif slots is not None:
+                self.token_to_kv_pool_allocator.free(slots)
         t0 = time.perf_counter()
-        if self.spill_io is None or not self.spill_io.restore(progress):
-            self.token_to_kv_pool_allocator.free(progress.slots)
+        ok = progress is not None and self.spill_io is not None and self.spill_io.restore(progress)
+        if not self.agreement.all_ok(ok):  # every rank verified its bytes, or all recompute
+            if progress is None:
+                self.spill_metrics.inc("restore_failures")
+            else:
+                self.token_to_kv_pool_allocator.free(progress.slots)
+            self.spill_metrics.inc("tp_disagreements", int(ok))
             return False
+        assert progress is not None  # agreed ok implies this rank's ok
         self.spill_metrics.observe_restore(time.perf_counter() - t0)
         for node, (_, node_slots) in zip(nodes, progress.parts(), strict=True):
             self._mark_resident(node, node_slots.clone())
@@ -315,10 +364,27 @@ class SpillRadixCache(SpilledTree):
         if self.epoch is None:
             self.epoch = b""
             attach_tier_extents(self)
+            self._agree_on_warm_start()
             return
         self.epoch = os.urandom(16)
         self.spill_metrics.inc("flushes")
         logger.info("sgl_hicache: cache flushed; spilled KV from before the flush will not be served")
+
+    def _agree_on_warm_start(self) -> None:
+        """With TP > 1 every rank must start from the same tree: if the trees their tiers gave
+        differ (a file missing or corrupt on one rank), all start empty."""
+        from sgl_hicache.cache.warm_start import tree_digest
+
+        if self.agreement.size == 1:
+            return
+        digest = tree_digest(self)
+        low, neg_high = self.agreement.min([digest, -digest])
+        if low != -neg_high:
+            logger.warning("sgl_hicache: the TP ranks' tiers hold different trees; all start empty")
+            self.spill_metrics.inc("tp_disagreements")
+            super().reset()
+            self.spilled_tokens = 0
+            self.tier_orphans = {}
 
     def report(self, idle: bool) -> dict[str, Any]:
         """Counters, staging, tier stats and an integrity verdict (for `GET /server_info`)."""

@@ -24,6 +24,9 @@ from sgl_hicache.cache.spill_state import ExtentState, SpillRef
 
 class SpilledTree(RadixCache):
     spilled_tokens: int = 0
+    # A walk drops spilled nodes whose extent was found LOST. With TP > 1 a LOST extent is one rank's
+    # local state, so the walks leave them and only an agreed restore failure prunes (agreement.py).
+    prune_lost_on_walk: bool = True
 
     # ---- becoming spilled / resident --------------------------------------------------------
 
@@ -61,6 +64,15 @@ class SpilledTree(RadixCache):
         node.parent.children.pop(node.key.child_key(self.page_size), None)
         self._update_leaf_status(node.parent)
 
+    def _attached(self, node: TreeNode) -> bool:
+        """Whether `node` is still in the tree (no ancestor was removed)."""
+        while node is not self.root_node:
+            parent = node.parent
+            if parent is None or parent.children.get(node.key.child_key(self.page_size)) is not node:
+                return False
+            node = parent
+        return True
+
     def _path_up(self, node: TreeNode, anchor: TreeNode | None) -> list[TreeNode] | None:
         chain = []
         while node is not anchor:
@@ -97,7 +109,7 @@ class SpilledTree(RadixCache):
             child = node.children.get(key.child_key(self.page_size))
             if child is None or not child.evicted:
                 break
-            if child.spill.extent.state is ExtentState.LOST:
+            if child.spill.extent.state is ExtentState.LOST and self.prune_lost_on_walk:
                 self._prune_spilled(child)
                 break
             n = child.key.match(key, page_size=self.page_size)

@@ -19,11 +19,12 @@ from array import array
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
+import xxhash
 from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
 from sgl_hicache.cache.spill_state import Extent, ExtentState, SpillRef
 from sgl_hicache.tier import ExtentInfo, ExtentKey, chain_key
-from sgl_hicache.tier.keys import PathHasher
+from sgl_hicache.tier.keys import PathHasher, tokens_to_bytes
 
 if TYPE_CHECKING:
     from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
@@ -111,3 +112,18 @@ def _attach(
     if key.child_key(cache.page_size) in parent.children:
         return None
     return _new_spilled(parent, key, info.key, cache.page_size), child_hasher
+
+
+def tree_digest(cache: SpillRadixCache) -> int:
+    """A 62-bit digest of the tree's shape and tokens (children in key order): equal on two ranks
+    exactly when their trees hold the same token paths, split the same way."""
+    h = xxhash.xxh3_64()
+    stack = [cache.root_node]
+    while stack:
+        node = stack.pop()
+        children = sorted(node.children.values(), key=lambda c: list(c.key.raw_token_ids()))
+        h.update(len(children).to_bytes(4, "little"))
+        for child in children:
+            h.update(tokens_to_bytes(child.key.raw_token_ids()) + b"\xff\xff\xff\xff")
+        stack.extend(reversed(children))
+    return h.intdigest() >> 2
