@@ -2,7 +2,9 @@
 
 `SpillIO` knows nothing of the radix tree: it turns slot lists into extents and back. Contract:
 - `store` never blocks on I/O: it packs into staging (bounded), submits the write and returns the
-  new `Extent` (WRITING); None when the tier is unusable or staging is full (the caller drops).
+  new `Extent` (WRITING); None when staging cannot hold it (the caller drops the node), counted as
+  `spills_refused_staging_full` (momentarily: writes in flight hold it) or
+  `spills_refused_too_large` (never: larger than all of staging; logged once with the flag to raise).
   The caller may free the slots as soon as `store` returns: the pack has completed.
 - `poll` (never blocks) moves finished writes to ON_TIER / LOST and frees their staging, and hands
   finished loads to `reads` (`ExtentReads`: prefetch, coalescing, readiness; see reads.py).
@@ -16,6 +18,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import numpy as np
@@ -29,6 +32,8 @@ from sgl_hicache.kernels import KVPoolView, pack_kv, packed_nbytes, unpack_kv
 from sgl_hicache.server.metrics import SpillMetrics
 from sgl_hicache.tier import ExtentKey, Ticket, Tier
 
+logger = logging.getLogger(__name__)
+
 
 class SpillIO:
     def __init__(self, tier: Tier, view: KVPoolView, staging: StagingPool, metrics: SpillMetrics,
@@ -39,6 +44,7 @@ class SpillIO:
         self.timeout_s = timeout_s
         self.reads = ExtentReads(tier, view, staging, metrics, timeout_s, prefetch_ttl_s)
         self._writing: dict[Ticket, Extent] = {}
+        self._too_large_logged = False
 
     @property
     def tier(self) -> Tier:
@@ -55,6 +61,7 @@ class SpillIO:
         nbytes = packed_nbytes(self.view, len(slots))
         buf = self.staging.acquire(nbytes)
         if buf is None:
+            self._refused(len(slots), nbytes)
             return None
         self._pack(slots, buf)
         ticket = self.tier.submit_store(key, buf.numpy(), tokens, parent, store_tokens=store_tokens)
@@ -62,6 +69,25 @@ class SpillIO:
         self._writing[ticket] = extent
         self.metrics.inc("spilled_bytes", nbytes)
         return extent
+
+    def _refused(self, tokens: int, nbytes: int) -> None:
+        if nbytes <= self.staging.capacity_bytes:
+            self.metrics.inc("spills_refused_staging_full")
+            return
+        self.metrics.inc("spills_refused_too_large")
+        if not self._too_large_logged:
+            self._too_large_logged = True
+            logger.warning(
+                "sgl_hicache: a node of %d tokens (%d B of KV) can never spill: staging holds %d B in all; "
+                "it and any like it are dropped (logged once; counted in spills_refused_too_large): raise "
+                "--hicache-spill-staging to at least %d B",
+                tokens, nbytes, self.staging.capacity_bytes, nbytes,
+            )  # fmt: skip
+
+    def close(self, timeout_s: float) -> None:
+        """Shutdown: close the tier, giving its writes at most `timeout_s` (then abandoned, their
+        temp files removed; see `Tier.close`). Later stores complete REJECTED (their extents LOST)."""
+        self.tier.close(timeout_s)
 
     def poll(self) -> None:
         for done in self.tier.get_finished():

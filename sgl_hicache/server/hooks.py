@@ -1,5 +1,5 @@
 """The patches of sglang we make, all through sglang's own plugin hook registry (no file edited),
-AFTER hooks (but 5) that call sglang's original first and change none of its state:
+AFTER hooks (but 5, 7 and 8) that call sglang's original first and change none of its state:
 
 1. `SchedulerInternalStateController.get_internal_state` (sglang 0.5.23,
    `sglang/srt/managers/scheduler_components/internal_state.py`): adds a `"hicache_spill"` entry
@@ -14,7 +14,7 @@ AFTER hooks (but 5) that call sglang's original first and change none of its sta
    answers waiting client resume hints (`hints.py`). Why: hints must run on the scheduler thread.
 4. `http_server.set_global_state` (the HTTP process, once at start): afterwards, adds
    `POST /hicache/prefetch` to sglang's FastAPI app (`http_routes.py`).
-5. `sglang.srt.utils.common.kill_process_tree`, the one BEFORE hook: when sglang is about to kill
+5. `sglang.srt.utils.common.kill_process_tree`, BEFORE: when sglang is about to kill
    its own main process (every shutdown path of 0.5.23 ends with SIGKILL to itself, so no `finally`
    of our launcher runs), first removes the hint socket's private runtime directory if this process
    made it (`hints.remove_runtime_dir`). Why: otherwise every server start leaves one in the temp
@@ -24,8 +24,17 @@ AFTER hooks (but 5) that call sglang's original first and change none of its sta
    admission loop then stops, holding back every request queued behind the deferred one; we turn
    exactly that answer into `CONTINUE` (skip this request for this round, as sglang does for its
    own storage prefetches that are not done). Nothing was admitted or allocated for it.
-`tests/server/test_concurrent_clients.py`, `tests/server/test_spill_resume.py` and
-`tests/server/test_hostile_hints.py` prove they still hold for the pinned version.
+7. `Scheduler.release_host_resources`, BEFORE: sglang calls it in the scheduler process when a
+   `ShutdownReq` ended the loop (graceful shutdown: SIGTERM to the main process); first we close
+   the tier, bounded (`shutdown.close_tier`). Why: the one shutdown callback sglang gives a
+   scheduler; without it the process ends with stores in flight and their temp files left.
+8. `Scheduler.run_event_loop`, BEFORE: in the scheduler process's main thread, installs SIGTERM and
+   SIGINT handlers that close the tier, then act as the handlers they replace
+   (`shutdown.close_on_signals`). Why: a signal to the whole process group reaches the scheduler
+   itself, which has no handler and dies at once (see shutdown.py).
+`tests/server/test_concurrent_clients.py`, `tests/server/test_spill_resume.py`,
+`tests/server/test_hostile_hints.py` and `tests/server/test_shutdown.py` prove they still hold for
+the pinned version.
 
 No exception of ours reaches sglang's code: an exception leaving an AFTER hook on the scheduler
 loop would end the scheduler process, and with it the server. Every hook body is `contained`: an
@@ -50,8 +59,11 @@ HINTS_TARGET = "sglang.srt.managers.scheduler.Scheduler.ingest_requests"
 ROUTES_TARGET = "sglang.srt.entrypoints.http_server.set_global_state"
 EXIT_TARGET = "sglang.srt.utils.common.kill_process_tree"
 ADMIT_TARGET = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
+RELEASE_TARGET = "sglang.srt.managers.scheduler.Scheduler.release_host_resources"
+LOOP_TARGET = "sglang.srt.managers.scheduler.Scheduler.run_event_loop"
 # Every target `register_hooks` patches; `sglang_seam.SEAM` checks each against the installed sglang.
-TARGETS = (TARGET, PREFETCH_TARGET, HINTS_TARGET, ROUTES_TARGET, EXIT_TARGET, ADMIT_TARGET)
+TARGETS = (TARGET, PREFETCH_TARGET, HINTS_TARGET, ROUTES_TARGET, EXIT_TARGET, ADMIT_TARGET, RELEASE_TARGET,
+           LOOP_TARGET)  # fmt: skip
 STATE_KEY = "hicache_spill"
 
 HOOK_ERRORS: Counter[str] = Counter()  # hook name -> exceptions it contained, in this process
@@ -140,6 +152,31 @@ def remove_runtime_dir_first(parent_pid: int | None = None, include_parent: bool
         remove_runtime_dir()
 
 
+@contained
+def close_tier_first(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    from sgl_hicache.server.shutdown import close_tier
+
+    io = _spill_io(scheduler)
+    if io is not None:
+        close_tier(io, "shutdown request")
+
+
+@contained
+def close_tier_on_signals(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    from sgl_hicache.server.shutdown import close_on_signals
+
+    io = _spill_io(scheduler)
+    if io is not None:
+        close_on_signals(io)
+
+
+def _spill_io(scheduler: Any) -> Any:
+    from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
+
+    cache = scheduler.tree_cache
+    return cache.spill_io if isinstance(cache, SpillRadixCache) else None
+
+
 def register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -149,3 +186,5 @@ def register_hooks() -> None:
     HookRegistry.register(ROUTES_TARGET, add_routes, HookType.AFTER)
     HookRegistry.register(EXIT_TARGET, remove_runtime_dir_first, HookType.BEFORE)
     HookRegistry.register(ADMIT_TARGET, skip_deferred_admission, HookType.AFTER)
+    HookRegistry.register(RELEASE_TARGET, close_tier_first, HookType.BEFORE)
+    HookRegistry.register(LOOP_TARGET, close_tier_on_signals, HookType.BEFORE)

@@ -23,6 +23,7 @@ TIER_GAUGES = {  # TierStats field: (metric name, help)
     "mismatches": ("tier_mismatches", "reads of extents that were not what their key names since start"),
     "no_space": ("tier_no_space", "stores refused for lack of space since start"),
     "evictions": ("tier_evictions", "extents the tier evicted to stay within its budget since start"),
+    "recreations": ("tier_recreations", "times the tier directory was removed and re-created since start"),
 }
 RESTORE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -33,6 +34,9 @@ COUNTERS = {
     "spilled_bytes": "packed KV bytes submitted to the tier",
     "dropped_tokens": "evicted tokens dropped instead of spilled (tier off, slow or full, or too short)",
     "spill_failures": "spills the tier failed to write (I/O error, no space)",
+    "spills_refused_staging_full": "evicted nodes dropped because staging was full then (writes in flight)",
+    "spills_refused_too_large": "evicted nodes dropped because they are larger than all of staging "
+    "(raise --hicache-spill-staging)",
     "restored_tokens": "tokens restored from the tier into the device pool",
     "restored_bytes": "packed KV bytes read back for restores",
     "restore_failures": "restores abandoned (miss, corruption, I/O error, timeout, no memory): recomputed",

@@ -107,6 +107,9 @@ SEAM = (
     Touch("sglang.srt.managers.tokenizer_manager.TokenizerManager", CLASS,
           members=("model_config", "context_len", "tokenizer")),
     Touch(hooks.EXIT_TARGET, FUNCTION, ("parent_pid", "include_parent")),
+    Touch(hooks.RELEASE_TARGET, METHOD, ()),
+    Touch(hooks.LOOP_TARGET, METHOD, ()),
+    Touch(_SCHED + "run_scheduler_process", FUNCTION, refers=("run_event_loop", "release_host_resources")),
     # the cache: SpilledTree(RadixCache), SpillRadixCache, warm_start
     Touch(_RADIX + "RadixCache", CLASS, ("params",), members=("evictable_leaves", "token_to_kv_pool_allocator",
           "evictable_size_", "protected_size_", "root_node", "page_size", "disable", "eviction_strategy",

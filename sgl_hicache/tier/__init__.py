@@ -5,6 +5,7 @@ keys.py         Namespace, KVLayout, chained ExtentKeys
 format.py       extent header encode/decode (docs/FORMAT.md)
 paths.py        fan-out file layout, free space
 trust.py        the directory must be ours; its secret, which keys every header MAC
+recreate.py     a directory removed while serving: re-created, secret written back
 nvme.py         NvmeTier, the implementation: submit/complete, store and load jobs
 store.py        write one extent              load.py        read/verify one extent's chunks
 capacity.py     budget, watermark, eviction   index.py       LRU index, pins, byte accounting

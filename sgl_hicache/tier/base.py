@@ -41,8 +41,9 @@ class Status(enum.Enum):
     MISMATCH = "mismatch"  # load: well-formed, but not what the key names (its parent and tokens do not
     #                       hash to the key) or shorter than requested; extent dropped
     NO_SPACE = "no_space"  # store: over budget with nothing evictable, or the volume is full
-    IO_ERROR = "io_error"  # EIO, EACCES, EROFS, directory gone, ...; logged (rate-limited), counted
-    REJECTED = "rejected"  # bad request: destination too small, extent larger than capacity, closed
+    IO_ERROR = "io_error"  # EIO, EACCES, EROFS, directory gone for good, ...; logged (rate-limited)
+    REJECTED = "rejected"  # bad request: destination too small, extent larger than capacity, closed,
+    #                       or abandoned by close(timeout_s)
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,8 @@ class TierStats:
     scanned_extents: int
     removed_temp_files: int
     removed_bad_files: int
+    recreations: int  # the directory was found removed while serving and re-created
+    secret_conflicts: int  # ... but another process had re-created it with a new secret (kept)
 
 
 class Tier(abc.ABC):
@@ -137,7 +140,10 @@ class Tier(abc.ABC):
         Never blocks. Publishing is atomic (temp file + rename, fsync per `TierConfig.fsync`): a
         failed or partial write is never visible. Storing a key already present completes OK at
         once without rewriting. To make room the tier evicts least-recently-used extents that no
-        load is reading; it never exceeds `capacity_bytes` nor eats into `min_free_bytes`.
+        load is reading; it never exceeds `capacity_bytes` nor eats into `min_free_bytes`. A tier
+        directory removed while serving is re-created (same trust checks as at open, same secret,
+        same volume) and the store goes on; extents that went with it are forgotten (counted in
+        `stats().recreations`).
         """
 
     @abc.abstractmethod
@@ -215,8 +221,15 @@ class Tier(abc.ABC):
         """
 
     @abc.abstractmethod
-    def close(self) -> None:
-        """Finish in-flight operations, stop the I/O threads. Later submits complete REJECTED."""
+    def close(self, timeout_s: float | None = None) -> None:
+        """Finish in-flight operations, stop the I/O threads. Later submits complete REJECTED.
+        Idempotent (a second call returns at once).
+
+        With `timeout_s`, blocks at most that long: then stores not started yet complete REJECTED
+        ("abandoned at close") without writing, the temp files of stores being written are removed
+        (they complete REJECTED too), and close returns while the I/O threads (daemons) end the
+        jobs they are in. A write stuck in the kernel past that point may leave its temp file if the
+        process dies meanwhile: the next open's scan removes it (its writer pid is gone)."""
 
     def __enter__(self) -> Tier:
         return self

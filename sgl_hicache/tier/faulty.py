@@ -240,5 +240,5 @@ class FaultyTier(Tier):
     def check_integrity(self) -> None:
         self._inner.check_integrity()
 
-    def close(self) -> None:
-        self._inner.close()
+    def close(self, timeout_s: float | None = None) -> None:
+        self._inner.close(timeout_s)

@@ -3,14 +3,20 @@
 Jobs run on `IoScheduler` threads; the lock guards only the index, tickets and completions, never
 I/O. Opening checks the directory is ours and reads its secret (trust.py), which seals every header
 (format.Seal). A store job checksums/compresses, reserves room (evicting LRU extents), writes a temp
-file and renames it. A load job pins the key, opens and verifies the header (MACs, key), then
-queues one job per chunk of the requested prefix; the last chunk job closes the file and posts the
-completion.
+file and renames it; one that finds the directory removed re-creates it and retries once
+(recreate.py). A load job pins the key, opens and verifies the header (MACs, key), then queues one
+job per chunk of the requested prefix; the last chunk job closes the file and posts the completion.
+
+Shutdown: `close(timeout_s)` gives queued and running stores that long, then abandons them and
+removes their temp files. A process killed before (SIGKILL) leaves the temp files of its running
+stores; the next open's scan removes them (their writer pid is gone, scan.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from collections.abc import Sequence
 from functools import partial
 
@@ -28,24 +34,27 @@ from sgl_hicache.tier.integrity import check_files
 from sgl_hicache.tier.keys import ExtentKey, Namespace, chain_key_from_digest, check_key
 from sgl_hicache.tier.load import LoadState, OpenExtent, open_extent, read_chunk
 from sgl_hicache.tier.paths import ExtentPaths
+from sgl_hicache.tier.recreate import Recreator
 from sgl_hicache.tier.scan import scan
 from sgl_hicache.tier.scheduler import IoScheduler
-from sgl_hicache.tier.store import StoreRequest, prepare, write_extent
+from sgl_hicache.tier.store import Prepared, StoreRequest, prepare, write_extent
 
 
 class NvmeTier(Tier):
     def __init__(self, cfg: TierConfig, namespace: Namespace) -> None:
         self._cfg, self._ns, self._ns_id = cfg, namespace, namespace.id
         self._paths = ExtentPaths(cfg.directory, self._ns_id)
-        self._seal = Seal(self._paths.create_root())
+        secret = self._paths.create_root()
+        self._seal = Seal(secret)
         self._direct = cfg.direct_io and probe_direct_io(self._paths.ns_dir)
         self._counters, self._faults = Counters(), FaultLog()
         self._space = Space(cfg, self._paths, self._counters, self._faults)
+        self._recreator = Recreator(self._paths, secret, self._space, self._counters)
         self._lock, self._index = self._space.lock, self._space.index
         self._completions = CompletionQueue()
         self._storing: dict[ExtentKey, Ticket] = {}  # key -> ticket of the store writing it
         self._loading: dict[Ticket, LoadState] = {}  # loads whose completion is not returned yet
-        self._closed = False
+        self._closed = self._abandoned = False
         self._rebuild_index()
         self._io = IoScheduler(cfg.io_threads)
 
@@ -115,7 +124,7 @@ class NvmeTier(Tier):
         return ticket
 
     def _store_job(self, ticket: Ticket, req: StoreRequest) -> None:
-        done = self._store(ticket, req)
+        done = _abandoned_store(ticket, req.key) if self._abandoned else self._store(ticket, req)
         with self._lock:
             del self._storing[req.key]
         self._completions.post(done)
@@ -123,16 +132,19 @@ class NvmeTier(Tier):
     def _store(self, ticket: Ticket, req: StoreRequest) -> Completion:
         try:
             prep = prepare(req, self._cfg)
-            self._space.make_room(prep.file_bytes, req.key)
             try:
-                write_extent(prep, self._cfg, self._ns, self._paths, self._direct, self._seal)
-            except BaseException:
-                self._space.release(prep.file_bytes)
-                raise
+                self._write(prep)
+            except FileNotFoundError:  # the directory was removed while serving: re-create, retry once
+                if self._abandoned:
+                    raise
+                self._recreator.recreate()
+                self._write(prep)
         except OverBudget as e:
             self._counters.add("no_space")
             return Completion(ticket, Op.STORE, req.key, Status.NO_SPACE, 0, str(e))
         except Exception as e:  # I/O errors, and bugs: logged by _fail, never lost
+            if self._abandoned:  # close() removed its temp file: not a failure
+                return _abandoned_store(ticket, req.key)
             self._counters.add("store_failures")
             return self._fail(Op.STORE, ticket, req.key, e)
         entry = Entry(req.parent, req.token_count, req.payload.nbytes, prep.file_bytes)
@@ -140,6 +152,14 @@ class NvmeTier(Tier):
         self._counters.add("stores")
         self._counters.add("store_bytes", req.payload.nbytes)
         return Completion(ticket, Op.STORE, req.key, Status.OK, req.payload.nbytes)
+
+    def _write(self, prep: Prepared) -> None:
+        self._space.make_room(prep.file_bytes, prep.req.key)
+        try:
+            write_extent(prep, self._cfg, self._ns, self._paths, self._direct, self._seal)
+        except BaseException:
+            self._space.release(prep.file_bytes)
+            raise
 
     # -- loads --------------------------------------------------------------------------------
 
@@ -265,12 +285,32 @@ class NvmeTier(Tier):
             files = {key: entry.file_bytes for key, entry in self._index.items()}
         check_files(self._paths, files)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        self._io.close()
+        closer = threading.Thread(target=self._io.close, name="sgl-hicache-close", daemon=True)
+        closer.start()
+        closer.join(timeout_s)
+        if closer.is_alive():
+            self._abandon(timeout_s)
+
+    def _abandon(self, timeout_s: float | None) -> None:
+        """Stores not started yet complete REJECTED when their job comes; the temp files of those
+        being written are removed now (their publish then fails, also REJECTED)."""
+        with self._lock:
+            self._abandoned = True
+            unfinished = list(self._storing)
+        removed = 0
+        for path in self._paths.own_temps(unfinished):
+            with contextlib.suppress(OSError):
+                path.unlink()
+                removed += 1
+        logger.warning(
+            "spill tier closed with %d stores unfinished after %s s: abandoned, %d temp files removed",
+            len(unfinished), timeout_s, removed,
+        )  # fmt: skip
 
     def _rebuild_index(self) -> None:
         result = scan(self._paths, self._ns_id, self._seal)
@@ -280,6 +320,10 @@ class NvmeTier(Tier):
         self._counters.add("scanned_extents", len(result.entries))
         self._counters.add("removed_temp_files", result.removed_temp)
         self._counters.add("removed_bad_files", result.removed_bad)
+
+
+def _abandoned_store(ticket: Ticket, key: ExtentKey) -> Completion:
+    return Completion(ticket, Op.STORE, key, Status.REJECTED, 0, "abandoned at close")
 
 
 _COUNTER_OF = {

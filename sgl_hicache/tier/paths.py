@@ -5,9 +5,10 @@ for ext4/xfs hashed directories), while a second level would create up to 65,536
 directories whose cold reads dominate the startup scan.
 
 Names carry hashes only, never prompt text. Directories are 0700 and files 0600; the root and the
-namespace directory are checked to be ours before use (trust.py). Temp files sit
-beside their target as `.<key hex>.<pid>.<random>.tmp`, so a scan can tell a live writer's
-temp file (its pid runs) from a stale one.
+namespace directory are checked to be ours before use (trust.py), and re-created with the same
+checks if removed while in use (`recreate`). Temp files sit beside their target as
+`.<key hex>.<pid>.<random>.tmp`, so a scan can tell a live writer's temp file (its pid runs) from a
+stale one, and a closing tier can find its own (`own_temps`).
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from pathlib import Path
 
 from sgl_hicache.tier.format import EXTENT_SUFFIX, TEMP_SUFFIX
 from sgl_hicache.tier.keys import ExtentKey, NamespaceId
-from sgl_hicache.tier.trust import open_trusted
+from sgl_hicache.tier.trust import Reopened, open_trusted, reopen_trusted
 
 DIR_MODE = 0o700
 FANOUT_CHARS = 2
@@ -32,16 +33,29 @@ class ExtentPaths:
     def __init__(self, root: Path, namespace: NamespaceId) -> None:
         self.root = Path(root)
         self.ns_dir = self.root / namespace.hex()
+        self.device = -1  # st_dev of the root, once created or checked
 
     def create_root(self) -> bytes:
         """Create or check the root and namespace directory (`trust.open_trusted`), create the 256
         fan-out directories (mode 0700), so stores do not pay for (journaled) directory creation,
         and return the root's secret. Raises UntrustedDirectory, OSError."""
         secret = open_trusted(self.root, self.ns_dir.name)
+        self.device = os.stat(self.root).st_dev
+        self._create_fanout()
+        return secret
+
+    def recreate(self, secret: bytes) -> Reopened:
+        """Re-create whatever of the root (with `secret`), the namespace directory and the fan-out
+        directories was removed (`trust.reopen_trusted`: same checks, same volume as at open).
+        Raises UntrustedDirectory, OSError."""
+        reopened = reopen_trusted(self.root, self.ns_dir.name, secret, self.device)
+        self._create_fanout()
+        return reopened
+
+    def _create_fanout(self) -> None:
         for i in range(16**FANOUT_CHARS):
             with contextlib.suppress(FileExistsError):
                 (self.ns_dir / f"{i:0{FANOUT_CHARS}x}").mkdir(mode=DIR_MODE)
-        return secret
 
     def extent(self, key: ExtentKey) -> Path:
         h = key.hex()
@@ -53,6 +67,16 @@ class ExtentPaths:
         with contextlib.suppress(FileExistsError):
             final.parent.mkdir(mode=DIR_MODE)
         return final.parent / f".{key.hex()}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TEMP_SUFFIX}"
+
+    def own_temps(self, keys: Iterable[ExtentKey]) -> list[Path]:
+        """This process's temp files for `keys` (being written, or left by an abandoned write)."""
+        by_dir: dict[Path, set[str]] = {}
+        for key in keys:
+            by_dir.setdefault(self.extent(key).parent, set()).add(key.hex())
+        return [
+            Path(de.path) for fanout, hexes in by_dir.items() for de in _scandir(fanout)
+            if temp_owner(de.name) == os.getpid() and de.name.split(".")[1] in hexes
+        ]  # fmt: skip
 
     def walk(self) -> Iterator[os.DirEntry[str]]:
         """Every file in the namespace directory and its fan-out directories (missing dirs: none)."""

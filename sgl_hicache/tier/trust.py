@@ -8,15 +8,22 @@ made once (exclusively: the first of several processes opening a fresh directory
 0600, that key every extent header's MAC, so an extent is accepted only if a holder of the secret
 wrote it. Checks go through directory file descriptors (O_NOFOLLOW), so a path swapped during the
 check is not followed. Anything else raises `UntrustedDirectory`, whose message says how to fix it.
+
+A directory removed while the tier serves (`rm -rf`) is re-created by `reopen_trusted` with the same
+checks, and the tier's secret is written back, so what it stores afterwards stays valid after a
+restart. Only on the volume it was opened on: after an unmount nothing is created on the volume
+below the mount point.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import stat
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 SECRET_NAME = ".secret"
@@ -46,6 +53,66 @@ def open_trusted(root: Path, ns_name: str) -> bytes:
             return _create_secret(fd, root)
     finally:
         os.close(fd)
+
+
+@dataclass(frozen=True)
+class Reopened:
+    """What `reopen_trusted` found: the levels it created, and whether the root's secret is ours."""
+
+    created: tuple[str, ...]  # of "root", "namespace", "secret", in that order
+    secret_is_ours: bool  # False: another process made a new secret first; it was kept
+
+
+def reopen_trusted(root: Path, ns_name: str, secret: bytes, device: int) -> Reopened:
+    """Re-create what is missing of a tier directory in use: the root (0700, in its existing parent),
+    the namespace directory `ns_name` (0700) and the secret file, holding `secret` (0600, made
+    exclusively: a secret another process wrote first is kept and reported). Checks as `open_trusted`.
+    Creates nothing unless the root, or else its parent, is on the volume `device` the tier was
+    opened on. Raises UntrustedDirectory, OSError (ENODEV: another volume; ENOENT: parent gone)."""
+    created: tuple[str, ...] = ("root",) if _mkdir_on(root, device) else ()
+    fd = open_checked_dir(root, os.geteuid())
+    try:
+        if os.fstat(fd).st_dev != device:
+            raise _moved(root)
+        created += ("namespace",) if _mkdir(ns_name, fd) else ()
+        os.close(open_checked_dir(root / ns_name, os.geteuid(), dir_fd=fd))
+        try:
+            found = read_secret(fd, root, os.geteuid())
+        except FileNotFoundError:
+            found = _publish_secret(fd, root, secret)
+            created += ("secret",) if found == secret else ()
+    finally:
+        os.close(fd)
+    return Reopened(created, found == secret)
+
+
+def _mkdir_on(root: Path, device: int) -> bool:
+    """Create `root` (0700) if missing, in a parent on `device`; whether this call created it."""
+    if os.path.lexists(root):
+        return False
+    if os.stat(root.parent).st_dev != device:
+        raise _moved(root)
+    try:
+        os.mkdir(root, 0o700)
+    except FileExistsError:
+        return False
+    return True
+
+
+def _mkdir(name: str, dir_fd: int) -> bool:
+    try:
+        os.mkdir(name, 0o700, dir_fd=dir_fd)
+    except FileExistsError:
+        return False
+    return True
+
+
+def _moved(root: Path) -> OSError:
+    return OSError(
+        errno.ENODEV,
+        f"tier directory {root} is no longer on the volume it was opened on (unmounted?): not "
+        "re-creating it there; restart the server once the volume is back",
+    )
 
 
 def check_trusted(root: Path) -> None:
@@ -131,7 +198,11 @@ def _check_secret(st: os.stat_result, path: Path, owner: int) -> None:
 
 
 def _create_secret(root_fd: int, root: Path) -> bytes:
-    """Write a new secret to a temp file and link it in place: the link fails if another process
+    return _publish_secret(root_fd, root, secrets.token_bytes(SECRET_BYTES))
+
+
+def _publish_secret(root_fd: int, root: Path, secret: bytes) -> bytes:
+    """Write `secret` to a temp file and link it in place: the link fails if another process
     made one first, and readers never see a partial secret. Returns the secret that won."""
     tmp = f"{SECRET_NAME}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     fd = os.open(
@@ -139,7 +210,7 @@ def _create_secret(root_fd: int, root: Path) -> bytes:
     )
     try:
         try:
-            if os.write(fd, secrets.token_bytes(SECRET_BYTES)) != SECRET_BYTES:
+            if os.write(fd, secret) != SECRET_BYTES:
                 raise OSError(f"short write creating {root / SECRET_NAME}")
             os.fsync(fd)
         finally:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+from sgl_hicache.kernels import packed_nbytes
 
 from tests.cache.conftest import expected_kv, read_kv
 
 A = list(range(100, 140))  # 40 tokens
 B = list(range(300, 320))  # 20 tokens
+C = list(range(500, 540))  # 40 tokens
 
 
 def test_evicted_nodes_stay_in_the_tree_as_spilled_and_free_their_slots(make_stack: Any) -> None:
@@ -98,12 +102,39 @@ def test_corrupt_extent_is_a_clean_miss(make_stack: Any) -> None:
     s.cache.check_integrity()
 
 
-def test_full_staging_drops_instead_of_waiting(make_stack: Any) -> None:
+def test_full_staging_drops_instead_of_waiting(make_stack: Any, caplog: Any) -> None:
     s = make_stack(staging_bytes=1 << 20)
-    s.cache.spill_io.staging.capacity_bytes = 1000  # smaller than one extent of A
+    a, b = (packed_nbytes(s.cache.spill_io.view, len(x)) for x in (A, B))
+    s.cache.spill_io.staging.capacity_bytes = a + b - 1  # either fits, not both while A is written
     s.insert(A)
-    s.evict_all()
-    assert not s.cache.root_node.children and s.metrics.totals["dropped_tokens"] == 40
+    s.insert(B)
+    with caplog.at_level(logging.WARNING):
+        s.evict_all()  # A (least recent) spills first and holds its staging until its write is polled
+    assert [n.key.token_ids[0] for n in s.cache.root_node.children.values()] == [A[0]]
+    assert s.metrics.totals["dropped_tokens"] == 20 and s.metrics.totals["spills_refused_staging_full"] == 1
+    assert s.metrics.totals["spills_refused_too_large"] == 0 and not caplog.records, "momentary: counted only"
+    s.insert(B)
+    s.evict_all()  # A's write is done and its staging released: B spills now
+    assert s.metrics.totals["spilled_tokens"] == 60
+    s.cache.check_integrity()
+
+
+def test_a_node_larger_than_all_of_staging_is_refused_and_logged_once(make_stack: Any, caplog: Any) -> None:
+    s = make_stack(staging_bytes=1 << 20)
+    a = packed_nbytes(s.cache.spill_io.view, len(A))
+    s.cache.spill_io.staging.capacity_bytes = a - 1  # B fits, A never can
+    s.insert(A)
+    s.insert(B)
+    s.insert(C)
+    with caplog.at_level(logging.WARNING, logger="sgl_hicache.cache.spill_io"):
+        s.evict_all()
+    assert [n.key.token_ids[0] for n in s.cache.root_node.children.values()] == [B[0]]
+    assert s.metrics.totals["spills_refused_too_large"] == 2 and s.metrics.totals["dropped_tokens"] == 80
+    assert s.metrics.totals["spills_refused_staging_full"] == 0
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert all(x in message for x in ("of 40 tokens", f"({a} B of KV)", f"holds {a - 1} B in all"))
+    assert f"raise --hicache-spill-staging to at least {a} B" in message
     s.cache.check_integrity()
 
 

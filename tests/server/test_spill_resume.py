@@ -7,6 +7,7 @@ its own token sequences, and the destructive test (tier directory removed) is th
 from __future__ import annotations
 
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 
 from sgl_hicache.server.process import ServerProcess
+from sgl_hicache.tier.trust import SECRET_NAME
 from tests.server.conftest import SPILL_FLAGS, metrics, post_json
 
 pytestmark = pytest.mark.server
@@ -199,13 +201,22 @@ def test_client_hint_with_chat_messages_and_bad_bodies(server: Any) -> None:
 
 
 def test_tier_directory_removed_while_serving(server: Any) -> None:
+    """`rm -rf` of the tier directory: the next spill re-creates it (private, with the same secret)
+    and spilling, then restoring from the tier, resume."""
     base = server.base_url
     turn2, reference, _ = two_turns(base, 61)
     push_out(base, 61)
+    secret = (server.tier_dir / SECRET_NAME).read_bytes()
     shutil.rmtree(server.tier_dir)
-    resumed, _ = generate(base, turn2)
+    resumed, _ = generate(base, turn2)  # its extents went with the directory: recomputed
     assert resumed == reference
-    push_out(base, 62)  # spills now fail: eviction must fall back to dropping, serving goes on
-    again, _ = generate(base, turn2)
-    assert again == reference
-    assert metrics(base)['sglang:hicache_spill_tier_io_errors{tp_rank="0"}'] > 0
+    later2, later_reference, history = two_turns(base, 63)
+    spilled, restored = counter(base, "spilled_tokens"), counter(base, "restored_tokens")
+    push_out(base, 63)
+    assert counter(base, "spilled_tokens") > spilled, "spilling did not resume"
+    resumed, cached = generate(base, later2)
+    assert cached >= history and resumed == later_reference
+    assert counter(base, "restored_tokens") - restored >= history, "not restored from the tier"
+    assert metrics(base)['sglang:hicache_spill_tier_recreations{tp_rank="0"}'] >= 1
+    assert stat.S_IMODE(server.tier_dir.stat().st_mode) == 0o700
+    assert (server.tier_dir / SECRET_NAME).read_bytes() == secret

@@ -68,10 +68,11 @@ def test_read_only_filesystem(make_tier, mount_point):
     assert load(tier, 1) is Status.OK and tier.stats().io_errors == 1
 
 
-def test_directory_removed_is_logged_once(make_tier, tmp_path, caplog):
-    tier = make_tier()
+def test_directory_gone_for_good_is_logged_once(make_tier, tmp_path, caplog):
+    """Its parent went too, so it cannot be re-created (a removed tier directory is: test_recreate.py)."""
+    tier = make_tier(directory=tmp_path / "volume" / "tier")
     assert store(tier, 1) is Status.OK
-    shutil.rmtree(tmp_path / "tier")
+    shutil.rmtree(tmp_path / "volume")
     with caplog.at_level(logging.WARNING, logger="sgl_hicache.tier"):
         statuses = [store(tier, i) for i in range(2, 7)]
     assert statuses == [Status.IO_ERROR] * 5
