@@ -78,7 +78,9 @@ def run_rank(stack: Stack, steps: list[list[int]], record: list[Any]) -> None:
         record.append((i, loaded, stack.allocator.available_size(), tree_digest(stack.cache)))
 
 
-def run_pair(tmp_path: Path, agreements: list[Agreement], seed: int) -> tuple[list[Any], list[Any], list[Stack]]:
+def run_pair(
+    tmp_path: Path, agreements: list[Agreement], seed: int
+) -> tuple[list[Any], list[Any], list[Stack]]:
     from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
 
     stacks = [build_stack(tmp_path / f"rank{r}", size=160) for r in range(2)]
@@ -113,7 +115,9 @@ def run_pair(tmp_path: Path, agreements: list[Agreement], seed: int) -> tuple[li
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_ranks_agree_although_only_one_has_faults(tmp_path: Path, seed: int) -> None:
     group = ThreadedAgreement.Group(2)
-    rank0, rank1, stacks = run_pair(tmp_path, [ThreadedAgreement(group, 0), ThreadedAgreement(group, 1)], seed)
+    rank0, rank1, stacks = run_pair(
+        tmp_path, [ThreadedAgreement(group, 0), ThreadedAgreement(group, 1)], seed
+    )
     try:
         assert rank0 == rank1, "the ranks' trees, pools or restores diverged"
         assert any(loaded > 0 for _, loaded, _, _ in rank0), "nothing was restored: the test proves nothing"
