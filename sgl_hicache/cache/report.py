@@ -32,6 +32,11 @@ def spill_report(cache: SpillRadixCache, idle: bool) -> dict[str, Any]:
         "early_unpack": dataclasses.asdict(cache.partial_restores.stats),
         "tier": dataclasses.asdict(io.tier.stats()) if io else None,
         "integrity": integrity_verdict(cache, idle),
+        "tp_agreement": {
+            "ranks": cache.agreement.size,
+            "collectives": cache.agreement.calls,
+            "seconds": round(cache.agreement.seconds, 6),
+        },
     }
 
 
