@@ -12,7 +12,7 @@
 #    sgl_hicache.kernels is mapped to kernels/ through a PYTHONPATH shim.
 #    GPU_CHECK_PYTHON=/path/to/python skips all of this and uses that interpreter as it is.
 # 2. Within 3 minutes: the Triton cases of tests/kernels/test_pack.py on the GPU (marker `gpu`,
-#    torch.equal against the plain-torch reference), then benchmarks/kernels.py for a Llama-8B-like
+#    torch.equal against the plain-torch reference), then `python -m benchmarks.kernels` for a Llama-8B-like
 #    pool (32 layers, 8 KV heads, head_dim 128, bf16, 4096 tokens, page_size 1 and 64): correctness,
 #    GB/s of pack/unpack vs a device-to-device copy of the same bytes, for the Triton backend and
 #    for the torch backend on the same GPU. Exit status: non-zero if any of these fails. Then, in

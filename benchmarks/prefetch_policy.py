@@ -20,7 +20,7 @@ unpacked before their restore's last read completed (`early_unpack_tokens`).
 `--tier-latency S` wraps each tier in a FaultyTier adding S seconds to every tier operation
 (SGL_HICACHE_TEST_FAULTS), to emulate a slow or remote tier; 0 (the default) measures the disk.
 
-    python benchmarks/prefetch_policy.py [--quick] [--tier-latency 0] [--policies wait,timeout,best_effort]
+    python -m benchmarks.prefetch_policy [--quick] [--tier-latency 0] [--policies wait,timeout,best_effort]
 """
 
 from __future__ import annotations
@@ -37,8 +37,6 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import emit, log
 from sgl_hicache.bench import pagecache

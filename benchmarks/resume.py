@@ -16,7 +16,7 @@ Reads from the tier are cold: the tier reads with O_DIRECT where the filesystem 
 as `direct_io`), so the page cache does not serve them. The final stdout line is one JSON object with
 `ttft_resume_ms`, `ttft_recompute_ms` and `resume_vs_recompute` per history length.
 
-    python benchmarks/resume.py [--quick] [--lengths 2048,8192,16384]
+    python -m benchmarks.resume [--quick] [--lengths 2048,8192,16384]
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import emit, log
 from sgl_hicache.bench.probe import scrape, spill_state, tree_rss_mb

@@ -1,6 +1,6 @@
 """Spill-tier bandwidth against the raw volume and sglang's HiCacheFile, measured side by side.
 
-    python -m benchmarks.tier [--quick] [--dir DIR] [--index-extents 100000] [--no-compression]
+    python -m benchmarks.tier [--quick] [--dir DIR] [--index-extents 100000] [--compression]
 
 On one volume (default out/bench_tier): (1) raw O_DIRECT write+fdatasync / read bandwidth at the
 tier's parallelism (python threads, 4 MiB requests; fio is not installed here), (2) the tier's
