@@ -36,6 +36,8 @@ def build_spill_cache(ctx: TreeCacheBuildContext) -> BasePrefixCache:
         )
     if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.params.is_eagle:
         raise ConfigError("the hicache_spill backend supports dense full-attention models without EAGLE only")
+    if getattr(ctx.model_config, "is_multimodal", False):  # image placeholders are 62-bit ids in the key
+        raise ConfigError("the hicache_spill backend does not support multimodal models yet")
     config = import_config()
     metrics = SpillMetrics.create(config, ctx.tp_rank)
     view = from_sglang_pool(ctx.params.token_to_kv_pool_allocator.get_kvcache())

@@ -39,9 +39,12 @@ _MAX_SAFETENSORS_HEADER = 100 * MiB
 
 KV_FLAGS = (
     "dtype", "quantization", "kv_cache_dtype", "json_model_override_args", "model_impl", "load_format",
-    "quantization_param_path", "modelopt_quant",
+    "quantization_param_path", "modelopt_quant", "attention_backend", "prefill_attention_backend",
+    "decode_attention_backend", "device", "lora_paths",
 )  # fmt: skip
-"""ServerArgs fields that change the KV of the same weights: each goes into the identity as resolved."""
+"""ServerArgs fields that change the KV of the same weights: each goes into the identity as resolved.
+The attention kernels count (a layer's attention output feeds the next layer's K and V); LoRA
+adapters loaded at start are named by path here (their content is not fingerprinted yet)."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,7 @@ def model_identity(args: Any, view: KVPoolView) -> str:
         "kv": view.kind.value,
         "v_head_dim": view.value_dim,
         "start_layer": view.start_layer,
+        "versions": _versions(),
     }
     return json.dumps(identity, sort_keys=True, separators=(",", ":"), default=str)
 
@@ -130,6 +134,15 @@ def _resolved(args: Any, field: str) -> Any:
     from sglang.srt.arg_groups.overrides import resolution_result
 
     return resolution_result(args, field, getattr(args, field))
+
+
+def _versions() -> dict[str, str]:
+    """sglang's and torch's versions: their kernels make the KV bytes (an upgrade starts a new namespace)."""
+    from importlib.metadata import version
+
+    import torch
+
+    return {"sglang": version("sglang"), "torch": str(torch.__version__)}
 
 
 def _canonical_json(text: Any) -> Any:

@@ -130,7 +130,10 @@ class SpillRadixCache(SpilledTree):
         # Short nodes are not worth an extent, unless dropping them would orphan spilled children.
         if self.spill_io is None or (n < self.spill_config.min_spill_tokens and not node.children):
             return False
-        parent_key, key = self._node_keys(node)
+        try:
+            parent_key, key = self._node_keys(node)
+        except ValueError:  # an id outside 0..2**32-1 on its path (keys hash u32 ids): never spilled
+            return False
         tokens = np.asarray(node.key.raw_token_ids(), dtype=np.int64)
         default_tenant = tenant_of(node.key.extra_key, node.key.cache_salt) == b""  # others: no ids on disk
         extent = self.spill_io.store(key, parent_key, tokens, node.value, default_tenant)
@@ -188,14 +191,12 @@ class SpillRadixCache(SpilledTree):
     def _walk(self, key: RadixKey) -> tuple[TreeNode, int, TreeNode, int]:
         """(deepest device node, device tokens, deepest spilled node, spilled tokens) on `key`'s
         path, attaching orphan tier extents (warm restart of salted tenants) where the path ends."""
-        from sgl_hicache.cache.warm_start import attach_on_match
-
         values, last_device = self._match_prefix_helper(self.root_node, key)
         device_len = sum(len(v) for v in values)
         last_spilled, host_len = self._match_spilled(last_device, key[device_len:])
         end = device_len + host_len
         lazy_attach = self.tier_orphans and self.agreement.size == 1  # TP > 1: a local outcome, not agreed
-        if end < len(key) and lazy_attach and attach_on_match(self, last_spilled, key, end):
+        if end < len(key) and lazy_attach and _attached_on_match(self, last_spilled, key, end):
             last_spilled, more = self._match_spilled(last_spilled, key[end:])
             host_len += more
         return last_device, device_len, last_spilled, host_len
@@ -323,6 +324,8 @@ class SpillRadixCache(SpilledTree):
         if not self.agreement.all_ok(ok):  # every rank verified its bytes, or all recompute
             if progress is None:
                 self.spill_metrics.inc("restore_failures")
+                if self.spill_io is not None:  # release their staging now, not after the TTL
+                    self.spill_io.reads.finish(refs)
             else:
                 self.token_to_kv_pool_allocator.free(progress.slots)
             self.spill_metrics.inc("tp_disagreements", int(ok))
@@ -406,3 +409,13 @@ class SpillRadixCache(SpilledTree):
             self.partial_restores.expire()
             self._forget_old_deferrals()
             self.spill_metrics.set_tier_stats(self.spill_io.tier.stats())
+
+
+def _attached_on_match(cache: SpillRadixCache, node: TreeNode, key: RadixKey, pos: int) -> int:
+    """`warm_start.attach_on_match`, or 0 for a key holding an id no extent key can name (>= 2**32)."""
+    from sgl_hicache.cache.warm_start import attach_on_match
+
+    try:
+        return attach_on_match(cache, node, key, pos)
+    except ValueError:
+        return 0

@@ -26,8 +26,11 @@ class Stack:
     tier_dir: Path
     metrics: Any
 
-    def insert(self, tokens: list[int], salt: str | None = None) -> torch.Tensor:
-        """Allocate slots for `tokens`, write recognizable KV there, insert into the tree."""
+    def insert(
+        self, tokens: list[int], salt: str | None = None, ids: list[int] | None = None
+    ) -> torch.Tensor:
+        """Allocate slots for `tokens`, write the markers of `ids` (default: the tokens) there,
+        insert into the tree."""
         from array import array
 
         from sglang.srt.mem_cache.base_prefix_cache import InsertParams
@@ -35,7 +38,7 @@ class Stack:
 
         slots = self.allocator.alloc(len(tokens))
         assert slots is not None, "test pool too small"
-        fill_kv(self.pool, slots, tokens)
+        fill_kv(self.pool, slots, tokens if ids is None else ids)
         key = RadixKey(array("q", tokens), cache_salt=salt)
         result = self.cache.insert(InsertParams(key=key, value=slots))
         dup = slots[: result.prefix_len]

@@ -61,9 +61,10 @@ def test_flush_never_serves_kv_from_before_it(make_stack: Any) -> None:
     s.allocator.clear()
     assert s.match(A).host_hit_length == 0, "KV computed before a flush was served after it"
     assert s.metrics.totals["flushes"] == 1
-    s.insert(A)  # computed after the flush: spilled and served again
+    new_kv = [t + 5000 for t in A]  # new weights: the same tokens have other KV now
+    s.insert(A, ids=new_kv)  # computed after the flush: spilled and served again, never the old file
     s.evict_all()
-    assert restore(s, A) == (40, expected_kv(A))
+    assert restore(s, A) == (40, new_kv)
     s.cache.check_integrity()
 
 
@@ -85,7 +86,6 @@ def _forge(s: Any, tokens: list[int], payload_tokens: int, parent: bytes | None 
            header_tokens: list[int] | None = None) -> None:  # fmt: skip
     """Replace the extent that holds `tokens` (at the root) with a well-formed file of another
     length or other tokens, under the same key: what a foreign writer could leave behind."""
-    from sgl_hicache.tier import ROOT_KEY
     from sgl_hicache.tier.paths import ExtentPaths
     from sgl_hicache.tier.store import StoreRequest, prepare, write_extent
 
@@ -96,7 +96,8 @@ def _forge(s: Any, tokens: list[int], payload_tokens: int, parent: bytes | None 
     paths = ExtentPaths(s.tier_dir, ns.id)
     paths.extent(key).unlink()
     payload = np.zeros(payload_tokens * 2 * 2 * 2 * 8 * 2, dtype=np.uint8)
-    req = StoreRequest.of(key, parent or ROOT_KEY, header_tokens or tokens, memoryview(payload))
+    parent = parent or s.cache._node_keys(node)[0]  # the cache's own parent: only the checked field differs
+    req = StoreRequest.of(key, parent, header_tokens or tokens, memoryview(payload))
     cfg = tier._cfg
     # sealed with the directory's secret: only the key check can refuse it
     write_extent(prepare(req, cfg), cfg, ns, paths, False, tier._seal)
@@ -132,3 +133,13 @@ def test_warm_start_never_attaches_a_forged_extent(make_stack: Any, tmp_path: Pa
     s.cache.spill_io.tier.close()
     again = make_stack(tier_dir=s.tier_dir)
     assert again.match(A).host_hit_length == 0 and again.match(B + B).host_hit_length == 0
+
+
+def test_ids_no_extent_key_can_name_are_dropped_never_raised(make_stack: Any) -> None:
+    """Multimodal placeholders are 62-bit ids in sglang's radix keys; extent keys hash u32 ids."""
+    s = make_stack()
+    s.insert([1, 2, 3, 2**40, *A], ids=[1, 2, 3, 4, *A])
+    s.evict_all()  # must not raise into sglang's loop
+    assert not s.cache.root_node.children and s.metrics.totals["dropped_tokens"] == 44
+    assert s.match([1, 2, 3, 2**40, *A]).host_hit_length == 0
+    s.cache.check_integrity()

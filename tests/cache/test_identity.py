@@ -21,7 +21,8 @@ from sgl_hicache.tier import Namespace
 FIELDS = (
     "model_path", "revision", "download_dir", "dtype", "quantization", "kv_cache_dtype",
     "json_model_override_args", "model_impl", "load_format", "quantization_param_path", "modelopt_quant",
-    "pp_size", "dp_size", "enable_dp_attention", "attn_dp_size", "dwdp_size",
+    "pp_size", "dp_size", "enable_dp_attention", "attn_dp_size", "dwdp_size", "attention_backend",
+    "prefill_attention_backend", "decode_attention_backend", "device", "lora_paths",
 )  # fmt: skip
 
 
@@ -111,6 +112,10 @@ def test_identical_inputs_give_the_same_namespace(make_ctx: Any) -> None:
         {"load_format": "dummy"},
         {"quantization_param_path": "/scales/kv.json"},
         {"modelopt_quant": "fp8"},
+        {"attention_backend": "triton"},
+        {"decode_attention_backend": "flashinfer"},
+        {"device": "cuda"},
+        {"lora_paths": ["adapter=/loras/a"]},
         {"tp_rank": 1},
     ],
     ids=lambda change: "-".join(f"{k}={v}" for k, v in change.items())[:40],

@@ -52,6 +52,7 @@ def spilled_conversation(base: str, seed: int) -> list[int]:
 def test_flush_cache_endpoint_never_serves_kv_from_before_it(server: ServerProcess) -> None:
     base = server.base_url
     turn2 = spilled_conversation(base, 201)
+    reference, _ = generate(base, turn2, salt="flush-reference")
     flushes, restored = counter(base, "flushes"), counter(base, "restored_tokens")
     with urllib.request.urlopen(
         urllib.request.Request(base + "/flush_cache", method="POST"), timeout=60
@@ -60,6 +61,9 @@ def test_flush_cache_endpoint_never_serves_kv_from_before_it(server: ServerProce
     assert counter(base, "flushes") == flushes + 1
     _, cached = generate(base, turn2)
     assert cached == 0 and counter(base, "restored_tokens") == restored, "KV from before the flush was served"
+    push_out(base, 202)  # spilled again after the flush, restored from the new epoch's extents
+    again, cached_again = generate(base, turn2)
+    assert counter(base, "restored_tokens") > restored and cached_again > 0 and again == reference
 
 
 def test_weight_update_never_serves_kv_of_the_old_weights(server: ServerProcess, other_model: Path) -> None:
@@ -77,3 +81,9 @@ def test_weight_update_never_serves_kv_of_the_old_weights(server: ServerProcess,
     assert cached == 0 and counter(base, "restored_tokens") == restored, "KV of the old weights was served"
     assert resumed == reference
     assert reference != old, "the weight update did not change the model's output"
+    # The same conversation spilled again under the new weights must restore the new KV, never the
+    # old file of the same tokens (a key that did not change with the weights would find it "present").
+    push_out(base, 302)
+    again, cached_again = generate(base, turn2)
+    assert counter(base, "restored_tokens") > restored, "the re-spilled conversation was not restored"
+    assert cached_again > 0 and again == reference
