@@ -369,9 +369,15 @@ class SpillRadixCache(SpilledTree):
             attach_tier_extents(self)
             self._agree_on_warm_start()
             return
-        self.epoch = os.urandom(16)
+        self.start_epoch()
         self.spill_metrics.inc("flushes")
         logger.info("sgl_hicache: cache flushed; spilled KV from before the flush will not be served")
+
+    def start_epoch(self) -> None:
+        """A new random seed of every path key (a flush, a weight update): nothing named before is
+        found after, and nothing named after is attached by a restart. Keeps the tree."""
+        self.epoch = os.urandom(16)
+        self.tier_orphans = {}
 
     def _agree_on_warm_start(self) -> None:
         """With TP > 1 every rank must start from the same tree: if the trees their tiers gave

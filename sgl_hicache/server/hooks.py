@@ -32,6 +32,12 @@ AFTER hooks (but 5, 7 and 8) that call sglang's original first and change none o
    SIGINT handlers that close the tier, then act as the handlers they replace
    (`shutdown.close_on_signals`). Why: a signal to the whole process group reaches the scheduler
    itself, which has no handler and dies at once (see shutdown.py).
+9. `SchedulerWeightUpdaterManager.record_weight_version_after_update`, AFTER: sglang calls it on
+   every rank after every successful weight update (disk, tensor, distributed, ...), flushed or
+   not; we start a new key epoch (`SpillRadixCache.start_epoch`), so KV computed with the new
+   weights is never named like KV of the weights on disk (a restart, or another server sharing the
+   directory, would take one for the other). Why: a weight update without `flush_cache` (or whose
+   flush sglang refused) does not reset the cache.
 `tests/server/test_concurrent_clients.py`, `tests/server/test_spill_resume.py`,
 `tests/server/test_hostile_hints.py` and `tests/server/test_shutdown.py` prove they still hold for
 the pinned version.
@@ -62,8 +68,12 @@ ADMIT_TARGET = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
 RELEASE_TARGET = "sglang.srt.managers.scheduler.Scheduler.release_host_resources"
 LOOP_TARGET = "sglang.srt.managers.scheduler.Scheduler.run_event_loop"
 # Every target `register_hooks` patches; `sglang_seam.SEAM` checks each against the installed sglang.
+WEIGHTS_TARGET = (
+    "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
+    ".record_weight_version_after_update"
+)
 TARGETS = (TARGET, PREFETCH_TARGET, HINTS_TARGET, ROUTES_TARGET, EXIT_TARGET, ADMIT_TARGET, RELEASE_TARGET,
-           LOOP_TARGET)  # fmt: skip
+           LOOP_TARGET, WEIGHTS_TARGET)  # fmt: skip
 STATE_KEY = "hicache_spill"
 
 HOOK_ERRORS: Counter[str] = Counter()  # hook name -> exceptions it contained, in this process
@@ -177,6 +187,16 @@ def _spill_io(scheduler: Any) -> Any:
     return cache.spill_io if isinstance(cache, SpillRadixCache) else None
 
 
+@contained
+def new_epoch_after_weight_update(result: Any, updater: Any, *args: Any, **kwargs: Any) -> Any:
+    from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
+
+    cache = getattr(updater.scheduler, "tree_cache", None)
+    if isinstance(cache, SpillRadixCache):
+        cache.start_epoch()
+    return result
+
+
 def register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -188,3 +208,4 @@ def register_hooks() -> None:
     HookRegistry.register(ADMIT_TARGET, skip_deferred_admission, HookType.AFTER)
     HookRegistry.register(RELEASE_TARGET, close_tier_first, HookType.BEFORE)
     HookRegistry.register(LOOP_TARGET, close_tier_on_signals, HookType.BEFORE)
+    HookRegistry.register(WEIGHTS_TARGET, new_epoch_after_weight_update, HookType.AFTER)

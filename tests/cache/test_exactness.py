@@ -143,3 +143,21 @@ def test_ids_no_extent_key_can_name_are_dropped_never_raised(make_stack: Any) ->
     assert not s.cache.root_node.children and s.metrics.totals["dropped_tokens"] == 44
     assert s.match([1, 2, 3, 2**40, *A]).host_hit_length == 0
     s.cache.check_integrity()
+
+
+def test_a_weight_update_without_flush_names_new_kv_apart_from_the_weights_on_disk(make_stack: Any) -> None:
+    """sglang's weight updater calls our hook after every update, flushed or not: what is spilled
+    afterwards is never attached by a restart (which loads the weights on disk again)."""
+    from types import SimpleNamespace
+
+    from sgl_hicache.server.hooks import new_epoch_after_weight_update
+
+    s = make_stack()
+    s.insert(A)
+    s.evict_all()  # spilled with the weights on disk
+    new_epoch_after_weight_update(None, SimpleNamespace(scheduler=SimpleNamespace(tree_cache=s.cache)))
+    s.insert(B, ids=[t + 5000 for t in B])  # computed with the updated weights, not flushed
+    s.evict_all()
+    s.cache.spill_io.tier.close()
+    again = make_stack(tier_dir=s.tier_dir)
+    assert again.match(A).host_hit_length == 40 and again.match(B).host_hit_length == 0
