@@ -63,7 +63,6 @@ class SpillRadixCache(SpilledTree):
                  io: SpillIO | None, namespace_id: NamespaceId, hints: HintInbox | None = None,
                  agreement: Agreement | None = None) -> None:  # fmt: skip
         self.agreement = agreement or SingleRank()
-        self.prune_lost_on_walk = self.agreement.size == 1
         self.spill_config = config
         self.spill_metrics = metrics
         self.spill_io = io
@@ -76,6 +75,11 @@ class SpillRadixCache(SpilledTree):
         self.spilled_tokens = 0
         self.epoch: bytes | None = None  # seeds every path key; None until the first reset()
         super().__init__(params)  # calls reset(), which attaches the tier's extents (warm start)
+
+    @property
+    def prune_lost_on_walk(self) -> bool:  # type: ignore[override]
+        """Only a single rank may act on a locally LOST extent while walking (agreement.py)."""
+        return self.agreement.size == 1
 
     # ---- eviction → spill -------------------------------------------------------------------
 

@@ -88,7 +88,6 @@ def run_pair(
     stacks[1].cache.spill_io.tier = FaultyTier(stacks[1].cache.spill_io.tier, spec)
     for stack, agreement in zip(stacks, agreements, strict=True):
         stack.cache.agreement = agreement
-        stack.cache.prune_lost_on_walk = agreement.size == 1
     steps = conversation_steps(seed)
     records: list[list[Any]] = [[], []]
     errors: list[BaseException] = []
