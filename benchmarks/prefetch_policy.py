@@ -41,7 +41,7 @@ from typing import Any
 from benchmarks.harness import emit, log
 from sgl_hicache.bench import pagecache
 from sgl_hicache.bench.probe import spill_state
-from sgl_hicache.server.process import CPU_FLAGS, ServerProcess
+from sgl_hicache.bench.server_process import CPU_FLAGS, ServerProcess
 
 POLICIES = ("wait", "timeout", "best_effort")
 

@@ -33,8 +33,8 @@ from typing import Any
 
 from benchmarks.harness import emit, log
 from sgl_hicache.bench.probe import scrape, spill_state, tree_rss_mb
+from sgl_hicache.bench.server_process import CPU_FLAGS, ServerProcess
 from sgl_hicache.config import SpillConfig
-from sgl_hicache.server.process import CPU_FLAGS, ServerProcess
 
 NEW_QUESTION = 32
 

@@ -167,7 +167,7 @@ def demo_model(name: str, workdir: Path) -> Path:
 
 
 def launch_and_chat(workdir: Path, model_name: str = "smollm2") -> list[TurnResult]:
-    from sgl_hicache.server.process import CPU_FLAGS, ServerProcess
+    from sgl_hicache.bench.server_process import CPU_FLAGS, ServerProcess
 
     model = demo_model(model_name, workdir)
     tier = workdir / "tier"

@@ -17,11 +17,11 @@ import sys
 import warnings
 
 from sgl_hicache.cache.identity import UNISOLATED
+from sgl_hicache.cache.metrics import BACKEND_NAME
 from sgl_hicache.config import ConfigError, SpillConfig
 from sgl_hicache.platform.cpu_tp_env import cpu_tp_env
 from sgl_hicache.server.flags import add_flags, config_from
 from sgl_hicache.server.handoff import export_config
-from sgl_hicache.server.metrics import BACKEND_NAME
 from sgl_hicache.server.sglang_seam import SeamError, check_seam
 from sgl_hicache.server.validate import check_config
 

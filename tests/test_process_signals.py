@@ -43,7 +43,7 @@ http.server.HTTPServer((args.host, args.port), Health).serve_forever()
 DRIVER = """
 import sys, time
 from pathlib import Path
-from sgl_hicache.server.process import ServerProcess
+from sgl_hicache.bench.server_process import ServerProcess
 
 server = ServerProcess(Path("unused"), 1, module="standin_server", env={"PYTHONPATH": sys.argv[1]})
 server.start(timeout_s=60)

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from sgl_hicache.bench import gate, report, run, soak
+from sgl_hicache.bench.server_process import ServerStartError
 from sgl_hicache.bench.spec import SYSTEMS, BenchSpec, Gate, MultiTurn, Shape, Soak, SpecError, Trace, quick
 from sgl_hicache.bench.summary import Figures, ratios, summarize
-from sgl_hicache.server.process import ServerStartError
 
 
 def parser() -> argparse.ArgumentParser:

@@ -18,8 +18,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from sgl_hicache.bench.server_process import CPU_FLAGS, ServerProcess
 from sgl_hicache.bench.spec import Shape
-from sgl_hicache.server.process import CPU_FLAGS, ServerProcess
 
 COMMON_FLAGS = ("--enable-metrics", "--enable-cache-report")
 HICACHE_COMPAT_ENV = {"SGL_HICACHE_CPU_HICACHE_COMPAT": "1"}

@@ -22,10 +22,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from sgl_hicache.cache.metrics import SpillMetrics
 from sgl_hicache.cache.spill_state import Extent, ExtentState, SpillRef
 from sgl_hicache.cache.staging import StagingPool
 from sgl_hicache.kernels import KVPoolView, packed_nbytes, page_bytes
-from sgl_hicache.server.metrics import SpillMetrics
 from sgl_hicache.tier import Completion, Status, Ticket, Tier
 
 logger = logging.getLogger(__name__)

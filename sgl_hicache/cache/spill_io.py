@@ -24,12 +24,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from sgl_hicache.cache.metrics import SpillMetrics
+from sgl_hicache.cache.partial_restore import RestoreProgress
 from sgl_hicache.cache.reads import ExtentReads, needs
-from sgl_hicache.cache.restore import RestoreProgress
 from sgl_hicache.cache.spill_state import Extent, ExtentState, SpillRef
 from sgl_hicache.cache.staging import StagingPool
 from sgl_hicache.kernels import KVPoolView, pack_kv, packed_nbytes, unpack_kv
-from sgl_hicache.server.metrics import SpillMetrics
 from sgl_hicache.tier import ExtentKey, Ticket, Tier
 
 logger = logging.getLogger(__name__)

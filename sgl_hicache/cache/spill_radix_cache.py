@@ -44,14 +44,14 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
 from sgl_hicache.cache.agreement import Agreement, SingleRank
+from sgl_hicache.cache.hint_source import HintSource
+from sgl_hicache.cache.metrics import SpillMetrics
+from sgl_hicache.cache.partial_restore import PartialRestores, RestoreProgress
 from sgl_hicache.cache.reads import Readiness
-from sgl_hicache.cache.restore import PartialRestores, RestoreProgress
 from sgl_hicache.cache.spill_io import SpillIO
 from sgl_hicache.cache.spill_state import Extent, ExtentState, SpillRef
 from sgl_hicache.cache.spilled_tree import SpilledTree
 from sgl_hicache.config import PrefetchPolicy, SpillConfig
-from sgl_hicache.server.hints import HintInbox
-from sgl_hicache.server.metrics import SpillMetrics
 from sgl_hicache.tier import ExtentInfo, ExtentKey, NamespaceId, chain_key
 from sgl_hicache.tier.keys import PathHasher, tenant_of
 
@@ -60,7 +60,7 @@ logger = logging.getLogger(__name__)
 
 class SpillRadixCache(SpilledTree):
     def __init__(self, params: CacheInitParams, config: SpillConfig, metrics: SpillMetrics,
-                 io: SpillIO | None, namespace_id: NamespaceId, hints: HintInbox | None = None,
+                 io: SpillIO | None, namespace_id: NamespaceId, hints: HintSource | None = None,
                  agreement: Agreement | None = None) -> None:  # fmt: skip
         self.agreement = agreement or SingleRank()
         self.spill_config = config

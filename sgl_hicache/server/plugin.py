@@ -15,7 +15,7 @@ does not ask for it runs unaffected.
 
 from __future__ import annotations
 
-from sgl_hicache.server.metrics import BACKEND_NAME
+from sgl_hicache.cache.metrics import BACKEND_NAME
 
 
 def register() -> None:
@@ -25,7 +25,7 @@ def register() -> None:
     _apply_cpu_hicache_compat()
     from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
 
-    from sgl_hicache.cache.factory import build_spill_cache
+    from sgl_hicache.server.factory import build_spill_cache
     from sgl_hicache.server.hooks import register_hooks
 
     if get_radix_cache_factory(BACKEND_NAME) is None:

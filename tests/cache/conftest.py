@@ -129,10 +129,10 @@ def build_stack(tier_dir: Path, size: int = 256, spill: bool = True, chunk_bytes
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    from sgl_hicache.cache.factory import open_spill_io
+    from sgl_hicache.cache.metrics import SpillMetrics
     from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
     from sgl_hicache.config import SpillConfig, TierConfig
-    from sgl_hicache.server.metrics import SpillMetrics
+    from sgl_hicache.server.factory import open_spill_io
     from sgl_hicache.tier import KVDtype, KVLayout, Namespace
 
     pool = MHATokenToKVPool(size, page_size, torch.bfloat16, HEADS, HEAD_DIM, LAYERS, "cpu", False)

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from sgl_hicache.server.process import ServerProcess
+from sgl_hicache.bench.server_process import ServerProcess
 from tests.server.conftest import SPILL_FLAGS, post_json
 from tests.server.test_spill_resume import POOL, counter, generate, push_out, tokens
 

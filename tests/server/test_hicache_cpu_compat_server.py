@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
+from sgl_hicache.bench.server_process import CPU_FLAGS, ServerProcess
 from sgl_hicache.platform.hicache_cpu_compat import ENV_VAR
-from sgl_hicache.server.process import CPU_FLAGS, ServerProcess
 from tests.server.conftest import post_json
 
 pytestmark = pytest.mark.server

@@ -204,7 +204,7 @@ def test_sglang_goes_on_after_a_plugin_raises(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_the_factory_builds_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sgl_hicache.cache.factory import build_spill_cache
+    from sgl_hicache.server.factory import build_spill_cache
 
     broken = break_seam(monkeypatch)
     with pytest.raises(SeamError, match=re.escape(broken)):

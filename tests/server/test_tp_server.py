@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from sgl_hicache.server.process import ServerProcess
+from sgl_hicache.bench.server_process import ServerProcess
 from tests.server.conftest import SPILL_FLAGS, metrics, post_json
 
 pytestmark = pytest.mark.server

@@ -12,10 +12,10 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
+    from sgl_hicache.cache.metrics import SpillMetrics
     from sgl_hicache.cache.spill_io import SpillIO
     from sgl_hicache.kernels import KVPoolView
     from sgl_hicache.server.hints import HintInbox
-    from sgl_hicache.server.metrics import SpillMetrics
     from sgl_hicache.tier import Namespace, Tier
 
 logger = logging.getLogger(__name__)
@@ -23,10 +23,10 @@ logger = logging.getLogger(__name__)
 
 def build_spill_cache(ctx: TreeCacheBuildContext) -> BasePrefixCache:
     from sgl_hicache.cache.agreement import for_group
+    from sgl_hicache.cache.metrics import SpillMetrics
     from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
     from sgl_hicache.kernels import from_sglang_pool
     from sgl_hicache.server.handoff import import_config
-    from sgl_hicache.server.metrics import SpillMetrics
     from sgl_hicache.server.sglang_seam import check_seam
 
     check_seam()  # never build on a broken seam (SeamError ends the scheduler, and the server)
