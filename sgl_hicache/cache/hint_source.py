@@ -7,7 +7,16 @@ The cache owns no transport: whoever builds it (`server/factory.py`) passes a `H
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import NamedTuple, Protocol
+
+
+class ResumeHint(NamedTuple):
+    """One checked client hint, as it travels from the TP rank-0 scheduler (which has the inbox)
+    to every rank inside sglang's own request broadcast (so it must pickle, and it does)."""
+
+    token_ids: list[int]
+    extra_key: str | None
+    cache_salt: str | None
 
 
 class HintSource(Protocol):

@@ -44,7 +44,7 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
 from sgl_hicache.cache.agreement import Agreement, SingleRank
-from sgl_hicache.cache.hint_source import HintSource
+from sgl_hicache.cache.hint_source import HintSource, ResumeHint
 from sgl_hicache.cache.metrics import SpillMetrics
 from sgl_hicache.cache.partial_restore import PartialRestores, RestoreProgress
 from sgl_hicache.cache.reads import Readiness
@@ -220,10 +220,17 @@ class SpillRadixCache(SpilledTree):
         self.spill_metrics.inc("prefetch_requests")
         return self.spill_io.reads.prefetch([node.spill for node in self._path_up(end, last) or []])
 
-    def take_hints(self) -> None:
-        """Answer the client resume hints waiting in the inbox (scheduler thread; never blocks)."""
+    def take_hints(self) -> list[ResumeHint]:
+        """The checked client resume hints waiting in the inbox, answered "accepted" (a bounded number
+        per call; scheduler thread; never blocks). Only the scheduler of TP rank 0 has an inbox:
+        the hints ride sglang's request broadcast to every rank (`server/hooks.py`), and each rank
+        then `prefetch`es them in the same iteration, as it does for an arriving request."""
+        taken: list[ResumeHint] = []
         if self.hints is not None:
-            self.hints.drain(self.prefetch)
+            self.hints.drain(
+                lambda ids, extra_key, salt: taken.append(ResumeHint(list(ids), extra_key, salt))
+            )
+        return taken
 
     # ---- restore ----------------------------------------------------------------------------
 

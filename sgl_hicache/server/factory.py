@@ -53,15 +53,16 @@ def build_spill_cache(ctx: TreeCacheBuildContext) -> BasePrefixCache:
 
 
 def open_hint_inbox(ctx: TreeCacheBuildContext) -> HintInbox | None:
-    """The resume-hint socket in the launcher's private runtime directory, on a single-rank scheduler
-    only; None (hints off, logged) without that directory or with TP > 1. Raises HintSocketError if
-    the directory is not private or the bind fails: the server does not start."""
+    """The resume-hint socket in the launcher's private runtime directory, bound by the scheduler of
+    TP rank 0 only (the rank that receives requests; the hints reach the other ranks inside sglang's
+    request broadcast, `server/hooks.py`); None on other ranks and, logged, without that directory.
+    Raises HintSocketError if the directory is not private or the bind fails: the server does not
+    start."""
     import os
 
     from sgl_hicache.server.hints import RUNTIME_DIR_ENV, HintInbox, HintLimits
 
-    if ctx.tp_size != 1:
-        logger.warning("sgl_hicache: client resume hints are off with tensor parallelism > 1")
+    if ctx.tp_rank != 0:
         return None
     runtime_dir = os.environ.get(RUNTIME_DIR_ENV)
     if not runtime_dir:

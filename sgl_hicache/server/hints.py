@@ -22,8 +22,9 @@ that directory (mode 0700, our uid) before sglang starts and removes it at exit;
 the server inherits the variable. Both ends refuse a directory that is not ours or that group or
 others can enter: a predictable path in the shared temp directory (as before) let whoever bound it
 first receive every hint, i.e. conversation content. Without the variable (a plain
-`python -m sglang.launch_server`), hints are off. Bound by the scheduler of TP rank 0 (hints are not
-supported with tensor parallelism > 1: every rank would have to take the same hint).
+`python -m sglang.launch_server`), hints are off. Bound by the scheduler of TP rank 0, the rank that
+receives requests; with tensor parallelism the checked hints reach the other ranks inside sglang's
+own request broadcast, so every rank prefetches the same hint in the same iteration (hooks.py, 3).
 """
 
 from __future__ import annotations

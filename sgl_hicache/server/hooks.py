@@ -1,5 +1,5 @@
 """The patches of sglang we make, all through sglang's own plugin hook registry (no file edited),
-AFTER hooks (but 5, 7 and 8) that call sglang's original first and change none of its state:
+AFTER hooks (but 3b, 5, 7 and 8) that call sglang's original first and change none of its state:
 
 1. `SchedulerInternalStateController.get_internal_state` (sglang 0.5.23,
    `sglang/srt/managers/scheduler_components/internal_state.py`): adds a `"hicache_spill"` entry
@@ -10,8 +10,16 @@ AFTER hooks (but 5, 7 and 8) that call sglang's original first and change none o
    request as it enters the waiting queue (its own storage prefetch, a no-op unless HiCache storage
    is on): starts reading the request's spilled prefix from the tier, so the I/O overlaps the
    request's queueing and other requests' compute. Why: it is sglang's arrival point for exactly this.
-3. `Scheduler.ingest_requests` (each scheduler loop iteration): afterwards, the scheduler thread
-   answers waiting client resume hints (`hints.py`). Why: hints must run on the scheduler thread.
+3. Client resume hints (`hints.py`) reach every TP rank in the same iteration by riding sglang's
+   own request broadcast, as sglang's timeout aborts do (`ingest_requests` passes them to
+   `recv_requests(local_reqs=...)`, which appends them to what TP rank 0 broadcasts):
+   a. `Scheduler._poll_timeout_aborts`, AFTER, which sglang calls once per iteration on the rank
+      that receives requests (TP rank 0, where our hint inbox is): appends the waiting hints, checked
+      and answered, to the aborts it returns.
+   b. `Scheduler.process_input_requests`, BEFORE, on every rank: takes our hints out of the
+      received list (in place, first, so sglang's dispatcher never sees one) and prefetches each.
+   Why: hints must run on the scheduler thread of every rank, and sglang's broadcast is the one
+   channel that keeps ranks in step at no extra collective; no public input-source API.
 4. `http_server.set_global_state` (the HTTP process, once at start): afterwards, adds
    `POST /hicache/prefetch` to sglang's FastAPI app (`http_routes.py`).
 5. `sglang.srt.utils.common.kill_process_tree`, BEFORE: when sglang is about to kill
@@ -61,7 +69,8 @@ logger = logging.getLogger(__name__)
 
 TARGET = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController.get_internal_state"
 PREFETCH_TARGET = "sglang.srt.managers.scheduler.Scheduler._prefetch_kvcache"
-HINTS_TARGET = "sglang.srt.managers.scheduler.Scheduler.ingest_requests"
+HINTS_OUT_TARGET = "sglang.srt.managers.scheduler.Scheduler._poll_timeout_aborts"
+HINTS_IN_TARGET = "sglang.srt.managers.scheduler.Scheduler.process_input_requests"
 ROUTES_TARGET = "sglang.srt.entrypoints.http_server.set_global_state"
 EXIT_TARGET = "sglang.srt.utils.common.kill_process_tree"
 ADMIT_TARGET = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
@@ -72,7 +81,7 @@ WEIGHTS_TARGET = (
     "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
     ".record_weight_version_after_update"
 )
-TARGETS = (TARGET, PREFETCH_TARGET, HINTS_TARGET, ROUTES_TARGET, EXIT_TARGET, ADMIT_TARGET, RELEASE_TARGET,
+TARGETS = (TARGET, PREFETCH_TARGET, HINTS_OUT_TARGET, HINTS_IN_TARGET, ROUTES_TARGET, EXIT_TARGET, ADMIT_TARGET, RELEASE_TARGET,
            LOOP_TARGET, WEIGHTS_TARGET)  # fmt: skip
 STATE_KEY = "hicache_spill"
 
@@ -122,13 +131,29 @@ def prefetch_at_arrival(result: Any, scheduler: Any, req: Any, *args: Any, **kwa
 
 
 @contained
-def take_hints(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+def send_hints(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
 
     cache = scheduler.tree_cache
-    if isinstance(cache, SpillRadixCache):
-        cache.take_hints()
+    if isinstance(cache, SpillRadixCache) and isinstance(result, list) and cache.hints is not None:
+        return [*result, *cache.take_hints()]
     return result
+
+
+@contained
+def apply_hints(scheduler: Any, recv_reqs: Any = None, *args: Any, **kwargs: Any) -> None:
+    from sgl_hicache.cache.hint_source import ResumeHint
+    from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
+
+    received = kwargs.get("recv_reqs", recv_reqs)
+    if not isinstance(received, list) or not any(isinstance(r, ResumeHint) for r in received):
+        return
+    hints = [r for r in received if isinstance(r, ResumeHint)]
+    received[:] = [r for r in received if not isinstance(r, ResumeHint)]  # before anything can fail
+    cache = scheduler.tree_cache
+    if isinstance(cache, SpillRadixCache):
+        for hint in hints:
+            cache.prefetch(*hint)
 
 
 @contained
@@ -202,7 +227,8 @@ def register_hooks() -> None:
 
     HookRegistry.register(TARGET, add_spill_state, HookType.AFTER)
     HookRegistry.register(PREFETCH_TARGET, prefetch_at_arrival, HookType.AFTER)
-    HookRegistry.register(HINTS_TARGET, take_hints, HookType.AFTER)
+    HookRegistry.register(HINTS_OUT_TARGET, send_hints, HookType.AFTER)
+    HookRegistry.register(HINTS_IN_TARGET, apply_hints, HookType.BEFORE)
     HookRegistry.register(ROUTES_TARGET, add_routes, HookType.AFTER)
     HookRegistry.register(EXIT_TARGET, remove_runtime_dir_first, HookType.BEFORE)
     HookRegistry.register(ADMIT_TARGET, skip_deferred_admission, HookType.AFTER)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,6 +45,17 @@ def post_json(url: str, body: dict[str, Any]) -> dict[str, Any]:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())  # type: ignore[no-any-return]
+
+
+def eventually(check: Any, timeout_s: float = 10.0) -> bool:
+    """Whether `check()` holds within `timeout_s` (polled): for effects a reply does not wait for
+    (a hint is answered when taken; the prefetch runs on every rank later in that scheduler iteration)."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def metrics(base_url: str) -> dict[str, float]:

@@ -19,7 +19,7 @@ import pytest
 
 from sgl_hicache.bench.server_process import ServerProcess
 from sgl_hicache.tier.trust import SECRET_NAME
-from tests.server.conftest import SPILL_FLAGS, metrics, post_json
+from tests.server.conftest import SPILL_FLAGS, eventually, metrics, post_json
 
 pytestmark = pytest.mark.server
 
@@ -173,7 +173,7 @@ def test_client_hint_warms_a_conversation_before_its_next_turn(server: Any) -> N
     issued, hits = counter(base, "prefetch_issued"), counter(base, "prefetch_hits")
     hint = post_json(base + "/hicache/prefetch", {"input_ids": turn2[:-20]})
     assert hint == {"accepted": True, "prompt_tokens": len(turn2) - 20}, hint
-    assert counter(base, "prefetch_issued") > issued
+    assert eventually(lambda: counter(base, "prefetch_issued") > issued)
     resumed, cached = generate(base, turn2)
     assert counter(base, "prefetch_hits") > hits, "the resumed turn did not use the hinted reads"
     assert cached >= history and resumed == reference

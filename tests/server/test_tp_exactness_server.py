@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from sgl_hicache.bench.server_process import CPU_FLAGS, ServerProcess
-from tests.server.conftest import SPILL_FLAGS, metrics
+from tests.server.conftest import SPILL_FLAGS, eventually, metrics, post_json
 from tests.server.test_exactness_server import (
     MAX_NEW,
     POOL,
@@ -84,18 +84,28 @@ def test_tp2_spill_matches_the_never_evicting_tp2_reference(
     assert any(restored(r) for r in replies), "nothing was restored from the tier"
 
 
-def test_tp2_warm_restart_resumes_a_spilled_conversation_on_both_ranks(
+def test_tp2_warm_restart_and_a_resume_hint_restore_a_spilled_conversation_on_both_ranks(
     tiny_model: Path, tmp_path: Path
 ) -> None:
+    """After a restart the conversation is attached from the tier on both ranks; a client hint sent
+    to the server reaches both ranks (it rides sglang's broadcast from rank 0), both start the same
+    reads, and the resumed turn uses them on both."""
     with ours(tiny_model, tmp_path / "tier", tmp_path / "first.log") as server:
         turn2, reference, history = two_turns(server.base_url, 501)
         push_out(server.base_url, 501)
         assert tp_counter(server.base_url, "spilled_tokens", 1) > 0
     with ours(tiny_model, tmp_path / "tier", tmp_path / "second.log") as server:
-        resumed, cached = spill_generate(server.base_url, turn2)
-        restored_by_rank = [tp_counter(server.base_url, "restored_tokens", r) for r in (0, 1)]
+        base = server.base_url
+        hint = post_json(base + "/hicache/prefetch", {"input_ids": turn2[:-20]})
+        assert hint["accepted"] is True, hint
+        issued = [lambda r=r: tp_counter(base, "prefetch_issued", r) for r in (0, 1)]
+        assert eventually(lambda: issued[0]() > 0 and issued[0]() == issued[1]()), [f() for f in issued]
+        resumed, cached = spill_generate(base, turn2)
+        hits = [tp_counter(base, "prefetch_hits", r) for r in (0, 1)]
+        restored_by_rank = [tp_counter(base, "restored_tokens", r) for r in (0, 1)]
     assert cached >= history and resumed == reference
     assert restored_by_rank[0] >= history and restored_by_rank[0] == restored_by_rank[1], restored_by_rank
+    assert hits[0] > 0 and hits[0] == hits[1], f"the hinted reads were not used on both ranks: {hits}"
 
 
 def test_faults_on_one_rank_change_no_output_and_hang_nothing(
