@@ -44,7 +44,7 @@ KV_FLAGS = (
 )  # fmt: skip
 """ServerArgs fields that change the KV of the same weights: each goes into the identity as resolved.
 The attention kernels count (a layer's attention output feeds the next layer's K and V); LoRA
-adapters loaded at start are named by path here (their content is not fingerprinted yet)."""
+adapters loaded at start are named by path here and fingerprinted by content (`adapters_fingerprint`)."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,7 @@ def model_identity(args: Any, view: KVPoolView) -> str:
         "model_path": args.model_path,
         "revision": revision,
         "weights": weights,
+        "lora_weights": adapters_fingerprint(_resolved(args, "lora_paths")),
         **flags,
         "kv": view.kind.value,
         "v_head_dim": view.value_dim,
@@ -181,6 +182,29 @@ def weights_fingerprint(model_path: str, revision: str | None, cache_dir: str | 
     return f"id:{model_path}@{revision or ''}"
 
 
+def adapters_fingerprint(lora_paths: Any) -> list[list[str]]:
+    """[name, path, fingerprint] of every LoRA adapter loaded at start, sorted: an adapter retrained
+    in place (same name, same path) starts a new namespace, as rewritten weights do. Why it matters:
+    sglang names a `--lora-paths` adapter by a deterministic id of (name, path), which goes into every
+    request's extra key, so without this a restart would attach KV of the old adapter to the new one.
+    Adapters loaded at run time (`/load_lora_adapter`) get a random id, never found again after a
+    restart. Entries as sglang accepts them: "name=path", a bare path, a dict, or its parsed LoRARef."""
+    adapters = []
+    for entry in lora_paths or []:
+        name, path = _adapter(entry)
+        adapters.append([name, path, weights_fingerprint(path, None)])
+    return sorted(adapters)
+
+
+def _adapter(entry: Any) -> tuple[str, str]:
+    if isinstance(entry, str):
+        name, _, path = entry.partition("=") if "=" in entry else (entry, "", entry)
+        return name, path
+    if isinstance(entry, dict):
+        return str(entry["lora_name"]), str(entry["lora_path"])
+    return str(entry.lora_name), str(entry.lora_path)  # sglang's LoRARef
+
+
 def _cached_snapshot(repo_id: str, revision: str | None, cache_dir: str | None) -> Path | None:
     from huggingface_hub import snapshot_download
 
@@ -196,6 +220,9 @@ def _fingerprint(root: Path | None, files: list[Path]) -> str:
     if root is not None:
         config = root / "config.json"
         _update(h, b"config.json", config.read_bytes() if config.is_file() else b"")
+        adapter = root / "adapter_config.json"  # a LoRA adapter's (rank, alpha, target modules)
+        if adapter.is_file():
+            _update(h, b"adapter_config.json", adapter.read_bytes())
     for path in sorted((p for p in files if p.is_file()), key=lambda p: p.name):
         with path.open("rb") as f:
             size = os.fstat(f.fileno()).st_size

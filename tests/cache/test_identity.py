@@ -150,6 +150,33 @@ def test_rewritten_weights_split_the_namespace(make_ctx: Any, model_dir: Path) -
     assert namespace(make_ctx()).id != before
 
 
+def write_adapter(root: Path, scale: float) -> Path:
+    from safetensors.torch import save_file
+
+    root.mkdir(parents=True, exist_ok=True)
+    save_file({"lora_A.weight": torch.full((4, 8), scale)}, root / "adapter_model.safetensors")
+    (root / "adapter_config.json").write_text('{"r": 4, "lora_alpha": 8}')
+    return root
+
+
+@pytest.mark.parametrize("spelling", ["string", "dict", "LoRARef"])
+def test_a_lora_adapter_retrained_in_place_splits_the_namespace(
+    make_ctx: Any, tmp_path: Path, spelling: str
+) -> None:
+    from sglang.srt.lora.lora_registry import LoRARef
+
+    adapter = write_adapter(tmp_path / "adapter", 1.0)
+    entry = {"string": f"a={adapter}", "dict": {"lora_name": "a", "lora_path": str(adapter)},
+             "LoRARef": LoRARef(lora_id="x", lora_name="a", lora_path=str(adapter))}[spelling]  # fmt: skip
+    before = namespace(make_ctx(lora_paths=[entry])).id
+    assert namespace(make_ctx(lora_paths=[entry])).id == before
+    write_adapter(adapter, 0.5)  # same name, same path, same shapes: other weights
+    assert namespace(make_ctx(lora_paths=[entry])).id != before
+    write_adapter(adapter, 1.0)
+    (adapter / "adapter_config.json").write_text('{"r": 4, "lora_alpha": 16}')
+    assert namespace(make_ctx(lora_paths=[entry])).id != before
+
+
 def test_fingerprint_sees_a_rewrite_in_place_and_not_a_copy(tmp_path: Path, model_dir: Path) -> None:
     original = weights_fingerprint(str(model_dir), None)
     copy = tmp_path / "elsewhere" / "model"
