@@ -41,14 +41,19 @@ NUMBERS = st.one_of(
 )
 
 
-@functools.cache
-def trusted_dir() -> Path:
-    """An existing tier root that passes the trust checks (ours, 0700)."""
-    import tempfile
+TRUSTED: list[Path] = []  # set by the fixture below (strategies draw it at generation time)
 
-    path = Path(tempfile.mkdtemp(prefix="sgl_hicache_fuzz_"))
+
+@pytest.fixture(scope="module", autouse=True)
+def trusted_root(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """An existing tier root that passes the trust checks (ours, 0700), removed with pytest's tmp."""
+    path = tmp_path_factory.mktemp("fuzz_tier")
     path.chmod(0o700)
-    return path
+    TRUSTED[:] = [path]
+
+
+def trusted_dir() -> Path:
+    return TRUSTED[0]
 
 
 def values_for(flag: Flag) -> st.SearchStrategy[str]:
