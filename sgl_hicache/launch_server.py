@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 import warnings
+from typing import NoReturn
 
 from sgl_hicache.cache.identity import UNISOLATED
 from sgl_hicache.cache.metrics import BACKEND_NAME
@@ -29,9 +30,16 @@ PROG = "python -m sgl_hicache.launch_server"
 _QUIET_SGL_ENV = "ignore:Environment variable SGL_HICACHE"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's own refusals (a flag missing its value) as ConfigError: one line, not usage + exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(message)
+
+
 def parse(argv: list[str]) -> tuple[SpillConfig, list[str]]:
     """Split argv into our config and sglang's own arguments; raises ConfigError."""
-    parser = argparse.ArgumentParser(prog=PROG, add_help=False, allow_abbrev=False)
+    parser = _Parser(prog=PROG, add_help=False, allow_abbrev=False)
     add_flags(parser)
     ours, rest = parser.parse_known_args(argv)
     config = config_from(ours)

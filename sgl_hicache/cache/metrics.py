@@ -51,6 +51,10 @@ COUNTERS = {
     "prefetch_abandoned": "prefetched reads released unused after their time to live",
     "reads_on_demand": "extent reads a restore had to start itself (no prefetch)",
     "restore_deferrals": "extent reads a restore found still in flight (its admission waited for them)",
+    "restores_overtaken": "restores recomputed because the eviction that made room for them released "
+    "bytes their readiness had found (a write finished, a read abandoned): never waited for",
+    "internal_errors": "exceptions of our own logic in a call from sglang, contained: served as sglang's "
+    "plain radix cache would (logged once per path)",
     "restores_too_late": "restores given up because their reads outlasted the prefetch policy's limit",
 }
 

@@ -1,6 +1,6 @@
 """Reads of spilled extents into host staging, shared by prefetches and the restores that use them.
 
-Contract (every method runs on the scheduler thread and never blocks on I/O, except `await_read`):
+Contract (every method runs on the scheduler thread and never blocks on I/O):
 - one read per extent at a time (by extent identity): a prefetch, a hint and a restore of the same
   extent share it; a read that must cover more tokens replaces a shorter one;
 - a read nobody consumes is released after `ttl_s` (`expire`);
@@ -64,12 +64,11 @@ def needs(refs: Sequence[SpillRef]) -> dict[int, tuple[Extent, int]]:
 
 class ExtentReads:
     def __init__(self, tier: Tier, view: KVPoolView, staging: StagingPool, metrics: SpillMetrics,
-                 timeout_s: float, ttl_s: float) -> None:  # fmt: skip
+                 ttl_s: float) -> None:  # fmt: skip
         self.tier = tier
         self.view = view
         self.staging = staging
         self.metrics = metrics
-        self.timeout_s = timeout_s
         self.ttl_s = ttl_s
         self._reads: dict[int, PendingRead] = {}  # by id(extent): loads started (prefetch or restore)
         self._tickets: dict[Ticket, PendingRead] = {}  # loads whose completion is still due
@@ -139,22 +138,31 @@ class ExtentReads:
         return read.buf, min(read.tokens, pages * self.view.page_size)
 
     def gather(self, wanted: dict[int, tuple[Extent, int]]) -> dict[int, torch.Tensor] | None:
-        """The packed bytes of every wanted extent (staging or a verified read); None on any failure.
-        Blocks for reads still in flight (at most `timeout_s` each)."""
-        pending: dict[int, PendingRead] = {}
+        """The packed bytes of every wanted extent, from staging or a read completed and verified;
+        None if any is not at hand now. Never starts a read and never waits: between `readiness`
+        saying READY and this call, the eviction that made room for the restore may have finished a
+        write (its staging released) or abandoned a read; the restore then recomputes (counted in
+        `restores_overtaken`) and the extent's next restore reads it again."""
+        sources: dict[int, torch.Tensor] = {}
         for eid, (extent, need) in wanted.items():
-            if extent.state is ExtentState.WRITING and extent.staged is not None:
-                continue
-            read = self.start(extent, need, prefetch=False)
-            if read is None:
+            buf = self._at_hand(extent, need)
+            if buf is None:
                 return None
-            pending[eid] = read
-        sources = {eid: extent.staged for eid, (extent, _) in wanted.items() if eid not in pending}
-        for eid, read in pending.items():
-            if not self._await(read):
-                return None
-            sources[eid] = read.buf
-        return sources  # type: ignore[return-value]
+            sources[eid] = buf
+        return sources
+
+    def _at_hand(self, extent: Extent, need: int) -> torch.Tensor | None:
+        if extent.state is ExtentState.WRITING and extent.staged is not None:
+            return extent.staged
+        read = self._reads.get(id(extent))
+        if read is None or not read.usable or read.tokens < need or read.done is None:
+            self.metrics.inc("restores_overtaken")
+            return None
+        if not read.done.ok:
+            self._lose(read)
+            return None
+        self.metrics.inc("restored_bytes", read.done.nbytes)
+        return read.buf
 
     def start(self, extent: Extent, tokens: int, prefetch: bool) -> PendingRead | None:
         """The read of `extent`'s first `tokens` tokens: the one under way, or a new one."""
@@ -180,25 +188,6 @@ class ExtentReads:
         self._tickets[ticket] = read
         self.metrics.inc("prefetch_issued" if prefetch else "reads_on_demand")
         return read
-
-    def _await(self, read: PendingRead) -> bool:
-        if read.done is None:
-            try:
-                read.done = self.tier.wait(read.ticket, timeout=self.timeout_s)
-            except TimeoutError:
-                logger.warning(
-                    "sgl_hicache: restore read of %s timed out after %.1fs",
-                    read.extent.key.hex(),
-                    self.timeout_s,
-                )
-                return False
-            self._tickets.pop(read.ticket, None)
-            read.done = self._checked(read, read.done)
-        if read.done.ok:
-            self.metrics.inc("restored_bytes", read.done.nbytes)
-            return True
-        self._lose(read)
-        return False
 
     def _checked(self, read: PendingRead, done: Completion) -> Completion:
         """`done`, or a MISMATCH if it claims success with other than the bytes asked for."""

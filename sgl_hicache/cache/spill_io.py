@@ -12,8 +12,9 @@
   while later chunks are still being read; those slots serve nothing until `restore` succeeds.
 - `restore` is all or nothing: it fills every requested slot, or returns False (the caller frees the
   slots and recomputes). Any tier failure marks the extent LOST; nothing read is used unverified.
-  It uses the prefetched reads, starts the missing ones, and blocks for them (at most `timeout_s`
-  each); extents still WRITING are served from staging.
+  It never blocks: it uses only reads that completed (the caller's readiness check waited for them
+  by deferring admission) and extents still WRITING from staging; anything no longer at hand
+  (released by the eviction that made room for the restore) makes it return False.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class SpillIO:
         self.staging = staging
         self.metrics = metrics
         self.timeout_s = timeout_s
-        self.reads = ExtentReads(tier, view, staging, metrics, timeout_s, prefetch_ttl_s)
+        self.reads = ExtentReads(tier, view, staging, metrics, prefetch_ttl_s)
         self._writing: dict[Ticket, Extent] = {}
         self._too_large_logged = False
 
@@ -150,9 +151,9 @@ class SpillIO:
         return done
 
     def restore(self, progress: RestoreProgress) -> bool:
-        """Finish a restore: every read it needs completed and verified (blocking for any still in
-        flight, at most `timeout_s` each), then the rest of each ref unpacked; all or nothing (False:
-        the caller frees the slots and recomputes)."""
+        """Finish a restore: every read it needs completed and verified (never waited for here: see
+        `ExtentReads.gather`), then the rest of each ref unpacked; all or nothing (False: the caller
+        frees the slots and recomputes)."""
         sources = self.reads.gather(needs(progress.refs))
         if sources is not None:
             for i, (ref, slots) in enumerate(progress.parts()):

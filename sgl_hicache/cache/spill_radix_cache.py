@@ -43,7 +43,9 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
+from sgl_hicache.cache import fallbacks
 from sgl_hicache.cache.agreement import Agreement, SingleRank
+from sgl_hicache.cache.guard import contained, nothing
 from sgl_hicache.cache.hint_source import HintSource, ResumeHint
 from sgl_hicache.cache.metrics import SpillMetrics
 from sgl_hicache.cache.partial_restore import PartialRestores, RestoreProgress
@@ -68,6 +70,7 @@ class SpillRadixCache(SpilledTree):
         self.spill_io = io
         self.namespace_id = namespace_id
         self.hints = hints
+        self.errors_logged: set[str] = set()  # guard.py: names whose first internal error was logged
         self.tier_orphans: dict[ExtentKey, list[ExtentInfo]] = {}  # see warm_start.py
         self.deferred_rid: str | None = None  # the request the last init_load_back deferred
         self._deferred_since: dict[str, float] = {}  # rid -> when its admission was first deferred
@@ -83,6 +86,7 @@ class SpillRadixCache(SpilledTree):
 
     # ---- eviction → spill -------------------------------------------------------------------
 
+    @contained("evict", fallbacks.evict_by_dropping)
     def evict(self, params: EvictParams) -> EvictResult:
         if self.disable:
             return EvictResult()
@@ -125,6 +129,7 @@ class SpillRadixCache(SpilledTree):
         """sglang's evictable tokens plus the slots of partial restores, which `evict` frees first."""
         return self.evictable_size_ + self.partial_restores.held_tokens
 
+    @contained("evict (a node's spill)", fallbacks.spilled_if_marked)
     def _spill_node(self, node: TreeNode) -> bool:
         n = len(node.value)
         ref: SpillRef | None = getattr(node, "spill", None)
@@ -179,6 +184,7 @@ class SpillRadixCache(SpilledTree):
 
     # ---- match: device prefix + spilled continuation ---------------------------------------
 
+    @contained("match_prefix", fallbacks.resident_match)
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         self._poll()
         self.spill_metrics.inc("match_requests")
@@ -204,6 +210,10 @@ class SpillRadixCache(SpilledTree):
             last_spilled, more = self._match_spilled(last_spilled, key[end:])
             host_len += more
         return last_device, device_len, last_spilled, host_len
+
+    @contained("insert (adopting spilled nodes)", fallbacks.spilled_path_dropped)
+    def _spilled_on_path(self, node: TreeNode, key: RadixKey) -> tuple[int, list[TreeNode]]:
+        return super()._spilled_on_path(node, key)
 
     # ---- prefetch at arrival ----------------------------------------------------------------
 
@@ -234,6 +244,7 @@ class SpillRadixCache(SpilledTree):
 
     # ---- restore ----------------------------------------------------------------------------
 
+    @contained("init_load_back", fallbacks.no_restore)
     def init_load_back(self, params: InitLoadBackParams) -> tuple[int, Any] | None:
         self._poll()
         rid = getattr(params.req, "rid", None)
@@ -297,6 +308,7 @@ class SpillRadixCache(SpilledTree):
         if self._attached(nodes[0]):
             self._prune_spilled(nodes[0])
 
+    @contained("init_load_back (readiness)", fallbacks.not_ready)
     def _restore_readiness(self, nodes: list[TreeNode], rid: str | None) -> Readiness:
         """Apply the prefetch policy to the reads this restore needs (starting any missing ones):
         WAIT defers admission until they land (up to the I/O timeout), TIMEOUT up to
@@ -331,7 +343,7 @@ class SpillRadixCache(SpilledTree):
             elif slots is not None:
                 self.token_to_kv_pool_allocator.free(slots)
         t0 = time.perf_counter()
-        ok = progress is not None and self.spill_io is not None and self.spill_io.restore(progress)
+        ok = progress is not None and self._restore_io(progress)
         if not self.agreement.all_ok(ok):  # every rank verified its bytes, or all recompute
             if progress is None:
                 self.spill_metrics.inc("restore_failures")
@@ -347,6 +359,10 @@ class SpillRadixCache(SpilledTree):
             self._mark_resident(node, node_slots.clone())
         return True
 
+    @contained("init_load_back (restore)", fallbacks.not_restored)
+    def _restore_io(self, progress: RestoreProgress) -> bool:
+        return self.spill_io is not None and self.spill_io.restore(progress)
+
     def _forget_old_deferrals(self) -> None:
         """Requests deferred long ago and never seen again (aborted) leave no state behind."""
         cutoff = time.monotonic() - 2 * (self.spill_config.io_timeout_s + self.spill_config.prefetch_ttl_s)
@@ -361,6 +377,7 @@ class SpillRadixCache(SpilledTree):
 
     # ---- accounting -------------------------------------------------------------------------
 
+    @contained("reset", fallbacks.empty_reset)
     def reset(self) -> None:
         """sglang's reset: an empty tree. At start, the tier's published extents are attached to it
         as spilled nodes (warm restart). Any later reset is a flush (`/flush_cache`, a weight update
@@ -420,6 +437,7 @@ class SpillRadixCache(SpilledTree):
         self._poll()
         check_cache_integrity(self, held_tokens, with_tier)
 
+    @contained("poll", nothing)
     def _poll(self) -> None:
         if self.spill_io is not None:
             self.spill_io.poll()

@@ -145,13 +145,18 @@ class SpilledTree(RadixCache):
 
     def _adopt_spilled(self, node: TreeNode, key: RadixKey, value: torch.Tensor) -> int:
         """Give the spilled nodes on `key`'s path the request's slots; returns how many tokens."""
-        values, last = self._match_prefix_helper(node, key)
-        pos = sum(len(v) for v in values)
-        end, matched = self._match_spilled(last, key[pos:])
-        for spilled in self._path_up(end, last) or []:
+        pos, chain = self._spilled_on_path(node, key)
+        for spilled in chain:
             self._mark_resident(spilled, value[pos : pos + len(spilled.key)].clone())
             pos += len(spilled.key)
-        return matched
+        return sum(len(n.key) for n in chain)
+
+    def _spilled_on_path(self, node: TreeNode, key: RadixKey) -> tuple[int, list[TreeNode]]:
+        """(resident tokens from `node` on `key`'s path, the spilled nodes that follow them)."""
+        values, last = self._match_prefix_helper(node, key)
+        pos = sum(len(v) for v in values)
+        end, _ = self._match_spilled(last, key[pos:])
+        return pos, self._path_up(end, last) or []
 
     # ---- accounting -------------------------------------------------------------------------
 

@@ -1,9 +1,16 @@
-"""A pool of I/O threads with two queues: loads before stores, stores never starved.
+"""A pool of I/O threads with two queues: loads before stores, stores never starved, one thread
+always left to loads.
 
 Why not one priority queue: strict priority would let a steady stream of loads starve stores
 forever (the cache would then never free host memory). Here a worker takes a load when one is
 queued, except that after `WRITE_EVERY` consecutive loads taken while a store was waiting it takes
 the store: stores get at least 1/(WRITE_EVERY+1) of dispatches under load pressure.
+
+Why stores never hold every thread: a store may wait on its thread for room (`Space.make_room`,
+up to ROOM_WAIT_S) or for a slow disk; if every thread held such a store, a restore's load would
+queue behind them for that long. With `threads >= 2` at most `threads - 1` stores run at once, so a
+load always finds a thread within one load's time. With one thread stores and loads take turns on
+it; a store can then never wait for room (no other store holds bytes in flight), only for its write.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ class IoScheduler:
         self._reads_since_write = 0
         self._closed = False
         self._active = 0
+        self._writing = 0  # stores running now
+        self.max_writers = max(1, threads - 1)
         self._threads = [
             threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(threads)
         ]
@@ -42,26 +51,31 @@ class IoScheduler:
     def _push(self, queue: deque[Job], job: Job) -> None:
         with self._cond:
             queue.append(job)
-            self._cond.notify()
+            self._cond.notify_all()  # a thread that may not take a store must not swallow the wake-up
 
-    def _next(self) -> Job | None:
+    def _next(self) -> tuple[Job, bool] | None:
+        """The next job and whether it is a store; None when closed and drained."""
         with self._cond:
-            while not (self._reads or self._writes or (self._closed and not self._active)):
+            while not (self._reads or self._write_allowed() or (self._closed and not self._active)):
                 self._cond.wait()
-            self._active += 1
-            take_write = self._writes and (not self._reads or self._reads_since_write >= WRITE_EVERY)
-            if take_write:
+            if self._write_allowed() and (not self._reads or self._reads_since_write >= WRITE_EVERY):
                 self._reads_since_write = 0
-                return self._writes.popleft()
+                self._active += 1
+                self._writing += 1
+                return self._writes.popleft(), True
             if self._reads:
                 self._reads_since_write += 1 if self._writes else 0
-                return self._reads.popleft()
-            self._active -= 1
+                self._active += 1
+                return self._reads.popleft(), False
             self._cond.notify_all()
             return None
 
+    def _write_allowed(self) -> bool:
+        return bool(self._writes) and self._writing < self.max_writers
+
     def _run(self) -> None:
-        while (job := self._next()) is not None:
+        while (next_job := self._next()) is not None:
+            job, is_write = next_job
             try:
                 job()  # jobs report their own errors as completions
             except Exception:  # a bug in a job: keep its traceback, keep the thread
@@ -69,6 +83,7 @@ class IoScheduler:
             finally:
                 with self._cond:
                     self._active -= 1
+                    self._writing -= int(is_write)
                     self._cond.notify_all()
 
     def close(self) -> None:

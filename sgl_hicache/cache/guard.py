@@ -1,0 +1,74 @@
+"""Containment of our exceptions in the calls sglang makes into the cache (`match_prefix`, `evict`,
+`init_load_back`, `reset`, and inserts through `cache_finished_req` / `cache_unfinished_req`).
+
+An exception raised by our extension logic (spill, restore, prefetch bookkeeping) must never reach
+sglang's scheduler loop: it would end the scheduler process, and with it the server. A method
+marked `@contained(name, fallback)` that raises an `Exception` instead counts it (the
+`internal_errors` counter), logs it once per name with its traceback, and returns what
+`fallback(cache, *args)` returns: sglang's plain `RadixCache` behaviour on our tree, which never
+serves KV that was not verified (a resident-only match, a restore not done, a drop instead of a
+spill). Fallbacks must leave the tree and pool consistent (`check_integrity` holds) whatever point
+the method reached; an exception from a fallback itself (sglang's own logic) is not ours to hide.
+
+Inner steps with a cheaper fallback (the poll of completions, one node's spill, a restore's
+readiness or unpack, the adoption of spilled nodes by an insert) are contained where they run, so
+the method goes on and, with TP > 1, still reaches its agreement collectives: a deterministic
+fault (every rank has the same tree) takes the same fallback on every rank. A fault on one rank
+only that escapes to a method's fallback can skip a collective; it is counted and logged like any.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
+
+from sgl_hicache.cache.metrics import SpillMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class Guarded(Protocol):
+    spill_metrics: SpillMetrics
+    errors_logged: set[str]
+
+
+S = TypeVar("S", bound=Guarded)
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def internal_error(cache: Guarded, name: str) -> None:
+    """Count the exception being handled and log it (with its traceback) the first time `name` fails."""
+    cache.spill_metrics.inc("internal_errors")
+    if name not in cache.errors_logged:
+        cache.errors_logged.add(name)
+        logger.exception(
+            "sgl_hicache: internal error in %s; served as sglang's plain radix cache would "
+            "(nothing unverified is used; logged once, counted in internal_errors)",
+            name,
+        )
+
+
+def contained(
+    name: str, fallback: Callable[Concatenate[S, P], T]
+) -> Callable[[Callable[Concatenate[S, P], T]], Callable[Concatenate[S, P], T]]:
+    """The method, or `fallback(self, ...)` after counting and logging an exception it raised."""
+
+    def wrap(method: Callable[Concatenate[S, P], T]) -> Callable[Concatenate[S, P], T]:
+        @functools.wraps(method)
+        def run(self: S, *args: P.args, **kwargs: P.kwargs) -> T:
+            try:
+                return method(self, *args, **kwargs)
+            except Exception:
+                internal_error(self, name)
+                return fallback(self, *args, **kwargs)
+
+        return run
+
+    return wrap
+
+
+def nothing(_cache: Any, *_args: Any, **_kwargs: Any) -> None:
+    """The fallback of a step that may simply be skipped (a poll: the next one sees its work)."""

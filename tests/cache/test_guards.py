@@ -1,0 +1,161 @@
+"""sglang's calls into the cache never see an exception of ours (issue 12): each path, made to raise
+inside our logic, counts the error, logs it once, serves as sglang's plain radix cache would, and
+leaves tree and pool consistent; the cache serves exactly afterwards."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+from tests.cache.conftest import expected_kv, read_kv
+
+A = list(range(100, 140))
+
+
+def boom(*_args: Any, **_kwargs: Any) -> Any:
+    raise RuntimeError("injected")
+
+
+@pytest.fixture
+def spilled(make_stack: Any) -> Any:
+    """A stack whose tree holds A spilled (on the tier, nothing resident)."""
+    s = make_stack()
+    s.insert(A)
+    s.evict_all()
+    return s
+
+
+def contained_twice(s: Any, caplog: Any, name: str, call: Any) -> list[Any]:
+    """Run `call` twice under the injected fault: both answered, counted twice, logged once."""
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="sgl_hicache.cache.guard"):
+        answers = [call(), call()]
+    assert s.metrics.totals["internal_errors"] == 2
+    logged = [r for r in caplog.records if f"internal error in {name};" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].exc_info is not None
+    s.cache.check_integrity()
+    return answers
+
+
+def restores_exactly(s: Any) -> None:
+    m = s.match(A)
+    assert (m.device_prefix_len, m.host_hit_length) == (0, len(A))
+    loaded, last = s.load_back(m)
+    assert loaded == len(A) and read_kv(s.pool, path_slots(s, last)) == expected_kv(A)
+    s.cache.check_integrity()
+
+
+def path_slots(s: Any, node: Any) -> Any:
+    """The slots of every node from the root down to `node`, in token order."""
+    values = []
+    while node is not s.cache.root_node:
+        values.append(node.value)
+        node = node.parent
+    return torch.cat(values[::-1])
+
+
+def test_match_prefix_serves_the_resident_match(spilled: Any, caplog: Any, monkeypatch: Any) -> None:
+    monkeypatch.setattr(spilled.cache, "_match_spilled", boom)
+    for m in contained_twice(spilled, caplog, "match_prefix", lambda: spilled.match(A)):
+        assert (m.device_prefix_len, m.host_hit_length) == (0, 0)
+    monkeypatch.undo()
+    restores_exactly(spilled)
+
+
+def test_a_failed_poll_is_skipped(spilled: Any, caplog: Any, monkeypatch: Any) -> None:
+    monkeypatch.setattr(spilled.cache.spill_io, "poll", boom)
+    for m in contained_twice(spilled, caplog, "poll", lambda: spilled.match(A)):
+        assert m.host_hit_length == len(A)  # the match itself went on
+    monkeypatch.undo()
+    restores_exactly(spilled)
+
+
+def test_a_node_whose_spill_raises_is_dropped(make_stack: Any, caplog: Any, monkeypatch: Any) -> None:
+    s = make_stack()
+    s.insert(A)
+    s.insert(A[:20] + [7] * 20)  # two leaves: two spills, both raising
+    monkeypatch.setattr(s.cache.spill_io, "store", boom)
+    results = contained_twice(
+        s, caplog, "evict (a node's spill)", lambda: s.cache.evict(EvictParams(num_tokens=1))
+    )
+    assert [r.num_tokens_evicted for r in results] == [20, 20]
+    assert s.metrics.totals["dropped_tokens"] == 40 and s.cache.spilled_tokens == 0
+    monkeypatch.undo()
+    s.evict_all()  # the shared head (still resident) spills now; the dropped tails are gone
+    assert s.match(A).host_hit_length == 20
+    s.insert(A)
+    s.evict_all()
+    restores_exactly(s)
+
+
+def test_evict_falls_back_to_dropping(make_stack: Any, caplog: Any, monkeypatch: Any) -> None:
+    s = make_stack()
+    s.insert(A)
+    s.insert(A[:20] + [7] * 20)
+    free = s.allocator.available_size()
+    monkeypatch.setattr(s.cache.partial_restores, "evict", boom)
+    results = contained_twice(s, caplog, "evict", lambda: s.cache.evict(EvictParams(num_tokens=1)))
+    assert [r.num_tokens_evicted for r in results] == [20, 20]
+    assert s.allocator.available_size() == free + 40 and s.cache.spilled_tokens == 0
+    monkeypatch.undo()
+    assert s.match(A).device_prefix_len == 20  # the tails were dropped, the shared head stays
+    s.insert(A)
+    s.evict_all()
+    restores_exactly(s)
+
+
+@pytest.mark.parametrize(
+    ("target", "name"),
+    [
+        ("reads.readiness", "init_load_back (readiness)"),
+        ("restore", "init_load_back (restore)"),
+        ("cache._agreed_readiness", "init_load_back"),
+    ],
+)
+def test_init_load_back_recomputes(
+    spilled: Any, caplog: Any, monkeypatch: Any, target: str, name: str
+) -> None:
+    owner, attr = target.rsplit(".", 1) if "." in target else ("", target)
+    obj = {"reads": spilled.cache.spill_io.reads, "cache": spilled.cache, "": spilled.cache.spill_io}[owner]
+    free = spilled.allocator.available_size()
+    monkeypatch.setattr(obj, attr, boom)
+    m = spilled.match(A)
+    for answer in contained_twice(spilled, caplog, name, lambda: spilled.load_back(m)):
+        assert answer == (0, m.last_device_node)
+    assert spilled.allocator.available_size() == free and spilled.cache.deferred_rid is None
+    monkeypatch.undo()
+    restores_exactly(spilled)
+
+
+def test_insert_over_spilled_nodes_drops_them(spilled: Any, caplog: Any, monkeypatch: Any) -> None:
+    monkeypatch.setattr(spilled.cache, "_match_spilled", boom)
+    contained_twice(spilled, caplog, "insert (adopting spilled nodes)", lambda: spilled.insert(A, ids=A))
+    monkeypatch.undo()
+    m = spilled.match(A)
+    assert (m.device_prefix_len, m.host_hit_length) == (len(A), 0)
+    assert read_kv(spilled.pool, path_slots(spilled, m.last_device_node)) == expected_kv(A)
+    spilled.evict_all()
+    restores_exactly(spilled)
+
+
+def test_reset_falls_back_to_an_empty_tree_in_a_new_epoch(
+    spilled: Any, caplog: Any, monkeypatch: Any
+) -> None:
+    epochs = [spilled.cache.epoch]
+
+    def reset() -> None:
+        spilled.cache.reset()
+        epochs.append(spilled.cache.epoch)
+
+    monkeypatch.setattr(spilled.cache.spill_io.reads, "clear", boom)
+    contained_twice(spilled, caplog, "reset", reset)
+    assert len(set(epochs)) == 3 and spilled.cache.spilled_tokens == 0
+    assert spilled.match(A).host_hit_length == 0  # nothing named before is found
+    monkeypatch.undo()
+    spilled.insert(A)
+    spilled.evict_all()
+    restores_exactly(spilled)
