@@ -190,13 +190,19 @@ class SpillRadixCache(SpilledTree):
         self.spill_metrics.inc("match_requests")
         key, _ = params.key.maybe_to_bigram_view(self.is_eagle)
         if self.disable or len(key) == 0:
-            return self._empty_match_result
+            return self._no_match()
         key = key.page_aligned(self.page_size)
         if len(key) == 0:
-            return self._empty_match_result
+            return self._no_match()
         last_device, device_len, last_spilled, host_len = self._walk(key)
         return MatchResult(device_prefix_len=device_len, last_device_node=last_device, last_host_node=last_spilled,
                            best_match_node=last_spilled, host_hit_length=host_len)  # fmt: skip
+
+    def _no_match(self) -> MatchResult:
+        root = self.root_node
+        return MatchResult(
+            device_prefix_len=0, last_device_node=root, last_host_node=root, best_match_node=root
+        )
 
     def _walk(self, key: RadixKey) -> tuple[TreeNode, int, TreeNode, int]:
         """(deepest device node, device tokens, deepest spilled node, spilled tokens) on `key`'s

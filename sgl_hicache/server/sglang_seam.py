@@ -123,7 +123,7 @@ SEAM = (
     # the cache: SpilledTree(RadixCache), SpillRadixCache, warm_start
     Touch(_RADIX + "RadixCache", CLASS, ("params",), members=("evictable_leaves", "token_to_kv_pool_allocator",
           "evictable_size_", "protected_size_", "root_node", "page_size", "disable", "eviction_strategy",
-          "kv_events", "is_eagle", "_empty_match_result")),
+          "kv_events", "is_eagle")),
     Touch(_RADIX + "RadixCache._match_prefix_helper", OVERRIDE, ("node", "key")),
     Touch(_RADIX + "RadixCache._split_node", OVERRIDE, ("key", "child", "split_len")),
     Touch(_RADIX + "RadixCache._insert_helper", OVERRIDE, ("node", "key", "value", "priority", "inserted_len")),
