@@ -103,7 +103,10 @@ class TierConfig:
     min_free_bytes: int = option(
         1 * GiB, "keep at least this much free space on the volume", "--hicache-spill-min-free"
     )
-    io_threads: int = option(8, "parallel I/O threads (reads have priority over writes)")
+    io_threads: int = option(
+        8,
+        "parallel I/O threads (reads go first; at most N-1 writes run at once, so a read always finds a thread)",
+    )
     chunk_bytes: int = option(
         4 * MiB, "large extents are read as parallel chunks of this size", "--hicache-spill-chunk-size"
     )
