@@ -31,7 +31,7 @@ from sgl_hicache.cache.reads import ExtentReads, needs
 from sgl_hicache.cache.spill_state import Extent, ExtentState, SpillRef
 from sgl_hicache.cache.staging import StagingPool
 from sgl_hicache.kernels import KVPoolView, pack_kv, packed_nbytes, unpack_kv
-from sgl_hicache.tier import ExtentKey, Ticket, Tier
+from sgl_hicache.tier import Completion, ExtentKey, Ticket, Tier
 
 logger = logging.getLogger(__name__)
 
@@ -91,13 +91,33 @@ class SpillIO:
         self.tier.close(timeout_s)
 
     def poll(self) -> None:
+        """Take every finished tier operation. The tier hands each completion over once: one whose
+        handling raises must not lose the ones after it (their writes would stay in flight, their
+        staging held, for good), so all are handled and then the first exception is raised."""
+        errors: list[Exception] = []
         for done in self.tier.get_finished():
-            if self.reads.completed(done):
-                continue
-            extent = self._writing.pop(done.ticket, None)
-            if extent is not None:
-                self._finish_write(extent, done.ok)
+            try:
+                self._complete(done)
+            except Exception as e:  # re-raised below, after the rest are handled
+                errors.append(e)
         self.reads.expire()
+        if errors:
+            raise errors[0]
+
+    def _complete(self, done: Completion) -> None:
+        if self.reads.completed(done):
+            return
+        extent = self._writing.pop(done.ticket, None)
+        if extent is None:
+            return
+        try:
+            self._finish_write(extent, done.ok)
+        except Exception:  # whatever it reached: the staging goes back and the extent is never read
+            if extent.staged is not None:
+                self.staging.release(extent.staged)
+                extent.staged = None
+            extent.state = ExtentState.LOST
+            raise
 
     def _finish_write(self, extent: Extent, ok: bool) -> None:
         if extent.staged is not None:

@@ -159,3 +159,38 @@ def test_reset_falls_back_to_an_empty_tree_in_a_new_epoch(
     spilled.insert(A)
     spilled.evict_all()
     restores_exactly(spilled)
+
+
+def test_a_poll_that_fails_on_one_completion_still_takes_the_others(
+    make_stack: Any, caplog: Any, monkeypatch: Any
+) -> None:
+    """The tier hands each completion over once: a failure on the first must not strand the second
+    write in flight (its staging held and its node never restorable) for good."""
+    import time
+
+    s = make_stack()
+    s.insert(A)
+    s.insert(A[:20] + [7] * 20)  # a shared head and two leaves: three writes
+    io = s.cache.spill_io
+    monkeypatch.setattr(io, "poll", lambda: None)  # the writes finish unseen ...
+    s.cache.evict(EvictParams(num_tokens=10**9))
+    writes = io.writes_in_flight
+    assert writes >= 2
+    deadline = time.monotonic() + 30
+    while io.tier.stats().stores < writes:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    monkeypatch.undo()
+    finish, calls = io._finish_write, []
+
+    def first_fails(extent: Any, ok: bool) -> None:
+        calls.append(extent)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        finish(extent, ok)
+
+    monkeypatch.setattr(io, "_finish_write", first_fails)  # ... then the first one's handling raises
+    assert s.match(A).device_prefix_len == 0  # answered; the poll's error contained
+    assert s.metrics.totals["internal_errors"] == 1
+    assert len(calls) == writes and io.writes_in_flight == 0, "writes after the first were lost with it"
+    s.cache.check_integrity()
