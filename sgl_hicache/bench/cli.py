@@ -43,7 +43,9 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     shape, mt, tr = Shape(), MultiTurn(), Trace()
     p.add_argument(
-        "--quick", action="store_true", help="one repeat, a shorter multi-turn run, 16 trace requests"
+        "--quick",
+        action="store_true",
+        help="one repeat, the first concurrency only, at most 12 trace requests",
     )
     p.add_argument(
         "--systems", default=",".join(SYSTEMS),
@@ -69,7 +71,9 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--page-size", type=int, default=shape.page_size)
     p.add_argument(
-        "--concurrency", default="8,16", help="multi-turn concurrencies, comma-separated; '' for none"
+        "--concurrency",
+        default=",".join(str(m.concurrency) for m in BenchSpec().multiturn),
+        help="multi-turn concurrencies, comma-separated; '' for none (default %(default)s)",
     )
     p.add_argument("--rounds", type=int, default=mt.rounds)
     p.add_argument("--first-tokens", type=int, default=mt.first_tokens)

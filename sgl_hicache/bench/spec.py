@@ -64,11 +64,13 @@ def expand_systems(names: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Shape:
-    """The serving setup every system shares."""
+    """The serving setup every system shares. The defaults (with those of `MultiTurn`, `Trace` and
+    `BenchSpec.repeats`) size the full run to about 30 minutes on a quiet 2-vCPU machine with
+    SmolLM2-135M: 8 systems x 3 repeats, each a fresh server (~30 s to start and stop)."""
 
     model: str = "smollm2"  # smollm2 (SmolLM2-135M-Instruct), a generated size (tiny, small) or a directory
-    pool_tokens: int = 4096  # --max-total-tokens: the device KV pool
-    host_budget_mb: int = 64  # HiCache's host pool; our staging bound
+    pool_tokens: int = 2048  # --max-total-tokens: the device KV pool
+    host_budget_mb: int = 64  # our staging bound; the host pool of the *-budget HiCache configurations
     # HiCache's `file` backend writes one file per page: at page size 1 that is a file per token,
     # a configuration nobody would run; 16 is served correctly by all three systems on CPU.
     page_size: int = 16
@@ -91,9 +93,9 @@ class MultiTurn:
 
     concurrency: int = 8
     rounds: int = 3
-    first_tokens: int = 1024  # the opening prompt (system prompt + first question)
-    question_tokens: int = 128
-    output_tokens: int = 32
+    first_tokens: int = 512  # the opening prompt (system prompt + first question)
+    question_tokens: int = 64
+    output_tokens: int = 16
 
     def __post_init__(self) -> None:
         for name in ("concurrency", "rounds", "first_tokens", "question_tokens", "output_tokens"):
@@ -114,9 +116,9 @@ class Trace:
     """Open-loop replay of a Mooncake-format trace (a file, or one synthesized from `seed`)."""
 
     path: Path | None = None
-    requests: int = 24  # replay at most this many (synthesized: exactly this many)
-    time_scale: float = 1.0  # arrival times are multiplied by this
-    token_scale: float = 0.25  # block, input and output lengths are multiplied by this
+    requests: int = 16  # replay at most this many (synthesized: exactly this many)
+    time_scale: float = 0.5  # arrival times are multiplied by this
+    token_scale: float = 0.125  # block, input and output lengths are multiplied by this
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -176,12 +178,10 @@ class BenchSpec:
 
 
 def quick(spec: BenchSpec) -> BenchSpec:
-    """The `--quick` preset: one repeat, a shorter multi-turn run and fewer trace requests."""
+    """The `--quick` preset: one repeat, the first multi-turn workload, at most 12 trace requests."""
     return replace(
         spec,
-        multiturn=(
-            MultiTurn(concurrency=8, rounds=3, first_tokens=768, question_tokens=96, output_tokens=16),
-        ),
-        trace=None if spec.trace is None else replace(spec.trace, requests=min(spec.trace.requests, 16)),
+        multiturn=spec.multiturn[:1],
+        trace=None if spec.trace is None else replace(spec.trace, requests=min(spec.trace.requests, 12)),
         repeats=1,
     )
