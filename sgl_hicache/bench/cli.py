@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except ServerStartError as e:
-        where = f"{args.out}/run-*/{run.log_name('<system>', 0).replace('r0', 'r<repeat>')}"
+        where = f"{args.out}/run-*/<system>-r<repeat>.log"
         print(f"error: a server did not start: {str(e).splitlines()[0]} (its log: {where})", file=sys.stderr)
         return 1
 

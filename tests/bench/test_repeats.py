@@ -11,16 +11,26 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from aiohttp import web
 from tqdm import tqdm
 
-from sgl_hicache.bench import aggregate, drive, gate, report, run
+from sgl_hicache.bench import aggregate, drive, gate, report, run, systems
 from sgl_hicache.bench.aggregate import Measured
 from sgl_hicache.bench.cli import parser, spec_from
 from sgl_hicache.bench.client import Result
-from sgl_hicache.bench.spec import HICACHE, SYSTEMS, Gate, MultiTurn, SpecError, expand_systems
+from sgl_hicache.bench.spec import (
+    HICACHE,
+    SYSTEMS,
+    Gate,
+    HiCacheConfig,
+    MultiTurn,
+    Shape,
+    SpecError,
+    expand_systems,
+)
 from sgl_hicache.bench.summary import Figures, ratios, summarize
 from sgl_hicache.bench.workload import Request
 
@@ -138,6 +148,30 @@ def test_cli_presets_and_system_names() -> None:
         expand_systems("ours,vllm")
     with pytest.raises(SpecError, match="repeats must be >= 1"):
         spec("--repeats", "0")
+
+
+def _flag(flags: tuple[str, ...], name: str) -> str:
+    return flags[flags.index(name) + 1]
+
+
+@pytest.mark.parametrize("config", list(HICACHE.values()), ids=lambda c: c.name)
+def test_each_hicache_configuration_is_its_flags(config: HiCacheConfig, tmp_path: Path) -> None:
+    model = tmp_path / "m"
+    model.mkdir()
+    model.joinpath("config.json").write_text(json.dumps(
+        {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+         "hidden_size": 576}))  # fmt: skip
+    shape = Shape(pool_tokens=2048, host_budget_mb=64)
+    system = systems.build(config.name, shape, model, tmp_path)
+    assert _flag(system.flags, "--hicache-storage-prefetch-policy") == config.prefetch_policy
+    assert _flag(system.flags, "--hicache-host-memory-mode") == config.memory_mode
+    assert _flag(system.flags, "--hicache-storage-backend") == "file"
+    host_tokens = float(_flag(system.flags, "--hicache-ratio")) * shape.pool_tokens
+    if config.host == "budget":  # 64 MiB of 23040-byte tokens
+        assert int(host_tokens) == 64 * 2**20 // 23040
+    else:
+        assert host_tokens == (1.2 if config.memory_mode == "buffer_only" else 2.0) * shape.pool_tokens
+    assert dict(system.env)["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] == str(system.tier_dir)
 
 
 @pytest.fixture
