@@ -8,6 +8,7 @@ same dataclasses; the CLI overrides single fields.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from pathlib import Path
 
 
@@ -15,17 +16,21 @@ class SpecError(ValueError):
     """A benchmark setting that cannot work; the message is one line for the user."""
 
 
+class HostPool(Enum):
+    """How a HiCache configuration sizes its host pool."""
+
+    DEFAULT = "default"  # sglang's default --hicache-ratio for the memory mode (passed explicitly,
+    # so sglang's host-memory auto-sizing cannot shrink it)
+    BUDGET = "budget"  # the run's host budget, the bound of our staging
+
+
 @dataclass(frozen=True)
 class HiCacheConfig:
-    """One configuration of sglang HiCache (host-memory L2 + `file` L3) that a run measures.
-
-    `host`: "default" sizes the host pool at sglang's default `--hicache-ratio` for the memory mode
-    (2.0 in `cache` mode, 1.2 in `buffer_only`: passed explicitly, so sglang's auto-sizing cannot
-    shrink it); "budget" sizes it to the run's host budget, the bound of our staging."""
+    """One configuration of sglang HiCache (host-memory L2 + `file` L3) that a run measures."""
 
     name: str
     prefetch_policy: str  # --hicache-storage-prefetch-policy
-    host: str  # "default" | "budget"
+    host: HostPool
     memory_mode: str = "cache"  # --hicache-host-memory-mode
 
     @property
@@ -34,14 +39,14 @@ class HiCacheConfig:
 
 
 HICACHE_CONFIGS = (
-    HiCacheConfig("hicache-wait-r2", "wait_complete", "default"),
-    HiCacheConfig("hicache-timeout-r2", "timeout", "default"),
-    HiCacheConfig("hicache-wait-budget", "wait_complete", "budget"),
-    HiCacheConfig("hicache-timeout-budget", "timeout", "budget"),
-    HiCacheConfig("hicache-buffer", "wait_complete", "default", memory_mode="buffer_only"),
+    HiCacheConfig("hicache-wait-r2", "wait_complete", HostPool.DEFAULT),
+    HiCacheConfig("hicache-timeout-r2", "timeout", HostPool.DEFAULT),  # sglang's default policy
+    HiCacheConfig("hicache-wait-budget", "wait_complete", HostPool.BUDGET),
+    HiCacheConfig("hicache-timeout-budget", "timeout", HostPool.BUDGET),
+    HiCacheConfig("hicache-buffer", "wait_complete", HostPool.DEFAULT, memory_mode="buffer_only"),
 )
 """Every HiCache configuration a full run measures; the gate judges ours against the best of them
-per workload (`aggregate.best_hicache`)."""
+per workload (`summary.best_hicache`)."""
 HICACHE = {c.name: c for c in HICACHE_CONFIGS}
 
 SYSTEMS = ("recompute", *HICACHE, "ours", "resident")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sgl_hicache.bench.server_process import CPU_FLAGS, ServerProcess
-from sgl_hicache.bench.spec import HICACHE, HiCacheConfig, Shape
+from sgl_hicache.bench.spec import HICACHE, HiCacheConfig, HostPool, Shape
 
 COMMON_FLAGS = ("--enable-metrics", "--enable-cache-report")
 HICACHE_COMPAT_ENV = {"SGL_HICACHE_CPU_HICACHE_COMPAT": "1"}
@@ -78,7 +78,7 @@ def build(name: str, shape: Shape, model: Path, workdir: Path, *, tier_capacity_
 def hicache_flags(config: HiCacheConfig, shape: Shape, model: Path) -> tuple[str, ...]:
     """The `--hicache-*` flags of one HiCache configuration (write policy: sglang's default,
     `write_through`)."""
-    ratio = config.default_ratio if config.host == "default" else _host_ratio(shape, model)
+    ratio = config.default_ratio if config.host is HostPool.DEFAULT else _host_ratio(shape, model)
     return ("--enable-hierarchical-cache", "--hicache-ratio", f"{ratio:.6f}",
             "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
             "--hicache-storage-backend", "file",
