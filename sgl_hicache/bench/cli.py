@@ -1,10 +1,12 @@
 """`python -m sgl_hicache.bench`: ours vs sglang's default cache vs sglang HiCache, side by side.
 
-Each system serves the same generated model with the same device pool, host-memory budget and
-token-level workloads (closed-loop multi-turn chat at each concurrency, then a Mooncake-format
-trace replay). Progress goes to stderr; results go to OUT_DIR/run-<time>/ as results.json,
-requests.csv, summary.csv and ttft_per_round.png; the last stdout line is one JSON object.
-Exit status: 0, or 1 when `--gate`/`--soak` fail, 2 on bad arguments.
+Each system serves the same model (default: SmolLM2-135M-Instruct) with the same device pool,
+host-memory budget and token-level workloads (closed-loop multi-turn chat at each concurrency, then
+a Mooncake-format trace replay), `--repeats` times in interleaved order. HiCache runs in every
+configuration of `spec.HICACHE_CONFIGS`; the gate judges ours against the best of them per workload
+(lowest median resumed-turn TTFT p50). Progress goes to stderr; results go to OUT_DIR/run-<time>/
+as results.json, requests.csv, summary.csv and ttft_per_round.png; the last stdout line is one JSON
+object. Exit status: 0, or 1 when `--gate`/`--soak` fail, 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -13,14 +15,27 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from sgl_hicache.bench import gate, report, run, soak
+from sgl_hicache.bench import aggregate, gate, report, run, soak
+from sgl_hicache.bench.aggregate import Measured
+from sgl_hicache.bench.client import Result
 from sgl_hicache.bench.server_process import ServerStartError
-from sgl_hicache.bench.spec import SYSTEMS, BenchSpec, Gate, MultiTurn, Shape, Soak, SpecError, Trace, quick
-from sgl_hicache.bench.summary import Figures, ratios, summarize
+from sgl_hicache.bench.spec import (
+    SYSTEMS,
+    BenchSpec,
+    Gate,
+    MultiTurn,
+    Shape,
+    Soak,
+    SpecError,
+    Trace,
+    expand_systems,
+    quick,
+)
+from sgl_hicache.bench.summary import ratios, summarize
 
 
 def parser() -> argparse.ArgumentParser:
@@ -28,12 +43,20 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     shape, mt, tr = Shape(), MultiTurn(), Trace()
     p.add_argument(
-        "--quick", action="store_true", help="concurrency 8 only, 3 rounds, 24 trace requests (≈10 min)"
+        "--quick",
+        action="store_true",
+        help="one repeat, the first concurrency only, at most 12 trace requests",
     )
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of %(default)s")
     p.add_argument(
-        "--model", default=shape.model, help="generated size (tiny, small) or model dir (default %(default)s)"
-    )
+        "--systems", default=",".join(SYSTEMS),
+        help="comma-separated subset of %(default)s; 'hicache' = every HiCache configuration",
+    )  # fmt: skip
+    p.add_argument("--repeats", type=int, default=None,
+                   help=f"runs of each system, interleaved; figures are medians (default {BenchSpec().repeats}; --quick: 1)")  # fmt: skip
+    p.add_argument(
+        "--model", default=shape.model,
+        help="smollm2, a generated size (tiny, small) or a model dir (default %(default)s)",
+    )  # fmt: skip
     p.add_argument(
         "--pool-tokens",
         type=int,
@@ -44,11 +67,13 @@ def parser() -> argparse.ArgumentParser:
         "--host-budget-mb",
         type=int,
         default=shape.host_budget_mb,
-        help="host memory for HiCache's L2 and our staging, MiB (default %(default)s)",
+        help="our staging bound and the host pool of the *-budget HiCache configurations, MiB (default %(default)s)",
     )
     p.add_argument("--page-size", type=int, default=shape.page_size)
     p.add_argument(
-        "--concurrency", default="8,16", help="multi-turn concurrencies, comma-separated; '' for none"
+        "--concurrency",
+        default=",".join(str(m.concurrency) for m in BenchSpec().multiturn),
+        help="multi-turn concurrencies, comma-separated; '' for none (default %(default)s)",
     )
     p.add_argument("--rounds", type=int, default=mt.rounds)
     p.add_argument("--first-tokens", type=int, default=mt.first_tokens)
@@ -79,11 +104,12 @@ def spec_from(args: argparse.Namespace) -> BenchSpec:
     trace = None if args.no_trace else Trace(path=args.trace, requests=args.trace_requests,
                                               time_scale=args.time_scale, token_scale=args.token_scale)  # fmt: skip
     spec = BenchSpec(
-        shape=shape, multiturn=multiturn, trace=trace, systems=tuple(s for s in args.systems.split(",") if s),
+        shape=shape, multiturn=multiturn, trace=trace, systems=expand_systems(args.systems),
         gate=Gate() if args.gate else None, soak=Soak(minutes=args.soak, load=soak_load) if args.soak > 0 else None,
         out_dir=args.out, drop_page_cache=not args.keep_page_cache,
     )  # fmt: skip
-    return quick(spec) if args.quick else spec
+    spec = quick(spec) if args.quick else spec
+    return spec if args.repeats is None else replace(spec, repeats=args.repeats)
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -103,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except ServerStartError as e:
-        where = f"{args.out}/run-*/<system>.log"
+        where = f"{args.out}/run-*/<system>-r<repeat>.log"
         print(f"error: a server did not start: {str(e).splitlines()[0]} (its log: {where})", file=sys.stderr)
         return 1
 
@@ -113,14 +139,14 @@ def execute(spec: BenchSpec) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model = run.resolve_model(spec.shape.model, spec.out_dir)
     replay = run.trace_requests(spec, run.vocab_size(model))
-    compare = bool(spec.multiturn or replay)
-    outcomes = {name: run.run_system(name, spec, model, out, replay) for name in spec.systems if compare}
-    workloads: dict[str, dict[str, Figures]] = {}
-    for name, o in outcomes.items():
-        for w, results in o.results.items():
-            workloads.setdefault(w, {})[name] = summarize(results, o.wall_s[w], o.metrics[w])
-    extra: dict[str, Any] = _extra(spec, outcomes)
-    failures = gate.check(spec.gate, workloads) if spec.gate else []
+    order = run.schedule(spec.systems, spec.repeats) if spec.multiturn or replay else []
+    runs: dict[str, list[run.SystemOutcome]] = {}
+    for repeat, name in order:  # each system's list is in repeat order
+        runs.setdefault(name, []).append(run.run_system(name, spec, model, out, replay, repeat))
+    measured = _measured(runs)
+    figures = aggregate.medians(measured)
+    extra: dict[str, Any] = _extra(spec, runs)
+    failures = gate.check(spec.gate, figures) if spec.gate else []
     if spec.soak is not None:
         s = soak.run(spec, spec.soak, model, out, run.vocab_size(model))
         extra.update(s.figures())
@@ -128,21 +154,55 @@ def execute(spec: BenchSpec) -> int:
     if spec.gate or spec.soak:
         extra["gate"] = "fail" if failures else "pass"
         extra["gate_failures"] = failures
-    line = report.final_line(workloads, {w: ratios(f) for w, f in workloads.items()}, extra)
-    report.write(out, {n: o.results for n, o in outcomes.items()}, workloads, line,
-                 {n: o.metrics for n, o in outcomes.items()})  # fmt: skip
+    extra.update(report.versus_best_keys(aggregate.versus_best(measured), measured))
+    line = report.final_line(figures, {w: ratios(f) for w, f in figures.items()}, extra)
+    report.write(out, _results(runs), figures, line, _metrics(runs), measured)
     for f in failures:
         print(f"gate: {f}", file=sys.stderr)
     print(json.dumps(line, sort_keys=True), flush=True)
     return 1 if failures else 0
 
 
-def _extra(spec: BenchSpec, outcomes: dict[str, run.SystemOutcome]) -> dict[str, Any]:
-    methods = sorted({m for o in outcomes.values() for m in o.page_cache})
+def _measured(runs: dict[str, list[run.SystemOutcome]]) -> dict[str, dict[str, Measured]]:
+    """Per workload and system, the figures of every repeat."""
+    out: dict[str, dict[str, Measured]] = {}
+    for name, outcomes in runs.items():
+        for w in outcomes[0].results:
+            per_repeat = tuple(summarize(o.results[w], o.wall_s[w], o.metrics[w]) for o in outcomes)
+            out.setdefault(w, {})[name] = Measured(per_repeat)
+    return out
+
+
+def _results(runs: dict[str, list[run.SystemOutcome]]) -> dict[str, dict[str, list[Result]]]:
+    out: dict[str, dict[str, list[Result]]] = {}
+    for name, outcomes in runs.items():
+        for o in outcomes:
+            for w, rs in o.results.items():
+                out.setdefault(name, {}).setdefault(w, []).extend(rs)
+    return out
+
+
+def _metrics(runs: dict[str, list[run.SystemOutcome]]) -> dict[str, dict[str, dict[str, float]]]:
+    """How each `/metrics` series moved per system and workload, summed over repeats."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for name, outcomes in runs.items():
+        for o in outcomes:
+            for w, moved in o.metrics.items():
+                acc = out.setdefault(name, {}).setdefault(w, {})
+                for k, v in moved.items():
+                    acc[k] = acc.get(k, 0.0) + v
+    return out
+
+
+def _extra(spec: BenchSpec, runs: dict[str, list[run.SystemOutcome]]) -> dict[str, Any]:
+    methods = sorted({m for os_ in runs.values() for o in os_ for m in o.page_cache})
     return {
         "out_dir": str(spec.out_dir),
+        "model": spec.shape.model,
+        "repeats": spec.repeats,
+        "order": [f"{name}/r{r}" for r, name in run.schedule(spec.systems, spec.repeats)] if runs else [],
         "shape": asdict(spec.shape),
         "page_cache": ",".join(methods) if methods else "kept",
-        "rss_peak_mb": {n: o.rss_peak_mb for n, o in outcomes.items()},
-        "tier_mb": {n: o.tier_bytes / 2**20 for n, o in outcomes.items()},
+        "rss_peak_mb": {n: max(o.rss_peak_mb for o in os_) for n, os_ in runs.items()},
+        "tier_mb": {n: max(o.tier_bytes for o in os_) / 2**20 for n, os_ in runs.items()},
     }

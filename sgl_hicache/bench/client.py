@@ -29,7 +29,7 @@ class Result:
     round: int
     resumed: bool
     prompt_tokens: int
-    sent_s: float = 0.0  # since the workload started
+    sent_s: float = 0.0  # since the workload (multi-turn: its round) started
     ttft_ms: float = float("nan")
     latency_ms: float = float("nan")
     itl_ms: list[float] = field(default_factory=list)
@@ -37,6 +37,7 @@ class Result:
     cached_tokens: int = 0  # sglang's `cached_tokens`: prompt tokens not computed
     cached: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))  # by tier
     error: str | None = None
+    repeat: int = 0  # which of the run's repeats
 
 
 async def generate(

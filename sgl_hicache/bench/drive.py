@@ -1,9 +1,12 @@
 """Drive one running server through one workload and collect a `Result` per request.
 
 Multi-turn chat is closed-loop: every conversation's turn waits for its previous answer, and rounds
-are separated by a barrier where the page cache is dropped. A trace is open-loop: requests are sent
-at their (scaled) arrival times whatever the server's progress, while the page cache is dropped
-every `DROP_EVERY_S` seconds.
+are separated by a barrier where the page cache is dropped with the clock stopped (nothing is in
+flight then; the workload's wall time is the sum of its rounds). A trace is open-loop: requests are
+sent at their (scaled) arrival times whatever the server's progress. Its page cache is dropped with
+the clock stopped before the first request; during the replay some request is always in flight, so
+the clock cannot stop: the drop runs every `DROP_EVERY_S` seconds in a thread, inside the timed
+window, alike for every system.
 """
 
 from __future__ import annotations
@@ -35,20 +38,22 @@ async def multiturn(
 ) -> Driven:
     convs = [Conversation.open(salt * 10_000 + i, spec.first_tokens, vocab) for i in range(spec.concurrency)]
     results: list[Result] = []
+    wall = 0.0
     async with new_session() as session:
-        t0 = time.perf_counter()
         for _ in range(spec.rounds):
+            await asyncio.to_thread(drop)  # the barrier: nothing in flight, clock stopped
             turns = [c.next_turn(spec.question_tokens, spec.output_tokens) for c in convs]
+            t0 = time.perf_counter()
             done = await asyncio.gather(*(_one(session, base_url, t, spec.name, t0, bar) for t in turns))
+            wall += time.perf_counter() - t0
             for conv, turn, result in zip(convs, turns, done, strict=True):
                 conv.answered(turn, result.output_ids or [])
             results += done
-            await asyncio.to_thread(drop)
-        wall = time.perf_counter() - t0
     return Driven(spec.name, results, wall)
 
 
 async def replay(base_url: str, requests: list[Request], drop: Callable[[], object], bar: tqdm) -> Driven:
+    await asyncio.to_thread(drop)  # before the clock starts
     async with new_session() as session:
         t0 = time.perf_counter()
         dropper = asyncio.create_task(_drop_every(drop, DROP_EVERY_S))

@@ -10,10 +10,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from sgl_hicache.bench.aggregate import COUNTS, Measured, VersusBest
 from sgl_hicache.bench.client import Result
 from sgl_hicache.bench.summary import Figures, pct
 
-REQUEST_FIELDS = ("system", "workload", "key", "round", "resumed", "prompt_tokens", "sent_s", "ttft_ms",
+REQUEST_FIELDS = ("system", "repeat", "workload", "key", "round", "resumed", "prompt_tokens", "sent_s", "ttft_ms",
                   "latency_ms", "output_tokens", "cached_tokens", "cached_device", "cached_host",
                   "cached_storage", "error")  # fmt: skip
 
@@ -50,10 +51,41 @@ def final_line(workloads: dict[str, dict[str, Figures]], ratios: dict[str, dict[
     return _clean(line)  # type: ignore[no-any-return]
 
 
+def versus_best_keys(vs: VersusBest, measured: dict[str, dict[str, Measured]]) -> dict[str, Any]:
+    """The final line's figures against the best HiCache configuration (medians over repeats, per
+    workload and "overall"), their per-repeat ranges, and the headline workload's spreads."""
+    head = next(iter(measured), None)
+    by = measured.get(head, {}) if head else {}
+    return {
+        "best_hicache_config": vs.config,
+        "ttft_vs_best_hicache": vs.ttft,
+        "throughput_vs_best_hicache": vs.throughput,
+        "ttft_vs_best_hicache_range": {w: list(r) for w, r in vs.ttft_range.items()},
+        "throughput_vs_best_hicache_range": {w: list(r) for w, r in vs.throughput_range.items()},
+        "ttft_resume_p50_ms_range": {s: [m.low.ttft_resume_p50_ms, m.high.ttft_resume_p50_ms] for s, m in by.items()},
+        "throughput_tok_s_range": {s: [m.low.throughput_tok_s, m.high.throughput_tok_s] for s, m in by.items()},
+    }  # fmt: skip
+
+
+def figures_doc(workloads: dict[str, dict[str, Figures]],
+                spread: dict[str, dict[str, Measured]] | None) -> dict[str, Any]:  # fmt: skip
+    """Each system's figures per workload (medians over repeats) with, given repeats, each figure's
+    min-max spread and the per-repeat figures."""
+    doc: dict[str, Any] = {w: {s: f.to_json() for s, f in fs.items()} for w, fs in workloads.items()}
+    for w, by in (spread or {}).items():
+        for s, m in by.items():
+            lo, hi = m.low.to_json(), m.high.to_json()
+            doc[w][s]["spread"] = {k: [lo[k], hi[k]] for k in lo if k not in COUNTS}
+            doc[w][s]["repeats"] = [r.to_json() for r in m.runs]
+    return doc
+
+
 def write(out_dir: Path, results: dict[str, dict[str, list[Result]]],
           workloads: dict[str, dict[str, Figures]], line: dict[str, Any],
-          metrics: dict[str, dict[str, dict[str, float]]] | None = None) -> list[Path]:  # fmt: skip
-    """`metrics`: per system and workload, how each `/metrics` series moved (only those that did)."""
+          metrics: dict[str, dict[str, dict[str, float]]] | None = None,
+          spread: dict[str, dict[str, Measured]] | None = None) -> list[Path]:  # fmt: skip
+    """`metrics`: per system and workload, how each `/metrics` series moved (only those that did);
+    `spread`: every system's figures per repeat (summary.csv then has `<figure>_min`/`_max`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [
         out_dir / "results.json",
@@ -61,16 +93,26 @@ def write(out_dir: Path, results: dict[str, dict[str, list[Result]]],
         out_dir / "summary.csv",
         out_dir / "ttft_per_round.png",
     ]
-    doc: dict[str, Any] = {"final": line, "figures": {w: {s: f.to_json() for s, f in fs.items()} for w, fs in workloads.items()},
+    doc: dict[str, Any] = {"final": line, "figures": figures_doc(workloads, spread),
            "requests": [_row(s, r) for s, by in results.items() for rs in by.values() for r in rs],
            "metrics": {s: {w: {k: v for k, v in m.items() if v} for w, m in by.items()}
                        for s, by in (metrics or {}).items()}}  # fmt: skip
     paths[0].write_text(json.dumps(_clean(doc), indent=1) + "\n")
     _csv(paths[1], REQUEST_FIELDS, doc["requests"])
-    rows = [{"workload": w, "system": s, **f.to_json()} for w, fs in workloads.items() for s, f in fs.items()]
+    rows = [
+        {"workload": w, "system": s, **_flat(f)} for w, fs in doc["figures"].items() for s, f in fs.items()
+    ]
     _csv(paths[2], tuple(rows[0]) if rows else ("workload",), rows)
     _plot(paths[3], results)
     return paths
+
+
+def _flat(figures: dict[str, Any]) -> dict[str, Any]:
+    spread = figures.get("spread", {})
+    out = {k: v for k, v in figures.items() if k not in ("spread", "repeats")}
+    for k, (lo, hi) in spread.items():
+        out[f"{k}_min"], out[f"{k}_max"] = lo, hi
+    return out
 
 
 def _row(system: str, r: Result) -> dict[str, Any]:

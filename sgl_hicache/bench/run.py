@@ -1,9 +1,10 @@
-"""One benchmark run: each system in turn on the same model, shape and workloads.
+"""One benchmark run: each system, `repeats` times, on the same model, shape and workloads.
 
-Systems run one after another (this machine cannot host three servers side by side), each on a
-fresh server and an empty tier directory, with the same token ids. Within a system the workloads
-run back to back on one server; their token ids differ (salted), so one workload's KV never serves
-another's requests.
+Systems run one after another (this machine cannot host several servers side by side), each run on
+a fresh server and an empty tier directory, with the same token ids. The order is interleaved
+(`schedule`): every repeat is one pass over all systems, and each pass starts at another system, so
+no system always runs first (cold machine) or last. Within a run the workloads go back to back on
+one server; their token ids differ (salted), so one workload's KV never serves another's requests.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import asyncio
 import json
 import shutil
 import sys
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,9 +37,27 @@ class SystemOutcome:
     page_cache: set[str] = field(default_factory=set)  # how the page cache was dropped
 
 
+def schedule(systems: Sequence[str], repeats: int) -> list[tuple[int, str]]:
+    """(repeat, system) in run order: pass `r` runs every system, rotated to start at system
+    `r * len(systems) // repeats`, so the starting positions spread over the list."""
+    order = []
+    for r in range(repeats):
+        k = r * len(systems) // repeats
+        order += [(r, s) for s in (*systems[k:], *systems[:k])]
+    return order
+
+
 def resolve_model(name: str, cache_dir: Path) -> Path:
-    """A generated model size (built once into `cache_dir`) or an existing model directory."""
+    """`smollm2` (built once into the shared model cache), a generated size (built once into
+    `cache_dir`) or an existing model directory."""
+    from sgl_hicache.modelgen import ModelBuildError, build_smollm2, default_model_dir
     from sgl_hicache.modelgen.generate import SIZES, generate_model
+
+    if name == "smollm2":
+        try:
+            return build_smollm2(default_model_dir())
+        except ModelBuildError as e:
+            raise SpecError(str(e)) from None
 
     if name in SIZES:
         out = cache_dir / f"model-{name}"
@@ -49,7 +68,7 @@ def resolve_model(name: str, cache_dir: Path) -> Path:
     path = Path(name)
     if not (path / "config.json").is_file():
         raise SpecError(
-            f"model {name!r} is neither a generated size ({', '.join(SIZES)}) nor a model directory"
+            f"model {name!r} is neither smollm2, a generated size ({', '.join(SIZES)}) nor a model directory"
         )
     return path
 
@@ -63,8 +82,10 @@ def trace_requests(spec: BenchSpec, vocab: int) -> list[Request]:
 
 
 def run_system(
-    name: str, spec: BenchSpec, model: Path, workdir: Path, replay: list[Request]
+    name: str, spec: BenchSpec, model: Path, workdir: Path, replay: list[Request], repeat: int = 0
 ) -> SystemOutcome:
+    """One run of one system: a fresh server, every workload, results tagged with `repeat`; the
+    page cache is dropped at the workloads' barriers, outside their timed windows."""
     tokens = sum(m.concurrency * (m.context_tokens() + m.question_tokens) for m in spec.multiturn)
     tokens += sum(len(r.input_ids) + r.output_tokens for r in replay)
     system = systems.build(name, spec.shape, model, workdir, workload_tokens=tokens)
@@ -78,9 +99,9 @@ def run_system(
 
     n = sum(m.concurrency * m.rounds for m in spec.multiturn) + len(replay)
     with (
-        system.server(model, workdir / f"{name}.log") as server,
+        system.server(model, workdir / log_name(name, repeat)) as server,
         Sampler(server.proc.pid if server.proc else 0) as rss,
-        tqdm(total=n, desc=f"{name:>9}", file=sys.stderr, unit="req") as bar,
+        tqdm(total=n, desc=f"{name:>22} r{repeat}", file=sys.stderr, unit="req") as bar,
     ):
         for salt, mt in enumerate(spec.multiturn, 1):
             _record(outcome, server.base_url, drive.multiturn(server.base_url, mt, vocab, salt, drop, bar))
@@ -90,7 +111,14 @@ def run_system(
     outcome.rss_peak_mb = rss.peak_rss_mb
     if system.tier_dir is not None:
         shutil.rmtree(system.tier_dir, ignore_errors=True)
+    for results in outcome.results.values():
+        for r in results:
+            r.repeat = repeat
     return outcome
+
+
+def log_name(system: str, repeat: int) -> str:
+    return f"{system}-r{repeat}.log"
 
 
 def _record(outcome: SystemOutcome, base_url: str, work: Coroutine[Any, Any, drive.Driven]) -> None:

@@ -1,8 +1,10 @@
 """The three systems a run compares, as server command lines over the same `Shape`.
 
 (a) `recompute`: `python -m sglang.launch_server` with sglang's default cache: evicted KV is gone.
-(b) `hicache`: the same server with `--enable-hierarchical-cache`: a host-memory L2 of the run's host
-    budget and the `file` L3 backend in a directory on the disk under test. On CPU it needs
+(b) `hicache-*`: the same server with `--enable-hierarchical-cache`: a host-memory L2 and the `file`
+    L3 backend in a directory on the disk under test, in each configuration of
+    `spec.HICACHE_CONFIGS` (prefetch policy `wait_complete` or `timeout`; host pool at sglang's
+    default ratio or at the run's host budget; `buffer_only` host memory). On CPU it needs
     `--hicache-io-backend direct --hicache-mem-layout layer_first` and our compatibility patches
     (`sgl_hicache.platform.hicache_cpu_compat`, switched on in sglang's processes by an env var).
 (c) `ours`: `python -m sgl_hicache.launch_server --enable-hicache-spill` with the tier in a
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sgl_hicache.bench.server_process import CPU_FLAGS, ServerProcess
-from sgl_hicache.bench.spec import Shape
+from sgl_hicache.bench.spec import HICACHE, HiCacheConfig, HostPool, Shape
 
 COMMON_FLAGS = ("--enable-metrics", "--enable-cache-report")
 HICACHE_COMPAT_ENV = {"SGL_HICACHE_CPU_HICACHE_COMPAT": "1"}
@@ -60,20 +62,28 @@ def build(name: str, shape: Shape, model: Path, workdir: Path, *, tier_capacity_
         pool = max(shape.pool_tokens, workload_tokens + shape.pool_tokens)
         return System(name, "sglang.launch_server", base, (), None, pool)
     tier = workdir / f"tier-{name}"
-    if name == "hicache":
-        ratio = _host_ratio(shape, model)
-        flags: tuple[str, ...] = (*base, "--enable-hierarchical-cache", "--hicache-ratio", f"{ratio:.6f}",
-                 "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
-                 "--hicache-storage-backend", "file")  # fmt: skip
+    if name in HICACHE:
         env = (*HICACHE_COMPAT_ENV.items(), ("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tier)))
-        return System(name, "sglang.launch_server", flags, env, tier, shape.pool_tokens)
+        hicache = (*base, *hicache_flags(HICACHE[name], shape, model))
+        return System(name, "sglang.launch_server", hicache, env, tier, shape.pool_tokens)
     if name == "ours":
-        flags = (*base, "--enable-hicache-spill", "--hicache-spill-dir", str(tier),
+        flags: tuple[str, ...] = (*base, "--enable-hicache-spill", "--hicache-spill-dir", str(tier),
                  "--hicache-spill-staging", f"{shape.host_budget_mb}M")  # fmt: skip
         if tier_capacity_mb is not None:
             flags += ("--hicache-spill-capacity", f"{tier_capacity_mb}M")
         return System(name, "sgl_hicache.launch_server", flags, (), tier, shape.pool_tokens)
     raise ValueError(f"unknown system {name!r}")
+
+
+def hicache_flags(config: HiCacheConfig, shape: Shape, model: Path) -> tuple[str, ...]:
+    """The `--hicache-*` flags of one HiCache configuration (write policy: sglang's default,
+    `write_through`)."""
+    ratio = config.default_ratio if config.host is HostPool.DEFAULT else _host_ratio(shape, model)
+    return ("--enable-hierarchical-cache", "--hicache-ratio", f"{ratio:.6f}",
+            "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
+            "--hicache-storage-backend", "file",
+            "--hicache-storage-prefetch-policy", config.prefetch_policy,
+            "--hicache-host-memory-mode", config.memory_mode)  # fmt: skip
 
 
 def _host_ratio(shape: Shape, model: Path) -> float:

@@ -13,7 +13,8 @@ depends on it. Every patch lives here; each names what it replaces and why:
 2. `sglang.srt.mem_cache.pool_host.mha.transfer_kv_direct` is provided. The module imports it from
    `sgl_kernel.kvcacheio` only on CUDA/ROCm/XPU, so on CPU the name is missing and
    `MHATokenToKVPoolHost.load_to_device_per_layer` / `backup_from_device_all_layer` (the direct,
-   layer_first path) raise NameError. `transfer_kv_direct` below is the same copy in plain torch.
+   layer_first path) raise NameError. `transfer_kv_direct` below is the same copy in plain torch,
+   planned in whole pages (slice copies of consecutive runs; a page gather when they are many).
    Other host pools (MLA, DSA, Mamba, unified) are not covered: on CPU they still fail loudly.
 3. `torch.cpu.Stream.synchronize` and `torch.cpu.Stream.query` are added as "already complete".
    sglang's `L2TransferEngine` runs transfers on `device_module.Stream()` (= `torch.cpu.Stream` on
@@ -87,10 +88,71 @@ def transfer_kv_direct(
 ) -> None:
     """`dst_layers[l][dst_indices[i]] = src_layers[l][src_indices[i]]` for every layer `l` and row `i`.
 
-    The semantics of `sgl_kernel.kvcacheio.transfer_kv_direct` (rows are tokens; the kernel copies a
-    page of `page_size` consecutive rows at a time, which gives the same result). Raises ValueError
-    on mismatched layer or index counts, a count that is not whole pages, or mismatched row shapes.
+    The semantics of `sgl_kernel.kvcacheio.transfer_kv_direct` (rows are tokens, indices are whole
+    pages). HiCache's indices are pages of `page_size` consecutive rows, so the copy is planned once
+    per call, in pages: runs of pages consecutive on both sides become one slice copy per layer (a
+    single memcpy-like pass); when there are more runs than `MAX_SLICE_RUNS`, page-aligned pages are
+    gathered and scattered as whole pages. Indices that are not consecutive within a page are copied
+    row by row (correct for any index list). Raises ValueError on mismatched layer or index counts, a
+    count that is not whole pages, or mismatched row shapes.
     """
+    _check_transfer(src_layers, dst_layers, src_indices, dst_indices, page_size)
+    if src_indices.numel() == 0:
+        return
+    src_idx, dst_idx = src_indices.to("cpu", torch.int64), dst_indices.to("cpu", torch.int64)
+    plan = _plan(src_idx, dst_idx, page_size)
+    for src, dst in zip(src_layers, dst_layers, strict=True):
+        _copy(src, dst, plan, page_size)
+
+
+MAX_SLICE_RUNS = 16
+"""Above this many runs, one gather/scatter of whole pages beats a Python loop of slice copies."""
+
+
+@dataclass(frozen=True)
+class _Plan:
+    runs: list[tuple[int, int, int]]  # (src row, dst row, rows): consecutive on both sides
+    src_pages: torch.Tensor | None  # page numbers (row // page_size) when every page is aligned
+    dst_pages: torch.Tensor | None
+    src_rows: torch.Tensor  # the row indices, for the row-by-row fallback
+    dst_rows: torch.Tensor
+
+
+def _plan(src: torch.Tensor, dst: torch.Tensor, page_size: int) -> _Plan:
+    s, d = src.view(-1, page_size), dst.view(-1, page_size)
+    step = torch.arange(page_size)
+    if not (torch.equal(s - s[:, :1], step.expand_as(s)) and torch.equal(d - d[:, :1], step.expand_as(d))):
+        return _Plan([], None, None, src, dst)  # not whole pages: row by row
+    s0, d0 = s[:, 0], d[:, 0]
+    breaks = ((s0[1:] != s0[:-1] + page_size) | (d0[1:] != d0[:-1] + page_size)).nonzero().flatten() + 1
+    starts = [0, *breaks.tolist()]
+    ends = [*starts[1:], s0.numel()]
+    runs = [(int(s0[a]), int(d0[a]), (b - a) * page_size) for a, b in zip(starts, ends, strict=True)]
+    aligned = bool((s0 % page_size == 0).all() and (d0 % page_size == 0).all())
+    if not aligned:
+        return _Plan(runs, None, None, src, dst)
+    return _Plan(runs, s0 // page_size, d0 // page_size, src, dst)
+
+
+def _copy(src: torch.Tensor, dst: torch.Tensor, plan: _Plan, page_size: int) -> None:
+    if plan.runs and (len(plan.runs) <= MAX_SLICE_RUNS or plan.src_pages is None):
+        for s, d, n in plan.runs:
+            dst[d : d + n].copy_(src[s : s + n])
+    elif plan.src_pages is not None and plan.dst_pages is not None:
+        src_view = src[: src.shape[0] // page_size * page_size].view(-1, page_size, *src.shape[1:])
+        dst_view = dst[: dst.shape[0] // page_size * page_size].view(-1, page_size, *dst.shape[1:])
+        dst_view.index_copy_(0, plan.dst_pages, src_view.index_select(0, plan.src_pages))
+    else:
+        dst.index_copy_(0, plan.dst_rows, src.index_select(0, plan.src_rows))
+
+
+def _check_transfer(
+    src_layers: Sequence[torch.Tensor],
+    dst_layers: Sequence[torch.Tensor],
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    page_size: int,
+) -> None:
     if len(src_layers) != len(dst_layers):
         raise ValueError(
             f"transfer_kv_direct: {len(src_layers)} source layers, {len(dst_layers)} destination"
@@ -105,8 +167,6 @@ def transfer_kv_direct(
             raise ValueError(
                 f"transfer_kv_direct: rows {tuple(src.shape[1:])} {src.dtype} -> {tuple(dst.shape[1:])} {dst.dtype}"
             )
-        rows = src.index_select(0, src_indices.to(src.device, torch.int64))
-        dst.index_copy_(0, dst_indices.to(dst.device, torch.int64), rows.to(dst.device))
 
 
 def _stream_synchronize(self: torch.cpu.Stream) -> None:

@@ -18,7 +18,8 @@ import pytest
         (["--trace", "/nonexistent.jsonl"], "trace file not found: /nonexistent.jsonl"),
         (["--concurrency", "", "--no-trace"], "nothing to run"),
         (["--rounds", "0"], "multi-turn rounds must be >= 1"),
-        (["--model", "/nonexistent-model"], "neither a generated size"),
+        (["--model", "/nonexistent-model"], "neither smollm2, a generated size"),
+        (["--repeats", "0"], "repeats must be >= 1"),
         (["--concurrency", "8,x"], "--concurrency takes comma-separated integers, got '8,x'"),
     ],
 )

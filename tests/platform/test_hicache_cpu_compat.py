@@ -201,6 +201,44 @@ def test_transfer_equals_reference(dtype: torch.dtype, n: int, page_size: int) -
     assert all(torch.equal(a, b) for a, b in zip(dst, expected, strict=True))
 
 
+def page_rows(pages: list[int], page_size: int, shift: int = 0) -> torch.Tensor:
+    """The row indices of whole pages (each `page_size` consecutive rows), `shift` rows off alignment."""
+    return torch.tensor(
+        [p * page_size + shift + r for p in pages for r in range(page_size)], dtype=torch.int64
+    )
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("n_pages", [1, 3, 7, compat.MAX_SLICE_RUNS + 1, 33])
+@pytest.mark.parametrize("layout", ["consecutive", "scattered", "unaligned", "mixed"])
+def test_whole_page_transfer_equals_reference(page_size: int, n_pages: int, layout: str) -> None:
+    """HiCache's real index lists (whole pages) through every copy path: runs of consecutive pages
+    (slice copies), many scattered aligned pages (page gather), unaligned pages (slices)."""
+    gen = torch.Generator().manual_seed(page_size * 100 + n_pages)
+    src_pages_total, dst_pages_total = 40, 48
+    src = layers(src_pages_total * page_size + page_size, torch.bfloat16, seed=5)
+    dst = [
+        torch.zeros(dst_pages_total * page_size + page_size, HEADS, HEAD_DIM, dtype=torch.bfloat16)
+        for _ in src
+    ]
+    expected = [t.clone() for t in dst]
+    if layout == "consecutive":
+        src_pages, dst_pages = list(range(2, 2 + n_pages)), list(range(5, 5 + n_pages))
+    elif layout == "mixed":  # two runs of consecutive pages, then scattered ones
+        half = n_pages // 2
+        rest = torch.randperm(dst_pages_total - 20, generator=gen)[: n_pages - half] + 20
+        src_pages = list(range(n_pages))
+        dst_pages = [*range(3, 3 + half), *rest.tolist()]
+    else:
+        src_pages = torch.randperm(src_pages_total, generator=gen)[:n_pages].tolist()
+        dst_pages = torch.randperm(dst_pages_total, generator=gen)[:n_pages].tolist()
+    shift = page_size // 2 if layout == "unaligned" else 0
+    src_idx, dst_idx = page_rows(src_pages, page_size, shift), page_rows(dst_pages, page_size)
+    ref_transfer(src, expected, src_idx, dst_idx)
+    transfer_kv_direct(src, dst, src_idx, dst_idx, page_size)
+    assert all(torch.equal(a, b) for a, b in zip(dst, expected, strict=True))
+
+
 def test_transfer_with_large_head_dim_and_int32_indices() -> None:
     src = layers(5, torch.bfloat16, seed=2, heads=1, head_dim=576)
     dst = [torch.zeros_like(t) for t in src]

@@ -1,0 +1,98 @@
+"""Repeats: the median of each figure over a system's repeats, its spread, and the figures against
+the best HiCache configuration that the gate and the final line use.
+
+Counts (requests, errors, resumed) are summed over repeats, so one failed request in any repeat
+shows; every other figure is the median of the repeats (NaN repeats left out) with its min–max
+spread. Ours against the best HiCache configuration is the ratio of medians; its spread is the
+range of the per-repeat ratios (repeat k of ours against repeat k of that configuration, which ran
+in the same pass of the interleaved order). "overall" is the geometric mean over workloads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+
+import numpy as np
+
+from sgl_hicache.bench.summary import NAN, Figures, best_hicache, ratio
+
+COUNTS = ("requests", "errors", "resumed")
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One system on one workload over its repeats (in repeat order)."""
+
+    runs: tuple[Figures, ...]
+
+    @property
+    def median(self) -> Figures:
+        return self._fold(lambda xs: float(np.median(xs)))
+
+    @property
+    def low(self) -> Figures:
+        return self._fold(min)
+
+    @property
+    def high(self) -> Figures:
+        return self._fold(max)
+
+    def _fold(self, how: object) -> Figures:
+        values = {}
+        for f in fields(Figures):
+            xs = [getattr(r, f.name) for r in self.runs]
+            if f.name in COUNTS:
+                values[f.name] = sum(xs)
+                continue
+            ok = [x for x in xs if not math.isnan(x)]
+            values[f.name] = how(ok) if ok else NAN  # type: ignore[operator]
+        return replace(self.runs[0], **values)
+
+
+def medians(workloads: dict[str, dict[str, Measured]]) -> dict[str, dict[str, Figures]]:
+    return {w: {s: m.median for s, m in by.items()} for w, by in workloads.items()}
+
+
+@dataclass(frozen=True)
+class VersusBest:
+    """Ours against the best HiCache configuration of each workload, and "overall"."""
+
+    config: dict[str, str | None]
+    ttft: dict[str, float]  # resumed-turn TTFT p50, ours / best (median over repeats)
+    throughput: dict[str, float]
+    ttft_range: dict[str, tuple[float, float]]  # min, max of the per-repeat ratios
+    throughput_range: dict[str, tuple[float, float]]
+
+
+def versus_best(workloads: dict[str, dict[str, Measured]]) -> VersusBest:
+    out = VersusBest({}, {}, {}, {}, {})
+    for w, by in workloads.items():
+        best = best_hicache({s: m.median for s, m in by.items()})
+        out.config[w] = best
+        ours, peer = by.get("ours"), by.get(best) if best else None
+        if ours is None or peer is None:
+            out.ttft[w] = out.throughput[w] = NAN
+            out.ttft_range[w] = out.throughput_range[w] = (NAN, NAN)
+            continue
+        out.ttft[w] = ratio(ours.median.ttft_resume_p50_ms, peer.median.ttft_resume_p50_ms)
+        out.throughput[w] = ratio(ours.median.throughput_tok_s, peer.median.throughput_tok_s)
+        out.ttft_range[w] = _range(ours.runs, peer.runs, "ttft_resume_p50_ms")
+        out.throughput_range[w] = _range(ours.runs, peer.runs, "throughput_tok_s")
+    out.ttft["overall"] = geomean(list(out.ttft.values()))
+    out.throughput["overall"] = geomean(list(out.throughput.values()))
+    return out
+
+
+def _range(ours: Sequence[Figures], peer: Sequence[Figures], name: str) -> tuple[float, float]:
+    rs = [ratio(getattr(a, name), getattr(b, name)) for a, b in zip(ours, peer, strict=False)]
+    rs = [r for r in rs if not math.isnan(r)]
+    return (min(rs), max(rs)) if rs else (NAN, NAN)
+
+
+def geomean(values: list[float]) -> float:
+    """Geometric mean; NaN if any value is NaN or not positive, or there is none."""
+    if not values or any(math.isnan(v) or v <= 0 for v in values):
+        return NAN
+    return math.exp(sum(math.log(v) for v in values) / len(values))
