@@ -1,0 +1,73 @@
+"""Child processes of the sharing tests (started with multiprocessing's spawn context)."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from sgl_hicache.config import Fsync, TierConfig
+from sgl_hicache.tier import ROOT_KEY, Status, Tier, open_tier
+from tests.tier.common import CHUNK, NS, key_for, payload_for, tokens_for
+
+
+def open_shared(directory: str, capacity: int) -> Tier:
+    cfg = TierConfig(
+        directory=Path(directory), capacity_bytes=capacity, chunk_bytes=CHUNK, min_free_bytes=0,
+        fsync=Fsync.NONE, io_threads=3,
+    )  # fmt: skip
+    return open_tier(cfg, NS)
+
+
+def random_writer(directory: str, capacity: int, seed: int, ops: int, results: Any) -> None:
+    """Stores (mostly), loads and discards random extents of a shared key space; reports its stats.
+    Every OK load must hold the right bytes; a load may MISS (another process evicted the extent)."""
+    rng = random.Random(seed)
+    tier = open_shared(directory, capacity)
+    bad = []
+    for _ in range(ops):
+        i, op = rng.randrange(60), rng.random()
+        size = 3000 + (i * 7919) % (2 * CHUNK)  # one size per key: every process writes the same bytes
+        if op < 0.7:
+            tier.submit_store(key_for(i), payload_for(i, size), tokens_for(i), ROOT_KEY)
+        elif op < 0.95:
+            buf = bytearray(size)
+            done = tier.wait(tier.submit_load(key_for(i), buf), 30)
+            if done.status not in (Status.OK, Status.MISS) or (
+                done.ok and buf != payload_for(i, size).tobytes()
+            ):
+                bad.append((i, done.status.value))
+        else:
+            tier.discard(key_for(i))
+        tier.get_finished()
+    while tier.get_finished():
+        time.sleep(0.01)
+    stats = tier.stats()
+    tier.close()
+    results.put((seed, bad, stats.evictions, stats.no_space, stats.io_errors, stats.checksum_failures))
+
+
+def discard(directory: str, capacity: int, index: int, results: Any) -> None:
+    tier = open_shared(directory, capacity)
+    results.put(tier.discard(key_for(index)))
+    tier.close()
+
+
+def stuck_writer(directory: str, capacity: int, index: int, started: Any) -> None:
+    """A store whose header write never returns: its temp file exists and its bytes are leased
+    when the parent SIGKILLs this process."""
+    import sgl_hicache.tier.store as store
+
+    real = store.pwritev_exact
+
+    def hang_on_header(fd: int, views: Any, offset: int) -> None:
+        if offset == 0:
+            started.set()
+            time.sleep(3600)
+        real(fd, views, offset)
+
+    store.pwritev_exact = hang_on_header  # type: ignore[assignment]
+    tier = open_shared(directory, capacity)
+    tier.submit_store(key_for(index), payload_for(index, 100_000), tokens_for(index), ROOT_KEY)
+    time.sleep(3600)
