@@ -44,7 +44,7 @@ from sgl_hicache.tier.owner import Liveness, Writer, liveness, me
 from sgl_hicache.tier.paths import temp_writer
 from sgl_hicache.tier.scan import STALE_TEMP_S
 from sgl_hicache.tier.sweep import FileStat, walk_root
-from sgl_hicache.tier.trust import UntrustedDirectory
+from sgl_hicache.tier.trust import UntrustedDirectory, check_trusted
 
 LEDGER_NAME = ".budget"
 MAGIC = "sgl-hicache-budget 1"
@@ -96,16 +96,16 @@ class State:
         return state
 
 
-def unlink_sized(path: str, not_newer_than: float | None = None) -> int:
-    """Unlink `path`; the bytes it held (0 if gone, or skipped because modified after
-    `not_newer_than`: rewritten since it was listed). Raises other OSErrors."""
+def unlink_sized(path: str, not_newer_than: float | None = None) -> int | None:
+    """Unlink `path`; the bytes it held, or None if it was gone or is kept because it was modified
+    after `not_newer_than` (rewritten or used since it was listed). Raises other OSErrors."""
     try:
         st = os.stat(path, follow_symlinks=False)
         if not_newer_than is not None and st.st_mtime > not_newer_than:
-            return 0
+            return None
         os.unlink(path)
     except FileNotFoundError:
-        return 0
+        return None
     return st.st_size
 
 
@@ -116,8 +116,10 @@ class Ledger:
         self.root = Path(root)
         self.path = self.root / LEDGER_NAME
         self._fd = _open_private(self.path)
+        self._device = os.fstat(self._fd).st_dev
         self._mutex = threading.Lock()  # POSIX locks do not exclude the threads of one process
         self._users = 0
+        self._closed = False
         self._last_resync = -RESYNC_MIN_S
         try:
             _probe_locks(self._fd, self.root)
@@ -130,10 +132,13 @@ class Ledger:
         """The state with the file locked; written back on a normal exit. Blocks for the lock. Once
         closed (a store abandoned at close still finishing), a scratch state that goes nowhere."""
         with self._mutex:
-            if self._fd < 0:
+            if self._closed:
                 yield State()
                 return
-            fcntl.lockf(self._fd, fcntl.LOCK_EX)
+            self._lock_current()
+            if self._fd < 0:  # the root is gone (being re-created): nothing to account against
+                yield State()
+                return
             try:
                 state = State.decode(os.pread(self._fd, MAX_LEDGER_BYTES, 0))
                 if state is None:
@@ -145,6 +150,34 @@ class Ledger:
                 os.ftruncate(self._fd, len(data))
             finally:
                 fcntl.lockf(self._fd, fcntl.LOCK_UN)
+
+    def _lock_current(self) -> None:
+        """Lock the ledger that is at `path` now: one removed with the root (recreate.py) or
+        replaced is reopened, so that every process locks the same file. A root that is gone
+        leaves the ledger closed (`_fd` -1) until the next call finds it again."""
+        while True:
+            if self._fd >= 0:
+                fcntl.lockf(self._fd, fcntl.LOCK_EX)
+                try:
+                    if os.fstat(self._fd).st_ino == os.stat(self.path, follow_symlinks=False).st_ino:
+                        return
+                except FileNotFoundError:
+                    pass
+                os.close(self._fd)  # drops our lock on the stale file only
+                self._fd = -1
+            if not self._same_root():
+                return  # gone, or replaced by a directory we may not write into (recreate.py decides)
+            try:
+                self._fd = _open_private(self.path)
+            except FileNotFoundError:
+                return
+
+    def _same_root(self) -> bool:
+        try:
+            check_trusted(self.root)
+            return os.stat(self.root).st_dev == self._device
+        except OSError:
+            return False
 
     def reserve(self, nbytes: int, capacity: int, evict: Callable[[int], int]) -> bool:
         """Lease `nbytes` within `capacity` (this process's configured one), calling `evict(short)`
@@ -181,8 +214,8 @@ class Ledger:
         """Unlink an extent file and take its bytes off `published`; False if it was gone."""
         with self.locked() as state:
             freed = unlink_sized(path)
-            state.published -= freed
-            return freed > 0 or os.path.lexists(path)
+            state.published -= freed or 0
+            return freed is not None
 
     def resync(self) -> list[FileStat]:
         """Recount `published` from the files (under the lock); returns the files listed."""
@@ -229,7 +262,9 @@ class Ledger:
         with contextlib.suppress(OSError), self.locked() as state:
             state.published += state.leases.pop(me().token, Lease(0, 0.0)).nbytes
         with self._mutex:
-            os.close(self._fd)
+            self._closed = True
+            if self._fd >= 0:
+                os.close(self._fd)
             self._fd = -1
         return True
 
