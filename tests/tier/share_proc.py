@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 import random
 import time
 from pathlib import Path
@@ -9,6 +11,7 @@ from typing import Any
 
 from sgl_hicache.config import Fsync, TierConfig
 from sgl_hicache.tier import ROOT_KEY, Status, Tier, open_tier
+from sgl_hicache.tier.ledger import LEDGER_NAME
 from tests.tier.common import CHUNK, NS, key_for, payload_for, tokens_for
 
 
@@ -71,3 +74,24 @@ def stuck_writer(directory: str, capacity: int, index: int, started: Any) -> Non
     tier = open_shared(directory, capacity)
     tier.submit_store(key_for(index), payload_for(index, 100_000), tokens_for(index), ROOT_KEY)
     time.sleep(3600)
+
+
+def store_then_load(directory: str, capacity: int, indices: list[int], results: Any) -> None:
+    """Store `indices` one after another (oldest first); report each store's status."""
+    tier = open_shared(directory, capacity)
+    out = []
+    for i in indices:
+        size = 60_000
+        done = tier.wait(tier.submit_store(key_for(i), payload_for(i, size), tokens_for(i), ROOT_KEY), 30)
+        out.append(done.status.value)
+        time.sleep(0.02)  # distinct mtimes
+    tier.close()
+    results.put(out)
+
+
+def hold_ledger(directory: str, seconds: float, locked: Any) -> None:
+    fd = os.open(Path(directory) / LEDGER_NAME, os.O_RDWR)
+    fcntl.lockf(fd, fcntl.LOCK_EX)
+    locked.set()
+    time.sleep(seconds)
+    os.close(fd)
