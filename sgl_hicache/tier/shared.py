@@ -57,12 +57,21 @@ class SharedBudget:
             self._pressed = self.ledger.reserve(nbytes, self._capacity, self._evict)
 
     def commit(self, nbytes: int) -> None:
+        """A published store's lease becomes published bytes. Never raises: if the ledger cannot
+        be written, the bytes stay leased (counted all the same) until the lease ends."""
         if self.ledger is not None:
-            self.ledger.commit(nbytes)
+            self._never_raise(self.ledger.commit, nbytes)
 
     def release(self, nbytes: int) -> None:
         if self.ledger is not None:
-            self.ledger.release(nbytes)
+            self._never_raise(self.ledger.release, nbytes)
+
+    def _never_raise(self, op: Callable[[int], None], nbytes: int) -> None:
+        try:
+            op(nbytes)
+        except OSError as e:  # counted and logged; the ledger only over-counts meanwhile
+            self._space.counters.add("io_errors")
+            self._space.faults.report(Op.STORE, e, str(self.ledger.path if self.ledger else ""))
 
     def unlink(self, path: str) -> bool:
         """Unlink one of our extent files, accounted; False if it was gone. Raises OSError."""

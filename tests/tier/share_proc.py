@@ -95,3 +95,12 @@ def hold_ledger(directory: str, seconds: float, locked: Any) -> None:
     locked.set()
     time.sleep(seconds)
     os.close(fd)
+
+
+def load_status(directory: str, capacity: int, index: int, size: int, results: Any) -> None:
+    """Load one extent; report its status and the misses, io errors and checksum failures counted."""
+    tier = open_shared(directory, capacity)
+    done = tier.wait(tier.submit_load(key_for(index), bytearray(size)), 30)
+    s = tier.stats()
+    tier.close()
+    results.put((done.status.value, s.misses, s.io_errors, s.checksum_failures))

@@ -45,6 +45,8 @@ def test_another_processes_extents_are_evicted_oldest_first(make_tier, tmp_path:
     assert key_for(1).hex() + ".ext" not in names and key_for(2).hex() + ".ext" in names
     on_disk, state = locked_usage(root)
     assert state is not None and on_disk == state.published <= CAP5
+    start(children, share_proc.load_status, str(root), CAP5, 1, SIZE, results).join(60)
+    assert results.get(timeout=10) == (Status.MISS.value, 1, 0, 0)  # A: a counted clean miss
 
 
 def test_a_torn_ledger_is_recounted_from_the_files(make_tier, tmp_path: Path) -> None:
