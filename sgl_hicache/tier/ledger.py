@@ -8,7 +8,8 @@ published store moves its bytes from its lease to `published`), release (a faile
 unlink of an extent (`remove`). Invariant, whatever the interleaving of processes: the bytes of
 extent and temp files under the root never exceed `published + sum(leases) <= capacity`. The
 counts may only drift upward (a crash between a publish and its commit, two processes publishing
-the same key, files removed by fsck), which costs room, never the bound; `resync` (at every open,
+the same key, files removed by hand, a recount while stores are in flight), which costs room, never
+the bound; `resync` (at every open,
 and at most every RESYNC_MIN_S when a reservation finds nothing to evict) recounts from the files.
 
 Why `lockf` (POSIX locks), not `flock`: NFSv4 implements byte-range locks in the protocol, and a
@@ -41,7 +42,6 @@ import xxhash
 
 from sgl_hicache.tier.index import OverBudget
 from sgl_hicache.tier.owner import Liveness, Writer, liveness, me
-from sgl_hicache.tier.paths import temp_writer
 from sgl_hicache.tier.scan import STALE_TEMP_S
 from sgl_hicache.tier.sweep import FileStat, walk_root
 from sgl_hicache.tier.trust import UntrustedDirectory, check_trusted
@@ -246,8 +246,8 @@ class Ledger:
     def _resync(self, state: State) -> list[FileStat]:
         self._reclaim(state)
         files = walk_root(self.root)
-        leased = set(state.leases)
-        state.published = sum(f.size for f in files if not f.is_temp or _writer_token(f) not in leased)
+        state.published = sum(f.size for f in files)  # temp files too: a store in flight is then
+        # counted twice (its lease and its file) until the next recount: room lost, never the bound
         self._last_resync = time.monotonic()
         return files
 
@@ -292,11 +292,6 @@ def close_ledger(ledger: Ledger) -> None:
             for ident, other in list(_open.items()):
                 if other is ledger:
                     del _open[ident]
-
-
-def _writer_token(f: FileStat) -> str | None:
-    writer = temp_writer(f.name)
-    return None if writer is None else writer.token
 
 
 def _over(nbytes: int, capacity: int, state: State) -> OverBudget:

@@ -23,7 +23,8 @@ from sgl_hicache.tier.base import Op
 from sgl_hicache.tier.index import Entry, OverBudget
 from sgl_hicache.tier.keys import ExtentKey
 from sgl_hicache.tier.ledger import Ledger, unlink_sized
-from sgl_hicache.tier.sweep import FOREIGN_RETRY_S, Foreign, walk_root
+from sgl_hicache.tier.scan import temp_still_stale
+from sgl_hicache.tier.sweep import FOREIGN_RETRY_S, FileStat, Foreign, walk_root
 
 if TYPE_CHECKING:
     from sgl_hicache.tier.capacity import Space
@@ -36,11 +37,30 @@ class SharedBudget:
         self._pressed = False  # the last reservation had to evict: keep the foreign list fresh
 
     def open(self) -> None:
-        """Recount the root (under the lock) and list the extents we do not index; then enforce."""
+        """Recount the root (one stat per file, under the lock), remove stale temp files of every
+        namespace, list the extents we do not index; then enforce the budget."""
         if self.ledger is not None:
-            self._foreign.load(self.ledger.resync())
+            files = self.ledger.resync()
+            self._remove_stale_temps(files)
+            self._foreign.load(files)
             with contextlib.suppress(OverBudget):  # others' stores in flight fill it: they will end
                 self.reserve(0)
+
+    def _remove_stale_temps(self, files: list[FileStat]) -> None:
+        """Stale temp files of every namespace under the root (our own: scan.py did), by the
+        scan's rule, accounted."""
+        for f in files:
+            if f.is_temp and temp_still_stale(f.path) and self._guarded_remove(f.path):
+                self._space.counters.add("removed_temp_files")
+
+    def _guarded_remove(self, path: str) -> bool:
+        assert self.ledger is not None
+        try:
+            return self.ledger.remove(path)
+        except OSError as e:
+            self._space.counters.add("io_errors")
+            self._space.faults.report(Op.STORE, e, "unlink")
+            return False
 
     def reserve(self, nbytes: int) -> None:
         """Lease `nbytes` of the root's budget, evicting oldest first; raises OverBudget."""

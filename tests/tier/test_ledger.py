@@ -6,13 +6,15 @@ import errno
 import logging
 import multiprocessing
 import os
+import shutil
 import time
 from pathlib import Path
 
 import sgl_hicache.tier.ledger as ledger_mod
 import sgl_hicache.tier.nvme as nvme_mod
-from sgl_hicache.tier import ROOT_KEY, Status
+from sgl_hicache.tier import ROOT_KEY, KVDtype, KVLayout, Namespace, Status
 from sgl_hicache.tier.ledger import LEDGER_NAME, State
+from sgl_hicache.tier.owner import Writer, host_tag
 from sgl_hicache.tier.sweep import FOREIGN_RETRY_S, walk_root
 from tests.tier import share_proc
 from tests.tier.common import key_for, payload_for, tokens_for
@@ -23,6 +25,9 @@ SPAWN = multiprocessing.get_context("spawn")
 SIZE = 60_000
 FILE = file_bytes(SIZE)
 CAP5 = 5 * FILE  # five files of SIZE
+OTHER_NS = Namespace(
+    "other-model", KVLayout(num_layers=2, num_heads=2, head_dim=64, dtype=KVDtype.BF16, page_size=4)
+)
 
 
 def store(tier, i: int, size: int = SIZE) -> Status:
@@ -119,3 +124,28 @@ def test_the_ledger_lock_excludes_other_processes(make_tier, tmp_path: Path, chi
     t0 = time.monotonic()
     assert store(tier, 1) is Status.OK
     assert time.monotonic() - t0 >= 0.5, "the store did not wait for the other process's lock"
+
+
+def test_an_open_removes_stale_temp_files_of_every_namespace(make_tier, tmp_path: Path) -> None:
+    root = tmp_path / "tier"
+    make_tier(directory=root, ns=OTHER_NS).close()
+    fan = root / OTHER_NS.id.hex() / "cd"
+    dead = fan / f".{'cd' * 16}.{Writer(999_999_999, 1, host_tag()).token}.0badf00d.tmp"
+    live = fan / f".{'cd' * 16}.{Writer(1, 1, '0123456789abcdef').token}.600df00d.tmp"  # another host
+    dead.write_bytes(b"x" * 5000)
+    live.write_bytes(b"y" * 3000)
+    tier = make_tier(directory=root)  # the default namespace
+    assert not dead.exists() and live.exists() and tier.stats().removed_temp_files == 1
+    on_disk, state = locked_usage(root)
+    assert state is not None and state.published == on_disk == 3000
+
+
+def test_a_ledger_removed_with_the_root_is_reopened(make_tier, tmp_path: Path) -> None:
+    root = tmp_path / "tier"
+    tier = make_tier(directory=root)
+    assert store(tier, 1) is Status.OK
+    shutil.rmtree(root)
+    assert store(tier, 2) is Status.OK  # the root is re-created (recreate.py), and its ledger
+    assert tier.stats().recreations == 1 and (root / LEDGER_NAME).exists()
+    on_disk, state = locked_usage(root)
+    assert state is not None and state.published == on_disk == FILE
