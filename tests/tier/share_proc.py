@@ -11,7 +11,8 @@ from typing import Any
 
 from sgl_hicache.config import Fsync, TierConfig
 from sgl_hicache.tier import ROOT_KEY, Status, Tier, open_tier
-from sgl_hicache.tier.ledger import LEDGER_NAME
+from sgl_hicache.tier.ledger import LEDGER_NAME, close_ledger, open_ledger
+from sgl_hicache.tier.sweep import walk_root
 from tests.tier.common import CHUNK, NS, key_for, payload_for, tokens_for
 
 
@@ -28,7 +29,8 @@ def random_writer(directory: str, capacity: int, seed: int, ops: int, results: A
     Every OK load must hold the right bytes; a load may MISS (another process evicted the extent)."""
     rng = random.Random(seed)
     tier = open_shared(directory, capacity)
-    bad = []
+    bad: list[tuple[int, str]] = []
+    over: list[int] = []
     for _ in range(ops):
         i, op = rng.randrange(60), rng.random()
         size = 3000 + (i * 7919) % (2 * CHUNK)  # one size per key: every process writes the same bytes
@@ -44,11 +46,25 @@ def random_writer(directory: str, capacity: int, seed: int, ops: int, results: A
         else:
             tier.discard(key_for(i))
         tier.get_finished()
+        over.extend(usage_over(directory, capacity))
     while tier.get_finished():
         time.sleep(0.01)
     stats = tier.stats()
     tier.close()
-    results.put((seed, bad, stats.evictions, stats.no_space, stats.io_errors, stats.checksum_failures))
+    results.put((seed, bad, stats.evictions, stats.no_space, stats.io_errors, stats.checksum_failures, over))
+
+
+def usage_over(directory: str, capacity: int) -> list[int]:
+    """The bytes of extent and temp files under the root, taken with the ledger locked (through this
+    process's own Ledger: a second descriptor's close would drop the process's POSIX lock), if over
+    `capacity`."""
+    ledger = open_ledger(Path(directory))
+    try:
+        with ledger.locked():
+            on_disk = sum(f.size for f in walk_root(Path(directory)))
+    finally:
+        close_ledger(ledger)
+    return [on_disk] if on_disk > capacity else []
 
 
 def discard(directory: str, capacity: int, index: int, results: Any) -> None:

@@ -3,6 +3,8 @@
 The budget bound checked here, precisely: with the root's ledger locked (no process can then
 reserve, commit or unlink), the bytes of every extent and temp file under the root are at most
 `capacity`. Temp files are covered by their writers' leases, so the in-flight allowance is 0.
+Checked after every step of every writer (in the writer, under its own ledger) and by the test
+process polling meanwhile.
 """
 
 from __future__ import annotations
@@ -76,6 +78,9 @@ def test_three_writers_hold_one_directory_budget(tmp_path: Path, children: list)
     reports = [results.get(timeout=60) for _ in writers]
     assert all(w.exitcode == 0 for w in writers)
     assert [bad for _, bad, *_ in reports] == [[], [], []], "a load returned wrong bytes or failed"
+    assert [r[6] for r in reports] == [[], [], []], (
+        "a writer saw the root over capacity after one of its steps"
+    )
     assert sum(r[2] for r in reports) > 0, "the workload never filled the budget"
     assert all(r[4] == 0 and r[5] == 0 for r in reports), "io errors or checksum failures"
     assert checks > 20 and peak > CAPACITY // 2, (checks, peak)
