@@ -54,9 +54,8 @@ class SharedBudget:
                 self._space.counters.add("removed_temp_files")
 
     def _guarded_remove(self, path: str) -> bool:
-        assert self.ledger is not None
         try:
-            return self.ledger.remove(path)
+            return self.unlink(path)
         except OSError as e:
             self._space.counters.add("io_errors")
             self._space.faults.report(Op.STORE, e, "unlink")
