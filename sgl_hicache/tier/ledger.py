@@ -8,8 +8,7 @@ published store moves its bytes from its lease to `published`), release (a faile
 unlink of an extent (`remove`). Invariant, whatever the interleaving of processes: the bytes of
 extent and temp files under the root never exceed `published + sum(leases) <= capacity`. The
 counts may only drift upward (a crash between a publish and its commit, two processes publishing
-the same key, files removed by hand, a recount while stores are in flight), which costs room, never
-the bound; `resync` (at every open,
+the same key, files removed by hand), which costs room, never the bound; `resync` (at every open,
 and at most every RESYNC_MIN_S when a reservation finds nothing to evict) recounts from the files.
 
 Why `lockf` (POSIX locks), not `flock`: NFSv4 implements byte-range locks in the protocol, and a
@@ -42,6 +41,7 @@ import xxhash
 
 from sgl_hicache.tier.index import OverBudget
 from sgl_hicache.tier.owner import Liveness, Writer, liveness, me
+from sgl_hicache.tier.paths import temp_writer
 from sgl_hicache.tier.scan import STALE_TEMP_S
 from sgl_hicache.tier.sweep import FileStat, walk_root
 from sgl_hicache.tier.trust import UntrustedDirectory, check_trusted
@@ -49,6 +49,7 @@ from sgl_hicache.tier.trust import UntrustedDirectory, check_trusted
 LEDGER_NAME = ".budget"
 MAGIC = "sgl-hicache-budget 1"
 RESYNC_MIN_S = 30.0
+LOCK_WAIT_S = 5.0  # longer, and the operation fails (a store: IO_ERROR) rather than wait on
 MAX_LEDGER_BYTES = 1 << 20
 
 
@@ -129,15 +130,16 @@ class Ledger:
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[State]:
-        """The state with the file locked; written back on a normal exit. Blocks for the lock. Once
-        closed (a store abandoned at close still finishing), a scratch state that goes nowhere."""
-        with self._mutex:
-            if self._closed:
-                yield State()
-                return
-            self._lock_current()
-            if self._fd < 0:  # the root is gone (being re-created): nothing to account against
-                yield State()
+        """The state with the file locked; written back on a normal exit. Waits at most
+        LOCK_WAIT_S for the lock (a process or host stuck holding it must not hold our I/O threads,
+        which loads need too), then raises TimeoutError (an OSError). Once closed (a store abandoned
+        at close still finishing), a scratch state that goes nowhere."""
+        deadline = time.monotonic() + LOCK_WAIT_S
+        if not self._mutex.acquire(timeout=LOCK_WAIT_S):
+            raise TimeoutError(errno.ETIMEDOUT, f"{self.path}: busy in this process for {LOCK_WAIT_S} s")
+        try:
+            if self._closed or not self._lock_current(deadline):
+                yield State()  # closed, or the root is gone (being re-created): nothing to account
                 return
             try:
                 state = State.decode(os.pread(self._fd, MAX_LEDGER_BYTES, 0))
@@ -150,27 +152,32 @@ class Ledger:
                 os.ftruncate(self._fd, len(data))
             finally:
                 fcntl.lockf(self._fd, fcntl.LOCK_UN)
+        finally:
+            self._mutex.release()
 
-    def _lock_current(self) -> None:
+    def _lock_current(self, deadline: float) -> bool:
         """Lock the ledger that is at `path` now: one removed with the root (recreate.py) or
-        replaced is reopened, so that every process locks the same file. A root that is gone
-        leaves the ledger closed (`_fd` -1) until the next call finds it again."""
+        replaced is reopened, so that every process locks the same file. False (nothing locked)
+        if the root is gone; raises TimeoutError past `deadline`."""
         while True:
             if self._fd >= 0:
-                fcntl.lockf(self._fd, fcntl.LOCK_EX)
+                _lockf_until(self._fd, deadline, self.path)
                 try:
                     if os.fstat(self._fd).st_ino == os.stat(self.path, follow_symlinks=False).st_ino:
-                        return
+                        return True
                 except FileNotFoundError:
                     pass
+                except BaseException:
+                    fcntl.lockf(self._fd, fcntl.LOCK_UN)
+                    raise
                 os.close(self._fd)  # drops our lock on the stale file only
                 self._fd = -1
             if not self._same_root():
-                return  # gone, or replaced by a directory we may not write into (recreate.py decides)
+                return False  # gone, or replaced by a directory we may not write into (recreate.py)
             try:
                 self._fd = _open_private(self.path)
             except FileNotFoundError:
-                return
+                return False
 
     def _same_root(self) -> bool:
         try:
@@ -211,10 +218,12 @@ class Ledger:
             self._lease(state, -nbytes)
 
     def remove(self, path: str) -> bool:
-        """Unlink an extent file and take its bytes off `published`; False if it was gone."""
+        """Unlink an extent file (or a stale temp file) and take its bytes off `published` (not
+        those of a temp file whose writer holds a lease: they are in the lease); False if gone."""
         with self.locked() as state:
+            leased = _leased(path, state)
             freed = unlink_sized(path)
-            state.published -= freed or 0
+            state.published -= 0 if leased else freed or 0
             return freed is not None
 
     def resync(self) -> list[FileStat]:
@@ -246,8 +255,7 @@ class Ledger:
     def _resync(self, state: State) -> list[FileStat]:
         self._reclaim(state)
         files = walk_root(self.root)
-        state.published = sum(f.size for f in files)  # temp files too: a store in flight is then
-        # counted twice (its lease and its file) until the next recount: room lost, never the bound
+        state.published = sum(f.size for f in files if not _leased(f.path, state))
         self._last_resync = time.monotonic()
         return files
 
@@ -294,12 +302,34 @@ def close_ledger(ledger: Ledger) -> None:
                     del _open[ident]
 
 
+def _leased(path: str, state: State) -> bool:
+    """A temp file whose writer holds a lease: its bytes are in the lease, not in `published`."""
+    writer = temp_writer(os.path.basename(path))
+    return writer is not None and writer.token in state.leases
+
+
 def _over(nbytes: int, capacity: int, state: State) -> OverBudget:
     leased = state.total - state.published
     return OverBudget(
         f"{nbytes} B does not fit the directory's budget {capacity} B: {state.published} B published, "
         f"{leased} B in flight, nothing evictable"
     )
+
+
+def _lockf_until(fd: int, deadline: float, path: Path) -> None:
+    """Take the POSIX lock on `fd`, polling (1 to 20 ms apart) until `deadline`; TimeoutError then."""
+    pause = 0.001
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+        if time.monotonic() >= deadline:
+            raise TimeoutError(errno.ETIMEDOUT, f"{path}: locked by another process for {LOCK_WAIT_S} s")
+        time.sleep(pause)
+        pause = min(2 * pause, 0.02)
 
 
 def _open_private(path: Path) -> int:

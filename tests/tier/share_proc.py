@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import multiprocessing
 import os
 import random
 import time
@@ -11,7 +12,7 @@ from typing import Any
 
 from sgl_hicache.config import Fsync, TierConfig
 from sgl_hicache.tier import ROOT_KEY, Status, Tier, open_tier
-from sgl_hicache.tier.ledger import LEDGER_NAME, close_ledger, open_ledger
+from sgl_hicache.tier.ledger import LEDGER_NAME, State, close_ledger, open_ledger
 from sgl_hicache.tier.sweep import walk_root
 from tests.tier.common import CHUNK, NS, key_for, payload_for, tokens_for
 
@@ -120,3 +121,27 @@ def load_status(directory: str, capacity: int, index: int, size: int, results: A
     s = tier.stats()
     tier.close()
     results.put((done.status.value, s.misses, s.io_errors, s.checksum_failures))
+
+
+SPAWN = multiprocessing.get_context("spawn")
+
+
+def start(children: list, target: Any, *args: Any) -> multiprocessing.process.BaseProcess:
+    """Start `target(*args)` in a spawned child, recorded in `children` (the fixture kills leftovers)."""
+    proc = SPAWN.Process(target=target, args=args, daemon=True)
+    proc.start()
+    children.append(proc)
+    return proc
+
+
+def locked_usage(root: Path) -> tuple[int, State | None]:
+    """Bytes of extent and temp files under `root` and the ledger's state, read with the ledger locked."""
+    fd = os.open(root / LEDGER_NAME, os.O_RDWR)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX)
+        on_disk = sum(f.size for f in walk_root(root))
+        state = State.decode(os.pread(fd, 1 << 20, 0))
+        fcntl.lockf(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+    return on_disk, state

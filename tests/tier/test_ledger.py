@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import multiprocessing
 import os
 import shutil
 import time
@@ -18,10 +17,9 @@ from sgl_hicache.tier.owner import Writer, host_tag
 from sgl_hicache.tier.sweep import FOREIGN_RETRY_S, walk_root
 from tests.tier import share_proc
 from tests.tier.common import key_for, payload_for, tokens_for
+from tests.tier.share_proc import SPAWN, locked_usage, start
 from tests.tier.test_capacity import file_bytes
-from tests.tier.test_sharing import children, locked_usage, start  # noqa: F401  (fixture)
 
-SPAWN = multiprocessing.get_context("spawn")
 SIZE = 60_000
 FILE = file_bytes(SIZE)
 CAP5 = 5 * FILE  # five files of SIZE
@@ -34,7 +32,7 @@ def store(tier, i: int, size: int = SIZE) -> Status:
     return tier.wait(tier.submit_store(key_for(i), payload_for(i, size), tokens_for(i), ROOT_KEY)).status
 
 
-def test_another_processes_extents_are_evicted_oldest_first(make_tier, tmp_path: Path, children) -> None:  # noqa: F811
+def test_another_processes_extents_are_evicted_oldest_first(make_tier, tmp_path: Path, children) -> None:
     """B's index is empty (it opened first); A fills the root; B's store evicts A's oldest file,
     which A's next load finds a clean miss."""
     root = tmp_path / "tier"
@@ -114,7 +112,7 @@ def test_estale_on_load_is_a_clean_miss(make_tier, monkeypatch) -> None:
     assert (s.misses, s.io_errors, s.checksum_failures) == (1, 0, 0)
 
 
-def test_the_ledger_lock_excludes_other_processes(make_tier, tmp_path: Path, children) -> None:  # noqa: F811
+def test_the_ledger_lock_excludes_other_processes(make_tier, tmp_path: Path, children) -> None:
     """While another process holds the ledger's lock, a store waits for it."""
     root = tmp_path / "tier"
     tier = make_tier(directory=root)
@@ -149,3 +147,28 @@ def test_a_ledger_removed_with_the_root_is_reopened(make_tier, tmp_path: Path) -
     assert tier.stats().recreations == 1 and (root / LEDGER_NAME).exists()
     on_disk, state = locked_usage(root)
     assert state is not None and state.published == on_disk == FILE
+
+
+def test_a_ledger_held_too_long_fails_the_store_not_the_loads(
+    make_tier,
+    tmp_path: Path,
+    children,
+    monkeypatch,
+) -> None:
+    """A process stuck holding the ledger (or a dead host's NFS lock) makes stores fail after
+    LOCK_WAIT_S (IO_ERROR, counted), never hang; loads do not need the ledger."""
+    root = tmp_path / "tier"
+    tier = make_tier(directory=root)
+    assert store(tier, 1) is Status.OK
+    monkeypatch.setattr(ledger_mod, "LOCK_WAIT_S", 0.3)
+    locked = SPAWN.Event()
+    holder = start(children, share_proc.hold_ledger, str(root), 30.0, locked)
+    assert locked.wait(60)
+    assert store(tier, 2) is Status.IO_ERROR and tier.stats().io_errors == 1
+    buf = bytearray(SIZE)
+    assert tier.wait(tier.submit_load(key_for(1), buf), 10).ok and buf == payload_for(1, SIZE).tobytes()
+    holder.kill()
+    holder.join(10)
+    assert store(tier, 2) is Status.OK
+    on_disk, state = locked_usage(root)
+    assert state is not None and state.published == on_disk == 2 * FILE
