@@ -26,9 +26,10 @@ from typing import NamedTuple
 
 from sgl_hicache.cli.walk import NsFiles, classify, directory_seal, key_of, namespace_dirs
 from sgl_hicache.tier.directio import O_DIRECT, ShortIO, alloc_aligned
+from sgl_hicache.tier.filelock import NoLocks
 from sgl_hicache.tier.format import FormatError, Seal
 from sgl_hicache.tier.keys import ExtentKey, NamespaceId
-from sgl_hicache.tier.ledger import LEDGER_NAME, NoLocks, close_ledger, open_ledger
+from sgl_hicache.tier.ledger import LEDGER_NAME, close_ledger, open_ledger
 from sgl_hicache.tier.load import open_extent, read_chunk
 from sgl_hicache.tier.scan import temp_still_stale
 

@@ -11,6 +11,7 @@ store.py        write one extent              load.py        read/verify one ext
 capacity.py     budget, watermark, eviction   index.py       LRU index, pins, byte accounting
 scan.py         startup index rebuild         integrity.py   check_integrity against the files
 ledger.py       the root's budget, shared by all its processes (a ledger file under a POSIX lock)
+filelock.py     that lock: private open, probe (local-only NFS locks too), wait with a deadline
 shared.py       capacity.py's directory-wide half: leases, evicting other processes' extents
 sweep.py        stat-only walk of the whole root    owner.py  writer identity (host, boot, pid)
 scheduler.py    I/O threads, loads first      completions.py tickets and completions

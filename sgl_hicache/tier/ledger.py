@@ -30,7 +30,6 @@ import contextlib
 import errno
 import fcntl
 import os
-import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -39,22 +38,19 @@ from pathlib import Path
 
 import xxhash
 
+from sgl_hicache.tier.filelock import lockf_until, open_private, probe_locks
 from sgl_hicache.tier.index import OverBudget
 from sgl_hicache.tier.owner import Liveness, Writer, liveness, me
 from sgl_hicache.tier.paths import temp_writer
 from sgl_hicache.tier.scan import STALE_TEMP_S
 from sgl_hicache.tier.sweep import FileStat, walk_root
-from sgl_hicache.tier.trust import UntrustedDirectory, check_trusted
+from sgl_hicache.tier.trust import check_trusted
 
 LEDGER_NAME = ".budget"
 MAGIC = "sgl-hicache-budget 1"
 RESYNC_MIN_S = 30.0
 LOCK_WAIT_S = 5.0  # longer, and the operation fails (a store: IO_ERROR) rather than wait on
-MAX_LEDGER_BYTES = 1 << 20
-
-
-class NoLocks(Exception):
-    """POSIX locks do not work (or are local only) on the tier's filesystem; one line."""
+MAX_LEDGER_BYTES = 64 << 10  # ~1000 leases; a larger file is torn or foreign: recounted
 
 
 @dataclass
@@ -116,14 +112,14 @@ class Ledger:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self.path = self.root / LEDGER_NAME
-        self._fd = _open_private(self.path)
+        self._fd = open_private(self.path)
         self._device = os.fstat(self._fd).st_dev
         self._mutex = threading.Lock()  # POSIX locks do not exclude the threads of one process
         self._users = 0
         self._closed = False
         self._last_resync = -RESYNC_MIN_S
         try:
-            _probe_locks(self._fd, self.root)
+            probe_locks(self._fd, self.root)
         except BaseException:
             os.close(self._fd)
             raise
@@ -161,7 +157,7 @@ class Ledger:
         if the root is gone; raises TimeoutError past `deadline`."""
         while True:
             if self._fd >= 0:
-                _lockf_until(self._fd, deadline, self.path)
+                lockf_until(self._fd, deadline, self.path, LOCK_WAIT_S)
                 try:
                     if os.fstat(self._fd).st_ino == os.stat(self.path, follow_symlinks=False).st_ino:
                         return True
@@ -175,7 +171,7 @@ class Ledger:
             if not self._same_root():
                 return False  # gone, or replaced by a directory we may not write into (recreate.py)
             try:
-                self._fd = _open_private(self.path)
+                self._fd = open_private(self.path)
             except FileNotFoundError:
                 return False
 
@@ -314,57 +310,3 @@ def _over(nbytes: int, capacity: int, state: State) -> OverBudget:
         f"{nbytes} B does not fit the directory's budget {capacity} B: {state.published} B published, "
         f"{leased} B in flight, nothing evictable"
     )
-
-
-def _lockf_until(fd: int, deadline: float, path: Path) -> None:
-    """Take the POSIX lock on `fd`, polling (1 to 20 ms apart) until `deadline`; TimeoutError then."""
-    pause = 0.001
-    while True:
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except OSError as e:
-            if e.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
-        if time.monotonic() >= deadline:
-            raise TimeoutError(errno.ETIMEDOUT, f"{path}: locked by another process for {LOCK_WAIT_S} s")
-        time.sleep(pause)
-        pause = min(2 * pause, 0.02)
-
-
-def _open_private(path: Path) -> int:
-    """Open (creating, 0600) the ledger; it must be a regular file of ours, closed to others."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        os.close(fd)
-        raise UntrustedDirectory(f"{path}: not a private regular file of uid {os.geteuid()}; remove it")
-    return fd
-
-
-def _probe_locks(fd: int, root: Path) -> None:
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fcntl.lockf(fd, fcntl.LOCK_UN)
-    except OSError as e:
-        if e.errno not in (errno.EAGAIN, errno.EACCES):  # held by another process: locks work
-            raise NoLocks(f"{root}: POSIX locks fail here ({e.strerror})") from None
-    local = _local_only_locks(root)
-    if local:
-        raise NoLocks(f"{root}: mounted with {local}: locks are not shared between hosts")
-
-
-def _local_only_locks(root: Path) -> str | None:
-    """The mount option that keeps locks on this host (NFS `local_lock=posix|all`, `nolock`), if any."""
-    best, fstype, opts = "", "", ""
-    real = os.path.realpath(root)
-    with contextlib.suppress(OSError), open("/proc/self/mounts") as f:
-        for line in f:
-            fields = line.split()
-            mnt = fields[1].replace("\\040", " ") if len(fields) >= 4 else ""
-            if mnt and (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                best, fstype, opts = mnt, fields[2], fields[3]
-    if not fstype.startswith("nfs"):
-        return None
-    found = [o for o in opts.split(",") if o in ("nolock", "local_lock=posix", "local_lock=all")]
-    return found[0] if found else None

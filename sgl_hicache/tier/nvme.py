@@ -34,11 +34,12 @@ from sgl_hicache.tier.capacity import Space
 from sgl_hicache.tier.completions import CompletionQueue
 from sgl_hicache.tier.directio import as_view, probe_direct_io
 from sgl_hicache.tier.faults import Counters, FaultLog, classify, logger
+from sgl_hicache.tier.filelock import NoLocks
 from sgl_hicache.tier.format import FormatError, Mismatch, Seal
 from sgl_hicache.tier.index import Entry, OverBudget
 from sgl_hicache.tier.integrity import check_files
 from sgl_hicache.tier.keys import ExtentKey, Namespace, chain_key_from_digest, check_key
-from sgl_hicache.tier.ledger import Ledger, NoLocks, close_ledger, open_ledger
+from sgl_hicache.tier.ledger import Ledger, close_ledger, open_ledger
 from sgl_hicache.tier.load import LoadState, OpenExtent, open_extent, read_chunk
 from sgl_hicache.tier.paths import ExtentPaths
 from sgl_hicache.tier.recreate import Recreator

@@ -9,6 +9,7 @@ import shutil
 import time
 from pathlib import Path
 
+import sgl_hicache.tier.filelock as filelock
 import sgl_hicache.tier.ledger as ledger_mod
 import sgl_hicache.tier.nvme as nvme_mod
 from sgl_hicache.tier import ROOT_KEY, KVDtype, KVLayout, Namespace, Status
@@ -77,7 +78,7 @@ def test_without_working_locks_the_budget_is_per_process(
     def no_locks(fd: int, op: int) -> None:
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr(ledger_mod.fcntl, "lockf", no_locks)
+    monkeypatch.setattr(filelock.fcntl, "lockf", no_locks)
     with caplog.at_level(logging.WARNING, "sgl_hicache.tier"):
         tier = make_tier(directory=tmp_path / "tier", capacity_bytes=2 * FILE)
     assert "budget is per process, not per directory" in caplog.text and "No locks available" in caplog.text
@@ -93,9 +94,9 @@ def test_a_local_only_nfs_mount_is_detected(tmp_path: Path, monkeypatch) -> None
     monkeypatch.setattr(
         "builtins.open", lambda p, *a, **k: real_open(mounts if p == "/proc/self/mounts" else p, *a, **k)
     )
-    assert ledger_mod._local_only_locks(tmp_path / "tier") == "local_lock=posix"
+    assert filelock.local_only_locks(tmp_path / "tier") == "local_lock=posix"
     mounts.write_text(f"srv:/x {tmp_path} nfs4 rw,vers=4.2,local_lock=none 0 0\n")
-    assert ledger_mod._local_only_locks(tmp_path / "tier") is None
+    assert filelock.local_only_locks(tmp_path / "tier") is None
 
 
 def test_estale_on_load_is_a_clean_miss(make_tier, monkeypatch) -> None:
