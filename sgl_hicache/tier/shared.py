@@ -110,6 +110,19 @@ class SharedBudget:
             if victim is None:
                 break
             freed += victim()
+        return freed + (self._unlink_dying(short - freed) if freed < short else 0)
+
+    def _unlink_dying(self, short: int) -> int:
+        """Unlink victims that other threads of ours took out of the index and are about to unlink
+        (they wait for this lock): their room is ours to count now, as the local budget already
+        does. Their own unlink then finds nothing and subtracts nothing."""
+        with self._space.lock:
+            dying = list(self._space.index.dying_keys)
+        freed = 0
+        for key in dying:
+            if freed >= short:
+                break
+            freed += self._guarded(str(self._space.paths.extent(key)), None) or 0
         return freed
 
     def _next_victim(self) -> Callable[[], int] | None:
