@@ -17,6 +17,7 @@ from sgl_hicache.cli.summary import human_bytes
 from sgl_hicache.config import Compression, Fsync, TierConfig
 from sgl_hicache.tier import ROOT_KEY, ExtentKey, KVDtype, KVLayout, Namespace, Tier, chain_key, open_tier
 from sgl_hicache.tier.format import decode_fixed
+from sgl_hicache.tier.owner import Writer, host_tag, me
 
 CHUNK = 64 * 1024
 NS_A = Namespace("cli-model-a", KVLayout(2, 2, 64, KVDtype.BF16, 4))
@@ -111,8 +112,9 @@ def plant_problems(td: TierDir) -> tuple[Path, Path, Path, Path]:
         f.write(bytes([byte[0] ^ 0xFF]))
     os.truncate(truncated, decode_fixed(truncated.read_bytes()[:4096], None).header_len + 4096)
     key_hex = td.a[2].key.hex()
-    stale = td.a[2].path.parent / f".{key_hex}.{dead_pid()}.0badf00d.tmp"
-    live = td.a[2].path.parent / f".{key_hex}.{os.getpid()}.600df00d.tmp"  # this test's pid: alive
+    dead = Writer(dead_pid(), 1, host_tag())  # a writer of this host whose pid is gone
+    stale = td.a[2].path.parent / f".{key_hex}.{dead.token}.0badf00d.tmp"
+    live = td.a[2].path.parent / f".{key_hex}.{me().token}.600df00d.tmp"  # this test process: alive
     stale.write_bytes(b"half an extent")
     live.write_bytes(b"being written")
     return corrupt, truncated, stale, live

@@ -5,6 +5,11 @@ server's user, or root); the summary line says whether they were. A problem is `
 FormatError or short read: what a load would report CORRUPT), `stale-temp` (a crashed writer's
 temp file) or `unreadable` (another OSError such as EIO or EACCES). `--repair` removes the first
 two kinds, as the tier itself would; unreadable files are kept for the operator to look at.
+
+Temp files follow the tier's rule (`scan.is_stale_temp`): a writer of this host dead, or no write for
+STALE_TEMP_S, never a local pid check of another host's file; re-checked just before removal (a hung
+writer may have resumed). After repairs, the root's shared budget is recounted from the files
+(`ledger.Ledger.resync`), so servers sharing the root get back the room of what was removed.
 """
 
 from __future__ import annotations
@@ -21,9 +26,12 @@ from typing import NamedTuple
 
 from sgl_hicache.cli.walk import NsFiles, classify, directory_seal, key_of, namespace_dirs
 from sgl_hicache.tier.directio import O_DIRECT, ShortIO, alloc_aligned
+from sgl_hicache.tier.filelock import NoLocks
 from sgl_hicache.tier.format import FormatError, Seal
 from sgl_hicache.tier.keys import ExtentKey, NamespaceId
+from sgl_hicache.tier.ledger import LEDGER_NAME, close_ledger, open_ledger
 from sgl_hicache.tier.load import open_extent, read_chunk
+from sgl_hicache.tier.scan import temp_still_stale
 
 VERIFY_THREADS = 4  # each holds one extent's whole payload in memory while verifying it
 _local = threading.local()
@@ -77,7 +85,10 @@ def _scratch(nbytes: int) -> memoryview:
 
 def problems_of(files: NsFiles, seal: Seal | None, pool: ThreadPoolExecutor) -> Iterator[Problem]:
     yield from (p for p in pool.map(lambda de: verify_extent(de, files.ns, seal), files.extents) if p)
-    yield from (Problem("stale-temp", p, "writer gone or over an hour old") for p in files.stale_temps)
+    yield from (
+        Problem("stale-temp", p, "writer dead on this host, or not written for 10 minutes")
+        for p in files.stale_temps
+    )
 
 
 def cmd_fsck(root: Path, repair: bool) -> int:
@@ -89,15 +100,35 @@ def cmd_fsck(root: Path, repair: bool) -> int:
         problems = [p for files in namespaces for p in problems_of(files, seal, pool)]
     remaining = 0
     for p in problems:
-        fixed = repair and p.kind != "unreadable" and _remove(p.path)
+        fixed = repair and _repairable(p) and _remove(p.path)
         remaining += not fixed
         print(f"{'removed ' + p.kind if fixed else p.kind}  {p.path}  ({p.detail})")
+    if repair and len(problems) > remaining:
+        _recount_budget(root)
     extents = sum(len(f.extents) for f in namespaces)
     removed = f", {len(problems) - remaining} removed" if repair else ""
     print(
         f"fsck: {extents} extents in {len(namespaces)} namespaces, {len(problems)} problems{removed}; {macs}"
     )
     return 1 if remaining else 0
+
+
+def _repairable(p: Problem) -> bool:
+    return p.kind == "corrupt" or (p.kind == "stale-temp" and temp_still_stale(p.path))
+
+
+def _recount_budget(root: Path) -> None:
+    if not (root / LEDGER_NAME).exists():
+        return
+    try:
+        ledger = open_ledger(root)
+    except (NoLocks, OSError) as e:
+        print(f"shared budget not recounted: {e}", file=sys.stderr)
+        return
+    try:
+        ledger.resync()
+    finally:
+        close_ledger(ledger)
 
 
 def _remove(path: str) -> bool:

@@ -10,6 +10,10 @@ nvme.py         NvmeTier, the implementation: submit/complete, store and load jo
 store.py        write one extent              load.py        read/verify one extent's chunks
 capacity.py     budget, watermark, eviction   index.py       LRU index, pins, byte accounting
 scan.py         startup index rebuild         integrity.py   check_integrity against the files
+ledger.py       the root's budget, shared by all its processes (a ledger file under a POSIX lock)
+filelock.py     that lock: private open, probe (local-only NFS locks too), wait with a deadline
+shared.py       capacity.py's directory-wide half: leases, evicting other processes' extents
+sweep.py        stat-only walk of the whole root    owner.py  writer identity (host, boot, pid)
 scheduler.py    I/O threads, loads first      completions.py tickets and completions
 directio.py     O_DIRECT probe, aligned buffers, exact positional I/O
 faults.py       errno -> Status, rate-limited logs, counters

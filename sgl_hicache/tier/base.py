@@ -138,9 +138,12 @@ class Tier(abc.ABC):
         disk in clear: `read_tokens` then returns None for this extent; loads verify it all the same).
 
         Never blocks. Publishing is atomic (temp file + rename, fsync per `TierConfig.fsync`): a
-        failed or partial write is never visible. Storing a key already present completes OK at
-        once without rewriting. To make room the tier evicts least-recently-used extents that no
-        load is reading; it never exceeds `capacity_bytes` nor eats into `min_free_bytes`. A tier
+        failed or partial write is never visible. Storing a key already present (indexed, and its
+        file still there: another process sharing the directory may have removed it, and then it is
+        written again) completes OK without rewriting. To make room the tier evicts
+        least-recently-used extents that no load of this process is reading, its own or other
+        processes'; the extent files of all processes sharing the directory never exceed
+        `capacity_bytes` (docs/DESIGN.md "Sharing a tier"), nor eat into `min_free_bytes`. A tier
         directory removed while serving is re-created (same trust checks as at open, same secret,
         same volume) and the store goes on; extents that went with it are forgotten (counted in
         `stats().recreations`).
@@ -229,7 +232,7 @@ class Tier(abc.ABC):
         ("abandoned at close") without writing, the temp files of stores being written are removed
         (they complete REJECTED too), and close returns while the I/O threads (daemons) end the
         jobs they are in. A write stuck in the kernel past that point may leave its temp file if the
-        process dies meanwhile: the next open's scan removes it (its writer pid is gone)."""
+        process dies meanwhile: the next open's scan removes it (its writer is dead, owner.py)."""
 
     def __enter__(self) -> Tier:
         return self

@@ -9,10 +9,13 @@ Invariants (checked by `check`): used_bytes == sum of entries' file_bytes; used_
 index whose files are not yet unlinked (the owner unlinks them before writing, outside the lock,
 then calls `buried`); `reserve` counts them as still on disk, so the bytes on disk (indexed +
 dying + written so far by reserved stores) never exceed the capacity, even transiently.
+Each entry keeps `used_at` (wall clock of its publish or last use), so that the shared budget
+(capacity.py) can weigh our LRU against other processes' files by their mtime.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 
 from sgl_hicache.tier.base import ExtentInfo
@@ -24,13 +27,21 @@ class OverBudget(Exception):
 
 
 class Entry:
-    __slots__ = ("file_bytes", "parent", "payload_len", "token_count")
+    __slots__ = ("file_bytes", "parent", "payload_len", "token_count", "used_at")
 
-    def __init__(self, parent: ExtentKey, token_count: int, payload_len: int, file_bytes: int) -> None:
+    def __init__(
+        self,
+        parent: ExtentKey,
+        token_count: int,
+        payload_len: int,
+        file_bytes: int,
+        used_at: float | None = None,
+    ) -> None:
         self.parent = parent
         self.token_count = token_count
         self.payload_len = payload_len
         self.file_bytes = file_bytes
+        self.used_at = time.time() if used_at is None else used_at
 
     def info(self, key: ExtentKey) -> ExtentInfo:
         return ExtentInfo(key, self.parent, self.token_count, self.payload_len, self.file_bytes)
@@ -59,8 +70,10 @@ class Index:
         return list(self._lru.items())
 
     def touch(self, key: ExtentKey) -> None:
-        if key in self._lru:
+        entry = self._lru.get(key)
+        if entry is not None:
             self._lru.move_to_end(key)
+            entry.used_at = time.time()
 
     def add(self, key: ExtentKey, entry: Entry) -> None:
         """Insert as most recently used, replacing (and un-accounting) any old entry."""
@@ -92,17 +105,21 @@ class Index:
         victims = self._victims(self.used_bytes + self.reserved + self.dying + nbytes - self.capacity)
         if victims is None:
             return None
-        self._kill(victims)
+        self.kill(victims)
         self.reserved += nbytes
         return victims
 
     def evict(self, nbytes: int) -> list[tuple[ExtentKey, Entry]] | None:
         """Remove LRU unpinned entries totalling at least `nbytes`; None (no change) if impossible."""
         victims = self._victims(nbytes)
-        self._kill(victims or [])
+        self.kill(victims or [])
         return victims
 
-    def _kill(self, victims: list[tuple[ExtentKey, Entry]]) -> None:
+    def oldest_unpinned(self) -> tuple[ExtentKey, Entry] | None:
+        return next(((k, e) for k, e in self._lru.items() if k not in self._pins), None)
+
+    def kill(self, victims: list[tuple[ExtentKey, Entry]]) -> None:
+        """Take `victims` out of the index; their bytes count as dying until `buried`."""
         for key, entry in victims:
             self.remove(key)
             self.dying += entry.file_bytes

@@ -7,14 +7,20 @@ file and renames it; one that finds the directory removed re-creates it and retr
 (recreate.py). A load job pins the key, opens and verifies the header (MACs, key), then queues one
 job per chunk of the requested prefix; the last chunk job closes the file and posts the completion.
 
+Sharing a root with other processes (docs/DESIGN.md "Sharing a tier"): the byte budget is the
+root's (ledger.py, shared.py); an index entry whose file another process removed is never trusted:
+a store of it checks the file before answering "present" and writes it again if it is gone, and a
+load of it is a clean MISS (ENOENT, or ESTALE on NFS) that forgets the key.
+
 Shutdown: `close(timeout_s)` gives queued and running stores that long, then abandons them and
 removes their temp files. A process killed before (SIGKILL) leaves the temp files of its running
-stores; the next open's scan removes them (their writer pid is gone, scan.py).
+stores; the next open's scan removes them (their writer is dead: owner.py, scan.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import threading
 from collections.abc import Sequence
@@ -28,10 +34,12 @@ from sgl_hicache.tier.capacity import Space
 from sgl_hicache.tier.completions import CompletionQueue
 from sgl_hicache.tier.directio import as_view, probe_direct_io
 from sgl_hicache.tier.faults import Counters, FaultLog, classify, logger
+from sgl_hicache.tier.filelock import NoLocks
 from sgl_hicache.tier.format import FormatError, Mismatch, Seal
 from sgl_hicache.tier.index import Entry, OverBudget
 from sgl_hicache.tier.integrity import check_files
 from sgl_hicache.tier.keys import ExtentKey, Namespace, chain_key_from_digest, check_key
+from sgl_hicache.tier.ledger import Ledger, close_ledger, open_ledger
 from sgl_hicache.tier.load import LoadState, OpenExtent, open_extent, read_chunk
 from sgl_hicache.tier.paths import ExtentPaths
 from sgl_hicache.tier.recreate import Recreator
@@ -48,7 +56,8 @@ class NvmeTier(Tier):
         self._seal = Seal(secret)
         self._direct = cfg.direct_io and probe_direct_io(self._paths.ns_dir)
         self._counters, self._faults = Counters(), FaultLog()
-        self._space = Space(cfg, self._paths, self._counters, self._faults)
+        self._ledger = _shared_ledger(self._paths)
+        self._space = Space(cfg, self._paths, self._counters, self._faults, self._ledger)
         self._recreator = Recreator(self._paths, secret, self._space, self._counters)
         self._lock, self._index = self._space.lock, self._space.index
         self._completions = CompletionQueue()
@@ -83,7 +92,7 @@ class NvmeTier(Tier):
 
     def _fail(self, op: Op, ticket: Ticket, key: ExtentKey, err: Exception) -> Completion:
         """Count, log (rate-limited) and clean up after a failed job; returns its completion."""
-        status = classify(op, err)
+        status = Status.MISS if op is Op.LOAD and _gone(err) else classify(op, err)
         self._counters.add(_COUNTER_OF.get(status, "io_errors"))
         if not isinstance(err, (OSError, FormatError)):
             logger.error("spill tier %s job failed unexpectedly", op.value, exc_info=err)
@@ -108,19 +117,14 @@ class NvmeTier(Tier):
             raise ValueError("an extent key must be chain_key(namespace, parent, tokens) of what it holds")
         ticket = self._completions.issue()
         with self._lock:  # queue under the lock: close() cannot slip in between
-            closed, present, leader = self._closed, key in self._index, self._storing.get(key)
-            if present:
-                self._index.touch(key)
-            elif leader is not None:  # the same extent is being written: share its outcome
+            closed, leader = self._closed, self._storing.get(key)
+            if leader is not None:  # the same extent is being written: share its outcome
                 self._completions.follow(leader, ticket)
-            elif not closed:
+            elif not closed:  # indexed or not: the job checks the file (another process may remove it)
                 self._storing[key] = ticket
                 self._io.submit_write(partial(self._store_job, ticket, req))
-        if closed or present:
-            done = Completion(ticket, Op.STORE, key, Status.OK, view.nbytes, "present")
-            self._completions.post(
-                Completion(ticket, Op.STORE, key, Status.REJECTED, 0, "closed") if closed else done
-            )
+        if closed:
+            self._completions.post(Completion(ticket, Op.STORE, key, Status.REJECTED, 0, "closed"))
         return ticket
 
     def _store_job(self, ticket: Ticket, req: StoreRequest) -> None:
@@ -130,6 +134,8 @@ class NvmeTier(Tier):
         self._completions.post(done)
 
     def _store(self, ticket: Ticket, req: StoreRequest) -> Completion:
+        if self._still_present(req.key):
+            return Completion(ticket, Op.STORE, req.key, Status.OK, req.payload.nbytes, "present")
         try:
             prep = prepare(req, self._cfg)
             try:
@@ -152,6 +158,26 @@ class NvmeTier(Tier):
         self._counters.add("stores")
         self._counters.add("store_bytes", req.payload.nbytes)
         return Completion(ticket, Op.STORE, req.key, Status.OK, req.payload.nbytes)
+
+    def _still_present(self, key: ExtentKey) -> bool:
+        """Whether `key` is indexed and its file still there (touched then); an entry whose file
+        another process removed is forgotten, so the store writes it again."""
+        with self._lock:
+            if key not in self._index:
+                return False
+        if self._paths.extent(key).exists():
+            with self._lock:
+                self._index.touch(key)
+            self._touch_file(key)
+            return True
+        with self._lock:
+            self._index.remove(key)
+        return False
+
+    def _touch_file(self, key: ExtentKey) -> None:
+        """Refresh the file's mtime: other processes sharing the root evict by it (shared.py)."""
+        with contextlib.suppress(OSError):  # only an eviction-order hint; a vanished file is fine
+            os.utime(self._paths.extent(key))
 
     def _write(self, prep: Prepared) -> None:
         self._space.make_room(prep.file_bytes, prep.req.key)
@@ -223,6 +249,7 @@ class NvmeTier(Tier):
             return
         with self._lock:
             self._index.touch(load.key)
+        self._touch_file(load.key)
         self._counters.add("loads")
         self._counters.add("load_bytes", load.want)
         self._counters.add("buffered_loads", 0 if load.ext.direct else 1)
@@ -295,6 +322,8 @@ class NvmeTier(Tier):
         closer.join(timeout_s)
         if closer.is_alive():
             self._abandon(timeout_s)
+        if self._ledger is not None:
+            close_ledger(self._ledger)
 
     def _abandon(self, timeout_s: float | None) -> None:
         """Stores not started yet complete REJECTED when their job comes; the temp files of those
@@ -317,9 +346,25 @@ class NvmeTier(Tier):
         for _, key, entry in result.entries:
             self._index.add(key, entry)
         self._space.enforce_budget()
+        self._space.shared.open()
         self._counters.add("scanned_extents", len(result.entries))
         self._counters.add("removed_temp_files", result.removed_temp)
         self._counters.add("removed_bad_files", result.removed_bad)
+
+
+def _shared_ledger(paths: ExtentPaths) -> Ledger | None:
+    """The root's ledger, or None (logged) where POSIX locks do not work: then this process keeps
+    its own budget, and N processes sharing the directory may use N x capacity (ledger.py)."""
+    try:
+        return open_ledger(paths.root)
+    except NoLocks as e:
+        logger.warning("spill tier budget is per process, not per directory: %s", e)
+        return None
+
+
+def _gone(err: Exception) -> bool:
+    """A file removed by another process: ENOENT at open, ESTALE on NFS when another host unlinked it."""
+    return isinstance(err, OSError) and err.errno in (errno.ENOENT, errno.ESTALE)
 
 
 def _abandoned_store(ticket: Ticket, key: ExtentKey) -> Completion:

@@ -7,8 +7,9 @@ directories whose cold reads dominate the startup scan.
 Names carry hashes only, never prompt text. Directories are 0700 and files 0600; the root and the
 namespace directory are checked to be ours before use (trust.py), and re-created with the same
 checks if removed while in use (`recreate`). Temp files sit beside their target as
-`.<key hex>.<pid>.<random>.tmp`, so a scan can tell a live writer's temp file (its pid runs) from a
-stale one, and a closing tier can find its own (`own_temps`).
+`.<key hex>.<writer>.<random>.tmp`, where `<writer>` is `owner.Writer.token` (pid, start time, and a
+tag of host, boot and pid namespace), so a scan can tell a live writer's temp file from a stale one
+on any host (scan.py), and a closing tier can find its own (`own_temps`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from sgl_hicache.tier.format import EXTENT_SUFFIX, TEMP_SUFFIX
 from sgl_hicache.tier.keys import ExtentKey, NamespaceId
+from sgl_hicache.tier.owner import Writer, me
 from sgl_hicache.tier.trust import Reopened, open_trusted, reopen_trusted
 
 DIR_MODE = 0o700
@@ -66,7 +68,7 @@ class ExtentPaths:
         final = self.extent(key)
         with contextlib.suppress(FileExistsError):
             final.parent.mkdir(mode=DIR_MODE)
-        return final.parent / f".{key.hex()}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TEMP_SUFFIX}"
+        return final.parent / f".{key.hex()}.{me().token}.{uuid.uuid4().hex[:8]}{TEMP_SUFFIX}"
 
     def own_temps(self, keys: Iterable[ExtentKey]) -> list[Path]:
         """This process's temp files for `keys` (being written, or left by an abandoned write)."""
@@ -75,7 +77,7 @@ class ExtentPaths:
             by_dir.setdefault(self.extent(key).parent, set()).add(key.hex())
         return [
             Path(de.path) for fanout, hexes in by_dir.items() for de in _scandir(fanout)
-            if temp_owner(de.name) == os.getpid() and de.name.split(".")[1] in hexes
+            if temp_writer(de.name) == me() and de.name.split(".")[1] in hexes
         ]  # fmt: skip
 
     def walk(self) -> Iterator[os.DirEntry[str]]:
@@ -109,11 +111,12 @@ def _scandir(path: Path) -> list[os.DirEntry[str]]:
         return []
 
 
-def temp_owner(name: str) -> int | None:
-    """The writer pid encoded in a temp file's name, or None if it is not one of ours."""
+def temp_writer(name: str) -> Writer | None:
+    """The writer a temp file's name records, or None if it records none (not one of ours, or
+    written before writers had an identity: such a file is judged by its age alone)."""
     parts = name.split(".")
-    if len(parts) == 5 and parts[4] == TEMP_SUFFIX[1:] and parts[2].isdigit():
-        return int(parts[2])
+    if len(parts) == 5 and parts[4] == TEMP_SUFFIX[1:]:
+        return Writer.parse(parts[2])
     return None
 
 

@@ -3,8 +3,8 @@
 Only the fixed header (first FIXED_SIZE bytes) of each file is read and verified: its MAC (so only
 files written with this directory's secret are indexed), namespace, key = file name = the chain key
 of its parent, token count and token digest, and size; the meta MAC and payload checksums are
-verified on load. Removed: temp files whose writer pid is gone (or older than STALE_TEMP_S), and
-extent files that fail any of those checks. Extents enter
+verified on load. Removed: stale temp files (`is_stale_temp`), and extent files that fail any of
+those checks. Extents enter
 the LRU in publish order (header `created_ns`): a restart forgets access order.
 """
 
@@ -13,15 +13,17 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from sgl_hicache.tier.format import EXTENT_SUFFIX, FIXED_SIZE, TEMP_SUFFIX, FormatError, Seal, peek_index
 from sgl_hicache.tier.index import Entry
 from sgl_hicache.tier.keys import ExtentKey, NamespaceId, chain_key_from_digest
-from sgl_hicache.tier.paths import ExtentPaths, temp_owner
+from sgl_hicache.tier.owner import Liveness, liveness
+from sgl_hicache.tier.paths import ExtentPaths, temp_writer
 
-STALE_TEMP_S = 3600.0
+STALE_TEMP_S = 600.0  # a temp file untouched this long has a dead or hung writer (see is_stale_temp)
 SCAN_THREADS = 16  # cold scans wait on metadata reads: keep several in flight (more did not help)
 
 
@@ -57,10 +59,29 @@ def _scan_part(files: list[os.DirEntry[str]], ns: NamespaceId, seal: Seal, now: 
 
 
 def is_stale_temp(de: os.DirEntry[str], now: float) -> bool:
-    """The rule for temp files (also used by `sgl-hicache fsck`): stale if its writer pid is gone or
-    it is older than STALE_TEMP_S. Raises FileNotFoundError if it vanished meanwhile."""
-    pid = temp_owner(de.name)
-    return pid is None or not _alive(pid) or now - de.stat().st_mtime >= STALE_TEMP_S
+    """The rule for temp files (also used by `sgl-hicache fsck --repair`): stale if its writer is of
+    this host, boot and pid namespace and dead (pid gone, or reused: `owner.liveness`), or if the
+    file was not written for STALE_TEMP_S, whoever wrote it. Never by a local pid check alone for
+    another host's file: a live writer rewrites its temp file at least every GROUP_BYTES (16 MiB),
+    so ten minutes without a write is a writer dead or hung (hosts' clocks must agree to within a
+    few minutes: the mtime is set by the file server). Raises FileNotFoundError if it vanished."""
+    return _stale(de.name, lambda: de.stat().st_mtime, now)
+
+
+def temp_still_stale(path: str) -> bool:
+    """`is_stale_temp` again, from a fresh stat, just before removing (the writer may have resumed);
+    False if the file is gone."""
+    try:
+        return _stale(os.path.basename(path), lambda: os.stat(path).st_mtime, time.time())
+    except FileNotFoundError:
+        return False
+
+
+def _stale(name: str, mtime: Callable[[], float], now: float) -> bool:
+    writer = temp_writer(name)
+    if writer is not None and liveness(writer) is Liveness.DEAD:
+        return True
+    return now - mtime() >= STALE_TEMP_S
 
 
 def _remove_if_stale(de: os.DirEntry[str], now: float) -> int:
@@ -71,18 +92,6 @@ def _remove_if_stale(de: os.DirEntry[str], now: float) -> int:
         return 1
     except FileNotFoundError:
         return 0
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _scan_extent(de: os.DirEntry[str], ns: NamespaceId, seal: Seal, result: ScanResult) -> None:
@@ -103,7 +112,7 @@ def _scan_extent(de: os.DirEntry[str], ns: NamespaceId, seal: Seal, result: Scan
         _unlink(de.path)
         result.removed_bad += 1
         return
-    entry = Entry(ExtentKey(h.parent), h.token_count, h.payload_len, size)
+    entry = Entry(ExtentKey(h.parent), h.token_count, h.payload_len, size, h.created_ns / 1e9)
     result.entries.append((h.created_ns, ExtentKey(h.key), entry))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -55,3 +56,13 @@ def mount_point(tmp_path: Path) -> Iterator[Callable[[str, str], Path]]:
     yield mount
     for target in reversed(mounted):
         subprocess.run(["umount", "-l", str(target)], check=False)
+
+
+@pytest.fixture
+def children() -> Iterator[list[multiprocessing.process.BaseProcess]]:
+    started: list[multiprocessing.process.BaseProcess] = []
+    yield started
+    for p in started:
+        if p.is_alive():
+            p.kill()
+        p.join(10)

@@ -9,6 +9,7 @@ import pytest
 
 from sgl_hicache.tier import ROOT_KEY, Status
 from sgl_hicache.tier.format import ALIGN
+from sgl_hicache.tier.owner import Writer, host_tag, me
 from tests.tier.common import key_for, payload_for, tokens_for
 
 
@@ -99,9 +100,11 @@ def test_restart_enforces_smaller_budget_and_removes_stale_temp(make_tier, tmp_p
         assert tier.wait(tier.submit_store(key_for(i), payload_for(i, 10_000), tokens_for(i), ROOT_KEY)).ok
     tier.close()
     fan = next(tier_dir(tier).rglob("*.ext")).parent
-    (fan / f".{'a' * 32}.999999999.deadbeef.tmp").write_bytes(b"partial")
-    (fan / f".{'b' * 32}.{os.getpid()}.cafebabe.tmp").write_bytes(b"live writer")
-    small = make_tier(capacity_bytes=3 * file_bytes(10_000))
+    dead = Writer(999_999_999, 1, host_tag())  # of this host, its pid gone
+    (fan / f".{'a' * 32}.{dead.token}.deadbeef.tmp").write_bytes(b"partial")
+    (fan / f".{'b' * 32}.{me().token}.cafebabe.tmp").write_bytes(b"live writer")
+    # the live writer's temp file is on disk without a lease in the ledger: it counts in the budget
+    small = make_tier(capacity_bytes=3 * file_bytes(10_000) + len(b"live writer"))
     assert [small.contains(key_for(i)) for i in range(6)] == [False] * 3 + [True] * 3
     s = small.stats()
     assert (s.scanned_extents, s.evictions, s.removed_temp_files, s.bytes_stored) == (
@@ -110,4 +113,4 @@ def test_restart_enforces_smaller_budget_and_removes_stale_temp(make_tier, tmp_p
         1,
         3 * file_bytes(10_000),
     )
-    assert (fan / f".{'b' * 32}.{os.getpid()}.cafebabe.tmp").exists()
+    assert (fan / f".{'b' * 32}.{me().token}.cafebabe.tmp").exists()

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from sgl_hicache.tier import UntrustedDirectory
+from sgl_hicache.tier.ledger import LEDGER_NAME
 from sgl_hicache.tier.trust import SECRET_BYTES, SECRET_NAME
 from tests.tier.common import NS
 
@@ -40,7 +41,9 @@ def test_a_missing_directory_is_created_private_with_a_secret(make_tier, tmp_pat
     before = secret.read_bytes()
     make_tier(directory=root).close()
     assert secret.read_bytes() == before, "a second open keeps the secret"
-    assert sorted(p.name for p in root.iterdir()) == sorted([SECRET_NAME, NS.id.hex()])  # no temp left
+    assert sorted(p.name for p in root.iterdir()) == sorted(
+        [SECRET_NAME, LEDGER_NAME, NS.id.hex()]
+    )  # no temp left
 
 
 def test_a_world_writable_sticky_parent_is_fine(make_tier, tmp_path):

@@ -1,0 +1,73 @@
+"""The file lock under the root's ledger (ledger.py): open it privately, probe that POSIX locks work
+and are shared between hosts, take it with a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import stat
+import time
+from pathlib import Path
+
+from sgl_hicache.tier.trust import UntrustedDirectory
+
+
+class NoLocks(Exception):
+    """POSIX locks do not work (or are local only) on the tier's filesystem; one line."""
+
+
+def lockf_until(fd: int, deadline: float, path: Path, wait_s: float) -> None:
+    """Take the POSIX lock on `fd`, polling (1 to 20 ms apart) until `deadline`; TimeoutError then."""
+    pause = 0.001
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+        if time.monotonic() >= deadline:
+            raise TimeoutError(errno.ETIMEDOUT, f"{path}: locked by another process for {wait_s} s")
+        time.sleep(pause)
+        pause = min(2 * pause, 0.02)
+
+
+def open_private(path: Path) -> int:
+    """Open (creating, 0600) the ledger; it must be a regular file of ours, closed to others."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        os.close(fd)
+        raise UntrustedDirectory(f"{path}: not a private regular file of uid {os.geteuid()}; remove it")
+    return fd
+
+
+def probe_locks(fd: int, root: Path) -> None:
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.lockf(fd, fcntl.LOCK_UN)
+    except OSError as e:
+        if e.errno not in (errno.EAGAIN, errno.EACCES):  # held by another process: locks work
+            raise NoLocks(f"{root}: POSIX locks fail here ({e.strerror})") from None
+    local = local_only_locks(root)
+    if local:
+        raise NoLocks(f"{root}: mounted with {local}: locks are not shared between hosts")
+
+
+def local_only_locks(root: Path) -> str | None:
+    """The mount option that keeps locks on this host (NFS `local_lock=posix|all`, `nolock`), if any."""
+    best, fstype, opts = "", "", ""
+    real = os.path.realpath(root)
+    with contextlib.suppress(OSError), open("/proc/self/mounts") as f:
+        for line in f:
+            fields = line.split()
+            mnt = fields[1].replace("\\040", " ") if len(fields) >= 4 else ""
+            if mnt and (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                best, fstype, opts = mnt, fields[2], fields[3]
+    if not fstype.startswith("nfs"):
+        return None
+    found = [o for o in opts.split(",") if o in ("nolock", "local_lock=posix", "local_lock=all")]
+    return found[0] if found else None
