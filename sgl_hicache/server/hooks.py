@@ -117,7 +117,7 @@ def prefetch_at_arrival(result: Any, scheduler: Any, req: Any, *args: Any, **kwa
 
     cache = scheduler.tree_cache
     if isinstance(cache, SpillRadixCache):
-        cache.prefetch(req.origin_input_ids, req.extra_key, req.cache_salt)
+        cache.prefetch(req.origin_input_ids, req.extra_key, req.cache_salt, rid=req.rid)
     return result
 
 
@@ -151,6 +151,24 @@ def skip_deferred_admission(result: Any, adder: Any, req: Any, *args: Any, **kwa
     if result is AddReqResult.OTHER and isinstance(cache, SpillRadixCache) and cache.take_deferral(req.rid):
         return AddReqResult.CONTINUE
     return result
+
+
+def wait_for_lookup(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND `add_one_req`: a request whose cross-server lookup is still running is skipped for this
+    round (CONTINUE, as sglang does for its own storage prefetches), within the cache's limit."""
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    if lookup_running(adder, req):  # contained: an exception there admits as sglang would
+        return AddReqResult.CONTINUE
+    return original(adder, req, *args, **kwargs)
+
+
+@contained
+def lookup_running(adder: Any, req: Any) -> bool:
+    from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
+
+    cache = adder.tree_cache
+    return isinstance(cache, SpillRadixCache) and cache.lookup_waiting(req.rid)
 
 
 @contained
@@ -206,6 +224,7 @@ def register_hooks() -> None:
     HookRegistry.register(ROUTES_TARGET, add_routes, HookType.AFTER)
     HookRegistry.register(EXIT_TARGET, remove_runtime_dir_first, HookType.BEFORE)
     HookRegistry.register(ADMIT_TARGET, skip_deferred_admission, HookType.AFTER)
+    HookRegistry.register(ADMIT_TARGET, wait_for_lookup, HookType.AROUND)
     HookRegistry.register(RELEASE_TARGET, close_tier_first, HookType.BEFORE)
     HookRegistry.register(LOOP_TARGET, close_tier_on_signals, HookType.BEFORE)
     HookRegistry.register(WEIGHTS_TARGET, new_epoch_after_weight_update, HookType.AFTER)
