@@ -1,5 +1,5 @@
 """The patches of sglang we make, all through sglang's own plugin hook registry (no file edited),
-AFTER hooks (but 5, 7 and 8) that call sglang's original first and change none of its state:
+AFTER hooks (but 5, 7, 8 and 10) that call sglang's original first and change none of its state:
 
 1. `SchedulerInternalStateController.get_internal_state` (sglang 0.5.23,
    `sglang/srt/managers/scheduler_components/internal_state.py`): adds a `"hicache_spill"` entry
@@ -38,6 +38,9 @@ AFTER hooks (but 5, 7 and 8) that call sglang's original first and change none o
    weights is never named like KV of the weights on disk (a restart, or another server sharing the
    directory, would take one for the other). Why: a weight update without `flush_cache` (or whose
    flush sglang refused) does not reset the cache.
+10. `PrefillAdder.add_one_req` again, AROUND: a request whose cross-server lookup is still running
+   (cache/cross_attach.py) is answered `CONTINUE` without calling sglang's admission (skipped for
+   this round, like 6), within the cache's limit; its lookup then attaches before its next match.
 `tests/server/test_concurrent_clients.py`, `tests/server/test_spill_resume.py`,
 `tests/server/test_hostile_hints.py` and `tests/server/test_shutdown.py` prove they still hold for
 the pinned version.
