@@ -60,13 +60,19 @@ class _Walk:
     ) -> None:
         self.req, self.paths, self.ns, self.seal, self.page = req, paths, ns, seal, page
         self.calls = self.refused = self.stale = 0
-        self._keys: dict[int, bytes] = {}
+        self._hashers: dict[int, PathHasher] = {}
 
     def key_at(self, pos: int) -> bytes:
-        if pos not in self._keys:
-            hasher = PathHasher(self.ns, self.req.tenant, self.req.epoch)
-            self._keys[pos] = hasher.update(self.req.tokens[:pos]).key()
-        return self._keys[pos]
+        """The prompt's path key of its first `pos` tokens (hashed on from the nearest known one)."""
+        if pos not in self._hashers:
+            base = max((p for p in self._hashers if p <= pos), default=0)
+            start = (
+                self._hashers[base]
+                if base in self._hashers
+                else PathHasher(self.ns, self.req.tenant, self.req.epoch)
+            )
+            self._hashers[pos] = start.copy().update(self.req.tokens[base:pos])
+        return self._hashers[pos].key()
 
     def alias(self, pos: int) -> tuple[ExtentKey, int] | None:
         self.calls += 1
@@ -99,8 +105,12 @@ class _Walk:
         prompt = self.req.tokens
         if parent != self.key_at(start) or (offset, self.key_at(pos)) not in aliases:
             return None
-        end = max(start + a.offset for a in aliases if start + a.offset <= len(prompt)
-                  and a.offset >= offset and self.key_at(start + a.offset) == a.path_key)  # fmt: skip
+        # Also a check on its own: a recorded key equals the prompt's only where both name the same
+        # path, so a claim with a wrong start matches none of them.
+        end = max((start + a.offset for a in aliases if start + a.offset <= len(prompt)
+                   and a.offset >= offset and self.key_at(start + a.offset) == a.path_key), default=start)  # fmt: skip
+        if end <= start:
+            return None
         if tokens is not None:
             stored = np.frombuffer(tokens, dtype="<u4")[: end - start]
             if not np.array_equal(stored, prompt[start:end]):

@@ -212,3 +212,26 @@ def test_v2_extents_are_refused(make_stack: Any, tmp_path: Path, monkeypatch: py
     b = make_stack(tmp_path / "shared", size=512)
     assert b.match(PROMPT).host_hit_length == 0
     assert b.cache.spill_io.tier.stats().removed_bad_files == 1
+
+
+def test_salted_tenant_found_by_the_same_tenant(pair: tuple[Stack, Stack]) -> None:
+    """No token ids on disk for a salted tenant: the path keys alone carry the verification."""
+    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+
+    a, b = pair
+    a.insert(PROMPT[:48], salt="alice")
+    a.insert(PROMPT, salt="alice")
+    a.evict_all()
+    b.cache.prefetch(PROMPT, None, "alice", rid="r1")
+    settle(b)
+    assert b.metrics.totals["lookup_attached_tokens"] == len(PROMPT)
+    m = b.match(PROMPT, salt="alice")
+    req = type("Req", (), {"last_node": m.last_device_node, "rid": "r1"})()
+    params = InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=m.host_hit_length, req=req)
+    deadline = time.monotonic() + 30
+    while (answer := b.cache.init_load_back(params)) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert answer[0] == len(PROMPT)
+    assert read_kv(b.pool, b.cache.path_device_indices(answer[1])) == PROMPT
+    assert b.match(PROMPT).host_hit_length == 0  # the default tenant sees none of it
