@@ -75,8 +75,9 @@ WEIGHTS_TARGET = (
     "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
     ".record_weight_version_after_update"
 )
+# One entry per registration: ADMIT_TARGET twice (hooks 6 and 10).
 TARGETS = (TARGET, PREFETCH_TARGET, HINTS_TARGET, ROUTES_TARGET, EXIT_TARGET, ADMIT_TARGET, RELEASE_TARGET,
-           LOOP_TARGET, WEIGHTS_TARGET)  # fmt: skip
+           LOOP_TARGET, WEIGHTS_TARGET, ADMIT_TARGET)  # fmt: skip
 STATE_KEY = "hicache_spill"
 
 HOOK_ERRORS: Counter[str] = Counter()  # hook name -> exceptions it contained, in this process
