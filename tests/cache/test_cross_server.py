@@ -235,3 +235,16 @@ def test_salted_tenant_found_by_the_same_tenant(pair: tuple[Stack, Stack]) -> No
     assert answer[0] == len(PROMPT)
     assert read_kv(b.pool, b.cache.path_device_indices(answer[1])) == PROMPT
     assert b.match(PROMPT).host_hit_length == 0  # the default tenant sees none of it
+
+
+def test_off_with_tp_above_one(pair: tuple[Stack, Stack]) -> None:
+    """With TP > 1 a lookup's outcome would be each rank's own: not agreed, so none is started."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    a, b = pair
+    spill_on_a(a, split_at=())
+    b.cache.agreement = SimpleNamespace(size=2)
+    assert not b.cache.cross_lookups.start(b.cache, RadixKey(list(PROMPT)), 0, "r1")
+    assert not b.cache.lookup_waiting("r1")
