@@ -3,13 +3,17 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint typecheck pytest fuzz bench clean
+.PHONY: setup demo demo-cluster test lint typecheck pytest fuzz bench clean
 
 setup:
 	@bash scripts/setup_venv.sh
 
 demo: setup
 	$(PY) examples/multi_turn_chat.py --launch --workdir .demo
+
+# Two servers on one tier behind the router: a turn restored on the server that never saw it.
+demo-cluster: setup
+	$(PY) examples/cluster.py --workdir .demo-cluster
 
 lint: setup
 	$(PY) -m ruff check .
@@ -34,4 +38,4 @@ bench: setup
 	$(PY) -m sgl_hicache.bench --quick
 
 clean:
-	rm -rf .demo out .pytest_cache .mypy_cache .ruff_cache
+	rm -rf .demo .demo-cluster out .pytest_cache .mypy_cache .ruff_cache

@@ -55,6 +55,13 @@ COUNTERS = {
     "bytes their readiness had found (a write finished, a read abandoned): never waited for",
     "internal_errors": "exceptions of our own logic in a call from sglang, contained: served as sglang's "
     "plain radix cache would (logged once per path)",
+    "lookups": "cross-server lookups started (a prompt running past the tree: other servers' extents)",
+    "lookup_fs_calls": "file system calls made by cross-server lookups",
+    "lookup_found_tokens": "tokens cross-server lookups found verified on the tier",
+    "lookup_attached_tokens": "tokens attached as spilled nodes from cross-server lookups",
+    "lookup_refused": "lookup claims that failed verification (forged, foreign, inconsistent): never used",
+    "lookup_stale": "lookup claims whose extent was gone (evicted or deleted by its writer): clean misses",
+    "lookups_waited": "admission rounds a request skipped while its cross-server lookup ran",
     "restores_too_late": "restores given up because their reads outlasted the prefetch policy's limit",
 }
 

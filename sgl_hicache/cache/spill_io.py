@@ -56,16 +56,20 @@ class SpillIO:
         self.reads.tier = tier
 
     def store(
-        self, key: ExtentKey, parent: ExtentKey, tokens: np.ndarray, slots: torch.Tensor, store_tokens: bool
-    ) -> Extent | None:
-        """`store_tokens`: whether the extent file may hold the token ids (the default tenant's only)."""
+        self, key: ExtentKey, parent: ExtentKey, tokens: np.ndarray, slots: torch.Tensor, store_tokens: bool,
+        aliases: Sequence[tuple[int, bytes]] = (),
+    ) -> Extent | None:  # fmt: skip
+        """`store_tokens`: whether the extent file may hold the token ids (the default tenant's only);
+        `aliases`: the path keys inside it, so other servers find it (`Tier.submit_store`)."""
         nbytes = packed_nbytes(self.view, len(slots))
         buf = self.staging.acquire(nbytes)
         if buf is None:
             self._refused(len(slots), nbytes)
             return None
         self._pack(slots, buf)
-        ticket = self.tier.submit_store(key, buf.numpy(), tokens, parent, store_tokens=store_tokens)
+        ticket = self.tier.submit_store(
+            key, buf.numpy(), tokens, parent, store_tokens=store_tokens, aliases=aliases
+        )
         extent = Extent(key, len(slots), ExtentState.WRITING, staged=buf)
         self._writing[ticket] = extent
         self.metrics.inc("spilled_bytes", nbytes)

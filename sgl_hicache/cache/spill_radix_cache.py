@@ -45,6 +45,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
 from sgl_hicache.cache import fallbacks
 from sgl_hicache.cache.agreement import Agreement, SingleRank
+from sgl_hicache.cache.cross_attach import CrossServerLookups
 from sgl_hicache.cache.guard import contained, nothing
 from sgl_hicache.cache.hint_source import HintSource, ResumeHint
 from sgl_hicache.cache.metrics import SpillMetrics
@@ -56,6 +57,7 @@ from sgl_hicache.cache.spilled_tree import SpilledTree
 from sgl_hicache.config import PrefetchPolicy, SpillConfig
 from sgl_hicache.tier import ExtentInfo, ExtentKey, NamespaceId, chain_key
 from sgl_hicache.tier.keys import PathHasher, tenant_of
+from sgl_hicache.tier.lookup import alias_marks
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +78,7 @@ class SpillRadixCache(SpilledTree):
         self._deferred_since: dict[str, float] = {}  # rid -> when its admission was first deferred
         self.partial_restores = PartialRestores(params.token_to_kv_pool_allocator, config.prefetch_ttl_s)
         self.spilled_tokens = 0
+        self.cross_lookups = CrossServerLookups()  # other servers' extents, found by path key
         self.epoch: bytes | None = None  # seeds every path key; None until the first reset()
         super().__init__(params)  # calls reset(), which attaches the tier's extents (warm start)
 
@@ -139,13 +142,16 @@ class SpillRadixCache(SpilledTree):
         # Short nodes are not worth an extent, unless dropping them would orphan spilled children.
         if self.spill_io is None or (n < self.spill_config.min_spill_tokens and not node.children):
             return False
+        tokens = np.asarray(node.key.raw_token_ids(), dtype=np.int64)
         try:
-            parent_key, key = self._node_keys(node)
+            hasher, start = self._path_to(node)
+            parent_key = hasher.key()
+            key = chain_key(self.namespace_id, parent_key, tokens)
+            aliases = alias_marks(hasher, start, tokens, self.page_size)  # found by path key: cross_attach.py
         except ValueError:  # an id outside 0..2**32-1 on its path (keys hash u32 ids): never spilled
             return False
-        tokens = np.asarray(node.key.raw_token_ids(), dtype=np.int64)
         default_tenant = tenant_of(node.key.extra_key, node.key.cache_salt) == b""  # others: no ids on disk
-        extent = self.spill_io.store(key, parent_key, tokens, node.value, default_tenant)
+        extent = self.spill_io.store(key, parent_key, tokens, node.value, default_tenant, aliases)
         if extent is None:
             return False
         self._mark_spilled(node, SpillRef(extent, 0, n))
@@ -167,6 +173,11 @@ class SpillRadixCache(SpilledTree):
 
     def _node_keys(self, node: TreeNode) -> tuple[ExtentKey, ExtentKey]:
         """(path key of the tokens before `node`, extent key of `node`'s own tokens after them)."""
+        parent = self._path_to(node)[0].key()
+        return parent, chain_key(self.namespace_id, parent, node.key.raw_token_ids())
+
+    def _path_to(self, node: TreeNode) -> tuple[PathHasher, int]:
+        """(a hasher fed the tokens before `node`, how many tokens that is)."""
         path = []
         walk = node.parent
         while walk is not self.root_node:
@@ -175,8 +186,7 @@ class SpillRadixCache(SpilledTree):
         hasher = self.path_hasher(node.key)
         for tokens in reversed(path):
             hasher.update(tokens)
-        parent = hasher.key()
-        return parent, chain_key(self.namespace_id, parent, node.key.raw_token_ids())
+        return hasher, sum(len(t) for t in path)
 
     def path_hasher(self, key: RadixKey) -> PathHasher:
         """A hasher of paths of `key`'s tenant in the current epoch, at the root."""
@@ -223,18 +233,26 @@ class SpillRadixCache(SpilledTree):
 
     # ---- prefetch at arrival ----------------------------------------------------------------
 
-    def prefetch(self, token_ids: Any, extra_key: str | None = None, cache_salt: str | None = None) -> int:
+    def prefetch(self, token_ids: Any, extra_key: str | None = None, cache_salt: str | None = None,
+                 rid: str | None = None) -> int:  # fmt: skip
         """Start reading the spilled continuation of this prompt's cached prefix (never blocks on
-        I/O); its restore will find the reads under way or done. Returns the tokens on their way."""
+        I/O); its restore will find the reads under way or done. Where the tree ends before the
+        prompt does, also start a lookup of other servers' extents (cross_attach.py). Returns the
+        tokens on their way."""
         if self.disable or self.spill_io is None:
             return 0
         self._poll()
         key = RadixKey(array("q", token_ids), extra_key, cache_salt=cache_salt).page_aligned(self.page_size)
-        last, _, end, matched = self._walk(key)
+        last, device_len, end, matched = self._walk(key)
+        self.cross_lookups.start(self, key, device_len + matched, rid)
         if not matched:
             return 0
         self.spill_metrics.inc("prefetch_requests")
         return self.spill_io.reads.prefetch([node.spill for node in self._path_up(end, last) or []])
+
+    def lookup_waiting(self, rid: str | None) -> bool:
+        """Whether request `rid`'s admission should wait for its cross-server lookup (never blocks)."""
+        return self.cross_lookups.waiting(self, rid)
 
     def take_hints(self) -> list[ResumeHint]:
         """The checked client resume hints waiting in the inbox, answered "accepted" (a bounded number
@@ -394,6 +412,7 @@ class SpillRadixCache(SpilledTree):
 
         super().reset()
         self.partial_restores.clear()
+        self.cross_lookups.clear()
         self.spilled_tokens = 0
         self.tier_orphans = {}
         if self.spill_io is not None:
@@ -447,6 +466,7 @@ class SpillRadixCache(SpilledTree):
     def _poll(self) -> None:
         if self.spill_io is not None:
             self.spill_io.poll()
+            self.cross_lookups.finish(self)
             self.partial_restores.expire()
             self._forget_old_deferrals()
             self.spill_metrics.set_tier_stats(self.spill_io.tier.stats())

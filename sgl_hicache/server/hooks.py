@@ -1,5 +1,5 @@
 """The patches of sglang we make, all through sglang's own plugin hook registry (no file edited),
-AFTER hooks (but 3b, 5, 7 and 8) that call sglang's original first and change none of its state:
+AFTER hooks (but 3b, 5, 7, 8 and 10) that call sglang's original first and change none of its state:
 
 1. `SchedulerInternalStateController.get_internal_state` (sglang 0.5.23,
    `sglang/srt/managers/scheduler_components/internal_state.py`): adds a `"hicache_spill"` entry
@@ -46,6 +46,9 @@ AFTER hooks (but 3b, 5, 7 and 8) that call sglang's original first and change no
    weights is never named like KV of the weights on disk (a restart, or another server sharing the
    directory, would take one for the other). Why: a weight update without `flush_cache` (or whose
    flush sglang refused) does not reset the cache.
+10. `PrefillAdder.add_one_req` again, AROUND: a request whose cross-server lookup is still running
+   (cache/cross_attach.py) is answered `CONTINUE` without calling sglang's admission (skipped for
+   this round, like 6), within the cache's limit; its lookup then attaches before its next match.
 `tests/server/test_concurrent_clients.py`, `tests/server/test_spill_resume.py`,
 `tests/server/test_hostile_hints.py` and `tests/server/test_shutdown.py` prove they still hold for
 the pinned version.
@@ -81,8 +84,9 @@ WEIGHTS_TARGET = (
     "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
     ".record_weight_version_after_update"
 )
-TARGETS = (TARGET, PREFETCH_TARGET, HINTS_OUT_TARGET, HINTS_IN_TARGET, ROUTES_TARGET, EXIT_TARGET, ADMIT_TARGET, RELEASE_TARGET,
-           LOOP_TARGET, WEIGHTS_TARGET)  # fmt: skip
+# One entry per registration: ADMIT_TARGET twice (hooks 6 and 10).
+TARGETS = (TARGET, PREFETCH_TARGET, HINTS_OUT_TARGET, HINTS_IN_TARGET, ROUTES_TARGET, EXIT_TARGET, ADMIT_TARGET,
+           RELEASE_TARGET, LOOP_TARGET, WEIGHTS_TARGET, ADMIT_TARGET)  # fmt: skip
 STATE_KEY = "hicache_spill"
 
 HOOK_ERRORS: Counter[str] = Counter()  # hook name -> exceptions it contained, in this process
@@ -126,7 +130,7 @@ def prefetch_at_arrival(result: Any, scheduler: Any, req: Any, *args: Any, **kwa
 
     cache = scheduler.tree_cache
     if isinstance(cache, SpillRadixCache):
-        cache.prefetch(req.origin_input_ids, req.extra_key, req.cache_salt)
+        cache.prefetch(req.origin_input_ids, req.extra_key, req.cache_salt, rid=req.rid)
     return result
 
 
@@ -176,6 +180,24 @@ def skip_deferred_admission(result: Any, adder: Any, req: Any, *args: Any, **kwa
     if result is AddReqResult.OTHER and isinstance(cache, SpillRadixCache) and cache.take_deferral(req.rid):
         return AddReqResult.CONTINUE
     return result
+
+
+def wait_for_lookup(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND `add_one_req`: a request whose cross-server lookup is still running is skipped for this
+    round (CONTINUE, as sglang does for its own storage prefetches), within the cache's limit."""
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    if lookup_running(adder, req):  # contained: an exception there admits as sglang would
+        return AddReqResult.CONTINUE
+    return original(adder, req, *args, **kwargs)
+
+
+@contained
+def lookup_running(adder: Any, req: Any) -> bool:
+    from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
+
+    cache = adder.tree_cache
+    return isinstance(cache, SpillRadixCache) and cache.lookup_waiting(req.rid)
 
 
 @contained
@@ -232,6 +254,7 @@ def register_hooks() -> None:
     HookRegistry.register(ROUTES_TARGET, add_routes, HookType.AFTER)
     HookRegistry.register(EXIT_TARGET, remove_runtime_dir_first, HookType.BEFORE)
     HookRegistry.register(ADMIT_TARGET, skip_deferred_admission, HookType.AFTER)
+    HookRegistry.register(ADMIT_TARGET, wait_for_lookup, HookType.AROUND)
     HookRegistry.register(RELEASE_TARGET, close_tier_first, HookType.BEFORE)
     HookRegistry.register(LOOP_TARGET, close_tier_on_signals, HookType.BEFORE)
     HookRegistry.register(WEIGHTS_TARGET, new_epoch_after_weight_update, HookType.AFTER)

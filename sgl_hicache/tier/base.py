@@ -73,6 +73,49 @@ class ExtentInfo:
     file_bytes: int
 
 
+DEFAULT_MAX_STEPS = 32
+
+
+@dataclass(frozen=True, eq=False)
+class LookupRequest:
+    """Find extents continuing `tokens` (uint32 ids) after its first `start` tokens."""
+
+    tokens: np.ndarray
+    start: int
+    tenant: bytes = b""
+    epoch: bytes = b""
+    max_steps: int = DEFAULT_MAX_STEPS
+    tag: object = None  # the caller's, returned with the result
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Tokens [start, end) of the prompt are tokens [0, end - start) of extent `key` (which holds
+    `extent_tokens` in all, from prompt position `start`)."""
+
+    key: ExtentKey
+    extent_tokens: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """`segments`: contiguous (each starts where the previous one's verified part reaches), the
+    first at or before `request.start`; empty when nothing usable was found."""
+
+    request: LookupRequest
+    segments: tuple[Segment, ...] = ()
+    fs_calls: int = 0
+    refused: int = 0  # claims that failed verification (forged, foreign, inconsistent): never used
+    stale: int = 0  # aliases whose extent is gone (evicted or deleted by its writer): clean misses
+    elapsed_s: float = 0.0
+
+    @property
+    def end(self) -> int:
+        return self.segments[-1].end if self.segments else self.request.start
+
+
 @dataclass(frozen=True)
 class TierStats:
     """Counters since open (`bytes_stored`/`extents` are current totals)."""
@@ -105,7 +148,7 @@ class Tier(abc.ABC):
     """An extent store bound to one `Namespace`.
 
     Threading: every method is thread-safe. `submit_store`, `submit_load`, `get_finished`,
-    `contains`, `lookup`, `extents` and `stats` never block on I/O (they take a short internal lock
+    `submit_lookup`, `lookups_finished`, `contains`, `lookup`, `extents` and `stats` never block on I/O (they take a short internal lock
     at most), so the scheduler thread may call them; `wait`, `read_tokens`, `check_integrity`,
     `discard` and `close` may block. I/O failures are never raised: they come back as a
     `Completion` status and are counted in `stats()`. Methods raise only for caller bugs
@@ -128,10 +171,15 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def submit_store(
         self, key: ExtentKey, payload: Buffer, tokens: Sequence[int] | np.ndarray, parent: ExtentKey,
-        *, store_tokens: bool = True,
+        *, store_tokens: bool = True, aliases: Sequence[tuple[int, bytes]] = (),
     ) -> Ticket:  # fmt: skip
         """Queue writing `payload` as extent `key`, which must be `chain_key(ns, parent, tokens)`
         (ValueError otherwise: the key names exactly what the extent holds, see keys.py).
+
+        `aliases`: (offset, path key) pairs, offsets increasing in 1..len(tokens): the path key of
+        the sequence up to that offset of the extent (`lookup.block_tokens` positions and the end).
+        They are recorded in the MAC'd header and published as alias entries after the extent, so
+        other processes find it by `submit_lookup` (a failed alias write only makes it unfindable).
 
         The file records the token count and `token_digest(tokens)` always, and the token ids
         themselves only if `store_tokens` (pass False for any tenant whose prompts must not be on
@@ -187,6 +235,20 @@ class Tier(abc.ABC):
 
         Raises KeyError for a ticket never issued or already returned, TimeoutError on timeout.
         """
+
+    @abc.abstractmethod
+    def submit_lookup(self, request: LookupRequest) -> None:
+        """Queue a lookup of extents that continue `request.tokens` after its first `start` tokens,
+        by their writers' recorded path keys (aliases; any process sharing the directory may have
+        written them): lookup.py says how, and that every claim is verified like a load (MACs, key)
+        and against the caller's own tokens before it is returned. Never blocks; the file system
+        calls run on the I/O threads. Every request gets exactly one `LookupResult` from
+        `lookups_finished` (empty if nothing usable was found, the tier is closed, or it failed).
+        The result names ranges only: the extents may be evicted before they are read (a clean MISS)."""
+
+    @abc.abstractmethod
+    def lookups_finished(self) -> list[LookupResult]:
+        """Results of finished lookups not returned yet, oldest first. Never blocks."""
 
     @abc.abstractmethod
     def contains(self, key: ExtentKey) -> bool:

@@ -27,7 +27,18 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from sgl_hicache.tier.base import Buffer, Completion, ExtentInfo, Op, Status, Ticket, Tier, TierStats
+from sgl_hicache.tier.base import (
+    Buffer,
+    Completion,
+    ExtentInfo,
+    LookupRequest,
+    LookupResult,
+    Op,
+    Status,
+    Ticket,
+    Tier,
+    TierStats,
+)
 from sgl_hicache.tier.directio import as_view
 from sgl_hicache.tier.keys import ExtentKey, Namespace
 
@@ -121,13 +132,14 @@ class FaultyTier(Tier):
 
     def submit_store(
         self, key: ExtentKey, payload: Buffer, tokens: Sequence[int] | np.ndarray, parent: ExtentKey,
-        *, store_tokens: bool = True,
+        *, store_tokens: bool = True, aliases: Sequence[tuple[int, bytes]] = (),
     ) -> Ticket:  # fmt: skip
         ticket, release_at, fail, _, _ = self._draw()
         if fail:
             return self._inject_failure(ticket, Op.STORE, key, release_at)
         with self._lock:  # held so that _pump cannot see the inner completion before its plan
-            inner = self._inner.submit_store(key, payload, tokens, parent, store_tokens=store_tokens)
+            inner = self._inner.submit_store(key, payload, tokens, parent, store_tokens=store_tokens,
+                                             aliases=aliases)  # fmt: skip
             self._plans[inner] = _Plan(ticket, release_at)
         return ticket
 
@@ -218,6 +230,12 @@ class FaultyTier(Tier):
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"ticket {ticket} still in flight after {timeout} s")
             time.sleep(POLL_S)
+
+    def submit_lookup(self, request: LookupRequest) -> None:
+        self._inner.submit_lookup(request)  # no faults injected: a lookup only names ranges to read
+
+    def lookups_finished(self) -> list[LookupResult]:
+        return self._inner.lookups_finished()
 
     def contains(self, key: ExtentKey) -> bool:
         return self._inner.contains(key)

@@ -2,7 +2,8 @@
 
     [0, FIXED_SIZE)            fixed header (struct `_FIXED`, little-endian), ends with two MACs
     [FIXED_SIZE, +meta_len)    msgpack {"c": [[offset, length, xxh3-64], ...], "t": token ids (<u4
-                               bytes; only if the writer allowed it: never for salted tenants)}
+                               bytes; only if the writer allowed it: never for salted tenants),
+                               "a": [[offset, path key], ...] (v4: the aliases, see lookup.py)}
     [header_len, ...)          payload chunks; header_len and every chunk offset are multiples of 4096
 
 Authenticity (`Seal`): `meta_mac` = blake2b-128 keyed with the directory's secret over the meta;
@@ -18,17 +19,19 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import msgpack
 import numpy as np
 
 from sgl_hicache.config import Compression
-from sgl_hicache.tier.keys import ExtentKey, KVDtype, KVLayout, NamespaceId, token_digest
+from sgl_hicache.tier.keys import KEY_BYTES, ExtentKey, KVDtype, KVLayout, NamespaceId, token_digest
 
 MAGIC = b"SGLHCEXT"
-VERSION = 3  # 3: keyed header MACs; keys over a token digest; token ids only where allowed
+VERSION = 4  # 4: path-key aliases in the meta ("a"); 3: keyed header MACs, keys over a token digest
+READABLE_VERSIONS = (3, 4)  # a v3 file is a v4 file without aliases: loaded, never found by lookup
 ALIGN = 4096
 EXTENT_SUFFIX = ".ext"
 TEMP_SUFFIX = ".tmp"
@@ -40,6 +43,7 @@ _MACED = FIXED_SIZE - MAC_BYTES  # header_mac covers the fixed header before it
 _COMPRESSION_CODES = {Compression.NONE: 0, Compression.ZSTD: 1}
 _CODE_COMPRESSION = {v: k for k, v in _COMPRESSION_CODES.items()}
 _CHUNK_ENTRY_MAX = 1 + 3 * 9  # msgpack fixarray of three uint64
+_ALIAS_ENTRY_MAX = 1 + 5 + 2 + KEY_BYTES  # fixarray of a uint32 and a bin8 of 16 bytes
 _META_ERRORS = (ValueError, TypeError, KeyError, AttributeError, msgpack.UnpackException)
 
 
@@ -83,6 +87,15 @@ class Chunk:
     xxh: int
 
 
+class Alias(NamedTuple):
+    """The extent's first `offset` tokens end where the path named by `path_key` ends (keys.py):
+    the writer's path key of its tokens up to there, recorded (MAC'd) so that a reader who computes
+    the same key from its own tokens knows where in this extent its prompt continues."""
+
+    offset: int
+    path_key: bytes
+
+
 @dataclass(frozen=True)
 class Header:
     """Everything in an extent file except the payload."""
@@ -111,17 +124,22 @@ class Header:
         return -(-min(nbytes, self.payload_len) // self.chunk_bytes)
 
 
-def header_bound(token_bytes: int, n_chunks: int) -> int:
+def header_bound(token_bytes: int, n_chunks: int, n_aliases: int = 0) -> int:
     """A header length (multiple of 4096) that fits any meta for these sizes (msgpack ints <= 9 B)."""
-    return align_up(FIXED_SIZE + 16 + token_bytes + 5 + n_chunks * _CHUNK_ENTRY_MAX)
+    aliases = 8 + n_aliases * _ALIAS_ENTRY_MAX
+    return align_up(FIXED_SIZE + 16 + token_bytes + 5 + n_chunks * _CHUNK_ENTRY_MAX + aliases)
 
 
-def encode_header(header: Header, tokens: bytes | None, chunks: list[Chunk], seal: Seal) -> bytes:
-    """Fixed header + meta (token ids only if `tokens` is given), sealed, zero-padded to
-    `header.header_len` (0: the least multiple of 4096)."""
+def encode_header(
+    header: Header, tokens: bytes | None, chunks: list[Chunk], seal: Seal, aliases: Sequence[Alias] = ()
+) -> bytes:
+    """Fixed header + meta (token ids only if `tokens` is given; `aliases` if any), sealed,
+    zero-padded to `header.header_len` (0: the least multiple of 4096)."""
     obj: dict[str, object] = {"c": [[c.offset, c.length, c.xxh] for c in chunks]}
     if tokens is not None:
         obj["t"] = tokens
+    if aliases:
+        obj["a"] = [[a.offset, a.path_key] for a in aliases]
     meta = msgpack.packb(obj)
     header_len = header.header_len or align_up(FIXED_SIZE + len(meta))
     if header_len < FIXED_SIZE + len(meta) or header_len % ALIGN:
@@ -160,7 +178,7 @@ def peek_index(buf: bytes, seal: Seal) -> IndexFields:
     if len(buf) < FIXED_SIZE:
         raise FormatError(f"truncated header: {len(buf)} < {FIXED_SIZE} bytes")
     f = _FIXED.unpack_from(buf)
-    if f[0] != MAGIC or f[1] != VERSION or seal.header(buf[:_MACED]) != f[-1]:
+    if f[0] != MAGIC or f[1] not in READABLE_VERSIONS or seal.header(buf[:_MACED]) != f[-1]:
         raise FormatError("bad magic, version or header MAC")
     return IndexFields(f[4], f[5], f[6], f[14], f[20], f[17], f[3] + f[18], f[21])
 
@@ -174,7 +192,7 @@ def decode_fixed(buf: bytes | memoryview, seal: Seal | None) -> Header:
     f = _FIXED.unpack(fixed)
     if f[0] != MAGIC:
         raise FormatError("bad magic")
-    if f[1] != VERSION:
+    if f[1] not in READABLE_VERSIONS:
         raise FormatError(f"unsupported format version {f[1]}")
     if seal is not None and seal.header(fixed[:_MACED]) != f[-1]:
         raise FormatError("header MAC mismatch: not written with this directory's secret")
@@ -206,13 +224,8 @@ def decode_meta(
     """Verify and decode the meta block (bytes [FIXED_SIZE, FIXED_SIZE + meta_len) of the file):
     the token ids (None if not stored) and the chunk table. Raises FormatError; Mismatch if the
     stored token ids do not hash to the header's digest. `seal` None: see `decode_fixed`."""
-    meta = bytes(buf[FIXED_SIZE : FIXED_SIZE + header.meta_len])
-    if len(meta) != header.meta_len:
-        raise FormatError("truncated meta")
-    if seal is not None and seal.meta(meta) != header.meta_mac:
-        raise FormatError("meta MAC mismatch")
+    obj = _meta_obj(header, buf, seal)
     try:
-        obj = msgpack.unpackb(meta)
         tokens, chunks = obj.get("t"), [Chunk(*map(int, c)) for c in obj["c"]]
     except _META_ERRORS as e:
         raise FormatError(f"undecodable meta: {e}") from None
@@ -229,3 +242,34 @@ def decode_meta(
     if tokens is not None and token_digest(np.frombuffer(tokens, dtype="<u4")) != header.token_digest:
         raise Mismatch("the extent's token ids do not hash to its token digest")
     return tokens, chunks
+
+
+def decode_aliases(header: Header, buf: bytes | memoryview, seal: Seal | None) -> tuple[Alias, ...]:
+    """The meta's aliases (none in a v3 file), verified like `decode_meta`: MAC'd, each offset in
+    1..token_count, each key 16 bytes, offsets strictly increasing. Raises FormatError."""
+    obj = _meta_obj(header, buf, seal)
+    try:
+        aliases = tuple(Alias(int(o), bytes(k)) for o, k in obj.get("a", ()))
+    except _META_ERRORS as e:
+        raise FormatError(f"undecodable aliases: {e}") from None
+    offsets = [a.offset for a in aliases]
+    if any(len(a.path_key) != KEY_BYTES or not 0 < a.offset <= header.token_count for a in aliases):
+        raise FormatError("alias out of bounds")
+    if offsets != sorted(set(offsets)):
+        raise FormatError("alias offsets are not increasing")
+    return aliases
+
+
+def _meta_obj(header: Header, buf: bytes | memoryview, seal: Seal | None) -> dict[str, Any]:
+    meta = bytes(buf[FIXED_SIZE : FIXED_SIZE + header.meta_len])
+    if len(meta) != header.meta_len:
+        raise FormatError("truncated meta")
+    if seal is not None and seal.meta(meta) != header.meta_mac:
+        raise FormatError("meta MAC mismatch")
+    try:
+        obj = msgpack.unpackb(meta)
+    except _META_ERRORS as e:
+        raise FormatError(f"undecodable meta: {e}") from None
+    if not isinstance(obj, dict):
+        raise FormatError("meta is not a map")
+    return obj

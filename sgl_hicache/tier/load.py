@@ -22,12 +22,14 @@ from sgl_hicache.tier.base import Ticket
 from sgl_hicache.tier.directio import O_DIRECT, alloc_aligned, is_aligned, pread_exact
 from sgl_hicache.tier.format import (
     ALIGN,
+    Alias,
     Chunk,
     FormatError,
     Header,
     Mismatch,
     Seal,
     align_up,
+    decode_aliases,
     decode_fixed,
     decode_meta,
 )
@@ -52,6 +54,7 @@ class OpenExtent:
     header: Header
     tokens: bytes | None  # <u4 token ids, None if the writer did not store them
     chunks: list[Chunk]
+    aliases: tuple[Alias, ...] = ()  # the writer's path keys inside the extent (v4; lookup.py)
 
 
 def open_extent(
@@ -61,7 +64,7 @@ def open_extent(
     FileNotFoundError (miss), Mismatch (not what `key` names), FormatError/ShortIO (corrupt), OSError."""
     fd = os.open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
     try:
-        header, tokens, chunks = _read_header(fd, direct, seal)
+        header, tokens, chunks, aliases = _read_header(fd, direct, seal)
         if header.namespace != ns or header.key != key:
             raise FormatError("extent belongs to another namespace or key")
         if chain_key_from_digest(ns, header.parent, header.token_count, header.token_digest) != key:
@@ -71,20 +74,21 @@ def open_extent(
     except BaseException:
         os.close(fd)
         raise
-    return OpenExtent(fd, direct, header, tokens, chunks)
+    return OpenExtent(fd, direct, header, tokens, chunks, aliases)
 
 
-def _read_header(fd: int, direct: bool, seal: Seal | None) -> tuple[Header, bytes | None, list[Chunk]]:
+def _read_header(
+    fd: int, direct: bool, seal: Seal | None
+) -> tuple[Header, bytes | None, list[Chunk], tuple[Alias, ...]]:
     first = _scratch(ALIGN)
     pread_exact(fd, first, 0)
     header = decode_fixed(first, seal)
-    if header.header_len == ALIGN:
-        tokens, chunks = decode_meta(header, first, seal)
-        return header, tokens, chunks
-    whole = alloc_aligned(header.header_len)
-    pread_exact(fd, whole, 0)
-    tokens, chunks = decode_meta(header, whole, seal)
-    return header, tokens, chunks
+    buf = first
+    if header.header_len != ALIGN:
+        buf = alloc_aligned(header.header_len)
+        pread_exact(fd, buf, 0)
+    tokens, chunks = decode_meta(header, buf, seal)
+    return header, tokens, chunks, decode_aliases(header, buf, seal)
 
 
 def read_chunk(ext: OpenExtent, index: int, dest: memoryview, want: int) -> int:

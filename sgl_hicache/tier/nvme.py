@@ -29,7 +29,18 @@ from functools import partial
 import numpy as np
 
 from sgl_hicache.config import TierConfig
-from sgl_hicache.tier.base import Buffer, Completion, ExtentInfo, Op, Status, Ticket, Tier, TierStats
+from sgl_hicache.tier.base import (
+    Buffer,
+    Completion,
+    ExtentInfo,
+    LookupRequest,
+    LookupResult,
+    Op,
+    Status,
+    Ticket,
+    Tier,
+    TierStats,
+)
 from sgl_hicache.tier.capacity import Space
 from sgl_hicache.tier.completions import CompletionQueue
 from sgl_hicache.tier.directio import as_view, probe_direct_io
@@ -41,6 +52,7 @@ from sgl_hicache.tier.integrity import check_files
 from sgl_hicache.tier.keys import ExtentKey, Namespace, chain_key_from_digest, check_key
 from sgl_hicache.tier.ledger import Ledger, close_ledger, open_ledger
 from sgl_hicache.tier.load import LoadState, OpenExtent, open_extent, read_chunk
+from sgl_hicache.tier.lookup import LookupQueue, run_lookup
 from sgl_hicache.tier.paths import ExtentPaths
 from sgl_hicache.tier.recreate import Recreator
 from sgl_hicache.tier.scan import scan
@@ -61,6 +73,7 @@ class NvmeTier(Tier):
         self._recreator = Recreator(self._paths, secret, self._space, self._counters)
         self._lock, self._index = self._space.lock, self._space.index
         self._completions = CompletionQueue()
+        self._lookups = LookupQueue()
         self._storing: dict[ExtentKey, Ticket] = {}  # key -> ticket of the store writing it
         self._loading: dict[Ticket, LoadState] = {}  # loads whose completion is not returned yet
         self._closed = self._abandoned = False
@@ -109,10 +122,10 @@ class NvmeTier(Tier):
 
     def submit_store(
         self, key: ExtentKey, payload: Buffer, tokens: Sequence[int] | np.ndarray, parent: ExtentKey,
-        *, store_tokens: bool = True,
+        *, store_tokens: bool = True, aliases: Sequence[tuple[int, bytes]] = (),
     ) -> Ticket:  # fmt: skip
         view = as_view(payload, writable=False)
-        req = StoreRequest.of(check_key(key), check_key(parent), tokens, view, store_tokens)
+        req = StoreRequest.of(check_key(key), check_key(parent), tokens, view, store_tokens, aliases)
         if chain_key_from_digest(self._ns_id, parent, req.token_count, req.token_digest) != key:
             raise ValueError("an extent key must be chain_key(namespace, parent, tokens) of what it holds")
         ticket = self._completions.issue()
@@ -262,6 +275,21 @@ class NvmeTier(Tier):
     def _unpin(self, key: ExtentKey) -> None:
         with self._lock:
             self._index.unpin(key)
+
+    # -- lookups (lookup.py) ------------------------------------------------------------------
+
+    def submit_lookup(self, request: LookupRequest) -> None:
+        run = partial(run_lookup, paths=self._paths, ns=self._ns_id, seal=self._seal,
+                      page_size=self._ns.layout.page_size)  # fmt: skip
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._io.submit_read(self._lookups.job(request, run))
+        if closed:
+            self._lookups.post(LookupResult(request))
+
+    def lookups_finished(self) -> list[LookupResult]:
+        return self._lookups.drain()
 
     # -- index queries and maintenance --------------------------------------------------------
 

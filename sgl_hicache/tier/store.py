@@ -12,6 +12,7 @@ the checksums, is written last into room reserved by `header_bound`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -24,9 +25,10 @@ import xxhash
 import zstandard
 
 from sgl_hicache.config import Compression, Fsync, TierConfig
+from sgl_hicache.tier.aliases import write_aliases
 from sgl_hicache.tier.directio import O_DIRECT, alloc_aligned, is_aligned, pwritev_exact
-from sgl_hicache.tier.format import Chunk, Header, Seal, align_up, encode_header, header_bound
-from sgl_hicache.tier.keys import ExtentKey, Namespace, token_digest, tokens_to_bytes
+from sgl_hicache.tier.format import Alias, Chunk, Header, Seal, align_up, encode_header, header_bound
+from sgl_hicache.tier.keys import KEY_BYTES, ExtentKey, Namespace, token_digest, tokens_to_bytes
 from sgl_hicache.tier.paths import FILE_MODE, ExtentPaths
 
 GROUP_BYTES = 16 << 20  # hashed, then written in one pwritev
@@ -41,16 +43,25 @@ class StoreRequest:
     token_digest: bytes  # keys.token_digest
     tokens: bytes | None  # <u4 token ids to record in the header, or None (a salted tenant's)
     payload: memoryview  # format "B", contiguous
+    aliases: tuple[Alias, ...] = ()  # recorded in the meta and published (aliases.py)
 
     @classmethod
     def of(
         cls, key: ExtentKey, parent: ExtentKey, tokens: Sequence[int] | np.ndarray, payload: memoryview,
-        store_tokens: bool = True,
+        store_tokens: bool = True, aliases: Sequence[tuple[int, bytes]] = (),
     ) -> StoreRequest:  # fmt: skip
         """The request to store `payload` as `key` with header fields for `tokens` (not checked
-        against `key`: the tier does that). Raises ValueError for token ids outside u32."""
+        against `key`: the tier does that). Raises ValueError for token ids outside u32, and for
+        aliases out of 1..len(tokens), not increasing, or not 16-byte keys."""
         data = tokens_to_bytes(tokens)
-        return cls(key, parent, len(data) // 4, token_digest(tokens), data if store_tokens else None, payload)
+        count = len(data) // 4
+        marks = tuple(Alias(int(o), bytes(k)) for o, k in aliases)
+        offsets = [a.offset for a in marks]
+        if offsets != sorted(set(offsets)) or any(not 0 < o <= count for o in offsets):
+            raise ValueError("alias offsets must increase within 1..token count")
+        if any(len(a.path_key) != KEY_BYTES for a in marks):
+            raise ValueError("alias path keys are 16 bytes")
+        return cls(key, parent, count, token_digest(tokens), data if store_tokens else None, payload, marks)
 
 
 @dataclass(frozen=True)
@@ -81,7 +92,7 @@ def prepare(req: StoreRequest, cfg: TierConfig) -> Prepared:
     for s in stored:
         offsets.append(offset)
         offset += align_up(len(s))
-    return Prepared(req, header_bound(len(req.tokens or b""), len(stored)), stored, offsets)
+    return Prepared(req, header_bound(len(req.tokens or b""), len(stored), len(req.aliases)), stored, offsets)
 
 
 def write_extent(
@@ -102,6 +113,8 @@ def write_extent(
         raise
     os.close(fd)
     _publish(tmp, paths.extent(prep.req.key), cfg.fsync)
+    with contextlib.suppress(OSError):  # the extent is published and valid; only not findable by lookup
+        write_aliases(paths, prep.req.key, prep.req.aliases)
 
 
 def _write_chunks(fd: int, prep: Prepared) -> list[Chunk]:
@@ -145,7 +158,7 @@ def _header(prep: Prepared, cfg: TierConfig, ns: Namespace, chunks: list[Chunk],
         payload_len=req.payload.nbytes, stored_len=prep.stored_len, created_ns=time.time_ns(),
         header_len=prep.header_len,
     )  # fmt: skip
-    return encode_header(header, req.tokens, chunks, seal)
+    return encode_header(header, req.tokens, chunks, seal, req.aliases)
 
 
 def _aligned(data: memoryview | bytes, slot: str) -> memoryview:

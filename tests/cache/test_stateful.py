@@ -64,6 +64,7 @@ class Server:
         self.stack = stack
         self.version = 0
         self.pending: dict[str, tuple[list[int], str | None]] = {}  # deferred admissions by rid
+        self.convs: list[tuple[list[int], str | None]] = []  # the prompts this server was sent
 
 
 class SpillCacheMachine(RuleBasedStateMachine):
@@ -73,7 +74,10 @@ class SpillCacheMachine(RuleBasedStateMachine):
     servers_sharing = 1
 
     def __init__(self) -> None:
+        from sgl_hicache.tier import lookup
+
         super().__init__()
+        self._block_tokens, lookup.BLOCK_TOKENS = lookup.BLOCK_TOKENS, 8  # aliases inside short prompts
         self.dir = Path(tempfile.mkdtemp(prefix="sgl_hicache_stateful_"))
         self.ref = Reference()
         self.servers = [Server(self._stack()) for _ in range(self.servers_sharing)]
@@ -87,9 +91,12 @@ class SpillCacheMachine(RuleBasedStateMachine):
         )
 
     def teardown(self) -> None:
+        from sgl_hicache.tier import lookup
+
         for server in self.servers:
             close_stack(server.stack)
         shutil.rmtree(self.dir, ignore_errors=True)
+        lookup.BLOCK_TOKENS = self._block_tokens
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -97,11 +104,15 @@ class SpillCacheMachine(RuleBasedStateMachine):
     def first_conversation(self, seed: int) -> None:
         self.rng = random.Random(seed)
 
-    def _new_tokens(self, data: Any) -> tuple[list[int], str | None]:
-        """A conversation's next prompt: an old one cut anywhere (inside an earlier turn too) or
-        whole, plus new tokens from a small alphabet (so prefixes collide), page-aligned in all."""
-        if self.convs and data.draw(st.booleans(), label="continue"):
-            base, salt = self.convs[data.draw(st.integers(0, len(self.convs) - 1), label="conv")]
+    def _new_tokens(
+        self, data: Any, convs: list[tuple[list[int], str | None]] | None = None
+    ) -> tuple[list[int], str | None]:
+        """A conversation's next prompt: an old one (of `convs`, default all) cut anywhere (inside
+        an earlier turn too) or whole, plus new tokens from a small alphabet (so prefixes collide),
+        page-aligned in all."""
+        convs = self.convs if convs is None else convs
+        if convs and data.draw(st.booleans(), label="continue"):
+            base, salt = convs[data.draw(st.integers(0, len(convs) - 1), label="conv")]
             base = base[: data.draw(st.integers(0, len(base)), label="cut")]
         else:
             base, salt = [], data.draw(st.sampled_from(SALTS), label="salt")
@@ -117,6 +128,7 @@ class SpillCacheMachine(RuleBasedStateMachine):
         server = self.servers[which % len(self.servers)]
         tokens, salt = self._new_tokens(data)
         self.convs.append((tokens, salt))
+        server.convs.append((tokens, salt))
         self.rids += 1
         self._admit(server, f"r{self.rids}", tokens, salt)
 
@@ -299,6 +311,30 @@ class SpillCachePage16(SpillCacheMachine):
 
 class TwoCachesOneDirectory(SpillCacheMachine):
     servers_sharing = 2
+
+    @rule(data=st.data(), which=st.integers(0, 1), spill_first=st.booleans())
+    def request_found_by_lookup(self, data: Any, which: int, spill_first: bool) -> None:
+        """A conversation the other cache served (and, with `spill_first`, spilled all of) goes on
+        at this one (cross-server reuse, no restart): its lookup runs, finishes before admission
+        (the admission hook waits for it), attaches what it verified, then the request is
+        admitted like any other; the invariant checks every restored slot against the reference."""
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        server, other = self.servers[which], self.servers[1 - which]
+        if spill_first and not other.pending:
+            other.stack.cache.evict(EvictParams(num_tokens=10**9))
+            other.stack.cache.spill_io.wait_writes()
+        tokens, salt = self._new_tokens(data, other.convs)
+        self.convs.append((tokens, salt))
+        server.convs.append((tokens, salt))
+        self.rids += 1
+        rid = f"r{self.rids}"
+        server.stack.cache.prefetch(tokens, None, salt, rid=rid)
+        deadline = time.monotonic() + 10
+        while server.stack.cache.lookup_waiting(rid) and time.monotonic() < deadline:
+            time.sleep(0.001)
+            server.stack.cache._poll()
+        self._admit(server, rid, tokens, salt)
 
 
 _SETTINGS = settings(
