@@ -27,9 +27,8 @@ from pathlib import Path
 
 from sgl_hicache.tier.format import Alias
 from sgl_hicache.tier.keys import ExtentKey
-from sgl_hicache.tier.paths import DIR_MODE, FANOUT_CHARS, ExtentPaths
+from sgl_hicache.tier.paths import ALIAS_DIR, DIR_MODE, FANOUT_CHARS, ExtentPaths
 
-ALIAS_DIR = "aliases"
 _TARGET = re.compile(r"([0-9a-f]{32})\.([0-9]{1,10})")
 
 

@@ -26,6 +26,7 @@ from sgl_hicache.tier.keys import ExtentKey, NamespaceId
 from sgl_hicache.tier.owner import Writer, me
 from sgl_hicache.tier.trust import Reopened, open_trusted, reopen_trusted
 
+ALIAS_DIR = "aliases"  # in a namespace directory: the alias links of cross-server lookups (aliases.py)
 DIR_MODE = 0o700
 FANOUT_CHARS = 2
 FILE_MODE = 0o600
@@ -81,7 +82,8 @@ class ExtentPaths:
         ]  # fmt: skip
 
     def walk(self) -> Iterator[os.DirEntry[str]]:
-        """Every file in the namespace directory and its fan-out directories (missing dirs: none)."""
+        """Every file in the namespace directory and its fan-out directories (missing dirs: none);
+        never the alias links (`aliases.py`), which are not extents and hold no budget bytes."""
         for part in self.parts():
             yield from part()
 
@@ -89,7 +91,7 @@ class ExtentPaths:
         """The walk split into independent pieces (one per top-level fan-out dir) for parallel scans."""
         entries = _scandir(self.ns_dir)
         loose = [de for de in entries if not de.is_dir(follow_symlinks=False)]
-        tops = [Path(de.path) for de in entries if de.is_dir(follow_symlinks=False)]
+        tops = [Path(de.path) for de in entries if de.is_dir(follow_symlinks=False) and de.name != ALIAS_DIR]
         return [lambda: loose, *(partial(_files, top, 0) for top in tops)]
 
 
