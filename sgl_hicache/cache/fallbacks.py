@@ -100,3 +100,16 @@ def spilled_path_dropped(cache: SpillRadixCache, node: Any, key: Any) -> tuple[i
             break
         node, key = child, key[n:]
     return 0, []
+
+
+def no_reads(_cache: Any, *_args: Any) -> int:
+    """A prefetch whose reads could not start: none are on their way (the restore starts them)."""
+    return 0
+
+
+def attached_nothing(cache: SpillRadixCache) -> None:
+    """A warm start that failed partway: an empty tree (the tier's extents stay on disk, unused).
+    With TP > 1 the warm-start agreement still runs after it, so every rank then starts empty."""
+    RadixCache.reset(cache)
+    cache.spilled_tokens = 0
+    cache.tier_orphans = {}

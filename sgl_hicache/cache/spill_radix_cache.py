@@ -243,12 +243,22 @@ class SpillRadixCache(SpilledTree):
             return 0
         self._poll()
         key = RadixKey(array("q", token_ids), extra_key, cache_salt=cache_salt).page_aligned(self.page_size)
-        last, device_len, end, matched = self._walk(key)
-        self.cross_lookups.start(self, key, device_len + matched, rid)
+        last, device_len, end, matched = self._walk(key)  # the same on every TP rank (splits too)
+        self._start_lookup(key, device_len + matched, rid)
         if not matched:
             return 0
         self.spill_metrics.inc("prefetch_requests")
-        return self.spill_io.reads.prefetch([node.spill for node in self._path_up(end, last) or []])
+        return self._start_reads([node.spill for node in self._path_up(end, last) or []])
+
+    # The I/O steps of a prefetch fail alone (a rank's own outcome): the walk above, which may split
+    # nodes, has run on every rank, so TP ranks keep identical trees whatever these do.
+    @contained("prefetch (lookup)", nothing)
+    def _start_lookup(self, key: RadixKey, covered: int, rid: str | None) -> None:
+        self.cross_lookups.start(self, key, covered, rid)
+
+    @contained("prefetch (reads)", fallbacks.no_reads)
+    def _start_reads(self, refs: list[SpillRef]) -> int:
+        return self.spill_io.reads.prefetch(refs) if self.spill_io is not None else 0
 
     def lookup_waiting(self, rid: str | None) -> bool:
         """Whether request `rid`'s admission should wait for its cross-server lookup (never blocks)."""
@@ -408,8 +418,6 @@ class SpillRadixCache(SpilledTree):
         with flush_cache): it starts a new epoch, a random seed of every path key, so no extent named
         before it can ever be found again (those age out of the tier by LRU), and none named after it
         is attached by a restart (the weights in memory may no longer be the ones on disk)."""
-        from sgl_hicache.cache.warm_start import attach_tier_extents
-
         super().reset()
         self.partial_restores.clear()
         self.cross_lookups.clear()
@@ -419,12 +427,18 @@ class SpillRadixCache(SpilledTree):
             self.spill_io.reads.clear()
         if self.epoch is None:
             self.epoch = b""
-            attach_tier_extents(self)
-            self._agree_on_warm_start()
+            self._attach_tier_extents()
+            self._agree_on_warm_start()  # reached whatever the attach did: ranks pair collectives
             return
         self.start_epoch()
         self.spill_metrics.inc("flushes")
         logger.info("sgl_hicache: cache flushed; spilled KV from before the flush will not be served")
+
+    @contained("reset (warm start)", fallbacks.attached_nothing)
+    def _attach_tier_extents(self) -> None:
+        from sgl_hicache.cache.warm_start import attach_tier_extents
+
+        attach_tier_extents(self)
 
     def start_epoch(self) -> None:
         """A new random seed of every path key (a flush, a weight update): nothing named before is

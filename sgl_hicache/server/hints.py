@@ -1,10 +1,13 @@
 """Client resume hints: `POST /hicache/prefetch` warms a conversation before its next turn arrives.
 
 The HTTP process checks and tokenizes the hint (chat messages through the model's chat template, or
-token ids) and sends it to the scheduler over a local ZeroMQ socket; the scheduler thread takes hints
-between its loop iterations (never from another thread: the tree is not thread-safe), starts the
-reads of the spilled prefix (`SpillRadixCache.prefetch`) and answers at once. The endpoint never
-waits for the reads themselves.
+token ids) and sends it to the scheduler over a local ZeroMQ socket; the scheduler thread of TP rank 0 takes
+hints between its loop iterations (never from another thread: the tree is not thread-safe), answers
+"accepted" at once, and hands them to sglang's request broadcast; every rank then starts the reads
+of the spilled prefix (`SpillRadixCache.prefetch`) in that iteration (hooks.py, 3). The endpoint
+never waits for the reads themselves; a hint that fails after its answer is counted and logged by
+the hook (`hook_errors`), and a hint sglang drops with its broadcast (a receive skipped by its
+disaggregation gate) is simply lost, as a hint may be.
 
 The answer is only "accepted". It used to carry the number of tokens whose reads the hint started:
 that number tells any client whether a conversation with a given prefix is spilled, i.e. what

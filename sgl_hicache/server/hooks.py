@@ -1,5 +1,6 @@
 """The patches of sglang we make, all through sglang's own plugin hook registry (no file edited),
-AFTER hooks (but 3b, 5, 7, 8 and 10) that call sglang's original first and change none of its state:
+AFTER hooks (but 3b, 5, 7, 8 and 10) that call sglang's original first and change none of its state
+(but 3a, which adds our hints to the list it returns, and 6):
 
 1. `SchedulerInternalStateController.get_internal_state` (sglang 0.5.23,
    `sglang/srt/managers/scheduler_components/internal_state.py`): adds a `"hicache_spill"` entry
@@ -149,15 +150,19 @@ def apply_hints(scheduler: Any, recv_reqs: Any = None, *args: Any, **kwargs: Any
     from sgl_hicache.cache.hint_source import ResumeHint
     from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
 
-    received = kwargs.get("recv_reqs", recv_reqs)
-    if not isinstance(received, list) or not any(isinstance(r, ResumeHint) for r in received):
+    if not isinstance(recv_reqs, list) or not any(isinstance(r, ResumeHint) for r in recv_reqs):
         return
-    hints = [r for r in received if isinstance(r, ResumeHint)]
-    received[:] = [r for r in received if not isinstance(r, ResumeHint)]  # before anything can fail
+    hints = [r for r in recv_reqs if isinstance(r, ResumeHint)]
+    recv_reqs[:] = [r for r in recv_reqs if not isinstance(r, ResumeHint)]  # before anything can fail
     cache = scheduler.tree_cache
     if isinstance(cache, SpillRadixCache):
-        for hint in hints:
-            cache.prefetch(*hint)
+        for hint in hints:  # one at a time: a failed hint never skips the walks of those after it
+            prefetch_hint(cache, hint)
+
+
+@contained
+def prefetch_hint(cache: Any, hint: Any) -> None:
+    cache.prefetch(*hint)
 
 
 @contained

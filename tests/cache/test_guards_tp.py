@@ -62,3 +62,102 @@ def test_faults_contained_on_one_rank_keep_the_ranks_identical(tmp_path: Path) -
     finally:
         for stack in stacks:
             close_stack(stack)
+
+
+def test_hints_whose_reads_fail_on_one_rank_keep_the_trees_identical(tmp_path: Path) -> None:
+    """Each rank applies the same hints in the same iteration (server/hooks.py apply_hints); a hint's
+    walk may split nodes, its reads are local I/O. Rank 1's reads failing must not skip the walks
+    of the hints after it there (the trees would part, then the evict agreements would pair wrong)."""
+    from types import SimpleNamespace
+
+    from sgl_hicache.cache.hint_source import ResumeHint
+    from sgl_hicache.server import hooks
+
+    group = ThreadedAgreement.Group(2)
+    stacks = [build_stack(tmp_path / f"rank{r}", size=160) for r in range(2)]
+    try:
+        for rank, stack in enumerate(stacks):
+            stack.cache.agreement = ThreadedAgreement(group, rank)
+            match = stack.match
+
+            def hinted(
+                tokens: list[int], salt: str | None = None, stack: Any = stack, match: Any = match
+            ) -> Any:
+                hints = [ResumeHint(tokens[: len(tokens) * k // 4], None, None) for k in (1, 2, 3)]
+                hooks.apply_hints(SimpleNamespace(tree_cache=stack.cache), [*hints, "a request"])
+                return match(tokens, salt)
+
+            stack.match = hinted  # type: ignore[method-assign]
+        reads = stacks[1].cache.spill_io.reads
+        reads.prefetch = every(2, reads.prefetch)
+        steps = conversation_steps(11)
+        records: list[list[Any]] = [[], []]
+        errors: list[BaseException] = []
+
+        def target(r: int) -> None:
+            try:
+                run_rank(stacks[r], steps, records[r])
+            except BaseException as e:
+                errors.append(e)
+                group.barrier.abort()
+
+        threads = [threading.Thread(target=target, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert not any(t.is_alive() for t in threads), "a rank hung"
+        assert not errors, errors
+        assert records[0] == records[1]
+        assert stacks[1].metrics.totals["internal_errors"] > 0, "the fault was never hit"
+    finally:
+        for stack in stacks:
+            close_stack(stack)
+
+
+def test_a_warm_start_that_fails_on_one_rank_starts_every_rank_empty(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """The warm-start agreement is a collective: a rank whose attach raised must still reach it
+    (else the other rank waits in it, then pairs it with an unrelated collective)."""
+    from sgl_hicache.cache import warm_start
+
+    group = ThreadedAgreement.Group(2)
+    stacks = [build_stack(tmp_path / f"rank{r}", size=160) for r in range(2)]
+    try:
+        for rank, stack in enumerate(stacks):
+            stack.insert(list(range(10, 60)))
+            stack.evict_all()  # the same spilled tree on both ranks' tiers
+            stack.cache.agreement = ThreadedAgreement(group, rank)
+            stack.cache.epoch = None  # the next reset is a start: it attaches the tier's extents
+        attach = warm_start.attach_tier_extents
+
+        def fails_on_rank_1(cache: Any) -> None:
+            attach(cache)
+            if cache is stacks[1].cache:
+                raise RuntimeError("injected on one rank, after part of the attach")
+
+        monkeypatch.setattr(warm_start, "attach_tier_extents", fails_on_rank_1)
+        errors: list[BaseException] = []
+
+        def target(r: int) -> None:
+            try:
+                stacks[r].cache.reset()
+            except BaseException as e:
+                errors.append(e)
+                group.barrier.abort()
+
+        threads = [threading.Thread(target=target, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in threads), "a rank hung in the warm-start agreement"
+        assert not errors, errors
+        assert [s.cache.spilled_tokens for s in stacks] == [0, 0], "the ranks start from different trees"
+        assert stacks[1].metrics.totals["internal_errors"] == 1
+        for stack in stacks:
+            stack.cache.check_integrity()
+    finally:
+        for stack in stacks:
+            close_stack(stack)

@@ -65,7 +65,7 @@ def test_hints_leave_the_list_even_when_a_prefetch_fails(monkeypatch: pytest.Mon
     received = [HINTS[0], "req"]
     hooks.apply_hints(scheduler(Cache([], fail=True)), recv_reqs=received)
     assert received == ["req"], "sglang's dispatcher would have met our hint and raised"
-    assert hooks.HOOK_ERRORS["apply_hints"] == 1
+    assert hooks.HOOK_ERRORS["prefetch_hint"] == 1
 
 
 def test_a_hint_survives_sglangs_pickled_broadcast() -> None:
