@@ -52,11 +52,15 @@ async def multiturn(
     return Driven(spec.name, results, wall)
 
 
-async def replay(base_url: str, requests: list[Request], drop: Callable[[], object], bar: tqdm) -> Driven:
+async def replay(base_url: str, requests: list[Request], drop: Callable[[], object], bar: tqdm,
+                 evict: Callable[[], object] | None = None) -> Driven:  # fmt: skip
+    """The open-loop replay: something is always in flight, so the page cache is dropped before the
+    clock starts and then `evict`ed (clean pages only: nothing written on the clock) every
+    `DROP_EVERY_S` inside the timed window, the same for every system."""
     await asyncio.to_thread(drop)  # before the clock starts
     async with new_session() as session:
         t0 = time.perf_counter()
-        dropper = asyncio.create_task(_drop_every(drop, DROP_EVERY_S))
+        dropper = asyncio.create_task(_drop_every(evict or drop, DROP_EVERY_S))
         try:
             done = await asyncio.gather(*(_at(session, base_url, r, t0, bar) for r in requests))
         finally:

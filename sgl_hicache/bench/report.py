@@ -58,6 +58,7 @@ def versus_best_keys(vs: VersusBest, measured: dict[str, dict[str, Measured]]) -
     by = measured.get(head, {}) if head else {}
     return {
         "best_hicache_config": vs.config,
+        "best_hicache_config_throughput": vs.throughput_config,
         "ttft_vs_best_hicache": vs.ttft,
         "throughput_vs_best_hicache": vs.throughput,
         "ttft_vs_best_hicache_range": {w: list(r) for w, r in vs.ttft_range.items()},

@@ -97,6 +97,10 @@ def run_system(
         if spec.drop_page_cache:
             outcome.page_cache.add(pagecache.drop(tiers))
 
+    def evict() -> None:  # inside a timed window: clean pages only
+        if spec.drop_page_cache:
+            pagecache.drop(tiers, write_back=False)
+
     n = sum(m.concurrency * m.rounds for m in spec.multiturn) + len(replay)
     with (
         system.server(model, workdir / log_name(name, repeat)) as server,
@@ -106,7 +110,7 @@ def run_system(
         for salt, mt in enumerate(spec.multiturn, 1):
             _record(outcome, server.base_url, drive.multiturn(server.base_url, mt, vocab, salt, drop, bar))
         if replay:
-            _record(outcome, server.base_url, drive.replay(server.base_url, replay, drop, bar))
+            _record(outcome, server.base_url, drive.replay(server.base_url, replay, drop, bar, evict))
         outcome.tier_bytes = dir_bytes(system.tier_dir)
     outcome.rss_peak_mb = rss.peak_rss_mb
     if system.tier_dir is not None:

@@ -72,14 +72,18 @@ def test_versus_best_uses_medians_and_pairs_repeats() -> None:
     }
     vs = aggregate.versus_best(workloads)
     assert vs.config == {"mt": "hicache-wait-r2", "trace": "hicache-buffer"}
-    assert vs.ttft["mt"] == 100 / 200 and vs.throughput["mt"] == 30 / 20
+    assert vs.throughput_config == {"mt": "hicache-timeout-budget", "trace": "hicache-buffer"}
+    assert vs.ttft["mt"] == 100 / 200 and vs.throughput["mt"] == 30 / 40  # each against the best at it
     assert vs.ttft_range["mt"] == pytest.approx((90 / 1000, 120 / 150))  # repeat k against repeat k
-    assert vs.throughput_range["mt"] == (28 / 25, 33 / 2)
+    assert vs.throughput_range["mt"] == (28 / 40, 33 / 40)
     assert vs.ttft["overall"] == pytest.approx(math.sqrt(0.5 * 0.25))
-    assert vs.throughput["overall"] == pytest.approx(math.sqrt(1.5 * 2.0))
+    assert vs.throughput["overall"] == pytest.approx(math.sqrt(0.75 * 2.0))
     medians = aggregate.medians(workloads)
     assert ratios(medians["mt"])["ttft_vs_hicache"] == vs.ttft["mt"]
-    assert gate.check(Gate(), medians) == []  # 0.5 and 0.25 <= 0.75; 1.5 and 2.0 >= 1
+    assert ratios(medians["mt"])["throughput_vs_hicache"] == vs.throughput["mt"]
+    assert gate.check(Gate(), medians) == [
+        "mt: throughput ours/hicache-timeout-budget = 0.750, needs >= 1.00"
+    ]
 
 
 def test_gate_is_judged_on_medians() -> None:
