@@ -194,3 +194,34 @@ def test_a_poll_that_fails_on_one_completion_still_takes_the_others(
     assert s.metrics.totals["internal_errors"] == 1
     assert len(calls) == writes and io.writes_in_flight == 0, "writes after the first were lost with it"
     s.cache.check_integrity()
+
+
+@pytest.mark.parametrize("target", ["_pack", "tier.submit_store"])
+def test_a_spill_failing_after_taking_staging_gives_it_back(
+    make_stack: Any, caplog: Any, monkeypatch: Any, target: str
+) -> None:
+    s = make_stack()
+    s.insert(A)
+    s.insert(A[:20] + [7] * 20)
+    io = s.cache.spill_io
+    owner, attr = (io.tier, "submit_store") if target.startswith("tier.") else (io, target)
+    monkeypatch.setattr(owner, attr, boom)
+    contained_twice(s, caplog, "evict (a node's spill)", lambda: s.cache.evict(EvictParams(num_tokens=1)))
+    assert io.staging.used_bytes == 0, "staging taken by the failed spills was never given back"
+    monkeypatch.undo()
+    s.insert(A)
+    s.evict_all()
+    restores_exactly(s)
+
+
+def test_a_read_failing_to_start_gives_its_staging_back(spilled: Any, caplog: Any, monkeypatch: Any) -> None:
+    io = spilled.cache.spill_io
+    monkeypatch.setattr(io.tier, "submit_load", boom)
+    m = spilled.match(A)
+    for answer in contained_twice(
+        spilled, caplog, "init_load_back (readiness)", lambda: spilled.load_back(m)
+    ):
+        assert answer == (0, m.last_device_node)
+    assert io.staging.used_bytes == 0, "staging taken by the failed reads was never given back"
+    monkeypatch.undo()
+    restores_exactly(spilled)
