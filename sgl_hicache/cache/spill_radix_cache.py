@@ -378,10 +378,24 @@ class SpillRadixCache(SpilledTree):
             self.spill_metrics.inc("tp_disagreements", int(ok))
             return False
         assert progress is not None  # agreed ok implies this rank's ok
-        self.spill_metrics.observe_restore(time.perf_counter() - t0)
-        for node, (_, node_slots) in zip(nodes, progress.parts(), strict=True):
-            self._mark_resident(node, node_slots.clone())
+        try:
+            self.spill_metrics.observe_restore(time.perf_counter() - t0)
+            for node, (_, node_slots) in zip(nodes, progress.parts(), strict=True):
+                self._mark_resident(node, node_slots.clone())
+        except Exception:
+            self._free_unowned(nodes, progress)
+            raise
         return True
+
+    def _free_unowned(self, nodes: list[TreeNode], progress: RestoreProgress) -> None:
+        """After a verified restore failed while marking `nodes` resident: the slots of the nodes
+        still spilled are freed. Those already marked keep theirs: their KV is verified and complete,
+        and a resident prefix of the chain is a valid tree (the rest stays spilled, restorable)."""
+        start = 0
+        for node, ref in zip(nodes, progress.refs, strict=True):
+            if node.evicted:
+                self.token_to_kv_pool_allocator.free(progress.slots[start : start + ref.count])
+            start += ref.count
 
     @contained("init_load_back (restore)", fallbacks.not_restored)
     def _restore_io(self, progress: RestoreProgress) -> bool:

@@ -225,3 +225,49 @@ def test_a_read_failing_to_start_gives_its_staging_back(spilled: Any, caplog: An
     assert io.staging.used_bytes == 0, "staging taken by the failed reads was never given back"
     monkeypatch.undo()
     restores_exactly(spilled)
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_restore_failing_while_marking_its_nodes_frees_the_slots_no_node_owns(
+    make_stack: Any, caplog: Any, monkeypatch: Any, failing: int
+) -> None:
+    """The verdict is in (every byte verified and unpacked) when marking the chain's nodes resident
+    raises: the nodes already marked keep their slots (exact KV), the others' slots are freed."""
+    s = make_stack()
+    s.insert(A[:20])
+    s.insert(A)  # a chain of two nodes, A[:20] and A[20:]
+    s.evict_all()
+    m = s.match(A)
+    chain = s.cache._path_up(m.best_match_node, m.last_device_node)
+    assert [len(n.key) for n in chain] == [20, 20]
+    mark = s.cache._mark_resident
+
+    def fails_on_one(node: Any, value: Any) -> None:
+        if node is chain[failing]:
+            raise RuntimeError("injected")
+        mark(node, value)
+
+    monkeypatch.setattr(s.cache, "_mark_resident", fails_on_one)
+    for answer in contained_twice(s, caplog, "init_load_back", lambda: s.load_back(s.match(A))):
+        assert answer[0] == 0  # recomputed from the resident prefix the match found
+    monkeypatch.undo()
+    m = s.match(A)
+    assert (m.device_prefix_len, m.host_hit_length) == (20 * failing, 40 - 20 * failing)
+    loaded, last = s.load_back(m)
+    assert loaded == 40 - 20 * failing and read_kv(s.pool, path_slots(s, last)) == expected_kv(A)
+    s.cache.check_integrity()
+    s.evict_all()
+    restores_exactly(s)
+
+
+def test_a_restore_failing_after_its_verdict_frees_its_slots(
+    spilled: Any, caplog: Any, monkeypatch: Any
+) -> None:
+    free = spilled.allocator.available_size()
+    monkeypatch.setattr(type(spilled.metrics), "observe_restore", boom)  # a frozen dataclass
+    m = spilled.match(A)
+    for answer in contained_twice(spilled, caplog, "init_load_back", lambda: spilled.load_back(m)):
+        assert answer == (0, m.last_device_node)
+    assert spilled.allocator.available_size() == free
+    monkeypatch.undo()
+    restores_exactly(spilled)
