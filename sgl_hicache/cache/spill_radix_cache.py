@@ -166,10 +166,13 @@ class SpillRadixCache(SpilledTree):
         return extent.state is ExtentState.ON_TIER and self.spill_io.tier.contains(extent.key)
 
     def _drop_node(self, node: TreeNode) -> None:
-        self.token_to_kv_pool_allocator.free_segment(node.value, start_pos=0)
-        self.spill_metrics.inc("dropped_tokens", len(node.value))
+        """Detach first, free last: a failure midway leaves the node in the tree with its slots (a
+        fallback may drop it again) or out of it, never in it with its slots freed (freed twice)."""
+        value = node.value
         self._forget_spilled(node)
         self._delete_leaf(node)
+        self.token_to_kv_pool_allocator.free_segment(value, start_pos=0)
+        self.spill_metrics.inc("dropped_tokens", len(value))
 
     def _node_keys(self, node: TreeNode) -> tuple[ExtentKey, ExtentKey]:
         """(path key of the tokens before `node`, extent key of `node`'s own tokens after them)."""

@@ -29,12 +29,13 @@ def spilled(make_stack: Any) -> Any:
     return s
 
 
-def contained_twice(s: Any, caplog: Any, name: str, call: Any) -> list[Any]:
-    """Run `call` twice under the injected fault: both answered, counted twice, logged once."""
+def contained_twice(s: Any, caplog: Any, name: str, call: Any, errors: int = 2) -> list[Any]:
+    """Run `call` twice under the injected fault: both answered, counted (`errors` in all: twice,
+    unless a fallback meets the fault too), logged once."""
     caplog.clear()
     with caplog.at_level(logging.ERROR, logger="sgl_hicache.cache.guard"):
         answers = [call(), call()]
-    assert s.metrics.totals["internal_errors"] == 2
+    assert s.metrics.totals["internal_errors"] == errors
     logged = [r for r in caplog.records if f"internal error in {name};" in r.getMessage()]
     assert len(logged) == 1 and logged[0].exc_info is not None
     s.cache.check_integrity()
@@ -271,3 +272,15 @@ def test_a_restore_failing_after_its_verdict_frees_its_slots(
     assert spilled.allocator.available_size() == free
     monkeypatch.undo()
     restores_exactly(spilled)
+
+
+def test_a_drop_that_raises_leaves_the_node_whole(make_stack: Any, monkeypatch: Any) -> None:
+    """A node whose drop fails stays in the tree with its slots (a fallback may pick it again: it
+    must not free them a second time), never in the tree with its slots freed."""
+    s = make_stack()
+    s.insert(A[:3])  # too short to spill: evict drops it
+    (leaf,) = s.cache.root_node.children.values()
+    monkeypatch.setattr(s.cache, "_forget_spilled", boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        s.cache._drop_node(leaf)
+    s.cache.check_integrity()
