@@ -17,6 +17,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.radix_cache import RadixCache
 
+from sgl_hicache.cache.guard import internal_error
 from sgl_hicache.cache.partial_restore import PartialRestores
 from sgl_hicache.cache.reads import Readiness
 
@@ -52,7 +53,10 @@ def no_restore(cache: SpillRadixCache, params: InitLoadBackParams) -> tuple[int,
     """Nothing restored: the request recomputes its spilled part; its partial restore is freed."""
     cache.deferred_rid = None
     req = params.req
-    cache.partial_restores.drop(getattr(req, "rid", None))
+    try:  # the failed method may have failed right here: that must not fail its fallback too
+        cache.partial_restores.drop(getattr(req, "rid", None))
+    except Exception:
+        internal_error(cache, "init_load_back (freeing a partial restore)")
     anchor = req.last_node if req is not None else None
     return 0, anchor if anchor is not None else cache.root_node
 

@@ -284,3 +284,61 @@ def test_a_drop_that_raises_leaves_the_node_whole(make_stack: Any, monkeypatch: 
     with pytest.raises(RuntimeError, match="injected"):
         s.cache._drop_node(leaf)
     s.cache.check_integrity()
+
+
+B = list(range(300, 340))
+
+
+def _short_leaf(s: Any) -> Any:
+    s.insert(A[:3])  # too short to spill: evict drops it, and so does the fallback
+    return lambda: s.cache.evict(EvictParams(num_tokens=1))
+
+
+def _spilled_chain(s: Any) -> Any:
+    s.insert(A)
+    s.evict_all()
+    return lambda: s.load_back(s.match(A))
+
+
+def _resident_node(s: Any) -> Any:
+    s.insert(A)
+    return lambda: s.match(A[:20])  # splits the node, and so does the fallback's walk
+
+
+@pytest.mark.parametrize(
+    ("setup", "target", "name", "last_resort"),
+    [
+        (_spilled_chain, "partial_restores.drop", "init_load_back", False),
+    ],
+)
+def test_a_fault_the_fallback_meets_again_is_contained(
+    make_stack: Any, caplog: Any, monkeypatch: Any, setup: Any, target: str, name: str, last_resort: bool
+) -> None:
+    """Fallbacks run some of the code that failed: a fault there never reaches sglang, frees nothing
+    twice, and is counted; where the fallback itself fails, the guard's last resort answers and
+    spill is off for good (the cache then serves as sglang's plain radix cache)."""
+    s = make_stack()
+    call = setup(s)
+    owner, attr = target.split(".")
+    monkeypatch.setattr({"cache": s.cache, "partial_restores": s.cache.partial_restores}[owner], attr, boom)
+    with caplog.at_level(logging.ERROR, logger="sgl_hicache"):
+        contained_twice(s, caplog, name, call, errors=4)
+        disabled = [
+            r
+            for r in caplog.records
+            if "spill disabled after an internal error in a fallback" in r.getMessage()
+        ]
+    assert (s.cache.spill_io is None, len(disabled)) == ((True, 1) if last_resort else (False, 0))
+    monkeypatch.undo()
+    if not last_resort:
+        s.evict_all()
+        restores_exactly(s)
+        return
+    s.insert(B)  # plain sglang from now on: resident KV served exactly, evictions drop
+    m = s.match(B)
+    assert m.device_prefix_len == len(B) and read_kv(
+        s.pool, path_slots(s, m.last_device_node)
+    ) == expected_kv(B)
+    s.evict_all()
+    assert s.match(B).device_prefix_len == 0 and s.cache.spilled_tokens == 0
+    s.cache.check_integrity()
