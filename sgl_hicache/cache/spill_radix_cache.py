@@ -465,6 +465,17 @@ class SpillRadixCache(SpilledTree):
             self.spilled_tokens = 0
             self.tier_orphans = {}
 
+    def disable_spill(self) -> None:
+        """Spill off for good (guard.py: a fallback failed, so our state is not trusted any more):
+        without `spill_io` nothing spills, restores, prefetches or looks up, and the cache serves as
+        sglang's plain radix cache. Spilled nodes left in the tree are never restored (a request
+        matching them recomputes that part; an insert over them adopts them). Logged once."""
+        if self.spill_io is None:
+            return
+        self.spill_io = None  # the tier finishes its writes unwatched; nothing reads it again
+        logger.error("sgl_hicache: spill disabled after an internal error in a fallback; serving as "
+                     "sglang's plain radix cache from now on")  # fmt: skip
+
     def report(self, idle: bool) -> dict[str, Any]:
         """Counters, staging, tier stats and an integrity verdict (for `GET /server_info`)."""
         from sgl_hicache.cache.report import spill_report

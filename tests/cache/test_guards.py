@@ -308,7 +308,9 @@ def _resident_node(s: Any) -> Any:
 @pytest.mark.parametrize(
     ("setup", "target", "name", "last_resort"),
     [
+        (_short_leaf, "cache._forget_spilled", "evict", True),
         (_spilled_chain, "partial_restores.drop", "init_load_back", False),
+        (_resident_node, "cache._split_node", "match_prefix", True),
     ],
 )
 def test_a_fault_the_fallback_meets_again_is_contained(
