@@ -344,3 +344,17 @@ def test_a_fault_the_fallback_meets_again_is_contained(
     s.evict_all()
     assert s.match(B).device_prefix_len == 0 and s.cache.spilled_tokens == 0
     s.cache.check_integrity()
+
+
+def test_a_reset_whose_fallback_fails_too_is_sglangs_reset(
+    spilled: Any, caplog: Any, monkeypatch: Any
+) -> None:
+    monkeypatch.setattr(spilled.cache.spill_io.reads, "clear", boom)
+    monkeypatch.setattr(spilled.cache, "start_epoch", boom)  # the fallback's last step
+    contained_twice(spilled, caplog, "reset", spilled.cache.reset, errors=4)
+    assert spilled.cache.spill_io is None and spilled.cache.spilled_tokens == 0
+    assert spilled.match(A).host_hit_length == 0  # an empty tree
+    monkeypatch.undo()
+    spilled.insert(A)
+    assert spilled.match(A).device_prefix_len == len(A)
+    spilled.cache.check_integrity()
