@@ -1,7 +1,8 @@
 """What the cache does instead when our logic raised in a call from sglang (see guard.py): sglang's
 plain `RadixCache` behaviour on our tree. None of them reads, restores or spills anything, so none
 can serve KV that was not verified; each leaves tree and pool consistent from any point the failed
-method reached (the tree's own operations are atomic per node)."""
+method reached (the tree's own operations are atomic per node). Each of the four guarding a call
+from sglang has a last resort (guard.py), for when it raises itself: the `_nothing_*` answers."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.radix_cache import RadixCache
 
+from sgl_hicache.cache.guard import internal_error, last_resort
 from sgl_hicache.cache.partial_restore import PartialRestores
 from sgl_hicache.cache.reads import Readiness
 
@@ -25,11 +27,32 @@ if TYPE_CHECKING:
     from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
 
 
+def _nothing_matched(cache: SpillRadixCache, _params: MatchPrefixParams) -> MatchResult:
+    return cache._no_match()
+
+
+def _nothing_evicted(_cache: SpillRadixCache, _params: EvictParams) -> EvictResult:
+    return EvictResult()
+
+
+def _nothing_restored(cache: SpillRadixCache, params: InitLoadBackParams) -> tuple[int, Any]:
+    anchor = getattr(params.req, "last_node", None)
+    return 0, anchor if anchor is not None else cache.root_node
+
+
+def _nothing_kept(cache: SpillRadixCache) -> None:
+    """sglang's own reset (an empty tree; spill is off by then, so no key epoch matters)."""
+    RadixCache.reset(cache)
+    cache.spilled_tokens = 0
+
+
+@last_resort(_nothing_matched)
 def resident_match(cache: SpillRadixCache, params: MatchPrefixParams) -> MatchResult:
     """The device-resident prefix only (sglang's match stops at spilled nodes on our tree)."""
     return RadixCache.match_prefix(cache, params)
 
 
+@last_resort(_nothing_evicted)
 def evict_by_dropping(cache: SpillRadixCache, params: EvictParams) -> EvictResult:
     """sglang's eviction: LRU leaves dropped, none spilled (a dropped node takes its spilled subtree)."""
     if cache.disable:
@@ -48,15 +71,20 @@ def evict_by_dropping(cache: SpillRadixCache, params: EvictParams) -> EvictResul
     return EvictResult(num_tokens_evicted=evicted)
 
 
+@last_resort(_nothing_restored)
 def no_restore(cache: SpillRadixCache, params: InitLoadBackParams) -> tuple[int, Any] | None:
     """Nothing restored: the request recomputes its spilled part; its partial restore is freed."""
     cache.deferred_rid = None
     req = params.req
-    cache.partial_restores.drop(getattr(req, "rid", None))
+    try:  # the failed method may have failed right here: that must not fail its fallback too
+        cache.partial_restores.drop(getattr(req, "rid", None))
+    except Exception:
+        internal_error(cache, "init_load_back (freeing a partial restore)")
     anchor = req.last_node if req is not None else None
     return 0, anchor if anchor is not None else cache.root_node
 
 
+@last_resort(_nothing_kept)
 def empty_reset(cache: SpillRadixCache) -> None:
     """An empty tree in a new key epoch (nothing named before is ever found). Partial restores are
     forgotten, not freed: sglang clears the allocator right after a flush, and at start none exist."""

@@ -8,7 +8,11 @@ marked `@contained(name, fallback)` that raises an `Exception` instead counts it
 `fallback(cache, *args)` returns: sglang's plain `RadixCache` behaviour on our tree, which never
 serves KV that was not verified (a resident-only match, a restore not done, a drop instead of a
 spill). Fallbacks must leave the tree and pool consistent (`check_integrity` holds) whatever point
-the method reached; an exception from a fallback itself (sglang's own logic) is not ours to hide.
+the method reached. A fallback may run code that just failed (a walk, a drop): if it raises too,
+the guard counts and logs that once per name, answers with the fallback's `last_resort` (an
+always-safe answer that touches no KV: an empty match, nothing evicted, nothing restored, sglang's
+own reset) and switches spill off for good on that cache (`disable_spill`, logged once), so the
+server goes on as sglang's plain radix cache. A fallback without a last resort re-raises.
 
 Inner steps with a cheaper fallback (the poll of completions, one node's spill, a restore's
 readiness or unpack, the adoption of spilled nodes by an insert) are contained where they run, so
@@ -33,10 +37,13 @@ class Guarded(Protocol):
     spill_metrics: SpillMetrics
     errors_logged: set[str]
 
+    def disable_spill(self) -> None: ...
+
 
 S = TypeVar("S", bound=Guarded)
 P = ParamSpec("P")
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def internal_error(cache: Guarded, name: str) -> None:
@@ -51,6 +58,30 @@ def internal_error(cache: Guarded, name: str) -> None:
         )
 
 
+def fallback_failed(cache: Guarded, name: str) -> None:
+    """Count the exception a fallback raised, log it once per `name`, and turn spill off for good."""
+    cache.spill_metrics.inc("internal_errors")
+    if f"{name} (fallback)" not in cache.errors_logged:
+        cache.errors_logged.add(f"{name} (fallback)")
+        logger.exception(
+            "sgl_hicache: internal error in the fallback of %s; answered with its last resort "
+            "(logged once, counted in internal_errors)",
+            name,
+        )
+    cache.disable_spill()
+
+
+def last_resort(answer: Callable[..., Any]) -> Callable[[F], F]:
+    """Give a fallback the answer its guard returns if the fallback itself raises: called with the
+    same arguments, always safe (it reads, frees and serves no KV)."""
+
+    def attach(fallback: F) -> F:
+        fallback.last_resort = answer  # type: ignore[attr-defined]
+        return fallback
+
+    return attach
+
+
 def contained(
     name: str, fallback: Callable[Concatenate[S, P], T]
 ) -> Callable[[Callable[Concatenate[S, P], T]], Callable[Concatenate[S, P], T]]:
@@ -63,7 +94,14 @@ def contained(
                 return method(self, *args, **kwargs)
             except Exception:
                 internal_error(self, name)
+            try:
                 return fallback(self, *args, **kwargs)
+            except Exception:
+                resort: Callable[Concatenate[S, P], T] | None = getattr(fallback, "last_resort", None)
+                if resort is None:
+                    raise
+                fallback_failed(self, name)
+                return resort(self, *args, **kwargs)
 
         return run
 

@@ -180,7 +180,11 @@ class ExtentReads:
         buf = self.staging.acquire(nbytes)
         if buf is None:
             return None
-        ticket = self.tier.submit_load(extent.key, buf.numpy(), nbytes)
+        try:
+            ticket = self.tier.submit_load(extent.key, buf.numpy(), nbytes)
+        except BaseException:  # nothing was queued (a submit raises before queueing): nobody holds it
+            self.staging.release(buf)
+            raise
         if read is not None:
             self._abandon(read)
         read = PendingRead(extent, ticket, buf, tokens, time.monotonic(), prefetched=prefetch)

@@ -66,10 +66,14 @@ class SpillIO:
         if buf is None:
             self._refused(len(slots), nbytes)
             return None
-        self._pack(slots, buf)
-        ticket = self.tier.submit_store(
-            key, buf.numpy(), tokens, parent, store_tokens=store_tokens, aliases=aliases
-        )
+        try:
+            self._pack(slots, buf)
+            ticket = self.tier.submit_store(
+                key, buf.numpy(), tokens, parent, store_tokens=store_tokens, aliases=aliases
+            )
+        except BaseException:  # nothing was queued (a submit raises before queueing): nobody holds it
+            self.staging.release(buf)
+            raise
         extent = Extent(key, len(slots), ExtentState.WRITING, staged=buf)
         self._writing[ticket] = extent
         self.metrics.inc("spilled_bytes", nbytes)

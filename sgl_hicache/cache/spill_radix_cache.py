@@ -166,10 +166,13 @@ class SpillRadixCache(SpilledTree):
         return extent.state is ExtentState.ON_TIER and self.spill_io.tier.contains(extent.key)
 
     def _drop_node(self, node: TreeNode) -> None:
-        self.token_to_kv_pool_allocator.free_segment(node.value, start_pos=0)
-        self.spill_metrics.inc("dropped_tokens", len(node.value))
+        """Detach first, free last: a failure midway leaves the node in the tree with its slots (a
+        fallback may drop it again) or out of it, never in it with its slots freed (freed twice)."""
+        value = node.value
         self._forget_spilled(node)
         self._delete_leaf(node)
+        self.token_to_kv_pool_allocator.free_segment(value, start_pos=0)
+        self.spill_metrics.inc("dropped_tokens", len(value))
 
     def _node_keys(self, node: TreeNode) -> tuple[ExtentKey, ExtentKey]:
         """(path key of the tokens before `node`, extent key of `node`'s own tokens after them)."""
@@ -388,10 +391,24 @@ class SpillRadixCache(SpilledTree):
             self.spill_metrics.inc("tp_disagreements", int(ok))
             return False
         assert progress is not None  # agreed ok implies this rank's ok
-        self.spill_metrics.observe_restore(time.perf_counter() - t0)
-        for node, (_, node_slots) in zip(nodes, progress.parts(), strict=True):
-            self._mark_resident(node, node_slots.clone())
+        try:
+            self.spill_metrics.observe_restore(time.perf_counter() - t0)
+            for node, (_, node_slots) in zip(nodes, progress.parts(), strict=True):
+                self._mark_resident(node, node_slots.clone())
+        except Exception:
+            self._free_unowned(nodes, progress)
+            raise
         return True
+
+    def _free_unowned(self, nodes: list[TreeNode], progress: RestoreProgress) -> None:
+        """After a verified restore failed while marking `nodes` resident: the slots of the nodes
+        still spilled are freed. Those already marked keep theirs: their KV is verified and complete,
+        and a resident prefix of the chain is a valid tree (the rest stays spilled, restorable)."""
+        start = 0
+        for node, ref in zip(nodes, progress.refs, strict=True):
+            if node.evicted:
+                self.token_to_kv_pool_allocator.free(progress.slots[start : start + ref.count])
+            start += ref.count
 
     @contained("init_load_back (restore)", fallbacks.not_restored)
     def _restore_io(self, progress: RestoreProgress) -> bool:
@@ -461,6 +478,17 @@ class SpillRadixCache(SpilledTree):
             super().reset()
             self.spilled_tokens = 0
             self.tier_orphans = {}
+
+    def disable_spill(self) -> None:
+        """Spill off for good (guard.py: a fallback failed, so our state is not trusted any more):
+        without `spill_io` nothing spills, restores, prefetches or looks up, and the cache serves as
+        sglang's plain radix cache. Spilled nodes left in the tree are never restored (a request
+        matching them recomputes that part; an insert over them adopts them). Logged once."""
+        if self.spill_io is None:
+            return
+        self.spill_io = None  # the tier finishes its writes unwatched; nothing reads it again
+        logger.error("sgl_hicache: spill disabled after an internal error in a fallback; serving as "
+                     "sglang's plain radix cache from now on")  # fmt: skip
 
     def report(self, idle: bool) -> dict[str, Any]:
         """Counters, staging, tier stats and an integrity verdict (for `GET /server_info`)."""

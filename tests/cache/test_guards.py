@@ -29,12 +29,13 @@ def spilled(make_stack: Any) -> Any:
     return s
 
 
-def contained_twice(s: Any, caplog: Any, name: str, call: Any) -> list[Any]:
-    """Run `call` twice under the injected fault: both answered, counted twice, logged once."""
+def contained_twice(s: Any, caplog: Any, name: str, call: Any, errors: int = 2) -> list[Any]:
+    """Run `call` twice under the injected fault: both answered, counted (`errors` in all: twice,
+    unless a fallback meets the fault too), logged once."""
     caplog.clear()
     with caplog.at_level(logging.ERROR, logger="sgl_hicache.cache.guard"):
         answers = [call(), call()]
-    assert s.metrics.totals["internal_errors"] == 2
+    assert s.metrics.totals["internal_errors"] == errors
     logged = [r for r in caplog.records if f"internal error in {name};" in r.getMessage()]
     assert len(logged) == 1 and logged[0].exc_info is not None
     s.cache.check_integrity()
@@ -194,3 +195,166 @@ def test_a_poll_that_fails_on_one_completion_still_takes_the_others(
     assert s.metrics.totals["internal_errors"] == 1
     assert len(calls) == writes and io.writes_in_flight == 0, "writes after the first were lost with it"
     s.cache.check_integrity()
+
+
+@pytest.mark.parametrize("target", ["_pack", "tier.submit_store"])
+def test_a_spill_failing_after_taking_staging_gives_it_back(
+    make_stack: Any, caplog: Any, monkeypatch: Any, target: str
+) -> None:
+    s = make_stack()
+    s.insert(A)
+    s.insert(A[:20] + [7] * 20)
+    io = s.cache.spill_io
+    owner, attr = (io.tier, "submit_store") if target.startswith("tier.") else (io, target)
+    monkeypatch.setattr(owner, attr, boom)
+    contained_twice(s, caplog, "evict (a node's spill)", lambda: s.cache.evict(EvictParams(num_tokens=1)))
+    assert io.staging.used_bytes == 0, "staging taken by the failed spills was never given back"
+    monkeypatch.undo()
+    s.insert(A)
+    s.evict_all()
+    restores_exactly(s)
+
+
+def test_a_read_failing_to_start_gives_its_staging_back(spilled: Any, caplog: Any, monkeypatch: Any) -> None:
+    io = spilled.cache.spill_io
+    monkeypatch.setattr(io.tier, "submit_load", boom)
+    m = spilled.match(A)
+    for answer in contained_twice(
+        spilled, caplog, "init_load_back (readiness)", lambda: spilled.load_back(m)
+    ):
+        assert answer == (0, m.last_device_node)
+    assert io.staging.used_bytes == 0, "staging taken by the failed reads was never given back"
+    monkeypatch.undo()
+    restores_exactly(spilled)
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_restore_failing_while_marking_its_nodes_frees_the_slots_no_node_owns(
+    make_stack: Any, caplog: Any, monkeypatch: Any, failing: int
+) -> None:
+    """The verdict is in (every byte verified and unpacked) when marking the chain's nodes resident
+    raises: the nodes already marked keep their slots (exact KV), the others' slots are freed."""
+    s = make_stack()
+    s.insert(A[:20])
+    s.insert(A)  # a chain of two nodes, A[:20] and A[20:]
+    s.evict_all()
+    m = s.match(A)
+    chain = s.cache._path_up(m.best_match_node, m.last_device_node)
+    assert [len(n.key) for n in chain] == [20, 20]
+    mark = s.cache._mark_resident
+
+    def fails_on_one(node: Any, value: Any) -> None:
+        if node is chain[failing]:
+            raise RuntimeError("injected")
+        mark(node, value)
+
+    monkeypatch.setattr(s.cache, "_mark_resident", fails_on_one)
+    for answer in contained_twice(s, caplog, "init_load_back", lambda: s.load_back(s.match(A))):
+        assert answer[0] == 0  # recomputed from the resident prefix the match found
+    monkeypatch.undo()
+    m = s.match(A)
+    assert (m.device_prefix_len, m.host_hit_length) == (20 * failing, 40 - 20 * failing)
+    loaded, last = s.load_back(m)
+    assert loaded == 40 - 20 * failing and read_kv(s.pool, path_slots(s, last)) == expected_kv(A)
+    s.cache.check_integrity()
+    s.evict_all()
+    restores_exactly(s)
+
+
+def test_a_restore_failing_after_its_verdict_frees_its_slots(
+    spilled: Any, caplog: Any, monkeypatch: Any
+) -> None:
+    free = spilled.allocator.available_size()
+    monkeypatch.setattr(type(spilled.metrics), "observe_restore", boom)  # a frozen dataclass
+    m = spilled.match(A)
+    for answer in contained_twice(spilled, caplog, "init_load_back", lambda: spilled.load_back(m)):
+        assert answer == (0, m.last_device_node)
+    assert spilled.allocator.available_size() == free
+    monkeypatch.undo()
+    restores_exactly(spilled)
+
+
+def test_a_drop_that_raises_leaves_the_node_whole(make_stack: Any, monkeypatch: Any) -> None:
+    """A node whose drop fails stays in the tree with its slots (a fallback may pick it again: it
+    must not free them a second time), never in the tree with its slots freed."""
+    s = make_stack()
+    s.insert(A[:3])  # too short to spill: evict drops it
+    (leaf,) = s.cache.root_node.children.values()
+    monkeypatch.setattr(s.cache, "_forget_spilled", boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        s.cache._drop_node(leaf)
+    s.cache.check_integrity()
+
+
+B = list(range(300, 340))
+
+
+def _short_leaf(s: Any) -> Any:
+    s.insert(A[:3])  # too short to spill: evict drops it, and so does the fallback
+    return lambda: s.cache.evict(EvictParams(num_tokens=1))
+
+
+def _spilled_chain(s: Any) -> Any:
+    s.insert(A)
+    s.evict_all()
+    return lambda: s.load_back(s.match(A))
+
+
+def _resident_node(s: Any) -> Any:
+    s.insert(A)
+    return lambda: s.match(A[:20])  # splits the node, and so does the fallback's walk
+
+
+@pytest.mark.parametrize(
+    ("setup", "target", "name", "last_resort"),
+    [
+        (_short_leaf, "cache._forget_spilled", "evict", True),
+        (_spilled_chain, "partial_restores.drop", "init_load_back", False),
+        (_resident_node, "cache._split_node", "match_prefix", True),
+    ],
+)
+def test_a_fault_the_fallback_meets_again_is_contained(
+    make_stack: Any, caplog: Any, monkeypatch: Any, setup: Any, target: str, name: str, last_resort: bool
+) -> None:
+    """Fallbacks run some of the code that failed: a fault there never reaches sglang, frees nothing
+    twice, and is counted; where the fallback itself fails, the guard's last resort answers and
+    spill is off for good (the cache then serves as sglang's plain radix cache)."""
+    s = make_stack()
+    call = setup(s)
+    owner, attr = target.split(".")
+    monkeypatch.setattr({"cache": s.cache, "partial_restores": s.cache.partial_restores}[owner], attr, boom)
+    with caplog.at_level(logging.ERROR, logger="sgl_hicache"):
+        contained_twice(s, caplog, name, call, errors=4)
+        disabled = [
+            r
+            for r in caplog.records
+            if "spill disabled after an internal error in a fallback" in r.getMessage()
+        ]
+    assert (s.cache.spill_io is None, len(disabled)) == ((True, 1) if last_resort else (False, 0))
+    monkeypatch.undo()
+    if not last_resort:
+        s.evict_all()
+        restores_exactly(s)
+        return
+    s.insert(B)  # plain sglang from now on: resident KV served exactly, evictions drop
+    m = s.match(B)
+    assert m.device_prefix_len == len(B) and read_kv(
+        s.pool, path_slots(s, m.last_device_node)
+    ) == expected_kv(B)
+    s.evict_all()
+    assert s.match(B).device_prefix_len == 0 and s.cache.spilled_tokens == 0
+    s.cache.check_integrity()
+
+
+def test_a_reset_whose_fallback_fails_too_is_sglangs_reset(
+    spilled: Any, caplog: Any, monkeypatch: Any
+) -> None:
+    monkeypatch.setattr(spilled.cache.spill_io.reads, "clear", boom)
+    monkeypatch.setattr(spilled.cache, "start_epoch", boom)  # the fallback's last step
+    contained_twice(spilled, caplog, "reset", spilled.cache.reset, errors=4)
+    assert spilled.cache.spill_io is None and spilled.cache.spilled_tokens == 0
+    assert spilled.match(A).host_hit_length == 0  # an empty tree
+    monkeypatch.undo()
+    spilled.insert(A)
+    assert spilled.match(A).device_prefix_len == len(A)
+    spilled.cache.check_integrity()
