@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from sgl_hicache.bench.server_process import _REAPER, ServerStartError, _wait_group_gone, free_port
+from sgl_hicache.bench.server_process import _REAPER, ServerStartError, free_port, stop_group
 
 
 @dataclass
@@ -87,17 +86,9 @@ class RouterProcess:
 
     def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM the router's process group, SIGKILL after `grace_s`. Idempotent."""
-        if self.proc is None:
-            return
-        pgid = self.proc.pid
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGTERM)
-        if not _wait_group_gone(self.proc, pgid, grace_s):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGKILL)
-            _wait_group_gone(self.proc, pgid, 5.0)
-        _REAPER.discard(pgid)
-        self.proc = None
+        if self.proc is not None:
+            stop_group(self.proc, grace_s, 5.0)
+            self.proc = None
 
     def __enter__(self) -> RouterProcess:
         return self.start() if self.proc is None else self

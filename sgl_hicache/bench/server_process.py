@@ -107,17 +107,9 @@ class ServerProcess:
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM the process group, SIGKILL what is left after `grace_s`; returns once the whole
         group is gone (or after a further 10 s). Idempotent."""
-        if self.proc is None:
-            return
-        pgid = self.proc.pid
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGTERM)
-        if not _wait_group_gone(self.proc, pgid, grace_s):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGKILL)
-            _wait_group_gone(self.proc, pgid, 10.0)
-        _REAPER.discard(pgid)
-        self.proc = None
+        if self.proc is not None:
+            stop_group(self.proc, grace_s, 10.0)
+            self.proc = None
 
     def __enter__(self) -> ServerProcess:
         return self.start() if self.proc is None else self
@@ -178,6 +170,19 @@ class _Reaper:
 
 
 _REAPER = _Reaper()
+
+
+def stop_group(proc: subprocess.Popen[bytes], grace_s: float, kill_wait_s: float) -> None:
+    """SIGTERM `proc`'s process group (it leads one), SIGKILL what is left after `grace_s`, wait up
+    to `kill_wait_s` more for the group to be gone, and forget it in the signal-time reaper."""
+    pgid = proc.pid
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    if not _wait_group_gone(proc, pgid, grace_s):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+        _wait_group_gone(proc, pgid, kill_wait_s)
+    _REAPER.discard(pgid)
 
 
 def _wait_group_gone(proc: subprocess.Popen[bytes], pgid: int, timeout_s: float) -> bool:
