@@ -25,6 +25,27 @@ def every(n: int, method: Any) -> Any:
     return call
 
 
+def run_ranks(group: Any, work: Any, timeout_s: float = 300) -> None:
+    """`work(rank)` on two threads, one per rank; fails if a rank raised or hung (the barrier of a
+    rank that raised is aborted, so the other one cannot wait for it forever)."""
+    errors: list[BaseException] = []
+
+    def target(r: int) -> None:
+        try:
+            work(r)
+        except BaseException as e:
+            errors.append(e)
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout_s)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    assert not errors, errors
+
+
 def test_faults_contained_on_one_rank_keep_the_ranks_identical(tmp_path: Path) -> None:
     group = ThreadedAgreement.Group(2)
     stacks = [build_stack(tmp_path / f"rank{r}", size=160) for r in range(2)]
@@ -37,22 +58,7 @@ def test_faults_contained_on_one_rank_keep_the_ranks_identical(tmp_path: Path) -
         io.reads.readiness = every(4, io.reads.readiness)
         steps = conversation_steps(7)
         records: list[list[Any]] = [[], []]
-        errors: list[BaseException] = []
-
-        def target(r: int) -> None:
-            try:
-                run_rank(stacks[r], steps, records[r])  # asserts every restored KV is exact
-            except BaseException as e:
-                errors.append(e)
-                group.barrier.abort()
-
-        threads = [threading.Thread(target=target, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
-        assert not any(t.is_alive() for t in threads), "a rank hung"
-        assert not errors, errors
+        run_ranks(group, lambda r: run_rank(stacks[r], steps, records[r]), timeout_s=300)
         assert records[0] == records[1]
         assert stacks[1].metrics.totals["internal_errors"] > 0 == stacks[0].metrics.totals["internal_errors"]
         assert stacks[0].metrics.totals["restored_tokens"] > 0  # restores still happened
@@ -92,22 +98,7 @@ def test_hints_whose_reads_fail_on_one_rank_keep_the_trees_identical(tmp_path: P
         reads.prefetch = every(2, reads.prefetch)
         steps = conversation_steps(11)
         records: list[list[Any]] = [[], []]
-        errors: list[BaseException] = []
-
-        def target(r: int) -> None:
-            try:
-                run_rank(stacks[r], steps, records[r])
-            except BaseException as e:
-                errors.append(e)
-                group.barrier.abort()
-
-        threads = [threading.Thread(target=target, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
-        assert not any(t.is_alive() for t in threads), "a rank hung"
-        assert not errors, errors
+        run_ranks(group, lambda r: run_rank(stacks[r], steps, records[r]), timeout_s=300)
         assert records[0] == records[1]
         assert stacks[1].metrics.totals["internal_errors"] > 0, "the fault was never hit"
     finally:
@@ -138,22 +129,7 @@ def test_a_warm_start_that_fails_on_one_rank_starts_every_rank_empty(
                 raise RuntimeError("injected on one rank, after part of the attach")
 
         monkeypatch.setattr(warm_start, "attach_tier_extents", fails_on_rank_1)
-        errors: list[BaseException] = []
-
-        def target(r: int) -> None:
-            try:
-                stacks[r].cache.reset()
-            except BaseException as e:
-                errors.append(e)
-                group.barrier.abort()
-
-        threads = [threading.Thread(target=target, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-        assert not any(t.is_alive() for t in threads), "a rank hung in the warm-start agreement"
-        assert not errors, errors
+        run_ranks(group, lambda r: stacks[r].cache.reset(), timeout_s=60)
         assert [s.cache.spilled_tokens for s in stacks] == [0, 0], "the ranks start from different trees"
         assert stacks[1].metrics.totals["internal_errors"] == 1
         for stack in stacks:
