@@ -33,23 +33,36 @@ class Driven:
     wall_s: float
 
 
-async def multiturn(
-    base_url: str, spec: MultiTurn, vocab: int, salt: int, drop: Callable[[], object], bar: tqdm
-) -> Driven:
+async def multiturn(base_url: str, spec: MultiTurn, vocab: int, salt: int, drop: Callable[[], object],
+                    bar: tqdm, alternate: bool = False) -> Driven:  # fmt: skip
+    """`alternate`: send each round's turns in `send_order` (behind a two-server round robin)."""
     convs = [Conversation.open(salt * 10_000 + i, spec.first_tokens, vocab) for i in range(spec.concurrency)]
     results: list[Result] = []
     wall = 0.0
     async with new_session() as session:
-        for _ in range(spec.rounds):
+        for k in range(spec.rounds):
             await asyncio.to_thread(drop)  # the barrier: nothing in flight, clock stopped
             turns = [c.next_turn(spec.question_tokens, spec.output_tokens) for c in convs]
+            order = send_order(len(turns), k, alternate)
             t0 = time.perf_counter()
-            done = await asyncio.gather(*(_one(session, base_url, t, spec.name, t0, bar) for t in turns))
+            sent = await asyncio.gather(
+                *(_one(session, base_url, turns[i], spec.name, t0, bar) for i in order)
+            )
+            done = [r for _, r in sorted(zip(order, sent, strict=True), key=lambda p: p[0])]
             wall += time.perf_counter() - t0
             for conv, turn, result in zip(convs, turns, done, strict=True):
                 conv.answered(turn, result.output_ids or [])
             results += done
     return Driven(spec.name, results, wall)
+
+
+def send_order(n: int, round_: int, alternate: bool) -> list[int]:
+    """The conversations' indices in the order their turns of round `round_` are sent. `alternate`:
+    the order in which a round robin over two servers, taking requests as sent, puts every turn on
+    the other server than the conversation's previous turn: as is for odd `n` (each round shifts the
+    router's parity by one), rotated by the round for even `n` (where it would not)."""
+    k = round_ % n if alternate and n % 2 == 0 else 0
+    return [*range(k, n), *range(k)]
 
 
 async def replay(base_url: str, requests: list[Request], drop: Callable[[], object], bar: tqdm,
