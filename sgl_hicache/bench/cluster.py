@@ -3,10 +3,11 @@
 Each configuration runs two servers of one system (the run's `Shape`, so each has the device pool
 and host budget a single server of `--servers 1` has) behind `smg` with `--policy round_robin`, on
 the multi-turn workloads only (a trace's sessions would not move between servers in a known way).
-The driver sends each round's turns in `drive.send_order`, so the router puts every resumed turn on
-the other server than the conversation's previous turn: the history it needs is on the other
-server, or on the tier. (If the router takes two near-simultaneous requests out of order, a turn
-stays; the per-tier hit rates and the lookup counters show what was reused from where.)
+The driver dispatches each round's turns one after another in `drive.send_order` (the next one
+once the router has picked a server for the last: sent at once, they would reach its round robin in
+any order; a smoke run kept half the turns where they were), so the router puts every resumed turn
+on the other server than the conversation's previous turn: the history it needs is on the other
+server, or on the tier. The per-tier hit rates and the lookup counters show what was reused from where.
 
 - `ours-shared`: two of our servers on one tier directory: a turn finds the history the other
   server spilled by cross-server lookup (docs/DESIGN.md, "Sharing a tier").

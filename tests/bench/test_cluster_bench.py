@@ -3,17 +3,23 @@ that moves every turn to the other server, and the final line."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 import math
+import random
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
+from aiohttp import web
+from tqdm import tqdm
 
 from sgl_hicache.bench import cluster, drive, systems
 from sgl_hicache.bench.cli import cluster_run, main, parser, spec_from
 from sgl_hicache.bench.client import Result
-from sgl_hicache.bench.spec import HICACHE, HostPool, Shape
+from sgl_hicache.bench.spec import HICACHE, HostPool, MultiTurn, Shape
 from sgl_hicache.bench.summary import Figures, summarize
 
 
@@ -119,3 +125,46 @@ def test_lookup_counters_read_from_metrics() -> None:
     got = cluster.lookup_counters(samples)
     assert got["lookup_attached_tokens"] == 64 and got["lookups"] == 2 and got["lookup_stale"] == 0
     assert set(got) == set(cluster.LOOKUP_COUNTERS)
+
+
+@pytest.mark.parametrize("concurrency", [3, 4])
+def test_a_round_robin_router_puts_every_turn_on_the_other_server(concurrency: int) -> None:
+    """A stand-in router: round robin over two servers at the moment it takes a request, after a
+    random delay (two requests sent at once may be taken in either order); it answers one token."""
+    served: dict[tuple[int, ...], list[int]] = {}  # a conversation's opening tokens -> its servers
+    taken = 0
+    rng = random.Random(0)
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        nonlocal taken
+        body = await request.json()
+        await asyncio.sleep(rng.uniform(0, 0.02))
+        served.setdefault(tuple(body["input_ids"][:8]), []).append(taken % 2)
+        taken += 1
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        await asyncio.sleep(0.01)
+        await resp.write(b"data: " + json.dumps({"output_ids": [7], "meta_info": {}}).encode() + b"\n\n")
+        return resp
+
+    spec = MultiTurn(concurrency=concurrency, rounds=4, first_tokens=8, question_tokens=2, output_tokens=1)
+    driven = asyncio.run(_drive(handler, spec))
+    assert [r.error for r in driven.results] == [None] * concurrency * 4
+    assert len(served) == concurrency
+    for servers in served.values():
+        assert all(a != b for a, b in itertools.pairwise(servers)), served
+
+
+async def _drive(handler: Any, spec: MultiTurn) -> drive.Driven:
+    app = web.Application()
+    app.router.add_post("/generate", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        with tqdm(disable=True) as bar:
+            return await drive.multiturn(url, spec, 1000, 1, lambda: None, bar, alternate=True)
+    finally:
+        await runner.cleanup()
