@@ -19,6 +19,7 @@ import aiohttp
 from sgl_hicache.bench.workload import Request
 
 TIERS = ("device", "host", "storage")
+ROUTED_HEADER = "x-smg-routed-worker-id"  # smg 1.13 names the worker's URL in every response
 
 
 @dataclass
@@ -39,6 +40,7 @@ class Result:
     cached: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))  # by tier
     error: str | None = None
     repeat: int = 0  # which of the run's repeats
+    server: str | None = None  # behind smg: the worker it routed the request to (`ROUTED_HEADER`)
 
 
 async def generate(session: aiohttp.ClientSession, base_url: str, request: Request, workload: str, t0: float,
@@ -67,6 +69,7 @@ async def _generate(session: aiohttp.ClientSession, base_url: str, request: Requ
         async with session.post(base_url + "/generate", json=body) as response:
             if dispatched is not None:
                 dispatched.set()
+            result.server = response.headers.get(ROUTED_HEADER)
             if response.status != 200:
                 result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                 return result

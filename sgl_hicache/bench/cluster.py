@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 from tqdm import tqdm
 
 from sgl_hicache.bench import aggregate, drive, pagecache, report, run, systems
+from sgl_hicache.bench.client import Result
 from sgl_hicache.bench.probe import delta, dir_bytes, scrape, total
 from sgl_hicache.bench.router_process import RouterProcess
 from sgl_hicache.bench.server_process import ServerProcess
@@ -158,7 +159,8 @@ def execute(spec: BenchSpec) -> int:
     extra = {"out_dir": str(spec.out_dir), "model": spec.shape.model, "repeats": spec.repeats,
              "order": [f"{n}/r{r}" for r, n in order], "shape": asdict(spec.shape),
              "tier_mb": {n: max(o.tier_bytes for o in os_) / 2**20 for n, os_ in runs.items()}}  # fmt: skip
-    line = final_line(figures, _lookup_totals(lookups), extra)
+    requests = {n: [r for rs in by.values() for r in rs] for n, by in run.results(runs).items()}
+    line = final_line(figures, _lookup_totals(lookups), extra, requests)
     report.write(out, run.results(runs), figures, line, run.metrics(runs), measured)
     print(json.dumps(line, sort_keys=True), flush=True)
     return 0
@@ -178,10 +180,12 @@ def _lookup_totals(
 
 
 def final_line(workloads: dict[str, dict[str, Figures]], lookups: dict[str, list[dict[str, float]]],
-               extra: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+               extra: dict[str, Any], moved: dict[str, list[Result]] | None = None) -> dict[str, Any]:  # fmt: skip
     """The headline is the first workload: each configuration's figures (medians over repeats),
-    `ours-shared` over the others (`RATIO_KEYS`), every workload's ratios, and our lookup counters
-    (summed over the servers, repeats and workloads; and per server)."""
+    `ours-shared` over the others (`RATIO_KEYS`), every workload's ratios, our lookup counters
+    (summed over the servers, repeats and workloads; and per server) and, from `moved` (each
+    configuration's requests), the share of resumed turns the router moved to the other server."""
+    moved = moved or {}
     head = next(iter(workloads), None)
     figures = workloads.get(head, {}) if head else {}
     line: dict[str, Any] = {
@@ -197,9 +201,25 @@ def final_line(workloads: dict[str, dict[str, Figures]], lookups: dict[str, list
         "lookup_counters_total": {c: {k: sum(s[k] for s in by) for k in LOOKUP_COUNTERS} for c, by in lookups.items()},
         "lookup_counters_by_server": {c: {k: [s[k] for s in by] for k in LOOKUP_COUNTERS} for c, by in lookups.items()},
         "errors": sum(f.errors for fs in workloads.values() for f in fs.values()),
+        "moved_rate": {c: moved_rate(rs) for c, rs in moved.items()},
         **extra,
     }  # fmt: skip
     return report.clean(line)  # type: ignore[no-any-return]
+
+
+def moved_rate(results: list[Result]) -> float:
+    """Of the resumed turns whose server and previous turn's server are known (`Result.server`),
+    the share served by the other server; NaN if none is known."""
+    last: dict[tuple[int, str], str | None] = {}
+    moved = known = 0
+    for r in sorted(results, key=lambda r: (r.repeat, r.round)):
+        conversation = (r.repeat, r.key.rsplit("r", 1)[0])  # keys are c<conversation>r<round>
+        before = last.get(conversation)
+        if r.resumed and r.server and before:
+            known += 1
+            moved += r.server != before
+        last[conversation] = r.server
+    return moved / known if known else NAN
 
 
 def ratios(figures: dict[str, Figures]) -> dict[str, float]:

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from sgl_hicache.bench import cluster, drive, systems
 from sgl_hicache.bench.cli import cluster_run, main, parser, spec_from
-from sgl_hicache.bench.client import Result
+from sgl_hicache.bench.client import ROUTED_HEADER, Result
 from sgl_hicache.bench.spec import HICACHE, HostPool, MultiTurn, Shape
 from sgl_hicache.bench.summary import Figures, summarize
 
@@ -95,7 +95,8 @@ def test_final_line_names_each_configuration_and_the_ratios() -> None:
     counters = [dict.fromkeys(cluster.LOOKUP_COUNTERS, 1.0), {**dict.fromkeys(cluster.LOOKUP_COUNTERS, 0.0),
                 "lookup_attached_tokens": 640.0}]  # fmt: skip
     lookups = {"ours-shared": counters, "ours-separate": [dict.fromkeys(cluster.LOOKUP_COUNTERS, 0.0)] * 2}
-    line = cluster.final_line({"multiturn_c8": fs, "multiturn_c16": fs}, lookups, {"repeats": 1})
+    line = cluster.final_line({"multiturn_c8": fs, "multiturn_c16": fs}, lookups, {"repeats": 1},
+                              {"ours-shared": []})  # fmt: skip
     json.dumps(line, allow_nan=False)
     assert set(cluster.RATIO_KEYS) == {"ttft_shared_vs_separate", "throughput_shared_vs_separate",
                                        "ttft_shared_vs_hicache", "throughput_shared_vs_hicache"}  # fmt: skip
@@ -111,6 +112,7 @@ def test_final_line_names_each_configuration_and_the_ratios() -> None:
     assert set(line["lookup_counters_total"]) == {"ours-shared", "ours-separate"}  # ours only
     assert line["lookup_counters_total"]["ours-shared"]["lookup_attached_tokens"] == 641
     assert line["lookup_counters_by_server"]["ours-shared"]["lookup_attached_tokens"] == [1, 640]
+    assert line["moved_rate"] == {"ours-shared": None}  # no server known
 
 
 def test_a_missing_configuration_is_a_null_ratio() -> None:
@@ -139,9 +141,10 @@ def test_a_round_robin_router_puts_every_turn_on_the_other_server(concurrency: i
         nonlocal taken
         body = await request.json()
         await asyncio.sleep(rng.uniform(0, 0.02))
-        served.setdefault(tuple(body["input_ids"][:8]), []).append(taken % 2)
+        server = taken % 2
+        served.setdefault(tuple(body["input_ids"][:8]), []).append(server)
         taken += 1
-        resp = web.StreamResponse()
+        resp = web.StreamResponse(headers={ROUTED_HEADER: f"http://s{server}"})
         await resp.prepare(request)
         await asyncio.sleep(0.01)
         await resp.write(b"data: " + json.dumps({"output_ids": [7], "meta_info": {}}).encode() + b"\n\n")
@@ -153,6 +156,18 @@ def test_a_round_robin_router_puts_every_turn_on_the_other_server(concurrency: i
     assert len(served) == concurrency
     for servers in served.values():
         assert all(a != b for a, b in itertools.pairwise(servers)), served
+    assert cluster.moved_rate(driven.results) == 1.0
+
+
+def test_moved_rate_counts_resumed_turns_with_known_servers() -> None:
+    def turn(key: str, round_: int, server: str | None, repeat: int = 0) -> Result:
+        return Result(key, "w", round_, round_ > 0, 10, server=server, repeat=repeat)
+
+    rs = [turn("c1r0", 0, "a"), turn("c1r1", 1, "b"), turn("c1r2", 2, "b"),  # moved, stayed
+          turn("c2r0", 0, None), turn("c2r1", 1, "a"),  # no server known before: not counted
+          turn("c1r0", 0, "b", repeat=1), turn("c1r1", 1, "a", repeat=1)]  # fmt: skip
+    assert cluster.moved_rate(rs) == 2 / 3
+    assert math.isnan(cluster.moved_rate(rs[3:5]))
 
 
 async def _drive(handler: Any, spec: MultiTurn) -> drive.Driven:
