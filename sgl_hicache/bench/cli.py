@@ -7,6 +7,10 @@ configuration of `spec.HICACHE_CONFIGS`; the gate judges ours against the best o
 (lowest median resumed-turn TTFT p50). Progress goes to stderr; results go to OUT_DIR/run-<time>/
 as results.json, requests.csv, summary.csv and ttft_per_round.png; the last stdout line is one JSON
 object. Exit status: 0, or 1 when `--gate`/`--soak` fail, 2 on bad arguments.
+
+`--servers 2` runs instead two servers behind sglang's router (round robin), in three
+configurations: ours on one shared tier directory, ours on separate ones, HiCache's `file` L3 in one
+shared directory (`bench/cluster.py`), on the multi-turn workloads.
 """
 
 from __future__ import annotations
@@ -19,9 +23,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from sgl_hicache.bench import aggregate, gate, report, run, soak
-from sgl_hicache.bench.aggregate import Measured
-from sgl_hicache.bench.client import Result
+from sgl_hicache.bench import aggregate, cluster, gate, report, run, soak
 from sgl_hicache.bench.server_process import ServerStartError
 from sgl_hicache.bench.spec import (
     SYSTEMS,
@@ -35,7 +37,7 @@ from sgl_hicache.bench.spec import (
     expand_systems,
     quick,
 )
-from sgl_hicache.bench.summary import ratios, summarize
+from sgl_hicache.bench.summary import ratios
 
 
 def parser() -> argparse.ArgumentParser:
@@ -89,6 +91,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--out", type=Path, default=Path("out/bench"), help="output directory (default %(default)s)"
     )
+    p.add_argument(
+        "--servers", type=int, default=1,
+        help="1: the systems side by side (default); 2: two servers behind the router (smg, round robin), "
+        "ours on one shared tier vs ours on separate tiers vs HiCache's file L3 in one shared directory, "
+        "multi-turn workloads only (bench/cluster.py)",
+    )  # fmt: skip
     p.add_argument("--keep-page-cache", action="store_true", help="do not drop the page cache between phases")
     return p
 
@@ -119,11 +127,29 @@ def _ints(text: str, flag: str) -> list[int]:
         raise SpecError(f"{flag} takes comma-separated integers, got {text!r}") from None
 
 
+def cluster_run(args: argparse.Namespace, spec: BenchSpec) -> bool:
+    """Whether `--servers` asks for the two-server run (`bench/cluster.py`); SpecError for a
+    `--servers` other than 1 or 2, or with settings the two-server run does not take."""
+    if args.servers not in (1, 2):
+        raise SpecError(f"--servers must be 1 or 2, got {args.servers}")
+    if args.servers == 1:
+        return False
+    if not spec.multiturn:
+        raise SpecError("--servers 2 runs the multi-turn workloads: give --concurrency")
+    clashes = [flag for flag, on in (("--systems", args.systems != parser().get_default("systems")),
+                                     ("--gate", args.gate), ("--soak", args.soak > 0)) if on]  # fmt: skip
+    if clashes:
+        raise SpecError(f"not with --servers 2 (it runs its own three configurations): {', '.join(clashes)}")
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
     try:
         spec = spec_from(args)
+        if cluster_run(args, spec):
+            return cluster.execute(spec)
         return execute(spec)
     except SpecError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -143,7 +169,7 @@ def execute(spec: BenchSpec) -> int:
     runs: dict[str, list[run.SystemOutcome]] = {}
     for repeat, name in order:  # each system's list is in repeat order
         runs.setdefault(name, []).append(run.run_system(name, spec, model, out, replay, repeat))
-    measured = _measured(runs)
+    measured = run.measured(runs)
     figures = aggregate.medians(measured)
     extra: dict[str, Any] = _extra(spec, runs)
     failures = gate.check(spec.gate, figures) if spec.gate else []
@@ -156,42 +182,11 @@ def execute(spec: BenchSpec) -> int:
         extra["gate_failures"] = failures
     extra.update(report.versus_best_keys(aggregate.versus_best(measured), measured))
     line = report.final_line(figures, {w: ratios(f) for w, f in figures.items()}, extra)
-    report.write(out, _results(runs), figures, line, _metrics(runs), measured)
+    report.write(out, run.results(runs), figures, line, run.metrics(runs), measured)
     for f in failures:
         print(f"gate: {f}", file=sys.stderr)
     print(json.dumps(line, sort_keys=True), flush=True)
     return 1 if failures else 0
-
-
-def _measured(runs: dict[str, list[run.SystemOutcome]]) -> dict[str, dict[str, Measured]]:
-    """Per workload and system, the figures of every repeat."""
-    out: dict[str, dict[str, Measured]] = {}
-    for name, outcomes in runs.items():
-        for w in outcomes[0].results:
-            per_repeat = tuple(summarize(o.results[w], o.wall_s[w], o.metrics[w]) for o in outcomes)
-            out.setdefault(w, {})[name] = Measured(per_repeat)
-    return out
-
-
-def _results(runs: dict[str, list[run.SystemOutcome]]) -> dict[str, dict[str, list[Result]]]:
-    out: dict[str, dict[str, list[Result]]] = {}
-    for name, outcomes in runs.items():
-        for o in outcomes:
-            for w, rs in o.results.items():
-                out.setdefault(name, {}).setdefault(w, []).extend(rs)
-    return out
-
-
-def _metrics(runs: dict[str, list[run.SystemOutcome]]) -> dict[str, dict[str, dict[str, float]]]:
-    """How each `/metrics` series moved per system and workload, summed over repeats."""
-    out: dict[str, dict[str, dict[str, float]]] = {}
-    for name, outcomes in runs.items():
-        for o in outcomes:
-            for w, moved in o.metrics.items():
-                acc = out.setdefault(name, {}).setdefault(w, {})
-                for k, v in moved.items():
-                    acc[k] = acc.get(k, 0.0) + v
-    return out
 
 
 def _extra(spec: BenchSpec, runs: dict[str, list[run.SystemOutcome]]) -> dict[str, Any]:

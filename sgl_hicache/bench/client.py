@@ -8,6 +8,7 @@ generates exactly the requested number of tokens.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import aiohttp
 from sgl_hicache.bench.workload import Request
 
 TIERS = ("device", "host", "storage")
+ROUTED_HEADER = "x-smg-routed-worker-id"  # smg 1.13 names the worker's URL in every response
 
 
 @dataclass
@@ -38,13 +40,23 @@ class Result:
     cached: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))  # by tier
     error: str | None = None
     repeat: int = 0  # which of the run's repeats
+    server: str | None = None  # behind smg: the worker it routed the request to (`ROUTED_HEADER`)
 
 
-async def generate(
-    session: aiohttp.ClientSession, base_url: str, request: Request, workload: str, t0: float
-) -> Result:
+async def generate(session: aiohttp.ClientSession, base_url: str, request: Request, workload: str, t0: float,
+                   dispatched: asyncio.Event | None = None) -> Result:  # fmt: skip
     """Send `request`, stream the answer, and time it. Never raises for server or network faults:
-    they are recorded in `Result.error`."""
+    they are recorded in `Result.error`. `dispatched` is set once the response headers arrived (a
+    router has picked the server and the server took the request) or the request failed before."""
+    try:
+        return await _generate(session, base_url, request, workload, t0, dispatched)
+    finally:
+        if dispatched is not None:
+            dispatched.set()
+
+
+async def _generate(session: aiohttp.ClientSession, base_url: str, request: Request, workload: str, t0: float,
+                    dispatched: asyncio.Event | None) -> Result:  # fmt: skip
     result = Result(request.key, workload, request.round, request.resumed, len(request.input_ids))
     body = {
         "input_ids": list(request.input_ids),
@@ -55,6 +67,9 @@ async def generate(
     result.sent_s = start - t0
     try:
         async with session.post(base_url + "/generate", json=body) as response:
+            if dispatched is not None:
+                dispatched.set()
+            result.server = response.headers.get(ROUTED_HEADER)
             if response.status != 200:
                 result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                 return result

@@ -33,23 +33,52 @@ class Driven:
     wall_s: float
 
 
-async def multiturn(
-    base_url: str, spec: MultiTurn, vocab: int, salt: int, drop: Callable[[], object], bar: tqdm
-) -> Driven:
+async def multiturn(base_url: str, spec: MultiTurn, vocab: int, salt: int, drop: Callable[[], object],
+                    bar: tqdm, alternate: bool = False) -> Driven:  # fmt: skip
+    """`alternate` (behind a round robin over two servers): each round's turns are dispatched one
+    after another in `send_order` (`_in_order`), so each lands on the other server than its last."""
     convs = [Conversation.open(salt * 10_000 + i, spec.first_tokens, vocab) for i in range(spec.concurrency)]
     results: list[Result] = []
     wall = 0.0
     async with new_session() as session:
-        for _ in range(spec.rounds):
+        for k in range(spec.rounds):
             await asyncio.to_thread(drop)  # the barrier: nothing in flight, clock stopped
             turns = [c.next_turn(spec.question_tokens, spec.output_tokens) for c in convs]
+            order = send_order(len(turns), k, alternate)
             t0 = time.perf_counter()
-            done = await asyncio.gather(*(_one(session, base_url, t, spec.name, t0, bar) for t in turns))
+            if alternate:
+                sent = await _in_order(session, base_url, [turns[i] for i in order], spec.name, t0, bar)
+            else:
+                sent = await asyncio.gather(*(_one(session, base_url, t, spec.name, t0, bar) for t in turns))
+            done = [r for _, r in sorted(zip(order, sent, strict=True), key=lambda p: p[0])]
             wall += time.perf_counter() - t0
             for conv, turn, result in zip(convs, turns, done, strict=True):
                 conv.answered(turn, result.output_ids or [])
             results += done
     return Driven(spec.name, results, wall)
+
+
+def send_order(n: int, round_: int, alternate: bool) -> list[int]:
+    """The conversations' indices in the order their turns of round `round_` are sent. `alternate`:
+    the order in which a round robin over two servers, taking requests in this order, puts every
+    turn on the other server than the conversation's previous turn: as is for odd `n` (each round
+    shifts the router's parity by one), rotated by the round for even `n` (where it would not)."""
+    k = round_ % n if alternate and n % 2 == 0 else 0
+    return [*range(k, n), *range(k)]
+
+
+async def _in_order(session: aiohttp.ClientSession, base_url: str, turns: list[Request], workload: str,
+                    t0: float, bar: tqdm) -> list[Result]:  # fmt: skip
+    """Each turn sent once the previous one is dispatched (its response headers arrived: the router
+    has picked its server), so a router takes them in this order: sent at once, near-simultaneous
+    requests reach its round robin in any order. They still run side by side; each TTFT is timed
+    from its own send."""
+    tasks = []
+    for turn in turns:
+        dispatched = asyncio.Event()
+        tasks.append(asyncio.create_task(_one(session, base_url, turn, workload, t0, bar, dispatched)))
+        await dispatched.wait()
+    return list(await asyncio.gather(*tasks))
 
 
 async def replay(base_url: str, requests: list[Request], drop: Callable[[], object], bar: tqdm,
@@ -76,10 +105,9 @@ async def _at(
     return await _one(session, base_url, request, "trace", t0, bar)
 
 
-async def _one(
-    session: aiohttp.ClientSession, base_url: str, request: Request, workload: str, t0: float, bar: tqdm
-) -> Result:
-    result = await generate(session, base_url, request, workload, t0)
+async def _one(session: aiohttp.ClientSession, base_url: str, request: Request, workload: str, t0: float,
+               bar: tqdm, dispatched: asyncio.Event | None = None) -> Result:  # fmt: skip
+    result = await generate(session, base_url, request, workload, t0, dispatched)
     bar.update(1)
     return result
 

@@ -23,13 +23,13 @@ _RATIOS = ("ttft_vs_recompute", "ttft_vs_hicache", "ttft_vs_resident", "throughp
            "throughput_vs_hicache", "throughput_vs_resident")  # fmt: skip
 
 
-def _clean(x: Any) -> Any:
+def clean(x: Any) -> Any:
     if isinstance(x, float):
         return None if math.isnan(x) else float(f"{x:.4g}")
     if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
+        return {k: clean(v) for k, v in x.items()}
     if isinstance(x, list | tuple):
-        return [_clean(v) for v in x]
+        return [clean(v) for v in x]
     return x
 
 
@@ -48,7 +48,7 @@ def final_line(workloads: dict[str, dict[str, Figures]], ratios: dict[str, dict[
         "workloads": {name: ratios[name] for name in workloads},
         **extra,
     }
-    return _clean(line)  # type: ignore[no-any-return]
+    return clean(line)  # type: ignore[no-any-return]
 
 
 def versus_best_keys(vs: VersusBest, measured: dict[str, dict[str, Measured]]) -> dict[str, Any]:
@@ -98,7 +98,7 @@ def write(out_dir: Path, results: dict[str, dict[str, list[Result]]],
            "requests": [_row(s, r) for s, by in results.items() for rs in by.values() for r in rs],
            "metrics": {s: {w: {k: v for k, v in m.items() if v} for w, m in by.items()}
                        for s, by in (metrics or {}).items()}}  # fmt: skip
-    paths[0].write_text(json.dumps(_clean(doc), indent=1) + "\n")
+    paths[0].write_text(json.dumps(clean(doc), indent=1) + "\n")
     _csv(paths[1], REQUEST_FIELDS, doc["requests"])
     rows = [
         {"workload": w, "system": s, **_flat(f)} for w, fs in doc["figures"].items() for s, f in fs.items()
@@ -127,7 +127,7 @@ def _csv(path: Path, fields: tuple[str, ...], rows: list[dict[str, Any]]) -> Non
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(fields), extrasaction="ignore")
         w.writeheader()
-        w.writerows(_clean(rows))
+        w.writerows(clean(rows))
 
 
 def _plot(path: Path, results: dict[str, dict[str, list[Result]]]) -> None:

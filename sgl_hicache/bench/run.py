@@ -21,9 +21,11 @@ from typing import Any
 from tqdm import tqdm
 
 from sgl_hicache.bench import drive, pagecache, systems, trace
+from sgl_hicache.bench.aggregate import Measured
 from sgl_hicache.bench.client import Result
 from sgl_hicache.bench.probe import Sampler, delta, dir_bytes, scrape
 from sgl_hicache.bench.spec import BenchSpec, SpecError
+from sgl_hicache.bench.summary import summarize
 from sgl_hicache.bench.workload import Request
 
 
@@ -119,6 +121,37 @@ def run_system(
         for r in results:
             r.repeat = repeat
     return outcome
+
+
+def measured(runs: dict[str, list[SystemOutcome]]) -> dict[str, dict[str, Measured]]:
+    """Per workload and system, the figures of every repeat."""
+    out: dict[str, dict[str, Measured]] = {}
+    for name, outcomes in runs.items():
+        for w in outcomes[0].results:
+            per_repeat = tuple(summarize(o.results[w], o.wall_s[w], o.metrics[w]) for o in outcomes)
+            out.setdefault(w, {})[name] = Measured(per_repeat)
+    return out
+
+
+def results(runs: dict[str, list[SystemOutcome]]) -> dict[str, dict[str, list[Result]]]:
+    out: dict[str, dict[str, list[Result]]] = {}
+    for name, outcomes in runs.items():
+        for o in outcomes:
+            for w, rs in o.results.items():
+                out.setdefault(name, {}).setdefault(w, []).extend(rs)
+    return out
+
+
+def metrics(runs: dict[str, list[SystemOutcome]]) -> dict[str, dict[str, dict[str, float]]]:
+    """How each `/metrics` series moved per system and workload, summed over repeats."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for name, outcomes in runs.items():
+        for o in outcomes:
+            for w, moved in o.metrics.items():
+                acc = out.setdefault(name, {}).setdefault(w, {})
+                for k, v in moved.items():
+                    acc[k] = acc.get(k, 0.0) + v
+    return out
 
 
 def log_name(system: str, repeat: int) -> str:
