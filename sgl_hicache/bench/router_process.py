@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from sgl_hicache.bench.server_process import _REAPER, ServerStartError, free_port, stop_group
+from sgl_hicache.bench.server_process import ServerStartError, free_port, spawn_group, stop_group
 
 
 @dataclass
@@ -49,11 +48,7 @@ class RouterProcess:
         ]  # fmt: skip
 
     def start(self, timeout_s: float = 60.0) -> RouterProcess:
-        with open(self.log_path or os.devnull, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        _REAPER.add(self.proc)
+        self.proc = spawn_group(self.command(), self.log_path)
         try:
             self._wait_workers(timeout_s)
         except BaseException:

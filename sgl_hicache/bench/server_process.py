@@ -72,11 +72,7 @@ class ServerProcess:
     def start(self, timeout_s: float = 180.0) -> ServerProcess:
         env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **self.env}
         env.update(cpu_tp_env(self.command(), env))  # --device cpu --tp-size N: platform, thread bind
-        with open(self.log_path or os.devnull, "wb") as log:  # the child keeps its own descriptor
-            self.proc = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-        _REAPER.add(self.proc)
+        self.proc = spawn_group(self.command(), self.log_path, env)
         try:
             self._wait_healthy(timeout_s)
         except BaseException:
@@ -170,6 +166,19 @@ class _Reaper:
 
 
 _REAPER = _Reaper()
+
+
+def spawn_group(
+    command: list[str], log_path: str | Path | None, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """`command` as the leader of a new process group, its output in `log_path` (None: discarded),
+    known to the signal-time reaper until `stop_group`."""
+    with open(log_path or os.devnull, "wb") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    _REAPER.add(proc)
+    return proc
 
 
 def stop_group(proc: subprocess.Popen[bytes], grace_s: float, kill_wait_s: float) -> None:
