@@ -85,6 +85,21 @@ class PrefetchPolicy(enum.StrEnum):
     TIMEOUT = "timeout"
 
 
+class WritePolicy(enum.StrEnum):
+    """When KV is written to the tier (the names are those of sglang's `--hicache-write-policy`).
+
+    WRITE_BACK: when it is evicted from the device pool (one write per eviction; KV that is never
+    evicted is never written). WRITE_THROUGH: also as soon as the tree takes it (each insert writes
+    the resident nodes on the request's path that have no copy on the tier yet); an eviction of such
+    a node then writes nothing, and servers sharing the tier find KV that is still resident on the
+    server that computed it (a router moving a conversation to another server). More tier writes
+    and staging traffic in exchange; the tier's LRU budget bounds the bytes either way.
+    """
+
+    WRITE_BACK = "write_back"
+    WRITE_THROUGH = "write_through"
+
+
 def option(default: Any, help: str, flag: str | None = None) -> Any:
     """A user-settable field: its flag defaults to `--hicache-spill-<name>` (see server.flags)."""
     return field(default=default, metadata={"help": help, "flag": flag})
@@ -164,6 +179,12 @@ class SpillConfig:
         2.0, "the TIMEOUT policy's limit on waiting for a restore", "--hicache-spill-prefetch-timeout"
     )
     prefetch_ttl_s: float = option(30.0, "a prefetched read nobody used is released after this long")
+    write_policy: WritePolicy = option(
+        WritePolicy.WRITE_BACK,
+        "when KV is written to the tier: write_back (on eviction), write_through (also when cached; "
+        "for servers sharing a tier behind a router)",
+        "--hicache-spill-write-policy",
+    )
 
     def __post_init__(self) -> None:
         _require(

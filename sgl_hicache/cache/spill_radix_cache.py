@@ -37,6 +37,8 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     EvictParams,
     EvictResult,
     InitLoadBackParams,
+    InsertParams,
+    InsertResult,
     MatchPrefixParams,
     MatchResult,
 )
@@ -54,7 +56,7 @@ from sgl_hicache.cache.reads import Readiness
 from sgl_hicache.cache.spill_io import SpillIO
 from sgl_hicache.cache.spill_state import Extent, ExtentState, SpillRef
 from sgl_hicache.cache.spilled_tree import SpilledTree
-from sgl_hicache.config import PrefetchPolicy, SpillConfig
+from sgl_hicache.config import PrefetchPolicy, SpillConfig, WritePolicy
 from sgl_hicache.tier import ExtentInfo, ExtentKey, NamespaceId, chain_key
 from sgl_hicache.tier.keys import PathHasher, tenant_of
 from sgl_hicache.tier.lookup import alias_marks
@@ -135,13 +137,24 @@ class SpillRadixCache(SpilledTree):
     @contained("evict (a node's spill)", fallbacks.spilled_if_marked)
     def _spill_node(self, node: TreeNode) -> bool:
         n = len(node.value)
-        ref: SpillRef | None = getattr(node, "spill", None)
-        if ref is not None and ref.count == n and self._still_stored(ref.extent):
-            self._mark_spilled(node, ref)  # clean: the exact range it was restored from, no rewrite
+        if self._stored_clean(node):  # the exact range it was restored from or written through
+            self._mark_spilled(node, node.spill)
             return True
         # Short nodes are not worth an extent, unless dropping them would orphan spilled children.
-        if self.spill_io is None or (n < self.spill_config.min_spill_tokens and not node.children):
+        if n < self.spill_config.min_spill_tokens and not node.children:
             return False
+        ref = self._store(node)
+        if ref is None:
+            return False
+        self._mark_spilled(node, ref)
+        self.spill_metrics.inc("spilled_tokens", n)
+        return True
+
+    def _store(self, node: TreeNode) -> SpillRef | None:
+        """Write resident `node`'s KV to the tier as one extent (never blocks on I/O: `SpillIO.store`);
+        its reference, or None when it cannot be written now (no tier, staging full, an id no key names)."""
+        if self.spill_io is None:
+            return None
         tokens = np.asarray(node.key.raw_token_ids(), dtype=np.int64)
         try:
             hasher, start = self._path_to(node)
@@ -149,14 +162,15 @@ class SpillRadixCache(SpilledTree):
             key = chain_key(self.namespace_id, parent_key, tokens)
             aliases = alias_marks(hasher, start, tokens, self.page_size)  # found by path key: cross_attach.py
         except ValueError:  # an id outside 0..2**32-1 on its path (keys hash u32 ids): never spilled
-            return False
+            return None
         default_tenant = tenant_of(node.key.extra_key, node.key.cache_salt) == b""  # others: no ids on disk
         extent = self.spill_io.store(key, parent_key, tokens, node.value, default_tenant, aliases)
-        if extent is None:
-            return False
-        self._mark_spilled(node, SpillRef(extent, 0, n))
-        self.spill_metrics.inc("spilled_tokens", n)
-        return True
+        return None if extent is None else SpillRef(extent, 0, len(node.value))
+
+    def _stored_clean(self, node: TreeNode) -> bool:
+        """Whether resident `node` has an exact copy on the tier (or in staging, on its way)."""
+        ref: SpillRef | None = getattr(node, "spill", None)
+        return ref is not None and ref.count == len(node.value) and self._still_stored(ref.extent)
 
     def _still_stored(self, extent: Extent) -> bool:
         if self.spill_io is None:
@@ -194,6 +208,39 @@ class SpillRadixCache(SpilledTree):
     def path_hasher(self, key: RadixKey) -> PathHasher:
         """A hasher of paths of `key`'s tenant in the current epoch, at the root."""
         return PathHasher(self.namespace_id, tenant_of(key.extra_key, key.cache_salt), self.epoch or b"")
+
+    # ---- insert → write-through --------------------------------------------------------------
+
+    def insert(self, params: InsertParams) -> InsertResult:
+        """sglang's insert (both of its callers, a checkpoint and a finished request's release, go
+        through it); under the WRITE_THROUGH policy the resident nodes on the inserted path that have
+        no copy on the tier are then written (`_write_through`). `value` None is sglang's debug
+        insert of token ids as slots: nothing to write."""
+        result = super().insert(params)
+        if self.spill_config.write_policy is WritePolicy.WRITE_THROUGH and params.value is not None:
+            self._write_through(result.last_device_node)
+        return result
+
+    @contained("insert (write-through)", nothing)
+    def _write_through(self, node: TreeNode) -> None:
+        """Write the resident nodes from the root to `node` that have no copy on the tier, top down,
+        and keep them resident with a clean reference (a later eviction then writes nothing). Stops
+        at the first that cannot be written (staging full): its descendants' extents would follow a
+        gap no warm start or lookup can cross. The tree's structure is untouched, so TP ranks whose
+        writes differ still hold identical trees (an eviction agrees on each spill as before)."""
+        if self.disable or self.spill_io is None:
+            return
+        todo = []
+        while node is not self.root_node and not node.evicted:
+            if not self._stored_clean(node):
+                todo.append(node)
+            node = node.parent
+        for node in reversed(todo):
+            ref = self._store(node)
+            if ref is None:
+                return
+            node.spill = ref
+            self.spill_metrics.inc("written_through_tokens", ref.count)
 
     # ---- match: device prefix + spilled continuation ---------------------------------------
 

@@ -9,7 +9,8 @@ allocate with eviction, insert, free duplicates, unlock) and interleaves what ca
 evictions, prefetches, flushes (a weight update: new ids from then on), restarts (the weights on
 disk again), and another process deleting, corrupting or rewriting extent files.
 
-Runs at page size 1 and 16, and with two caches sharing one tier directory. Steps per run: the
+Runs at page size 1 and 16, and with two caches sharing one tier directory (writing back on
+eviction, and writing through when they cache). Steps per run: the
 `SGL_HICACHE_FUZZ_EXAMPLES` environment variable (default: CI size; `make fuzz` runs more).
 """
 
@@ -30,6 +31,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from sgl_hicache.config import WritePolicy
 from tests.cache.conftest import Stack, build_stack, close_stack, fill_kv, read_kv
 
 EXAMPLES = int(os.environ.get("SGL_HICACHE_FUZZ_EXAMPLES", "20"))
@@ -72,6 +74,7 @@ class SpillCacheMachine(RuleBasedStateMachine):
     pool_tokens = 96
     max_tokens = 64
     servers_sharing = 1
+    write_policy = WritePolicy.WRITE_BACK
 
     def __init__(self) -> None:
         from sgl_hicache.tier import lookup
@@ -87,8 +90,9 @@ class SpillCacheMachine(RuleBasedStateMachine):
 
     def _stack(self) -> Stack:
         return build_stack(
-            self.dir / "tier", size=self.pool_tokens, page_size=self.page_size, chunk_bytes=4096
-        )
+            self.dir / "tier", size=self.pool_tokens, page_size=self.page_size, chunk_bytes=4096,
+            write_policy=self.write_policy,
+        )  # fmt: skip
 
     def teardown(self) -> None:
         from sgl_hicache.tier import lookup
@@ -337,6 +341,12 @@ class TwoCachesOneDirectory(SpillCacheMachine):
         self._admit(server, rid, tokens, salt)
 
 
+class TwoCachesWriteThrough(TwoCachesOneDirectory):
+    """Both caches write KV when they cache it: a conversation resident on one is found by the other."""
+
+    write_policy = WritePolicy.WRITE_THROUGH
+
+
 _SETTINGS = settings(
     max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
@@ -347,3 +357,5 @@ TestSpillCachePage16 = SpillCachePage16.TestCase
 TestSpillCachePage16.settings = _SETTINGS
 TestTwoCachesOneDirectory = TwoCachesOneDirectory.TestCase
 TestTwoCachesOneDirectory.settings = _SETTINGS
+TestTwoCachesWriteThrough = TwoCachesWriteThrough.TestCase
+TestTwoCachesWriteThrough.settings = _SETTINGS

@@ -1,0 +1,112 @@
+"""The WRITE_THROUGH policy: KV goes to the tier when the tree takes it, not only when it is evicted.
+
+What it is for: two servers sharing a tier behind a router that moves a conversation to the other
+server while its history is still resident (never evicted) on the first. Under WRITE_BACK the tier
+holds nothing of it and the other server recomputes; under WRITE_THROUGH it finds the history by
+lookup. Every restored slot is checked against its lossless marker."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sgl_hicache.config import WritePolicy
+from tests.cache.conftest import Stack, read_kv
+from tests.cache.test_cross_server import PROMPT, restore_on
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sgl_hicache.tier import lookup
+
+    monkeypatch.setattr(lookup, "BLOCK_TOKENS", 16)
+
+
+def _pair(make_stack: Any, tmp_path: Path, policy: WritePolicy) -> tuple[Stack, Stack]:
+    return tuple(make_stack(tmp_path / "shared", size=512, write_policy=policy) for _ in range(2))  # type: ignore[return-value]
+
+
+def _files(stack: Stack) -> int:
+    return len(list(stack.tier_dir.rglob("*.ext")))
+
+
+@pytest.mark.parametrize("policy", list(WritePolicy))
+def test_a_history_still_resident_on_a_is_found_by_b_only_written_through(
+    make_stack: Any, tmp_path: Path, policy: WritePolicy
+) -> None:
+    a, b = _pair(make_stack, tmp_path, policy)
+    for end in (48, 112, len(PROMPT)):  # three turns on A, never evicted
+        a.insert(PROMPT[:end])
+    a.cache.spill_io.wait_writes()
+    assert a.cache.spilled_tokens == 0  # all of it is resident on A
+    n, kv = restore_on(b, PROMPT + [9, 9, 9, 9])
+    if policy is WritePolicy.WRITE_BACK:
+        assert (n, _files(a)) == (0, 0)  # nothing on the tier: B recomputes
+        return
+    assert a.metrics.totals["written_through_tokens"] == len(PROMPT)
+    assert n == len(PROMPT)
+    assert kv == PROMPT  # the markers A computed, every element of every layer
+    b.cache.check_integrity(with_tier=False)
+    a.cache.check_integrity(with_tier=False)
+
+
+def test_evicting_a_written_through_node_writes_nothing_and_restores_exactly(
+    make_stack: Any, tmp_path: Path
+) -> None:
+    a = make_stack(tmp_path / "tier", size=512, write_policy=WritePolicy.WRITE_THROUGH)
+    a.insert(PROMPT[:64])
+    a.insert(PROMPT[:32] + [7] * 40)  # splits A's written-through node at 32: refs split with it
+    a.cache.spill_io.wait_writes()
+    written = a.metrics.totals["spilled_bytes"]
+    assert written > 0
+    a.evict_all()
+    assert a.metrics.totals["spilled_bytes"] == written  # clean: nothing packed or written again
+    assert a.metrics.totals["spilled_tokens"] == 0
+    assert a.cache.spilled_tokens == 64 + 40
+    for tokens in (PROMPT[:64], PROMPT[:32] + [7] * 40):
+        m = a.match(tokens)  # the second shares 32 tokens the first restore made resident
+        assert m.device_prefix_len + m.host_hit_length == len(tokens)
+        n, node = a.load_back(m)
+        assert n == m.host_hit_length > 0
+        assert read_kv(a.pool, a.cache.path_device_indices(node)) == tokens
+    a.cache.check_integrity()
+
+
+def test_a_refused_write_stops_the_path_and_the_next_insert_fills_it_without_a_gap(
+    make_stack: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a = make_stack(tmp_path / "tier", size=512, write_policy=WritePolicy.WRITE_THROUGH)
+    a.insert(PROMPT[:48])
+    real_store = a.cache.spill_io.store
+    monkeypatch.setattr(a.cache.spill_io, "store", lambda *args, **kw: None)  # staging full
+    a.insert(PROMPT[:112])
+    a.insert(PROMPT)
+    assert a.metrics.totals["written_through_tokens"] == 48  # nothing below the refused node
+    monkeypatch.setattr(a.cache.spill_io, "store", real_store)
+    a.insert(PROMPT + [3] * 16)  # the next turn's insert writes what is missing on its path, top down
+    a.cache.spill_io.wait_writes()
+    assert a.metrics.totals["written_through_tokens"] == len(PROMPT) + 16
+    a.evict_all()
+    m = a.match(PROMPT + [3] * 16)
+    n, node = a.load_back(m)
+    assert n == len(PROMPT) + 16
+    assert read_kv(a.pool, a.cache.path_device_indices(node)) == PROMPT + [3] * 16
+    a.cache.check_integrity()
+
+
+def test_a_failed_write_through_is_contained_and_never_served(
+    make_stack: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a = make_stack(tmp_path / "tier", size=512, write_policy=WritePolicy.WRITE_THROUGH)
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(a.cache.spill_io, "store", broken)
+    a.insert(PROMPT)  # the insert itself succeeds: sglang never sees our exception
+    assert a.metrics.totals["internal_errors"] == 1
+    assert a.match(PROMPT).device_prefix_len == len(PROMPT)
+    assert getattr(next(iter(a.cache.root_node.children.values())), "spill", None) is None
+    a.cache.check_integrity()
