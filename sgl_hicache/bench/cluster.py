@@ -9,6 +9,15 @@ any order; a smoke run kept half the turns where they were), so the router puts 
 on the other server than the conversation's previous turn: the history it needs is on the other
 server, or on the tier. The per-tier hit rates and the lookup counters show what was reused from where.
 
+Each server runs, from its start, on its own share of the CPUs this process may use (`server_cpus`:
+half of them each, contiguous; `OMP_NUM_THREADS` the share's size), as each instance of a deployment
+has its own GPUs; the router and the driver are not pinned. Unpinned, each server's OpenMP threads
+use every CPU and two servers fight over them: on 2 CPUs, one repeat of the multi-turn workload took
+plain sglang's two servers 215 s unpinned and 14 s with one CPU each, and the systems suffered
+unequally (sglang's idle scheduler spins, HiCache's yields the CPU), so the comparison measured the
+oversubscription, not the caches. With a single CPU both servers share it. The final line names each
+server's CPUs (`server_cpus`).
+
 - `ours-shared`: two of our servers on one tier directory: a turn finds the history the other
   server spilled by cross-server lookup (docs/DESIGN.md, "Sharing a tier").
 - `ours-separate`: two of our servers, each on its own tier directory: the baseline without sharing.
@@ -25,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import shutil
 import sys
 import time
@@ -42,6 +52,7 @@ from sgl_hicache.bench.router_process import RouterProcess
 from sgl_hicache.bench.server_process import ServerProcess
 from sgl_hicache.bench.spec import BenchSpec
 from sgl_hicache.bench.summary import NAN, Figures, ratio
+from sgl_hicache.platform.cpu_tp_env import cpu_shares
 
 SERVERS = 2
 STRONGEST_HICACHE = "hicache-wait-r2"
@@ -73,9 +84,17 @@ class ClusterOutcome(NamedTuple):
     by_server: tuple[dict[str, float], ...]  # each server's lookup counters, summed over workloads
 
 
-def run_config(config: ClusterConfig, spec: BenchSpec, model: Path, out: Path, repeat: int) -> ClusterOutcome:
-    """One run of one configuration: two fresh servers and a router, every multi-turn workload;
-    the page cache of the tier directories is dropped at the rounds' barriers (clock stopped)."""
+def server_cpus() -> tuple[tuple[int, ...], ...]:
+    """Each server's CPUs: `cpu_shares` of those this process may use (with fewer CPUs than
+    servers, servers share them)."""
+    return cpu_shares(os.sched_getaffinity(0), SERVERS)
+
+
+def run_config(config: ClusterConfig, spec: BenchSpec, model: Path, out: Path, repeat: int,
+               cpus: tuple[tuple[int, ...], ...]) -> ClusterOutcome:  # fmt: skip
+    """One run of one configuration: two fresh servers (server k on `cpus[k]`) and a router, every
+    multi-turn workload; the page cache of the tier directories is dropped at the rounds' barriers
+    (clock stopped)."""
     servers = [systems.build(config.system, spec.shape, model, _root(out, config, k)) for k in range(SERVERS)]
     tiers = sorted({s.tier_dir for s in servers if s.tier_dir is not None})
     outcome, vocab = run.SystemOutcome(), run.vocab_size(model)
@@ -87,8 +106,9 @@ def run_config(config: ClusterConfig, spec: BenchSpec, model: Path, out: Path, r
 
     n = sum(m.concurrency * m.rounds for m in spec.multiturn)
     with contextlib.ExitStack() as stack:
-        procs = [stack.enter_context(s.server(model, out / run.log_name(f"{config.name}-s{k}", repeat)))
-                 for k, s in enumerate(servers)]  # fmt: skip
+        logs = [out / run.log_name(f"{config.name}-s{k}", repeat) for k in range(SERVERS)]
+        procs = [stack.enter_context(s.server(model, log, share))
+                 for s, log, share in zip(servers, logs, cpus, strict=True)]  # fmt: skip
         log = out / run.log_name(f"{config.name}-router", repeat)
         router = stack.enter_context(RouterProcess([p.base_url for p in procs], log_path=log))
         bar = stack.enter_context(
@@ -148,16 +168,18 @@ def execute(spec: BenchSpec) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model = run.resolve_model(spec.shape.model, spec.out_dir)
     order = run.schedule([c.name for c in CONFIGS], spec.repeats)
+    cpus = server_cpus()
     runs: dict[str, list[run.SystemOutcome]] = {}
     lookups: dict[str, list[tuple[dict[str, float], ...]]] = {}
     for repeat, name in order:
-        done = run_config(BY_NAME[name], spec, model, out, repeat)
+        done = run_config(BY_NAME[name], spec, model, out, repeat, cpus)
         runs.setdefault(name, []).append(done.outcome)
         lookups.setdefault(name, []).append(done.by_server)
     measured = run.measured(runs)
     figures = aggregate.medians(measured)
     extra = {"out_dir": str(spec.out_dir), "model": spec.shape.model, "repeats": spec.repeats,
              "order": [f"{n}/r{r}" for r, n in order], "shape": asdict(spec.shape),
+             "server_cpus": [list(c) for c in cpus],
              "tier_mb": {n: max(o.tier_bytes for o in os_) / 2**20 for n, os_ in runs.items()}}  # fmt: skip
     requests = {n: [r for rs in by.values() for r in rs] for n, by in run.results(runs).items()}
     line = final_line(figures, _lookup_totals(lookups), extra, requests)

@@ -10,12 +10,18 @@ the first `start()` installs, in the main thread, SIGTERM and SIGINT handlers an
 that stop every registered server; the handlers then do what the handler they replaced would have
 done (SIGINT: KeyboardInterrupt), or exit with 128 + the signal number. A signal the driver ignores
 stays ignored.
+
+A server given `cpus` runs on those CPUs only, as a deployed server runs on its own GPUs: the
+affinity is set in the child before `exec`, so sglang's processes and threads inherit it, and
+`OMP_NUM_THREADS` defaults to their count. Without it a server's threads may use every CPU, and two
+servers on one machine oversubscribe it (`--servers 2` gives each its share, `bench/cluster.py`).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -24,7 +30,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -47,7 +53,9 @@ class ServerStartError(RuntimeError):
 
 @dataclass
 class ServerProcess:
-    """`python -m <module> --model-path MODEL ... --host 127.0.0.1 --port PORT` as a managed process."""
+    """`python -m <module> --model-path MODEL ... --host 127.0.0.1 --port PORT` as a managed process;
+    its whole process group on `cpus` if given (None: wherever this process may run). Raises
+    ValueError at construction for an empty `cpus` or one naming a CPU this process may not use."""
 
     model_path: Path
     max_total_tokens: int
@@ -55,8 +63,13 @@ class ServerProcess:
     module: str = "sgl_hicache.launch_server"
     log_path: Path | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    cpus: tuple[int, ...] | None = None
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        if self.cpus is not None:
+            check_cpus(self.cpus)
 
     @property
     def base_url(self) -> str:
@@ -71,8 +84,8 @@ class ServerProcess:
 
     def start(self, timeout_s: float = 180.0) -> ServerProcess:
         env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **self.env}
-        env.update(cpu_tp_env(self.command(), env))  # --device cpu --tp-size N: platform, thread bind
-        self.proc = spawn_group(self.command(), self.log_path, env)
+        env.update(cpu_tp_env(self.command(), env, self.cpus))  # --device cpu --tp-size N: platform, bind
+        self.proc = spawn_group(self.command(), self.log_path, env, self.cpus)
         try:
             self._wait_healthy(timeout_s)
         except BaseException:
@@ -169,16 +182,38 @@ _REAPER = _Reaper()
 
 
 def spawn_group(
-    command: list[str], log_path: str | Path | None, env: dict[str, str] | None = None
+    command: list[str],
+    log_path: str | Path | None,
+    env: Mapping[str, str] | None = None,
+    cpus: Collection[int] | None = None,
 ) -> subprocess.Popen[bytes]:
     """`command` as the leader of a new process group, its output in `log_path` (None: discarded),
-    known to the signal-time reaper until `stop_group`."""
+    known to the signal-time reaper until `stop_group`. With `cpus` (checked by `check_cpus`), the
+    group runs on those CPUs only: set in the child before `exec`, so every process and thread it
+    starts inherits them; and `OMP_NUM_THREADS` is their count unless `env` (None: this process's
+    environment) sets it."""
+    pin: Callable[[], None] | None = None
+    if cpus is not None:
+        pinned = check_cpus(cpus)
+        env = {"OMP_NUM_THREADS": str(len(pinned)), **(os.environ if env is None else env)}
+        pin = functools.partial(os.sched_setaffinity, 0, pinned)  # in the child, before exec
     with open(log_path or os.devnull, "wb") as log:  # the child keeps its own descriptor
         proc = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=pin
         )
     _REAPER.add(proc)
     return proc
+
+
+def check_cpus(cpus: Collection[int]) -> tuple[int, ...]:
+    """`cpus`, sorted, if a process may be pinned to them; ValueError if empty or naming a CPU this
+    process may not use (`os.sched_getaffinity`)."""
+    if not cpus:
+        raise ValueError("cannot pin a process to no CPUs")
+    allowed = os.sched_getaffinity(0)
+    if unusable := sorted(set(cpus) - allowed):
+        raise ValueError(f"CPUs {unusable} are not among those this process may use, {sorted(allowed)}")
+    return tuple(sorted(set(cpus)))
 
 
 def stop_group(proc: subprocess.Popen[bytes], grace_s: float, kill_wait_s: float) -> None:

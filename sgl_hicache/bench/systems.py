@@ -36,10 +36,10 @@ class System:
     tier_dir: Path | None  # where it keeps KV on disk, if anywhere
     pool_tokens: int  # its device KV pool (--max-total-tokens)
 
-    def server(self, model: Path, log_path: Path) -> ServerProcess:
-        return ServerProcess(
-            model, self.pool_tokens, self.flags, module=self.module, log_path=log_path, env=dict(self.env)
-        )
+    def server(self, model: Path, log_path: Path, cpus: tuple[int, ...] | None = None) -> ServerProcess:
+        """A server of this system, not started; on `cpus` only if given (`ServerProcess`)."""
+        return ServerProcess(model, self.pool_tokens, self.flags, module=self.module, log_path=log_path,
+                             env=dict(self.env), cpus=cpus)  # fmt: skip
 
 
 def kv_bytes_per_token(model: Path) -> int:

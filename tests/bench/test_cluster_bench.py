@@ -1,15 +1,17 @@
-"""`--servers 2` (bench/cluster.py) without servers: the CLI's checks, the configurations, the order
-that moves every turn to the other server, and the final line."""
+"""`--servers 2` (bench/cluster.py) without servers: the CLI's checks, the configurations, each
+server's own CPUs, the order that moves every turn to the other server, and the final line."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import math
 import random
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -66,6 +68,58 @@ def test_the_three_configurations(tmp_path: Path) -> None:
         assert len(tiers) == (1 if config.shared else 2) and None not in tiers
         if config.system in HICACHE:  # HiCache's file backend finds its directory in the env
             assert {dict(s.env)["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] for s in built} == {str(*tiers)}
+
+
+@pytest.fixture
+def fake_cluster(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple[int, ...] | None]]:
+    """`run_config` with stand-ins for the servers, the router, the driver and `/metrics`, on a
+    machine of 4 CPUs; returns the (system, cpus) each `System.server` call was given."""
+    given: list[tuple[str, tuple[int, ...] | None]] = []
+
+    def server(self: systems.System, model: Path, log: Path, cpus: tuple[int, ...] | None = None) -> Any:
+        given.append((self.name, cpus))
+        return contextlib.nullcontext(SimpleNamespace(base_url=f"http://s{len(given)}"))
+
+    async def multiturn(*args: Any, **kwargs: Any) -> drive.Driven:
+        return drive.Driven("multiturn_c2", [], 0.0)
+
+    monkeypatch.setattr(systems.System, "server", server)
+    monkeypatch.setattr(cluster, "RouterProcess", lambda urls, log_path: contextlib.nullcontext(
+        SimpleNamespace(base_url="http://router")))  # fmt: skip
+    monkeypatch.setattr(cluster, "scrape", lambda url: {})
+    monkeypatch.setattr(cluster.run, "vocab_size", lambda model: 1000)
+    monkeypatch.setattr(cluster.drive, "multiturn", multiturn)
+    monkeypatch.setattr(cluster.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    return given
+
+
+def test_each_configuration_runs_its_two_servers_on_distinct_cpus(
+    tmp_path: Path, fake_cluster: list[tuple[str, tuple[int, ...] | None]]
+) -> None:
+    cpus = cluster.server_cpus()
+    assert cpus == ((0, 1), (2, 3))
+    spec = spec_from(parser().parse_args(["--servers", "2", "--concurrency", "2", "--out", str(tmp_path)]))
+    for config in cluster.CONFIGS:
+        fake_cluster.clear()
+        cluster.run_config(config, spec, tmp_path, tmp_path, 0, cpus)
+        assert fake_cluster == [(config.system, (0, 1)), (config.system, (2, 3))], config.name
+
+
+def test_the_final_line_names_each_servers_cpus(
+    tmp_path: Path, fake_cluster: list[tuple[str, tuple[int, ...] | None]], monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    monkeypatch.setattr(cluster.run, "resolve_model", lambda name, cache_dir: tmp_path)
+    args = ["--servers", "2", "--concurrency", "2", "--repeats", "1", "--out", str(tmp_path)]
+    assert cluster.execute(spec_from(parser().parse_args(args))) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["server_cpus"] == [[0, 1], [2, 3]]
+    assert {cpus for _, cpus in fake_cluster} == {(0, 1), (2, 3)}
+
+
+def test_two_servers_share_a_single_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cluster.os, "sched_getaffinity", lambda pid: {5})
+    assert cluster.server_cpus() == ((5,), (5,))
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 8])

@@ -195,6 +195,34 @@ def test_split_cpus(cpus: list[int], ranks: int, expected: str) -> None:
     assert cpu_tp_env.split_cpus(cpus, ranks) == expected
 
 
+@pytest.mark.parametrize(
+    ("cpus", "n", "expected"),
+    [
+        ([0, 1], 2, ((0,), (1,))),
+        (range(16), 2, (tuple(range(8)), tuple(range(8, 16)))),
+        ([2, 0, 1], 2, ((0, 1), (2,))),  # sorted; the larger share first
+        (range(7), 3, ((0, 1, 2), (3, 4), (5, 6))),
+        ([0, 1], 1, ((0, 1),)),
+        ([4], 2, ((4,), (4,))),  # fewer CPUs than shares: they overlap
+        ([0, 1], 3, ((0,), (1,), (0,))),
+    ],
+)
+def test_cpu_shares(cpus: list[int], n: int, expected: tuple[tuple[int, ...], ...]) -> None:
+    assert cpu_tp_env.cpu_shares(cpus, n) == expected
+
+
+@pytest.mark.parametrize(("cpus", "n"), [([], 2), ([0, 1], 0)])
+def test_cpu_shares_of_nothing_is_an_error(cpus: list[int], n: int) -> None:
+    with pytest.raises(ValueError, match=f"cannot split {len(cpus)} CPUs into {n} shares"):
+        cpu_tp_env.cpu_shares(cpus, n)
+
+
+def test_cpu_tp_env_splits_the_given_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_tp_env.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    env = cpu_tp_env.cpu_tp_env(["--device", "cpu", "--tp-size", "2"], {}, cpus=(2, 3))
+    assert env["SGLANG_CPU_OMP_THREADS_BIND"] == "2|3"
+
+
 def test_cpu_tp_env_only_for_cpu_tp_and_never_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_tp_env.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     argv = ["--device", "cpu", "--tp-size", "2"]
