@@ -1,4 +1,4 @@
-"""`--servers 2`: two servers behind sglang's router, three ways of giving them a disk tier.
+"""`--servers 2`: two servers behind sglang's router, four ways of giving them a disk tier.
 
 Each configuration runs two servers of one system (the run's `Shape`, so each has the device pool
 and host budget a single server of `--servers 1` has) behind `smg` with `--policy round_robin`, on
@@ -18,9 +18,14 @@ unequally (sglang's idle scheduler spins, HiCache's yields the CPU), so the comp
 oversubscription, not the caches. With a single CPU both servers share it. The final line names each
 server's CPUs (`server_cpus`).
 
-- `ours-shared`: two of our servers on one tier directory: a turn finds the history the other
-  server spilled by cross-server lookup (docs/DESIGN.md, "Sharing a tier").
-- `ours-separate`: two of our servers, each on its own tier directory: the baseline without sharing.
+- `ours-shared`: two of our servers on one tier directory, writing through
+  (`--hicache-spill-write-policy write_through`, what servers sharing a tier behind a router should
+  run): a turn finds the history the other server cached by cross-server lookup, evicted or not
+  (docs/DESIGN.md, "Sharing a tier").
+- `ours-shared-write-back`: the same with our default policy, writing only on eviction: a moved
+  turn finds only the part of its history the other server has evicted (what write-through buys).
+- `ours-separate`: two of our servers writing through, each on its own tier directory: the baseline
+  without sharing.
 - `hicache-shared`: two sglang HiCache servers with the `file` L3 backend in one directory
   (HiCache's way to share), in its strongest configuration of the single-server benchmark
   (`STRONGEST_HICACHE`: `wait_complete`, sglang's default host ratio).
@@ -39,7 +44,7 @@ import shutil
 import sys
 import time
 from collections.abc import Coroutine
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -69,11 +74,16 @@ class ClusterConfig:
     name: str
     system: str  # a system of `systems.build`, run on each server
     shared: bool  # both servers on one tier directory (else one each)
+    flags: tuple[str, ...] = ()  # added to the system's command line
+
+
+WRITE_THROUGH = ("--hicache-spill-write-policy", "write_through")
 
 
 CONFIGS = (
-    ClusterConfig("ours-shared", "ours", shared=True),
-    ClusterConfig("ours-separate", "ours", shared=False),
+    ClusterConfig("ours-shared", "ours", shared=True, flags=WRITE_THROUGH),
+    ClusterConfig("ours-shared-write-back", "ours", shared=True),
+    ClusterConfig("ours-separate", "ours", shared=False, flags=WRITE_THROUGH),
     ClusterConfig("hicache-shared", STRONGEST_HICACHE, shared=True),
 )
 BY_NAME = {c.name: c for c in CONFIGS}
@@ -96,6 +106,7 @@ def run_config(config: ClusterConfig, spec: BenchSpec, model: Path, out: Path, r
     multi-turn workload; the page cache of the tier directories is dropped at the rounds' barriers
     (clock stopped)."""
     servers = [systems.build(config.system, spec.shape, model, _root(out, config, k)) for k in range(SERVERS)]
+    servers = [replace(s, flags=(*s.flags, *config.flags)) for s in servers]
     tiers = sorted({s.tier_dir for s in servers if s.tier_dir is not None})
     outcome, vocab = run.SystemOutcome(), run.vocab_size(model)
     by_server: list[dict[str, float]] = [{} for _ in servers]
@@ -154,7 +165,7 @@ def lookup_counters(metrics: dict[str, float]) -> dict[str, float]:
     return {name: total(metrics, f"sglang:hicache_spill_{name}_total") for name in LOOKUP_COUNTERS}
 
 
-PAIRS = {"separate": "ours-separate", "hicache": "hicache-shared"}
+PAIRS = {"separate": "ours-separate", "write_back": "ours-shared-write-back", "hicache": "hicache-shared"}
 """The final line's ratios: `ours-shared` over each of these (resumed-turn TTFT p50, throughput)."""
 RATIO_KEYS = tuple(f"{fig}_shared_vs_{base}" for base in PAIRS for fig in ("ttft", "throughput"))
 TIER_FIGURES = {"total": "hit_rate", "device": "hit_rate_device", "host": "hit_rate_host",

@@ -52,11 +52,14 @@ def test_servers_1_is_the_default_run() -> None:
     assert cluster_run(two, spec_from(two))
 
 
-def test_the_three_configurations(tmp_path: Path) -> None:
+def test_the_configurations(tmp_path: Path) -> None:
     assert [(c.name, c.system, c.shared) for c in cluster.CONFIGS] == [
-        ("ours-shared", "ours", True), ("ours-separate", "ours", False),
-        ("hicache-shared", "hicache-wait-r2", True),
+        ("ours-shared", "ours", True), ("ours-shared-write-back", "ours", True),
+        ("ours-separate", "ours", False), ("hicache-shared", "hicache-wait-r2", True),
     ]  # fmt: skip
+    policies = {c.name: c.flags for c in cluster.CONFIGS}
+    assert policies["ours-shared"] == policies["ours-separate"] == cluster.WRITE_THROUGH
+    assert policies["ours-shared-write-back"] == policies["hicache-shared"] == ()
     strongest = HICACHE[cluster.STRONGEST_HICACHE]
     assert strongest.prefetch_policy == "wait_complete" and strongest.host is HostPool.DEFAULT
     for config in cluster.CONFIGS:
@@ -143,6 +146,7 @@ def figures(ttft_resume: float, tput: float, storage: float = 0.0) -> Figures:
 def test_final_line_names_each_configuration_and_the_ratios() -> None:
     fs = {
         "ours-shared": figures(100, 20, 0.5),
+        "ours-shared-write-back": figures(300, 16),
         "ours-separate": figures(400, 10),
         "hicache-shared": figures(200, 5),
     }
@@ -153,8 +157,10 @@ def test_final_line_names_each_configuration_and_the_ratios() -> None:
                               {"ours-shared": []})  # fmt: skip
     json.dumps(line, allow_nan=False)
     assert set(cluster.RATIO_KEYS) == {"ttft_shared_vs_separate", "throughput_shared_vs_separate",
+                                       "ttft_shared_vs_write_back", "throughput_shared_vs_write_back",
                                        "ttft_shared_vs_hicache", "throughput_shared_vs_hicache"}  # fmt: skip
     assert line["ttft_shared_vs_separate"] == 0.25 and line["throughput_shared_vs_separate"] == 2.0
+    assert line["ttft_shared_vs_write_back"] == 0.3333 and line["throughput_shared_vs_write_back"] == 1.25
     assert line["ttft_shared_vs_hicache"] == 0.5 and line["throughput_shared_vs_hicache"] == 4.0
     assert set(line["workloads"]) == {"multiturn_c8", "multiturn_c16"}
     assert line["headline_workload"] == "multiturn_c8" and line["servers"] == 2
@@ -237,3 +243,21 @@ async def _drive(handler: Any, spec: MultiTurn) -> drive.Driven:
             return await drive.multiturn(url, spec, 1000, 1, lambda: None, bar, alternate=True)
     finally:
         await runner.cleanup()
+
+
+def test_each_configuration_gives_its_servers_its_flags(
+    tmp_path: Path, fake_cluster: list[tuple[str, tuple[int, ...] | None]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    commands: list[tuple[str, ...]] = []
+
+    def server(self: systems.System, model: Path, log: Path, cpus: tuple[int, ...] | None = None) -> Any:
+        commands.append(self.flags)
+        return contextlib.nullcontext(SimpleNamespace(base_url=f"http://s{len(commands)}"))
+
+    monkeypatch.setattr(systems.System, "server", server)
+    spec = spec_from(parser().parse_args(["--servers", "2", "--concurrency", "2", "--out", str(tmp_path)]))
+    for config in cluster.CONFIGS:
+        commands.clear()
+        cluster.run_config(config, spec, tmp_path, tmp_path, 0, ((0,), (1,)))
+        policy = [f[i + 1] for f in commands for i, a in enumerate(f) if a == "--hicache-spill-write-policy"]
+        assert policy == (["write_through"] * 2 if config.flags else []), config.name
