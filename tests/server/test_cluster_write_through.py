@@ -1,0 +1,48 @@
+"""Two servers writing through to one tier directory (`--hicache-spill-write-policy write_through`):
+a conversation whose history is still resident on server A, never evicted, goes on at server B,
+which has never seen it. Under write-back the tier would hold nothing of it (B recomputes, as
+`test_cluster.py` shows before A evicts); written through, B finds A's KV by lookup, restores it
+and answers exactly as A does from its resident copy (greedy, the differential)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sgl_hicache.bench.server_process import ServerProcess
+from tests.server.conftest import SPILL_FLAGS
+from tests.server.test_spill_resume import POOL, counter, generate, tokens
+
+pytestmark = pytest.mark.server
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    tmp = tmp_path_factory.mktemp("write_through")
+    args = (*SPILL_FLAGS, "--enable-hicache-spill", "--hicache-spill-dir", str(tmp / "tier"),
+            "--hicache-spill-min-free", "0", "--hicache-spill-write-policy", "write_through")  # fmt: skip
+    with (
+        ServerProcess(tiny_model, POOL, args, log_path=tmp / "a.log") as a,
+        ServerProcess(tiny_model, POOL, args, log_path=tmp / "b.log") as b,
+    ):
+        yield a, b
+
+
+def test_a_history_resident_on_a_is_restored_on_b_with_the_same_answer(pair: Any) -> None:
+    a, b = pair
+    turn1 = tokens(1)
+    out1, _ = generate(a.base_url, turn1)
+    turn2 = turn1 + out1 + tokens(2, 20)
+    moved, cached_on_b = generate(b.base_url, turn2)  # B never saw turn 1: A's extents, by lookup
+    reference, cached_on_a = generate(a.base_url, turn2)  # A: turn 1 resident, never evicted
+    assert cached_on_a >= len(turn1)
+    assert counter(a.base_url, "evicted_tokens") == 0  # nothing of A's was ever evicted
+    assert counter(a.base_url, "written_through_tokens") >= len(turn1)
+    assert moved == reference
+    assert cached_on_b >= len(turn1) - 16, cached_on_b  # all but a partial last page
+    assert counter(b.base_url, "lookup_attached_tokens") >= len(turn1) - 16
+    assert counter(b.base_url, "restored_tokens") >= len(turn1) - 16
+    assert counter(b.base_url, "lookup_refused") == 0
