@@ -110,3 +110,30 @@ def test_a_failed_write_through_is_contained_and_never_served(
     assert a.match(PROMPT).device_prefix_len == len(PROMPT)
     assert getattr(next(iter(a.cache.root_node.children.values())), "spill", None) is None
     a.cache.check_integrity()
+
+
+def test_a_write_refused_midway_writes_nothing_below_it(
+    make_stack: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The refusal of one node (staging momentarily full), not of all: the nodes below it on the
+    path are not written (their extents would follow a gap), and the next insert fills the path
+    top down. (With every store refused, as above, skipping past the refused node looks the same.)"""
+    a = make_stack(tmp_path / "tier", size=512, write_policy=WritePolicy.WRITE_THROUGH)
+    real_store = a.cache.spill_io.store
+    monkeypatch.setattr(a.cache.spill_io, "store", lambda *args, **kw: None)
+    a.insert(PROMPT[:48])  # [0, 48) resident, no copy
+    tried: list[int] = []
+
+    def refuse_the_first(*args: Any, **kwargs: Any) -> Any:
+        tried.append(len(args[2]))  # the node's tokens
+        return None if len(tried) == 1 else real_store(*args, **kwargs)
+
+    monkeypatch.setattr(a.cache.spill_io, "store", refuse_the_first)
+    a.insert(PROMPT[:112])  # the path: [0, 48) refused now, then [48, 112) must not be tried
+    assert tried == [48]
+    assert a.metrics.totals["written_through_tokens"] == 0
+    a.insert(PROMPT)  # both accepted now: the whole path, top down
+    assert tried == [48, 48, 64, 48]
+    a.cache.spill_io.wait_writes()
+    assert a.metrics.totals["written_through_tokens"] == len(PROMPT)
+    a.cache.check_integrity()
