@@ -19,26 +19,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.standin_server import standin_source
+
 REPO = Path(__file__).resolve().parents[1]
 
-STANDIN = """
-import argparse, http.server, subprocess, sys
-parser = argparse.ArgumentParser()
-parser.add_argument("--host")
-parser.add_argument("--port", type=int)
-args, _ = parser.parse_known_args()
-subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # a worker in our group
-
-class Health(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200)
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
-
-http.server.HTTPServer((args.host, args.port), Health).serve_forever()
-"""
+STANDIN = standin_source(
+    'subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # a worker in our group'
+)
 
 DRIVER = """
 import sys, time

@@ -14,28 +14,13 @@ from pathlib import Path
 import pytest
 
 from sgl_hicache.bench.server_process import ServerProcess, check_cpus, spawn_group, stop_group
+from tests.standin_server import standin_source
 
 REPORT = "import os; print(sorted(os.sched_getaffinity(0)), os.environ.get('OMP_NUM_THREADS'), flush=True)"
 
-STANDIN = f"""
-import argparse, http.server, subprocess, sys
-{REPORT}
-parser = argparse.ArgumentParser()
-parser.add_argument("--host")
-parser.add_argument("--port", type=int)
-args, _ = parser.parse_known_args()
-subprocess.run([sys.executable, "-c", {REPORT!r}])  # a worker in our group, started after exec
-
-class Health(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200)
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
-
-http.server.HTTPServer((args.host, args.port), Health).serve_forever()
-"""
+STANDIN = standin_source(
+    f"{REPORT}\nsubprocess.run([sys.executable, '-c', {REPORT!r}])  # a worker in our group, started after exec"
+)
 
 LAST = max(os.sched_getaffinity(0))  # a share of one CPU, not this process's whole set on 2+ CPUs
 
