@@ -8,9 +8,9 @@ configuration of `spec.HICACHE_CONFIGS`; the gate judges ours against the best o
 as results.json, requests.csv, summary.csv and ttft_per_round.png; the last stdout line is one JSON
 object. Exit status: 0, or 1 when `--gate`/`--soak` fail, 2 on bad arguments.
 
-`--servers 2` runs instead two servers behind sglang's router (round robin), in three
-configurations: ours on one shared tier directory, ours on separate ones, HiCache's `file` L3 in one
-shared directory (`bench/cluster.py`), on the multi-turn workloads.
+`--servers 2` runs instead two servers behind sglang's router (round robin), in the configurations
+of `bench/cluster.py` (ours on one shared tier directory, writing through or back; ours on separate
+ones; HiCache's `file` L3 in one shared directory), on the multi-turn workloads.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def cluster_run(args: argparse.Namespace, spec: BenchSpec) -> bool:
     clashes = [flag for flag, on in (("--systems", args.systems != parser().get_default("systems")),
                                      ("--gate", args.gate), ("--soak", args.soak > 0)) if on]  # fmt: skip
     if clashes:
-        raise SpecError(f"not with --servers 2 (it runs its own three configurations): {', '.join(clashes)}")
+        raise SpecError(f"not with --servers 2 (it runs its own configurations): {', '.join(clashes)}")
     return True
 
 

@@ -13,7 +13,7 @@ Each server runs, from its start, on its own share of the CPUs this process may 
 half of them each, contiguous; `OMP_NUM_THREADS` the share's size), as each instance of a deployment
 has its own GPUs; the router and the driver are not pinned. Unpinned, each server's OpenMP threads
 use every CPU and two servers fight over them: on 2 CPUs, one repeat of the multi-turn workload took
-plain sglang's two servers 215 s unpinned and 14 s with one CPU each, and the systems suffered
+plain sglang's two servers 215 s unpinned and 14 s with one CPU each (a one-off diagnosis: README), and the systems suffered
 unequally (sglang's idle scheduler spins, HiCache's yields the CPU), so the comparison measured the
 oversubscription, not the caches. With a single CPU both servers share it. The final line names each
 server's CPUs (`server_cpus`).

@@ -31,7 +31,7 @@ COUNTERS = {
     "match_requests": "prefix matches served by the spill cache",
     "evicted_tokens": "tokens evicted from the device KV pool",
     "spilled_tokens": "evicted tokens written to the tier",
-    "written_through_tokens": "tokens written to the tier when cached (write_through policy), before any eviction",
+    "written_through_tokens": "tokens submitted to the tier when cached (write_through policy), before any eviction",
     "spilled_bytes": "packed KV bytes submitted to the tier",
     "dropped_tokens": "evicted tokens dropped instead of spilled (tier off, slow or full, or too short)",
     "spill_failures": "spills the tier failed to write (I/O error, no space)",

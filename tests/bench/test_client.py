@@ -11,6 +11,7 @@ from aiohttp import web
 
 from sgl_hicache.bench.client import Result, generate, new_session
 from sgl_hicache.bench.workload import Request
+from tests.bench.standin_http import serving
 
 REQ = Request("k", group=0, round=1, input_ids=(5, 6, 7), output_tokens=3, resumed=True)
 
@@ -33,18 +34,8 @@ async def _serve(chunks: list[bytes], status: int = 200) -> Result:
             await asyncio.sleep(0.01)
         return resp
 
-    app = web.Application()
-    app.router.add_post("/generate", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        async with new_session() as session:
-            return await generate(session, f"http://127.0.0.1:{port}", REQ, "w", 0.0)
-    finally:
-        await runner.cleanup()
+    async with serving(handler) as url, new_session() as session:
+        return await generate(session, url, REQ, "w", 0.0)
 
 
 def test_streamed_answer_is_timed_and_counted() -> None:

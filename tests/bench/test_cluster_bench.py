@@ -23,6 +23,7 @@ from sgl_hicache.bench.cli import cluster_run, main, parser, spec_from
 from sgl_hicache.bench.client import ROUTED_HEADER, Result
 from sgl_hicache.bench.spec import HICACHE, HostPool, MultiTurn, Shape
 from sgl_hicache.bench.summary import Figures, summarize
+from tests.bench.standin_http import serving
 
 
 @pytest.mark.parametrize(
@@ -30,7 +31,7 @@ from sgl_hicache.bench.summary import Figures, summarize
     [
         (["--servers", "0"], "--servers must be 1 or 2, got 0"),
         (["--servers", "3"], "--servers must be 1 or 2, got 3"),
-        (["--servers", "2", "--gate"], "not with --servers 2 (it runs its own three configurations): --gate"),
+        (["--servers", "2", "--gate"], "not with --servers 2 (it runs its own configurations): --gate"),
         (["--servers", "2", "--systems", "ours", "--soak", "1"], "configurations): --systems, --soak"),
         (["--servers", "2", "--concurrency", ""], "--servers 2 runs the multi-turn workloads"),
     ],
@@ -231,18 +232,9 @@ def test_moved_rate_counts_resumed_turns_with_known_servers() -> None:
 
 
 async def _drive(handler: Any, spec: MultiTurn) -> drive.Driven:
-    app = web.Application()
-    app.router.add_post("/generate", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    async with serving(handler) as url:
         with tqdm(disable=True) as bar:
             return await drive.multiturn(url, spec, 1000, 1, lambda: None, bar, alternate=True)
-    finally:
-        await runner.cleanup()
 
 
 def test_each_configuration_gives_its_servers_its_flags(
