@@ -63,6 +63,8 @@ def versus_best_keys(vs: VersusBest, measured: dict[str, dict[str, Measured]]) -
         "throughput_vs_best_hicache": vs.throughput,
         "ttft_vs_best_hicache_range": {w: list(r) for w, r in vs.ttft_range.items()},
         "throughput_vs_best_hicache_range": {w: list(r) for w, r in vs.throughput_range.items()},
+        "resident_ttft_vs_best_hicache": vs.resident_ttft,
+        "resident_throughput_vs_best_hicache": vs.resident_throughput,
         "ttft_resume_p50_ms_range": {s: [m.low.ttft_resume_p50_ms, m.high.ttft_resume_p50_ms] for s, m in by.items()},
         "throughput_tok_s_range": {s: [m.low.throughput_tok_s, m.high.throughput_tok_s] for s, m in by.items()},
     }  # fmt: skip
