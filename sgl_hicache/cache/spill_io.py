@@ -5,6 +5,9 @@
   new `Extent` (WRITING); None when staging cannot hold it (the caller drops the node), counted as
   `spills_refused_staging_full` (momentarily: writes in flight hold it) or
   `spills_refused_too_large` (never: larger than all of staging; logged once with the flag to raise).
+  A `background` store (a write-through: nothing is lost without it) may fill staging only up to
+  `BACKGROUND_SHARE` of it, so evictions and restores always find the rest; refused, it is counted
+  as `writes_through_deferred` (the next insert on its path tries again).
   The caller may free the slots as soon as `store` returns: the pack has completed.
 - `poll` (never blocks) moves finished writes to ON_TIER / LOST and frees their staging, and hands
   finished loads to `reads` (`ExtentReads`: prefetch, coalescing, readiness; see reads.py).
@@ -35,6 +38,10 @@ from sgl_hicache.tier import Completion, ExtentKey, Ticket, Tier
 
 logger = logging.getLogger(__name__)
 
+BACKGROUND_SHARE = 0.5
+"""The part of staging that background stores (write-through) may fill: the rest is kept for
+eviction spills (else a dropped node) and restore reads (else a recompute)."""
+
 
 class SpillIO:
     def __init__(self, tier: Tier, view: KVPoolView, staging: StagingPool, metrics: SpillMetrics,
@@ -57,14 +64,19 @@ class SpillIO:
 
     def store(
         self, key: ExtentKey, parent: ExtentKey, tokens: np.ndarray, slots: torch.Tensor, store_tokens: bool,
-        aliases: Sequence[tuple[int, bytes]] = (),
+        aliases: Sequence[tuple[int, bytes]] = (), background: bool = False,
     ) -> Extent | None:  # fmt: skip
         """`store_tokens`: whether the extent file may hold the token ids (the default tenant's only);
-        `aliases`: the path keys inside it, so other servers find it (`Tier.submit_store`)."""
+        `aliases`: the path keys inside it, so other servers find it (`Tier.submit_store`);
+        `background`: a write-through, bounded by `BACKGROUND_SHARE` of staging."""
         nbytes = packed_nbytes(self.view, len(slots))
-        buf = self.staging.acquire(nbytes)
+        limit = int(self.staging.capacity_bytes * BACKGROUND_SHARE) if background else None
+        buf = self.staging.acquire(nbytes, limit)
         if buf is None:
-            self._refused(len(slots), nbytes)
+            if background:
+                self.metrics.inc("writes_through_deferred")
+            else:
+                self._refused(len(slots), nbytes)
             return None
         try:
             self._pack(slots, buf)

@@ -150,9 +150,10 @@ class SpillRadixCache(SpilledTree):
         self.spill_metrics.inc("spilled_tokens", n)
         return True
 
-    def _store(self, node: TreeNode) -> SpillRef | None:
-        """Write resident `node`'s KV to the tier as one extent (never blocks on I/O: `SpillIO.store`);
-        its reference, or None when it cannot be written now (no tier, staging full, an id no key names)."""
+    def _store(self, node: TreeNode, background: bool = False) -> SpillRef | None:
+        """Write resident `node`'s KV to the tier as one extent (never blocks on I/O: `SpillIO.store`;
+        `background`: a write-through, within its share of staging); its reference, or None when it
+        cannot be written now (no tier, staging full, an id no key names)."""
         if self.spill_io is None:
             return None
         tokens = np.asarray(node.key.raw_token_ids(), dtype=np.int64)
@@ -164,7 +165,7 @@ class SpillRadixCache(SpilledTree):
         except ValueError:  # an id outside 0..2**32-1 on its path (keys hash u32 ids): never spilled
             return None
         default_tenant = tenant_of(node.key.extra_key, node.key.cache_salt) == b""  # others: no ids on disk
-        extent = self.spill_io.store(key, parent_key, tokens, node.value, default_tenant, aliases)
+        extent = self.spill_io.store(key, parent_key, tokens, node.value, default_tenant, aliases, background)
         return None if extent is None else SpillRef(extent, 0, len(node.value))
 
     def _stored_clean(self, node: TreeNode) -> bool:
@@ -225,8 +226,9 @@ class SpillRadixCache(SpilledTree):
     def _write_through(self, node: TreeNode) -> None:
         """Write the resident nodes from the root to `node` that have no copy on the tier, top down,
         and keep them resident with a clean reference (a later eviction then writes nothing). Stops
-        at the first that cannot be written (staging full): its descendants' extents would follow a
-        gap no warm start or lookup can cross. The tree's structure is untouched, so TP ranks whose
+        at the first that cannot be written (write-through's share of staging full: the rest is
+        kept for evictions and restores): its descendants' extents would follow a gap no warm start
+        or lookup can cross. The tree's structure is untouched, so TP ranks whose
         writes differ still hold identical trees (an eviction agrees on each spill as before)."""
         if self.disable or self.spill_io is None:
             return
@@ -236,7 +238,7 @@ class SpillRadixCache(SpilledTree):
                 todo.append(node)
             node = node.parent
         for node in reversed(todo):
-            ref = self._store(node)
+            ref = self._store(node, background=True)
             if ref is None:
                 return
             node.spill = ref

@@ -26,10 +26,13 @@ class StagingPool:
     def used_bytes(self) -> int:
         return self._used
 
-    def acquire(self, nbytes: int) -> torch.Tensor | None:
-        """A page-aligned uint8 host tensor of `nbytes`, or None if over budget. Never blocks."""
+    def acquire(self, nbytes: int, limit_bytes: int | None = None) -> torch.Tensor | None:
+        """A page-aligned uint8 host tensor of `nbytes`, or None if that would take the bytes in use
+        past `limit_bytes` (default: the whole budget; a lower limit keeps the rest for others).
+        Never blocks."""
+        limit = self.capacity_bytes if limit_bytes is None else min(limit_bytes, self.capacity_bytes)
         with self._lock:
-            if self._used + nbytes > self.capacity_bytes:
+            if self._used + nbytes > limit:
                 self.refused += 1
                 return None
             self._used += nbytes

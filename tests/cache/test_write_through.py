@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sgl_hicache.kernels import packed_nbytes
 
+from sgl_hicache.cache.spill_io import BACKGROUND_SHARE
 from sgl_hicache.config import WritePolicy
 from tests.cache.conftest import Stack, read_kv
 from tests.cache.test_cross_server import PROMPT, restore_on
@@ -158,3 +160,29 @@ def test_write_through_is_refused_off_the_cpu_until_fenced(
         return
     with pytest.raises(ConfigError, match="write_through runs on --device cpu only"):
         check_write_policy(config, torch.device(device))
+
+
+def test_write_through_fills_only_its_share_of_staging(make_stack: Any, tmp_path: Path) -> None:
+    """Write-throughs are background work (nothing is lost without them): they may fill only
+    `BACKGROUND_SHARE` of staging, so an eviction burst still spills and a restore still reads.
+    Without the bound the second and third writes below would take the staging the eviction needs."""
+    a = make_stack(tmp_path / "tier", size=512, write_policy=WritePolicy.WRITE_THROUGH)
+    io = a.cache.spill_io
+    one = packed_nbytes(io.view, 48)
+    io.staging.capacity_bytes = 3 * one  # three 48-token nodes; write-through may hold one of them
+    assert one <= 3 * one * BACKGROUND_SHARE < 2 * one
+    prompts = [[base + i for i in range(48)] for base in (1000, 2000, 3000)]
+    for tokens in prompts:  # no poll in between: the first write still holds its staging
+        a.insert(tokens)
+    assert io.staging.used_bytes == one
+    assert a.metrics.totals["written_through_tokens"] == 48
+    assert a.metrics.totals["writes_through_deferred"] == 2
+    assert a.metrics.totals["spills_refused_staging_full"] == 0  # no eviction was refused
+    a.evict_all()  # the two deferred nodes are written now, in the staging write-through left
+    assert a.metrics.totals["spilled_tokens"] == 96 and a.metrics.totals["dropped_tokens"] == 0
+    for tokens in prompts:
+        m = a.match(tokens)
+        n, node = a.load_back(m)
+        assert n == 48
+        assert read_kv(a.pool, a.cache.path_device_indices(node)) == tokens
+    a.cache.check_integrity()
