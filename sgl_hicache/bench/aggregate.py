@@ -65,9 +65,10 @@ class VersusBest:
     throughput: dict[str, float]
     ttft_range: dict[str, tuple[float, float]]  # min, max of the per-repeat ratios
     throughput_range: dict[str, tuple[float, float]]
-    # The same two ratios for the `resident` reference in place of ours (every reusable prefix a
-    # device hit, nothing restored): the best any cache can reach on this workload and machine, so
-    # a gate threshold beyond it cannot be met by any cache (NaN where `resident` did not run).
+    # The same two ratios for the `resident` reference in place of ours (a device pool that holds
+    # the whole workload: every reusable prefix a device hit, nothing restored, no request waiting
+    # for pool space). No cache behind the run's smaller pool does better, so a gate threshold
+    # beyond it cannot be met on this workload and machine (NaN where `resident` did not run).
     resident_ttft: dict[str, float]
     resident_throughput: dict[str, float]
 

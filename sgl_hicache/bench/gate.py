@@ -42,6 +42,7 @@ def check(gate: Gate, workloads: dict[str, dict[str, Figures]]) -> list[str]:
 
 
 def _reference(value: float) -> str:
-    """What the `resident` reference (every reusable prefix a device hit: the best any cache can
-    do here) reached on the same figure, so a reader sees whether the threshold is reachable at all."""
-    return "" if math.isnan(value) else f" (resident, every prefix a device hit: {value:.3f})"
+    """What the `resident` reference (a device pool holding the whole workload: no cache behind the
+    run's pool does better) reached on the same figure, so a reader sees whether the threshold is
+    reachable at all."""
+    return "" if math.isnan(value) else f" (resident, a pool holding the whole workload: {value:.3f})"

@@ -34,6 +34,10 @@ class Figures:
     hit_rate_host: float
     hit_rate_storage: float
     restore_gbps: float  # bytes restored from the system's disk tier per second spent restoring
+    # sglang's own queue time (arrival to admission: waiting for device pool space, and for a
+    # restore's reads where the cache defers admission), mean per request: the part of TTFT spent
+    # before any prefill starts
+    queue_mean_ms: float
     wall_s: float
 
     def to_json(self) -> dict[str, Any]:
@@ -64,6 +68,7 @@ def summarize(results: list[Result], wall_s: float, metrics: dict[str, float]) -
         hit_rate_host=by_tier["host"],
         hit_rate_storage=by_tier["storage"],
         restore_gbps=restore_gbps(metrics),
+        queue_mean_ms=queue_mean_ms(metrics),
         wall_s=wall_s,
     )
 
@@ -74,6 +79,12 @@ def restore_gbps(metrics: dict[str, float]) -> float:
     seconds = total(metrics, "sglang:hicache_spill_restore_seconds_sum")
     nbytes = total(metrics, "sglang:hicache_spill_restored_bytes_total")
     return nbytes / seconds / 1e9 if seconds > 0 else NAN
+
+
+def queue_mean_ms(metrics: dict[str, float]) -> float:
+    """Mean of sglang's `queue_time_seconds` histogram over the workload, in ms (NaN: not served)."""
+    count = total(metrics, "sglang:queue_time_seconds_count")
+    return 1000 * total(metrics, "sglang:queue_time_seconds_sum") / count if count > 0 else NAN
 
 
 def ratio(a: float, b: float) -> float:

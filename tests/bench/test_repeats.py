@@ -98,7 +98,7 @@ def test_gate_is_judged_on_medians() -> None:
 
 
 def test_resident_reference_bounds_what_any_cache_can_reach() -> None:
-    """The resident reference (every reusable prefix a device hit) against the best HiCache
+    """The resident reference (a pool holding the whole workload) against the best HiCache
     configuration of the same figure: in the final line, and in a failed gate's reason, so a reader
     sees whether the threshold is reachable on that machine at all."""
     workloads = {
@@ -119,9 +119,9 @@ def test_resident_reference_bounds_what_any_cache_can_reach() -> None:
     assert line["resident_throughput_vs_best_hicache"]["mt"] == pytest.approx(1.25)
     assert gate.check(Gate(), {"mt": aggregate.medians(workloads)["mt"]}) == [
         "mt: resumed TTFT p50 ours/hicache-wait-r2 = 0.950, needs <= 0.75 "
-        "(resident, every prefix a device hit: 0.850)",
+        "(resident, a pool holding the whole workload: 0.850)",
         "mt: throughput ours/hicache-buffer = 0.750, needs >= 1.00 "
-        "(resident, every prefix a device hit: 1.250)",
+        "(resident, a pool holding the whole workload: 1.250)",
     ]
 
 

@@ -18,6 +18,8 @@ from sgl_hicache.bench.summary import Figures, best_hicache, ratios, summarize
 METRICS = {
     'sglang:hicache_spill_restored_bytes_total{tp_rank="0"}': 4e9,
     'sglang:hicache_spill_restore_seconds_sum{tp_rank="0"}': 2.0,
+    'sglang:queue_time_seconds_sum{engine_type="unified",tp_rank="0"}': 3.0,
+    'sglang:queue_time_seconds_count{engine_type="unified",tp_rank="0"}': 4.0,
 }
 
 
@@ -40,6 +42,8 @@ def test_summarize_counts_only_successful_requests() -> None:
     assert f.itl_p50_ms == 6.0
     assert f.restore_gbps == 2.0
     assert math.isnan(summarize(rs[:1], 1.0, {}).restore_gbps)
+    assert f.queue_mean_ms == 750.0  # sglang's queue time: 3 s over 4 requests
+    assert math.isnan(summarize(rs[:1], 1.0, {}).queue_mean_ms)
 
 
 def figures(ttft_resume: float, tput: float, errors: int = 0) -> Figures:
