@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
@@ -59,33 +59,37 @@ def medians(workloads: dict[str, dict[str, Measured]]) -> dict[str, dict[str, Fi
 class VersusBest:
     """Ours against the best HiCache configuration of each workload, and "overall"."""
 
-    config: dict[str, str | None]  # the configuration with the lowest TTFT (the TTFT ratios' base)
-    throughput_config: dict[str, str | None]  # the one with the highest throughput (their base)
-    ttft: dict[str, float]  # resumed-turn TTFT p50, ours / best (median over repeats)
-    throughput: dict[str, float]
-    ttft_range: dict[str, tuple[float, float]]  # min, max of the per-repeat ratios
-    throughput_range: dict[str, tuple[float, float]]
+    # the configuration with the lowest TTFT (the TTFT ratios' base)
+    config: dict[str, str | None] = field(default_factory=dict)
+    # the one with the highest throughput (their base)
+    throughput_config: dict[str, str | None] = field(default_factory=dict)
+    # resumed-turn TTFT p50, ours / best (median over repeats)
+    ttft: dict[str, float] = field(default_factory=dict)
+    throughput: dict[str, float] = field(default_factory=dict)
+    ttft_range: dict[str, tuple[float, float]] = field(default_factory=dict)  # min, max per repeat
+    throughput_range: dict[str, tuple[float, float]] = field(default_factory=dict)
     # The same two ratios for the `resident` reference in place of ours (a device pool that holds
     # the whole workload: every reusable prefix a device hit, nothing restored, no request waiting
-    # for pool space). No cache behind the run's smaller pool does better, so a gate threshold
-    # beyond it cannot be met on this workload and machine (NaN where `resident` did not run).
-    resident_ttft: dict[str, float]
-    resident_throughput: dict[str, float]
+    # for pool space): what a cache behind the run's smaller pool can hope to reach, measured (not
+    # a proof: a larger pool also batches differently), so a gate threshold beyond it is visibly out
+    # of reach on this workload and machine (NaN where `resident` did not run).
+    resident_ttft: dict[str, float] = field(default_factory=dict)
+    resident_throughput: dict[str, float] = field(default_factory=dict)
 
 
 def versus_best(workloads: dict[str, dict[str, Measured]]) -> VersusBest:
-    out = VersusBest({}, {}, {}, {}, {}, {}, {}, {})
+    out = VersusBest()
     for w, by in workloads.items():
         medians = {s: m.median for s, m in by.items()}
         out.config[w], out.throughput_config[w] = best_hicache(medians), best_hicache(medians, "throughput")
         ours, resident = by.get("ours"), by.get("resident")
-        for name, best, ratios, ranges, floor in (
+        for name, best, ratios, ranges, reference in (
             ("ttft_resume_p50_ms", out.config[w], out.ttft, out.ttft_range, out.resident_ttft),
             ("throughput_tok_s", out.throughput_config[w], out.throughput, out.throughput_range,
              out.resident_throughput),
         ):  # fmt: skip
             peer = by.get(best) if best else None
-            floor[w] = NAN if resident is None or peer is None else _of_medians(resident, peer, name)
+            reference[w] = NAN if resident is None or peer is None else _of_medians(resident, peer, name)
             if ours is None or peer is None:
                 ratios[w], ranges[w] = NAN, (NAN, NAN)
                 continue

@@ -32,8 +32,10 @@ COUNTERS = {
     "evicted_tokens": "tokens evicted from the device KV pool",
     "spilled_tokens": "evicted tokens written to the tier",
     "written_through_tokens": "tokens submitted to the tier when cached (write_through policy), before any eviction",
-    "writes_through_deferred": "write-throughs not submitted because background writes already held "
-    "their share of staging (the next insert on the path tries again; eviction writes it otherwise)",
+    "writes_through_deferred": "write-throughs not submitted because staging was half full or more "
+    "then (spill_io.BACKGROUND_SHARE; the next insert on the path tries again; eviction writes it otherwise)",
+    "writes_through_too_large": "write-throughs never submitted because the node is larger than "
+    "write-through's share of staging (eviction writes it; raise --hicache-spill-staging)",
     "spilled_bytes": "packed KV bytes submitted to the tier",
     "dropped_tokens": "evicted tokens dropped instead of spilled (tier off, slow or full, or too short)",
     "spill_failures": "spills the tier failed to write (I/O error, no space)",

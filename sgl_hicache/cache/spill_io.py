@@ -6,8 +6,9 @@
   `spills_refused_staging_full` (momentarily: writes in flight hold it) or
   `spills_refused_too_large` (never: larger than all of staging; logged once with the flag to raise).
   A `background` store (a write-through: nothing is lost without it) may fill staging only up to
-  `BACKGROUND_SHARE` of it, so evictions and restores always find the rest; refused, it is counted
-  as `writes_through_deferred` (the next insert on its path tries again).
+  `BACKGROUND_SHARE` of it, so eviction spills and reads (restores, prefetches) always have the rest
+  between them; refused, it is counted as `writes_through_deferred` (momentarily: the next insert on
+  its path tries again) or `writes_through_too_large` (never: larger than the share; logged once).
   The caller may free the slots as soon as `store` returns: the pack has completed.
 - `poll` (never blocks) moves finished writes to ON_TIER / LOST and frees their staging, and hands
   finished loads to `reads` (`ExtentReads`: prefetch, coalescing, readiness; see reads.py).
@@ -40,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 BACKGROUND_SHARE = 0.5
 """The part of staging that background stores (write-through) may fill: the rest is kept for
-eviction spills (else a dropped node) and restore reads (else a recompute)."""
+eviction spills (else a dropped node) and reads (else a recompute), which share it."""
 
 
 class SpillIO:
@@ -53,6 +54,7 @@ class SpillIO:
         self.reads = ExtentReads(tier, view, staging, metrics, prefetch_ttl_s)
         self._writing: dict[Ticket, Extent] = {}
         self._too_large_logged = False
+        self._too_large_for_share_logged = False
 
     @property
     def tier(self) -> Tier:
@@ -73,8 +75,8 @@ class SpillIO:
         limit = int(self.staging.capacity_bytes * BACKGROUND_SHARE) if background else None
         buf = self.staging.acquire(nbytes, limit)
         if buf is None:
-            if background:
-                self.metrics.inc("writes_through_deferred")
+            if limit is not None:
+                self._deferred(len(slots), nbytes, limit)
             else:
                 self._refused(len(slots), nbytes)
             return None
@@ -90,6 +92,21 @@ class SpillIO:
         self._writing[ticket] = extent
         self.metrics.inc("spilled_bytes", nbytes)
         return extent
+
+    def _deferred(self, tokens: int, nbytes: int, limit: int) -> None:
+        if nbytes <= limit:
+            self.metrics.inc("writes_through_deferred")
+            return
+        self.metrics.inc("writes_through_too_large")
+        if not self._too_large_for_share_logged:
+            self._too_large_for_share_logged = True
+            logger.warning(
+                "sgl_hicache: a node of %d tokens (%d B of KV) is never written through: write-through may "
+                "fill %d B of staging; it is written when evicted instead, and the nodes below it on its "
+                "path too (logged once; counted in writes_through_too_large): raise --hicache-spill-staging "
+                "to at least %d B",
+                tokens, nbytes, limit, int(nbytes / BACKGROUND_SHARE) + 1,
+            )  # fmt: skip
 
     def _refused(self, tokens: int, nbytes: int) -> None:
         if nbytes <= self.staging.capacity_bytes:

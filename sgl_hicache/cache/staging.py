@@ -19,7 +19,7 @@ class StagingPool:
         self.capacity_bytes = capacity_bytes
         self._used = 0
         self.peak_bytes = 0  # high-water mark since start (to size the budget from measurement)
-        self.refused = 0  # acquisitions refused for lack of budget
+        self.refused = 0  # acquisitions refused for lack of budget (not those held to a lower limit)
         self._lock = threading.Lock()
 
     @property
@@ -28,12 +28,12 @@ class StagingPool:
 
     def acquire(self, nbytes: int, limit_bytes: int | None = None) -> torch.Tensor | None:
         """A page-aligned uint8 host tensor of `nbytes`, or None if that would take the bytes in use
-        past `limit_bytes` (default: the whole budget; a lower limit keeps the rest for others).
-        Never blocks."""
+        past `limit_bytes` (default: the whole budget; a lower limit keeps the rest for others, and
+        its refusals are the caller's to count, not `refused`). Never blocks."""
         limit = self.capacity_bytes if limit_bytes is None else min(limit_bytes, self.capacity_bytes)
         with self._lock:
             if self._used + nbytes > limit:
-                self.refused += 1
+                self.refused += limit_bytes is None
                 return None
             self._used += nbytes
             self.peak_bytes = max(self.peak_bytes, self._used)

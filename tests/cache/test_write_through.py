@@ -7,6 +7,7 @@ lookup. Every restored slot is checked against its lossless marker."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -162,27 +163,87 @@ def test_write_through_is_refused_off_the_cpu_until_fenced(
         check_write_policy(config, torch.device(device))
 
 
-def test_write_through_fills_only_its_share_of_staging(make_stack: Any, tmp_path: Path) -> None:
-    """Write-throughs are background work (nothing is lost without them): they may fill only
-    `BACKGROUND_SHARE` of staging, so an eviction burst still spills and a restore still reads.
-    Without the bound the second and third writes below would take the staging the eviction needs."""
+def _hold_store_completions(monkeypatch: pytest.MonkeyPatch, tier: Any) -> Callable[[], None]:
+    """Keep the tier's finished stores from the cache (their staging stays held, as behind a slow
+    disk) until the returned function is called."""
+    from sgl_hicache.tier.base import Op
+
+    held: list[Any] = []
+    released = False
+    inner = tier.get_finished
+
+    def get_finished() -> list[Any]:
+        done = inner()
+        if released:
+            out, held[:] = held + done, []
+            return out
+        held.extend(d for d in done if d.op is Op.STORE)
+        return [d for d in done if d.op is not Op.STORE]
+
+    def release() -> None:
+        nonlocal released
+        released = True
+
+    monkeypatch.setattr(tier, "get_finished", get_finished)
+    return release
+
+
+def test_write_through_fills_only_its_share_of_staging(
+    make_stack: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Write-throughs are background work (nothing is lost without them): while the disk is slow
+    they may hold only `BACKGROUND_SHARE` of staging, so a restore still finds staging to read into.
+    Without the bound the three write-throughs below would hold all of it and the restore would
+    recompute."""
     a = make_stack(tmp_path / "tier", size=512, write_policy=WritePolicy.WRITE_THROUGH)
     io = a.cache.spill_io
     one = packed_nbytes(io.view, 48)
     io.staging.capacity_bytes = 3 * one  # three 48-token nodes; write-through may hold one of them
     assert one <= 3 * one * BACKGROUND_SHARE < 2 * one
+    old = [7000 + i for i in range(48)]
+    a.insert(old)
+    a.evict_all()  # written through, then evicted: on the tier only
+    assert io.staging.used_bytes == 0 and a.cache.spilled_tokens == 48
+    release = _hold_store_completions(monkeypatch, io.tier)
     prompts = [[base + i for i in range(48)] for base in (1000, 2000, 3000)]
-    for tokens in prompts:  # no poll in between: the first write still holds its staging
+    for tokens in prompts:  # the disk never reports these writes: the first holds its staging
         a.insert(tokens)
     assert io.staging.used_bytes == one
-    assert a.metrics.totals["written_through_tokens"] == 48
+    assert a.metrics.totals["written_through_tokens"] == 48 + 48
     assert a.metrics.totals["writes_through_deferred"] == 2
-    assert a.metrics.totals["spills_refused_staging_full"] == 0  # no eviction was refused
-    a.evict_all()  # the two deferred nodes are written now, in the staging write-through left
+    assert io.staging.refused == 0  # a deferral is not a refusal for lack of staging
+    n, node = a.load_back(a.match(old))  # reads into staging write-through left
+    assert n == 48
+    assert read_kv(a.pool, a.cache.path_device_indices(node)) == old
+    release()
+    a.evict_all()  # the two deferred nodes are written at eviction, as under write_back
     assert a.metrics.totals["spilled_tokens"] == 96 and a.metrics.totals["dropped_tokens"] == 0
     for tokens in prompts:
-        m = a.match(tokens)
-        n, node = a.load_back(m)
+        n, node = a.load_back(a.match(tokens))
+        assert n == 48
+        assert read_kv(a.pool, a.cache.path_device_indices(node)) == tokens
+    a.cache.check_integrity()
+
+
+def test_a_node_larger_than_write_throughs_share_is_written_at_eviction(
+    make_stack: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A node that can never fit write-through's share (but fits staging) is counted apart from a
+    momentary deferral and logged once with the flag to raise; its eviction writes it exactly."""
+    a = make_stack(tmp_path / "tier", size=512, write_policy=WritePolicy.WRITE_THROUGH)
+    io = a.cache.spill_io
+    io.staging.capacity_bytes = packed_nbytes(io.view, 64)  # share: 32 tokens
+    big = [[base + i for i in range(48)] for base in (1000, 2000)]
+    for tokens in big:
+        a.insert(tokens)  # staging is empty: only the share refuses it
+        a.evict_all()  # one node at a time: two would not fit staging together
+    totals = a.metrics.totals
+    assert (totals["written_through_tokens"], totals["writes_through_deferred"]) == (0, 0)
+    assert totals["writes_through_too_large"] == 2
+    assert len([r for r in caplog.records if "never written through" in r.getMessage()]) == 1
+    assert totals["spilled_tokens"] == 96 and totals["dropped_tokens"] == 0
+    for tokens in big:
+        n, node = a.load_back(a.match(tokens))
         assert n == 48
         assert read_kv(a.pool, a.cache.path_device_indices(node)) == tokens
     a.cache.check_integrity()
