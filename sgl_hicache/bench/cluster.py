@@ -217,7 +217,8 @@ def final_line(workloads: dict[str, dict[str, Figures]], lookups: dict[str, list
     """The headline is the first workload: each configuration's figures (medians over repeats),
     `ours-shared` over the others (`RATIO_KEYS`), every workload's ratios, our lookup counters
     (summed over the servers, repeats and workloads; and per server) and, from `moved` (each
-    configuration's requests), the share of resumed turns the router moved to the other server."""
+    configuration's requests), the share of resumed turns the router moved to the other server, over
+    all repeats and per repeat."""
     moved = moved or {}
     head = next(iter(workloads), None)
     figures = workloads.get(head, {}) if head else {}
@@ -235,6 +236,7 @@ def final_line(workloads: dict[str, dict[str, Figures]], lookups: dict[str, list
         "lookup_counters_by_server": {c: {k: [s[k] for s in by] for k in LOOKUP_COUNTERS} for c, by in lookups.items()},
         "errors": sum(f.errors for fs in workloads.values() for f in fs.values()),
         "moved_rate": {c: moved_rate(rs) for c, rs in moved.items()},
+        "moved_rate_by_repeat": {c: moved_rate_by_repeat(rs) for c, rs in moved.items()},
         **extra,
     }  # fmt: skip
     return report.clean(line)  # type: ignore[no-any-return]
@@ -253,6 +255,12 @@ def moved_rate(results: list[Result]) -> float:
             moved += r.server != before
         last[conversation] = r.server
     return moved / known if known else NAN
+
+
+def moved_rate_by_repeat(results: list[Result]) -> list[float]:
+    """`moved_rate` of each repeat, in repeat order (a repeat whose router did not alternate shows)."""
+    repeats = sorted({r.repeat for r in results})
+    return [moved_rate([r for r in results if r.repeat == k]) for k in repeats]
 
 
 def ratios(figures: dict[str, Figures]) -> dict[str, float]:

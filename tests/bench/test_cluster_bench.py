@@ -174,6 +174,7 @@ def test_final_line_names_each_configuration_and_the_ratios() -> None:
     assert line["lookup_counters_total"]["ours-shared"]["lookup_attached_tokens"] == 641
     assert line["lookup_counters_by_server"]["ours-shared"]["lookup_attached_tokens"] == [1, 640]
     assert line["moved_rate"] == {"ours-shared": None}  # no server known
+    assert line["moved_rate_by_repeat"] == {"ours-shared": []}
 
 
 def test_a_missing_configuration_is_a_null_ratio() -> None:
@@ -228,6 +229,7 @@ def test_moved_rate_counts_resumed_turns_with_known_servers() -> None:
           turn("c2r0", 0, None), turn("c2r1", 1, "a"),  # no server known before: not counted
           turn("c1r0", 0, "b", repeat=1), turn("c1r1", 1, "a", repeat=1)]  # fmt: skip
     assert cluster.moved_rate(rs) == 2 / 3
+    assert cluster.moved_rate_by_repeat(rs) == [1 / 2, 1.0]
     assert math.isnan(cluster.moved_rate(rs[3:5]))
 
 

@@ -99,6 +99,7 @@ def test_best_hicache_for_throughput_is_the_highest_throughput_then_ttft() -> No
 def test_report_files_and_final_line(tmp_path: Path) -> None:
     rs = {"ours": {"w": [result("a", 10, False), result("b", 5, True, cached=50)]},
           "recompute": {"w": [result("a", 12, False), result("b", 20, True)]}}  # fmt: skip
+    rs["ours"]["w"][1].server = "http://s1"  # the worker a router picked, kept per request
     workloads = {"w": {s: summarize(by["w"], 1.0, {}) for s, by in rs.items()}}
     line = report.final_line(workloads, {"w": ratios(workloads["w"])}, {"page_cache": "drop_caches"})
     assert line["ttft_resume_p50_ms"] == {"ours": 5.0, "recompute": 20.0}
@@ -111,7 +112,10 @@ def test_report_files_and_final_line(tmp_path: Path) -> None:
     assert doc["metrics"] == {"ours": {"w": {"a": 2.0}}}
     assert doc["final"] == line and len(doc["requests"]) == 4
     rows = list(csv.DictReader(paths[1].open()))
-    assert {(r["system"], r["key"], r["cached_storage"]) for r in rows} >= {("ours", "b", "25")}
+    assert {(r["system"], r["key"], r["cached_storage"], r["server"]) for r in rows} >= {
+        ("ours", "b", "25", "http://s1")
+    }
+    assert {r["server"] for r in doc["requests"]} == {None, "http://s1"}
     assert [r["system"] for r in csv.DictReader(paths[2].open())] == ["ours", "recompute"]
     assert paths[3].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
