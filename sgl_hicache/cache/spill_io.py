@@ -53,8 +53,7 @@ class SpillIO:
         self.timeout_s = timeout_s
         self.reads = ExtentReads(tier, view, staging, metrics, prefetch_ttl_s)
         self._writing: dict[Ticket, Extent] = {}
-        self._too_large_logged = False
-        self._too_large_for_share_logged = False
+        self._logged: set[str] = set()  # counters whose warning was logged (`_count_once`)
 
     @property
     def tier(self) -> Tier:
@@ -97,30 +96,33 @@ class SpillIO:
         if nbytes <= limit:
             self.metrics.inc("writes_through_deferred")
             return
-        self.metrics.inc("writes_through_too_large")
-        if not self._too_large_for_share_logged:
-            self._too_large_for_share_logged = True
-            logger.warning(
-                "sgl_hicache: a node of %d tokens (%d B of KV) is never written through: write-through may "
-                "fill %d B of staging; it is written when evicted instead, and the nodes below it on its "
-                "path too (logged once; counted in writes_through_too_large): raise --hicache-spill-staging "
-                "to at least %d B",
-                tokens, nbytes, limit, int(nbytes / BACKGROUND_SHARE) + 1,
-            )  # fmt: skip
+        self._count_once(
+            "writes_through_too_large",
+            "sgl_hicache: a node of %d tokens (%d B of KV) is never written through: write-through may "
+            "fill %d B of staging; it is written when evicted instead, and the nodes below it on its "
+            "path too (logged once; counted in writes_through_too_large): raise --hicache-spill-staging "
+            "to at least %d B",
+            tokens, nbytes, limit, int(nbytes / BACKGROUND_SHARE) + 1,
+        )  # fmt: skip
 
     def _refused(self, tokens: int, nbytes: int) -> None:
         if nbytes <= self.staging.capacity_bytes:
             self.metrics.inc("spills_refused_staging_full")
             return
-        self.metrics.inc("spills_refused_too_large")
-        if not self._too_large_logged:
-            self._too_large_logged = True
-            logger.warning(
-                "sgl_hicache: a node of %d tokens (%d B of KV) can never spill: staging holds %d B in all; "
-                "it and any like it are dropped (logged once; counted in spills_refused_too_large): raise "
-                "--hicache-spill-staging to at least %d B",
-                tokens, nbytes, self.staging.capacity_bytes, nbytes,
-            )  # fmt: skip
+        self._count_once(
+            "spills_refused_too_large",
+            "sgl_hicache: a node of %d tokens (%d B of KV) can never spill: staging holds %d B in all; "
+            "it and any like it are dropped (logged once; counted in spills_refused_too_large): raise "
+            "--hicache-spill-staging to at least %d B",
+            tokens, nbytes, self.staging.capacity_bytes, nbytes,
+        )  # fmt: skip
+
+    def _count_once(self, counter: str, warning: str, *args: object) -> None:
+        """Count `counter`; log `warning` the first time only (a condition that will recur)."""
+        self.metrics.inc(counter)
+        if counter not in self._logged:
+            self._logged.add(counter)
+            logger.warning(warning, *args)
 
     def close(self, timeout_s: float) -> None:
         """Shutdown: close the tier, giving its writes at most `timeout_s` (then abandoned, their
