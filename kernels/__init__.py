@@ -18,7 +18,7 @@ import torch
 
 from .layout import KVKind, KVPoolView, packed_nbytes, page_bytes
 from .pack_torch import pack_kv_torch, unpack_kv_torch
-from .plan import plan_copy, zero_padding
+from .plan import plan_copy, trusted_plan, zero_padding
 from .sglang_pools import from_sglang_pool
 
 Backend = Literal["auto", "torch", "triton"]
@@ -35,15 +35,24 @@ __all__ = [
 ]
 
 
-def pack_kv(view: KVPoolView, slots: torch.Tensor, out: torch.Tensor, *, backend: Backend = "auto") -> None:
+def pack_kv(
+    view: KVPoolView,
+    slots: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    backend: Backend = "auto",
+    trusted: bool = False,
+) -> None:
     """Gather the KV of every layer at `slots` into `out[:packed_nbytes(view, len(slots))]`.
 
     `slots` (1-D int64, on the pool's device) gives the packed order; repeated slots are copied
     each time. The padding of a partial last page is zeroed; bytes of `out` past it are untouched.
     Empty `slots` is a no-op. Raises ValueError on bad arguments (see `plan.plan_copy`). On a GPU the
     checks sync once with the host; the copy itself is queued on the current stream, like any kernel.
+    `trusted`: the slots come straight from sglang's allocator (in range, whole aligned pages): the
+    checks of their values are skipped, so a GPU call never syncs with the host (see `plan.trusted_plan`).
     """
-    plan = plan_copy(view, slots, out, scatter=False)
+    plan = trusted_plan(view, slots, out) if trusted else plan_copy(view, slots, out, scatter=False)
     if plan.n_tokens == 0:
         return
     zero_padding(view, plan.n_tokens, out)
@@ -56,15 +65,20 @@ def pack_kv(view: KVPoolView, slots: torch.Tensor, out: torch.Tensor, *, backend
 
 
 def unpack_kv(
-    view: KVPoolView, slots: torch.Tensor, packed: torch.Tensor, *, backend: Backend = "auto"
+    view: KVPoolView,
+    slots: torch.Tensor,
+    packed: torch.Tensor,
+    *,
+    backend: Backend = "auto",
+    trusted: bool = False,
 ) -> None:
     """Scatter packed KV back into the pool at `slots`: token i of `slots` takes token i of `packed`.
 
     `packed` may hold more tokens than `slots` (an extent of which only a prefix is restored): only
     the first `packed_nbytes(view, len(slots))` bytes are read. Raises ValueError on bad arguments
-    and on duplicate slots. Empty `slots` is a no-op.
+    and on duplicate slots. Empty `slots` is a no-op. `trusted`: as for `pack_kv`.
     """
-    plan = plan_copy(view, slots, packed, scatter=True)
+    plan = trusted_plan(view, slots, packed) if trusted else plan_copy(view, slots, packed, scatter=True)
     if plan.n_tokens == 0:
         return
     if _resolve(backend, view) == "triton":

@@ -38,6 +38,17 @@ def plan_copy(view: KVPoolView, slots: torch.Tensor, packed: torch.Tensor, *, sc
     return CopyPlan(n, bool(aligned))
 
 
+def trusted_plan(view: KVPoolView, slots: torch.Tensor, packed: torch.Tensor) -> CopyPlan:
+    """The plan for slots handed out by sglang's allocator: in range, no duplicates, and whole
+    aligned pages when page_size > 1 (its paged allocator allocates nothing else). Only the checks
+    that need no slot values run (dtype, device, buffer size), so nothing syncs with the host.
+    Wrong slots here copy wrong KV: callers pass only slots a tree node or an allocation owns."""
+    _check_slots(view, slots)
+    n = slots.numel()
+    _check_packed(view, packed, packed_nbytes(view, n))
+    return CopyPlan(n, True)
+
+
 def zero_padding(view: KVPoolView, n_tokens: int, out: torch.Tensor) -> None:
     """Zero the last page of `out` when it is partial, so packed bytes depend only on the KV."""
     if n_tokens % view.page_size:

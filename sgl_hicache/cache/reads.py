@@ -9,7 +9,9 @@ Contract (every method runs on the scheduler thread and never blocks on I/O):
   else (a short completion included) is a MISMATCH, never KV;
 - `landed` says how many leading tokens of an extent are verified in host memory right now (a
   staged extent still being written, a finished read, or the verified prefix of a read in flight);
-  nothing else may be read from a buffer before its read completed OK.
+  nothing else may be read from a buffer before its read completed OK;
+- a read's buffer goes back through `release` (the controller's: it waits for any unpack still
+  copying from it), never straight to staging.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -64,10 +66,11 @@ def needs(refs: Sequence[SpillRef]) -> dict[int, tuple[Extent, int]]:
 
 class ExtentReads:
     def __init__(self, tier: Tier, view: KVPoolView, staging: StagingPool, metrics: SpillMetrics,
-                 ttl_s: float) -> None:  # fmt: skip
+                 ttl_s: float, release: Callable[[torch.Tensor], None]) -> None:  # fmt: skip
         self.tier = tier
         self.view = view
         self.staging = staging
+        self.release = release
         self.metrics = metrics
         self.ttl_s = ttl_s
         self._reads: dict[int, PendingRead] = {}  # by id(extent): loads started (prefetch or restore)
@@ -81,7 +84,7 @@ class ExtentReads:
             return False
         read.done = self._checked(read, done)
         if not read.usable:
-            self.staging.release(read.buf)
+            self.release(read.buf)
         return True
 
     @property
@@ -183,7 +186,7 @@ class ExtentReads:
         try:
             ticket = self.tier.submit_load(extent.key, buf.numpy(), nbytes)
         except BaseException:  # nothing was queued (a submit raises before queueing): nobody holds it
-            self.staging.release(buf)
+            self.release(buf)
             raise
         if read is not None:
             self._abandon(read)
@@ -226,7 +229,7 @@ class ExtentReads:
         """Release a read's staging now if it finished, else when its completion arrives."""
         read.usable = False
         if read.done is not None or read.ticket not in self._tickets:
-            self.staging.release(read.buf)
+            self.release(read.buf)
         if self._reads.get(id(read.extent)) is read:
             del self._reads[id(read.extent)]
 

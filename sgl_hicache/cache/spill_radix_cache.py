@@ -1,25 +1,30 @@
-"""`SpillRadixCache`: the radix cache whose evictions spill to the NVMe tier (I/O and policy; the
-tree mechanics of spilled nodes are `SpilledTree`'s, in spilled_tree.py).
+"""`SpillRadixCache`: sglang's radix cache whose evictions spill to the NVMe tier.
 
-Why sglang's `RadixCache` and not the default `UnifiedRadixCache`: in sglang 0.5.23 the unified cache keeps
-its tree in a Rust core (nodes are opaque ids), so no Python subclass can keep a node *spilled* or
-walk a cold subtree; `RadixCache` is the pure-Python tree that sglang's own FlexKV backend extends
-the same way. See docs/DESIGN.md.
+Three pieces, each with one owner (docs/DESIGN.md, "Controller, tree, cache"):
+- the **tree** (`SpillTree`, tree.py) makes every change of spilled state and counts it;
+- the **controller** (`SpillController`, controller.py) moves every byte: staging, stores, reads,
+  restores in progress, lookups' I/O, and the ordering of each copy against sglang's forward;
+- this **cache** translates sglang's calls into tree and controller calls and takes the decisions
+  (what to spill or drop, when a restore is ready, what TP ranks agree on). When our logic raises
+  in a call from sglang it answers with its fallback method instead (guard.py): sglang's plain
+  radix cache behaviour on our tree, which never serves unverified KV.
 
-What changes, and where sglang calls it:
-- `evict` (the allocator's `evict_for_alloc` forwards here): victims are chosen exactly as sglang
-  does (eviction policy over unlocked device leaves), but each victim's KV is packed into staging and
-  written to the tier as one extent; the node stays in the tree as *spilled* (`node.value is None`,
-  `node.spill` set) and its slots are freed. Victims that cannot be spilled are dropped as before.
-- `match_prefix`: the device-resident part is reported as usual; the spilled continuation is
-  reported as a host hit (`host_hit_length`, `best_match_node`), which makes the scheduler call
-  `init_load_back` when it admits the request.
-- `init_load_back`: allocates slots, restores the spilled nodes on the path (all or nothing) and
-  turns them back into device-resident nodes, so prefill sees them as cached prefix. While the
-  reads are in flight it answers "retry" and unpacks the verified chunks early (restore.py).
-- `prefetch` / `take_hints`: start the reads of a prompt's spilled prefix ahead of its restore.
-Everything else (locking, accounting of evictable/protected sizes, scheduling) is sglang's, with
-spilled nodes counted in neither: they hold no device memory.
+Why sglang's `RadixCache` and not the default `UnifiedRadixCache`: in sglang 0.5.23 the unified cache
+keeps its tree in a Rust core (nodes are opaque ids), so no Python subclass can keep a node spilled
+or walk a cold subtree; `RadixCache` is the pure-Python tree that sglang's own FlexKV backend extends
+the same way.
+
+What sglang calls, and what happens:
+- `evict`: victims as sglang picks them (eviction policy over unlocked device leaves); each is packed
+  and written to the tier as one extent and stays in the tree as spilled, or is dropped.
+- `match_prefix`: the device-resident part as usual; the spilled continuation as a host hit, which
+  makes the scheduler call `init_load_back` when it admits the request.
+- `init_load_back`: restores the spilled nodes on the path (all or nothing) into fresh slots; while
+  their reads are in flight it answers "retry" (None) and unpacks verified chunks early.
+- `insert`: sglang's; spilled nodes on the path adopt the request's slots; under write-through the
+  resident path is then written.
+- `reset`: an empty tree; at start the tier's extents are attached (warm restart), later a new epoch.
+Spilled nodes count in neither evictable nor protected size: they hold no device memory.
 """
 
 from __future__ import annotations
@@ -43,80 +48,215 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     MatchResult,
 )
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
-from sgl_hicache.cache import fallbacks
 from sgl_hicache.cache.agreement import Agreement, SingleRank
-from sgl_hicache.cache.cross_attach import CrossServerLookups
-from sgl_hicache.cache.guard import contained, nothing
+from sgl_hicache.cache.controller import SpillController
+from sgl_hicache.cache.guard import contained, internal_error, last_resort, nothing
 from sgl_hicache.cache.hint_source import HintSource, ResumeHint
 from sgl_hicache.cache.metrics import SpillMetrics
-from sgl_hicache.cache.partial_restore import PartialRestores, RestoreProgress
 from sgl_hicache.cache.reads import Readiness
-from sgl_hicache.cache.spill_io import SpillIO
-from sgl_hicache.cache.spill_state import Extent, ExtentState, SpillRef
-from sgl_hicache.cache.spilled_tree import SpilledTree
+from sgl_hicache.cache.restores import EarlyUnpackStats
+from sgl_hicache.cache.spill_state import ExtentState, SpillRef
+from sgl_hicache.cache.tree import SpillTree
+from sgl_hicache.cache.warm_start import WarmStart, tree_digest
 from sgl_hicache.config import PrefetchPolicy, SpillConfig, WritePolicy
-from sgl_hicache.tier import ExtentInfo, ExtentKey, NamespaceId, chain_key
+from sgl_hicache.tier import ExtentKey, NamespaceId, chain_key
 from sgl_hicache.tier.keys import PathHasher, tenant_of
 from sgl_hicache.tier.lookup import alias_marks
 
 logger = logging.getLogger(__name__)
 
+ANONYMOUS = "sgl-hicache:restore"  # the owner of a restore whose request has no id (never deferred)
+INTEGRITY_ENV = "SGL_HICACHE_REPORT_INTEGRITY"
 
-class SpillRadixCache(SpilledTree):
+
+class Admission:
+    """One admission attempt of a request (`begin_admission` .. `end_admission`): whether
+    `init_load_back` deferred it, which sglang reports only as a generic "stop admitting"."""
+
+    def __init__(self, rid: str | None) -> None:
+        self.rid = rid
+        self.deferred = False
+
+
+class SpillRadixCache(RadixCache):
     def __init__(self, params: CacheInitParams, config: SpillConfig, metrics: SpillMetrics,
-                 io: SpillIO | None, namespace_id: NamespaceId, hints: HintSource | None = None,
+                 controller: SpillController | None, namespace_id: NamespaceId, hints: HintSource | None = None,
                  agreement: Agreement | None = None) -> None:  # fmt: skip
         self.agreement = agreement or SingleRank()
         self.spill_config = config
         self.spill_metrics = metrics
-        self.spill_io = io
+        self.controller = controller
         self.namespace_id = namespace_id
         self.hints = hints
         self.errors_logged: set[str] = set()  # guard.py: names whose first internal error was logged
-        self.tier_orphans: dict[ExtentKey, list[ExtentInfo]] = {}  # see warm_start.py
-        self.deferred_rid: str | None = None  # the request the last init_load_back deferred
         self._deferred_since: dict[str, float] = {}  # rid -> when its admission was first deferred
-        self.partial_restores = PartialRestores(params.token_to_kv_pool_allocator, config.prefetch_ttl_s)
-        self.spilled_tokens = 0
-        self.cross_lookups = CrossServerLookups()  # other servers' extents, found by path key
+        self._admission: Admission | None = None
         self.epoch: bytes | None = None  # seeds every path key; None until the first reset()
+        self.tree = SpillTree(self)
+        self.warm = WarmStart(self.tree, namespace_id)
         super().__init__(params)  # calls reset(), which attaches the tier's extents (warm start)
 
     @property
-    def prune_lost_on_walk(self) -> bool:  # type: ignore[override]
+    def spilled_tokens(self) -> int:
+        return self.tree.spilled_tokens
+
+    @property
+    def prune_lost_on_walk(self) -> bool:
         """Only a single rank may act on a locally LOST extent while walking (agreement.py)."""
         return self.agreement.size == 1
 
+    def set_forward_streams(self, streams: list[Any]) -> None:
+        """sglang's forward streams, which every copy of ours is ordered against (device.py)."""
+        if self.controller is not None:
+            self.controller.engine.set_forward_streams(streams)
+
+    # ---- sglang's tree internals, routed to the tree ---------------------------------------
+
+    def _split_node(self, key: RadixKey, child: TreeNode, split_len: int) -> TreeNode:
+        return self.tree.split(key, child, split_len)
+
+    def _match_prefix_helper(self, node: TreeNode, key: RadixKey) -> tuple[list[torch.Tensor], TreeNode]:
+        return self.tree.match_resident(node, key)
+
+    def all_values_flatten(self) -> torch.Tensor:
+        return self.tree.resident_values()
+
+    def evictable_size(self) -> int:
+        """sglang's evictable tokens plus the slots of restores in progress, which `evict` frees first."""
+        held = self.controller.restores.held_tokens if self.controller is not None else 0
+        return self.evictable_size_ + held
+
+    # ---- fallbacks (guard.py): sglang's plain radix cache on our tree ------------------------
+
+    def _nothing_matched(self, _params: MatchPrefixParams) -> MatchResult:
+        return self._no_match()
+
+    @last_resort(_nothing_matched)
+    def _match_resident_only(self, params: MatchPrefixParams) -> MatchResult:
+        """The device-resident prefix only (sglang's match stops at spilled nodes on our tree)."""
+        return RadixCache.match_prefix(self, params)
+
+    def _nothing_evicted(self, _params: EvictParams) -> EvictResult:
+        return EvictResult()
+
+    @last_resort(_nothing_evicted)
+    def _evict_by_dropping(self, params: EvictParams) -> EvictResult:
+        """sglang's eviction: LRU leaves dropped, none spilled (a dropped node takes its subtree)."""
+        if self.disable:
+            return EvictResult()
+        evicted = 0
+        for node in self._victims(params.num_tokens):
+            evicted += self._drop_node(node)
+        return EvictResult(num_tokens_evicted=evicted)
+
+    def _nothing_restored(self, params: InitLoadBackParams) -> tuple[int, Any] | None:
+        anchor = getattr(params.req, "last_node", None)
+        return 0, anchor if anchor is not None else self.root_node
+
+    @last_resort(_nothing_restored)
+    def _no_restore(self, params: InitLoadBackParams) -> tuple[int, Any] | None:
+        """Nothing restored: the request recomputes its spilled part; its restore is freed."""
+        try:  # the failed method may have failed right here: that must not fail its fallback too
+            if self.controller is not None:
+                self.controller.restores.drop(_owner(getattr(params.req, "rid", None)))
+        except Exception:
+            internal_error(self, "init_load_back (freeing a restore)")
+        return self._nothing_restored(params)
+
+    def _nothing_kept(self) -> None:
+        """sglang's own reset (an empty tree; spill is off by then, so no key epoch matters)."""
+        RadixCache.reset(self)
+        self.tree.cleared()
+
+    @last_resort(_nothing_kept)
+    def _empty_reset(self) -> None:
+        """An empty tree in a new key epoch (nothing named before is ever found). Restores in
+        progress are forgotten, not freed: sglang clears the allocator right after a flush."""
+        self._nothing_kept()
+        self.warm.forget()
+        if self.controller is not None:
+            self.controller.restores.forget()
+        self.start_epoch()
+
+    def _attached_nothing(self) -> None:
+        """A warm start that failed partway: an empty tree (the tier's extents stay on disk).
+        With TP > 1 the warm-start agreement still runs after it, so every rank then starts empty."""
+        self._nothing_kept()
+        self.warm.forget()
+
+    def _spilled_if_marked(self, node: TreeNode) -> bool:
+        """One node's spill failed: dropped instead, unless it had already become spilled."""
+        return node.value is None
+
+    def _spilled_path_dropped(self, node: TreeNode, key: RadixKey, value: Any) -> int:
+        """An insert could not adopt the spilled nodes on its path: the first of them goes, with its
+        subtree, so sglang's insert then finds only resident nodes there. Walks with dict lookups
+        only, none of our helpers."""
+        while len(key) > 0:
+            child = node.children.get(key.child_key(self.page_size))
+            if child is None:
+                break
+            if child.evicted:
+                self.tree.prune(child)
+                break
+            n = child.key.match(key, page_size=self.page_size)
+            if n < len(child.key):  # the path leaves the tree inside a resident node
+                break
+            node, key = child, key[n:]
+        return 0
+
+    def _not_ready(self, *_args: Any) -> Readiness:
+        """A restore whose readiness could not be judged recomputes (its verdict is still agreed)."""
+        return Readiness.FAILED
+
+    def _not_completed(self, owner: object) -> bool:
+        """A restore that failed midway: all or nothing, so nothing (its slots stay in the table,
+        which the agreement's verdict then frees)."""
+        return False
+
+    def _no_reads(self, *_args: Any) -> int:
+        """A prefetch whose reads could not start: none are on their way (the restore starts them)."""
+        return 0
+
     # ---- eviction → spill -------------------------------------------------------------------
 
-    @contained("evict", fallbacks.evict_by_dropping)
+    @contained("evict", _evict_by_dropping)
     def evict(self, params: EvictParams) -> EvictResult:
         if self.disable:
             return EvictResult()
         self._poll()
         start = time.perf_counter()
-        freed = self.partial_restores.evict(params.num_tokens)  # the cheapest to give up: see restore.py
-        heap = [(self.eviction_strategy.get_priority(n), n) for n in self.evictable_leaves]
-        heapq.heapify(heap)
+        freed = self.controller.restores.evict(params.num_tokens) if self.controller is not None else 0
         evicted = 0
         victims: list[tuple[TreeNode, bool]] = []
-        while freed + evicted < params.num_tokens and heap:
-            _, node = heapq.heappop(heap)
-            evicted += len(node.value)
-            parent = node.parent
+        for node in self._victims(params.num_tokens - freed):
+            n = len(node.value)
             spilled = self._spill_node(node)
             if not spilled:
                 self._drop_node(node)
             victims.append((node, spilled))
-            self.kv_events.record_remove(node)
-            if parent in self.evictable_leaves:  # the same whether the victim spilled or dropped
-                heapq.heappush(heap, (self.eviction_strategy.get_priority(parent), parent))
+            evicted += n
         self._agree_on_spills(victims)
         self.update_eviction_metrics(evicted, start)
         self.spill_metrics.inc("evicted_tokens", evicted)
         return EvictResult(num_tokens_evicted=freed + evicted)
+
+    def _victims(self, num_tokens: int) -> Any:
+        """sglang's victims, least valuable first, until `num_tokens` slots are freed: each is yielded
+        while still resident (the caller spills or drops it), then its parent may become one."""
+        heap = [(self.eviction_strategy.get_priority(n), n) for n in self.evictable_leaves]
+        heapq.heapify(heap)
+        evicted = 0
+        while evicted < num_tokens and heap:
+            _, node = heapq.heappop(heap)
+            evicted += len(node.value)
+            parent = node.parent
+            yield node
+            self.kv_events.record_remove(node)
+            if parent in self.evictable_leaves:  # the same whether the victim spilled or dropped
+                heapq.heappush(heap, (self.eviction_strategy.get_priority(parent), parent))
 
     def _agree_on_spills(self, victims: list[tuple[TreeNode, bool]]) -> None:
         """A victim stays spilled only if every rank spilled it; elsewhere it is dropped after all.
@@ -126,19 +266,15 @@ class SpillRadixCache(SpilledTree):
             return
         agreed = self.agreement.min([int(spilled) for _, spilled in victims])
         for (node, spilled), ok in reversed(list(zip(victims, agreed, strict=True))):
-            if spilled and not ok and self._attached(node):
-                self._prune_spilled(node)
+            if spilled and not ok and self.tree.attached(node):
+                self.tree.prune(node)
                 self.spill_metrics.inc("tp_disagreements")
 
-    def evictable_size(self) -> int:
-        """sglang's evictable tokens plus the slots of partial restores, which `evict` frees first."""
-        return self.evictable_size_ + self.partial_restores.held_tokens
-
-    @contained("evict (a node's spill)", fallbacks.spilled_if_marked)
+    @contained("evict (a node's spill)", _spilled_if_marked)
     def _spill_node(self, node: TreeNode) -> bool:
         n = len(node.value)
-        if self._stored_clean(node):  # the exact range it was restored from or written through
-            self._mark_spilled(node, node.spill)
+        if self._clean(node):  # the exact range it was restored from or written through
+            self.tree.mark_spilled(node, node.spill)
             return True
         # Short nodes are not worth an extent, unless dropping them would orphan spilled children.
         if n < self.spill_config.min_spill_tokens and not node.children:
@@ -146,71 +282,81 @@ class SpillRadixCache(SpilledTree):
         ref = self._store(node)
         if ref is None:
             return False
-        self._mark_spilled(node, ref)
+        self.tree.mark_spilled(node, ref)
         self.spill_metrics.inc("spilled_tokens", n)
         return True
 
+    def _clean(self, node: TreeNode) -> bool:
+        """Whether resident `node` has an exact copy that its eviction may simply point to: in
+        staging on its way, or on the tier where only this process could have evicted it. Where
+        another process may evict our files (the root is shared, as write-through assumes), an
+        index entry proves nothing, so the node is stored again: the tier writes nothing when the
+        file is still there (it only refreshes its age), and writes it anew when it is gone."""
+        ref: SpillRef | None = getattr(node, "spill", None)
+        if ref is None or ref.count != len(node.value) or self.controller is None:
+            return False
+        if ref.extent.state is ExtentState.ON_TIER and self._others_may_evict():
+            return False
+        return self.controller.still_stored(ref.extent)
+
+    def _others_may_evict(self) -> bool:
+        assert self.controller is not None
+        shared = self.spill_config.write_policy is WritePolicy.WRITE_THROUGH
+        return shared or bool(getattr(self.controller.tier, "shared", False))
+
     def _store(self, node: TreeNode, background: bool = False) -> SpillRef | None:
-        """Write resident `node`'s KV to the tier as one extent (never blocks on I/O: `SpillIO.store`;
+        """Write resident `node`'s KV to the tier as one extent (never blocks: `SpillController.store`;
         `background`: a write-through, within its share of staging); its reference, or None when it
         cannot be written now (no tier, staging full, an id no key names)."""
-        if self.spill_io is None:
+        if self.controller is None:
             return None
         tokens = np.asarray(node.key.raw_token_ids(), dtype=np.int64)
         try:
-            hasher, start = self._path_to(node)
+            hasher = self.path_hasher(node.key)
+            before = self.tree.tokens_before(node)
+            for part in before:
+                hasher.update(part)
             parent_key = hasher.key()
             key = chain_key(self.namespace_id, parent_key, tokens)
-            aliases = alias_marks(hasher, start, tokens, self.page_size)  # found by path key: cross_attach.py
+            aliases = alias_marks(hasher, sum(len(p) for p in before), tokens, self.page_size)
         except ValueError:  # an id outside 0..2**32-1 on its path (keys hash u32 ids): never spilled
             return None
         default_tenant = tenant_of(node.key.extra_key, node.key.cache_salt) == b""  # others: no ids on disk
-        extent = self.spill_io.store(key, parent_key, tokens, node.value, default_tenant, aliases, background)
+        extent = self.controller.store(
+            key, parent_key, tokens, node.value, default_tenant, aliases, background
+        )
         return None if extent is None else SpillRef(extent, 0, len(node.value))
 
-    def _stored_clean(self, node: TreeNode) -> bool:
-        """Whether resident `node` has an exact copy on the tier (or in staging, on its way)."""
-        ref: SpillRef | None = getattr(node, "spill", None)
-        return ref is not None and ref.count == len(node.value) and self._still_stored(ref.extent)
-
-    def _still_stored(self, extent: Extent) -> bool:
-        if self.spill_io is None:
-            return False
-        if extent.state is ExtentState.WRITING:
-            return extent.staged is not None
-        return extent.state is ExtentState.ON_TIER and self.spill_io.tier.contains(extent.key)
-
-    def _drop_node(self, node: TreeNode) -> None:
-        """Detach first, free last: a failure midway leaves the node in the tree with its slots (a
-        fallback may drop it again) or out of it, never in it with its slots freed (freed twice)."""
-        value = node.value
-        self._forget_spilled(node)
-        self._delete_leaf(node)
-        self.token_to_kv_pool_allocator.free_segment(value, start_pos=0)
-        self.spill_metrics.inc("dropped_tokens", len(value))
+    def _drop_node(self, node: TreeNode) -> int:
+        dropped = self.tree.drop(node)
+        self.spill_metrics.inc("dropped_tokens", dropped)
+        return dropped
 
     def _node_keys(self, node: TreeNode) -> tuple[ExtentKey, ExtentKey]:
         """(path key of the tokens before `node`, extent key of `node`'s own tokens after them)."""
-        parent = self._path_to(node)[0].key()
-        return parent, chain_key(self.namespace_id, parent, node.key.raw_token_ids())
-
-    def _path_to(self, node: TreeNode) -> tuple[PathHasher, int]:
-        """(a hasher fed the tokens before `node`, how many tokens that is)."""
-        path = []
-        walk = node.parent
-        while walk is not self.root_node:
-            path.append(walk.key.raw_token_ids())
-            walk = walk.parent
         hasher = self.path_hasher(node.key)
-        for tokens in reversed(path):
-            hasher.update(tokens)
-        return hasher, sum(len(t) for t in path)
+        for part in self.tree.tokens_before(node):
+            hasher.update(part)
+        parent = hasher.key()
+        return parent, chain_key(self.namespace_id, parent, node.key.raw_token_ids())
 
     def path_hasher(self, key: RadixKey) -> PathHasher:
         """A hasher of paths of `key`'s tenant in the current epoch, at the root."""
         return PathHasher(self.namespace_id, tenant_of(key.extra_key, key.cache_salt), self.epoch or b"")
 
-    # ---- insert → write-through --------------------------------------------------------------
+    # ---- insert → adoption, write-through ----------------------------------------------------
+
+    def _insert_helper(self, node: TreeNode, key: RadixKey, value: Any, priority: int = 0,
+                       inserted_len: int = 0) -> tuple[int, TreeNode]:  # fmt: skip
+        adopted = self._adopt_spilled(node, key, value)
+        prefix_len, last = RadixCache._insert_helper(self, node, key, value, priority, inserted_len)
+        # Adopted tokens are the tail of the matched prefix and now own the request's slots:
+        # they must not be reported as duplicates (the caller frees duplicates' slots).
+        return prefix_len - adopted, last
+
+    @contained("insert (adopting spilled nodes)", _spilled_path_dropped)
+    def _adopt_spilled(self, node: TreeNode, key: RadixKey, value: Any) -> int:
+        return self.tree.adopt(node, key, value)
 
     def insert(self, params: InsertParams) -> InsertResult:
         """sglang's insert (both of its callers, a checkpoint and a finished request's release, go
@@ -225,16 +371,16 @@ class SpillRadixCache(SpilledTree):
     @contained("insert (write-through)", nothing)
     def _write_through(self, node: TreeNode) -> None:
         """Write the resident nodes from the root to `node` that have no copy on the tier, top down,
-        and keep them resident with a clean reference (a later eviction then writes nothing). Stops
-        at the first that cannot be written (write-through's share of staging full: the rest is
-        kept for evictions and restores): its descendants' extents would follow a gap no warm start
-        or lookup can cross. The tree's structure is untouched, so TP ranks whose
-        writes differ still hold identical trees (an eviction agrees on each spill as before)."""
-        if self.disable or self.spill_io is None:
+        and keep them resident with a clean reference. Stops at the first that cannot be written
+        (write-through's share of staging full): its descendants' extents would follow a gap no warm
+        start or lookup can cross. The tree's structure is untouched, so TP ranks whose writes
+        differ still hold identical trees (an eviction agrees on each spill as before)."""
+        if self.disable or self.controller is None:
             return
         todo = []
         while node is not self.root_node and not node.evicted:
-            if not self._stored_clean(node):
+            ref: SpillRef | None = getattr(node, "spill", None)
+            if ref is None or ref.count != len(node.value) or not self.controller.still_stored(ref.extent):
                 todo.append(node)
             node = node.parent
         for node in reversed(todo):
@@ -246,9 +392,10 @@ class SpillRadixCache(SpilledTree):
 
     # ---- match: device prefix + spilled continuation ---------------------------------------
 
-    @contained("match_prefix", fallbacks.resident_match)
+    @contained("match_prefix", _match_resident_only)
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         self._poll()
+        self._attach_lookups()
         self.spill_metrics.inc("match_requests")
         key, _ = params.key.maybe_to_bigram_view(self.is_eagle)
         if self.disable or len(key) == 0:
@@ -269,19 +416,48 @@ class SpillRadixCache(SpilledTree):
     def _walk(self, key: RadixKey) -> tuple[TreeNode, int, TreeNode, int]:
         """(deepest device node, device tokens, deepest spilled node, spilled tokens) on `key`'s
         path, attaching orphan tier extents (warm restart of salted tenants) where the path ends."""
-        values, last_device = self._match_prefix_helper(self.root_node, key)
+        values, last_device = self.tree.match_resident(self.root_node, key)
         device_len = sum(len(v) for v in values)
-        last_spilled, host_len = self._match_spilled(last_device, key[device_len:])
+        last_spilled, host_len = self.tree.match_spilled(
+            last_device, key[device_len:], self.prune_lost_on_walk
+        )
         end = device_len + host_len
-        lazy_attach = self.tier_orphans and self.agreement.size == 1  # TP > 1: a local outcome, not agreed
-        if end < len(key) and lazy_attach and _attached_on_match(self, last_spilled, key, end):
-            last_spilled, more = self._match_spilled(last_spilled, key[end:])
+        lazy_attach = self.warm.orphans and self.agreement.size == 1  # TP > 1: a local outcome, not agreed
+        if end < len(key) and lazy_attach and self._attach_orphans(last_spilled, key, end):
+            last_spilled, more = self.tree.match_spilled(last_spilled, key[end:], self.prune_lost_on_walk)
             host_len += more
         return last_device, device_len, last_spilled, host_len
 
-    @contained("insert (adopting spilled nodes)", fallbacks.spilled_path_dropped)
-    def _spilled_on_path(self, node: TreeNode, key: RadixKey) -> tuple[int, list[TreeNode]]:
-        return super()._spilled_on_path(node, key)
+    def _attach_orphans(self, node: TreeNode, key: RadixKey, pos: int) -> int:
+        """`WarmStart.attach_on_match`, or 0 for a key holding an id no extent key can name."""
+        tokens = key.raw_token_ids()
+        try:
+            return self.warm.attach_on_match(node, key, pos, self.path_hasher(key).update(tokens[:pos]))
+        except ValueError:
+            return 0
+
+    @contained("match (attaching lookups)", nothing)
+    def _attach_lookups(self) -> None:
+        """The one point where finished cross-server lookups change the tree: at the start of a
+        scheduler round's match or prefetch, never inside an eviction or a restore. Each result's
+        verified segments become spilled nodes where its prompt's match ends now, and their reads
+        start."""
+        if self.controller is None:
+            return
+        m = self.spill_metrics
+        for found, result in self.controller.take_lookups():
+            m.inc("lookup_fs_calls", result.fs_calls)
+            m.inc("lookup_refused", result.refused)
+            m.inc("lookup_stale", result.stale)
+            m.inc("lookup_found_tokens", result.end - result.request.start)
+            if not found.segments or found.epoch != (self.epoch or b""):
+                continue
+            key: RadixKey = found.tag  # type: ignore[assignment]
+            _, device_len, node, host_len = self._walk(key)
+            added = self.tree.attach_segments(node, device_len + host_len, key, found.segments)
+            m.inc("lookup_attached_tokens", sum(n.spill.count for n in added))
+            if added:
+                self.controller.prefetch([n.spill for n in added])
 
     # ---- prefetch at arrival ----------------------------------------------------------------
 
@@ -289,32 +465,44 @@ class SpillRadixCache(SpilledTree):
                  rid: str | None = None) -> int:  # fmt: skip
         """Start reading the spilled continuation of this prompt's cached prefix (never blocks on
         I/O); its restore will find the reads under way or done. Where the tree ends before the
-        prompt does, also start a lookup of other servers' extents (cross_attach.py). Returns the
+        prompt does, also start a lookup of other servers' extents (lookups.py). Returns the
         tokens on their way."""
-        if self.disable or self.spill_io is None:
+        if self.disable or self.controller is None:
             return 0
         self._poll()
+        self._attach_lookups()
         key = RadixKey(array("q", token_ids), extra_key, cache_salt=cache_salt).page_aligned(self.page_size)
         last, device_len, end, matched = self._walk(key)  # the same on every TP rank (splits too)
         self._start_lookup(key, device_len + matched, rid)
         if not matched:
             return 0
         self.spill_metrics.inc("prefetch_requests")
-        return self._start_reads([node.spill for node in self._path_up(end, last) or []])
+        return self._start_reads([node.spill for node in self.tree.path_up(end, last) or []])
 
     # The I/O steps of a prefetch fail alone (a rank's own outcome): the walk above, which may split
     # nodes, has run on every rank, so TP ranks keep identical trees whatever these do.
     @contained("prefetch (lookup)", nothing)
-    def _start_lookup(self, key: RadixKey, covered: int, rid: str | None) -> None:
-        self.cross_lookups.start(self, key, covered, rid)
+    def _start_lookup(self, key: RadixKey, held: int, rid: str | None) -> None:
+        if self.controller is None or self.agreement.size > 1 or self.is_eagle:
+            return
+        tenant = tenant_of(key.extra_key, key.cache_salt)
+        if self.controller.lookups.start(self.controller.tier, key.raw_token_ids(), held, tenant,
+                                         self.epoch or b"", rid, tag=key):  # fmt: skip
+            self.spill_metrics.inc("lookups")
 
-    @contained("prefetch (reads)", fallbacks.no_reads)
+    @contained("prefetch (reads)", _no_reads)
     def _start_reads(self, refs: list[SpillRef]) -> int:
-        return self.spill_io.reads.prefetch(refs) if self.spill_io is not None else 0
+        return self.controller.prefetch(refs) if self.controller is not None else 0
 
     def lookup_waiting(self, rid: str | None) -> bool:
-        """Whether request `rid`'s admission should wait for its cross-server lookup (never blocks)."""
-        return self.cross_lookups.waiting(self, rid)
+        """Whether request `rid`'s admission should wait for its cross-server lookup: still running,
+        within the prefetch policy's limit (never with best_effort). Never blocks."""
+        policy = self.spill_config.prefetch_policy
+        if self.controller is None or policy is PrefetchPolicy.BEST_EFFORT:
+            return False
+        waiting = self.controller.lookups.waiting(rid, self.spill_config.prefetch_timeout_s)
+        self.spill_metrics.inc("lookups_waited", int(waiting))
+        return waiting
 
     def take_hints(self) -> list[ResumeHint]:
         """The checked client resume hints waiting in the inbox, answered "accepted" (a bounded number
@@ -330,27 +518,35 @@ class SpillRadixCache(SpilledTree):
 
     # ---- restore ----------------------------------------------------------------------------
 
-    @contained("init_load_back", fallbacks.no_restore)
+    def begin_admission(self, rid: str | None) -> Admission:
+        """Start watching one admission attempt of request `rid` (the admission hook's)."""
+        self._admission = Admission(rid)
+        return self._admission
+
+    def end_admission(self, attempt: Admission) -> bool:
+        """Whether `init_load_back` deferred the request during `attempt` (its reads are in flight)."""
+        if self._admission is attempt:
+            self._admission = None
+        return attempt.deferred
+
+    @contained("init_load_back", _no_restore)
     def init_load_back(self, params: InitLoadBackParams) -> tuple[int, Any] | None:
         self._poll()
         rid = getattr(params.req, "rid", None)
         answer = self._load_back(params, rid)
-        self.deferred_rid = rid if answer is None else None  # read by hooks.skip_deferred_admission
-        if answer is not None:  # admitted: a partial restore not consumed now never will be
-            self.partial_restores.drop(rid)
-            if rid is not None:
-                self._deferred_since.pop(rid, None)
+        if answer is None:
+            if self._admission is not None and self._admission.rid == rid:
+                self._admission.deferred = True
+            return None
+        if self.controller is not None:  # admitted: a restore in progress not consumed now never will be
+            self.controller.restores.drop(_owner(rid))
+        if rid is not None:
+            self._deferred_since.pop(rid, None)
         return answer
-
-    def take_deferral(self, rid: str | None) -> bool:
-        """Whether the last `init_load_back` deferred request `rid` (consumed: answers once)."""
-        deferred = rid is not None and self.deferred_rid == rid
-        self.deferred_rid = None
-        return deferred
 
     def _load_back(self, params: InitLoadBackParams, rid: str | None) -> tuple[int, Any] | None:
         anchor = params.req.last_node if params.req is not None else None
-        chain = self._path_up(params.best_match_node, anchor)
+        chain = self.tree.path_up(params.best_match_node, anchor)
         if chain is None or sum(len(n.key) for n in chain) != params.host_hit_length:
             return 0, anchor if anchor is not None else self.root_node
         spilled = [n for n in chain if n.evicted]
@@ -359,18 +555,16 @@ class SpillRadixCache(SpilledTree):
             if ready is None:  # a rank found an extent lost: every rank drops the spilled chain
                 self._drop_lost(spilled)
                 return 0, anchor
-            if ready is Readiness.PENDING:  # unpack what landed meanwhile (restore.py), never wait
-                single = self.agreement.size == 1  # early unpack takes slots at a local moment
-                if single and rid is not None and self.spill_io is not None:
-                    refs = tuple(node.spill for node in spilled)
-                    self.partial_restores.advance(rid, refs, self.spill_io, self._alloc_slots)
+            if ready is Readiness.PENDING:  # unpack what landed meanwhile, never wait
+                if self.agreement.size == 1 and rid is not None:  # early unpack acts at a local moment
+                    self._unpack_early(spilled, rid, anchor)
                 return None  # the scheduler retries admission next round; its loop never waits on I/O
             if ready is Readiness.FAILED:
                 self.spill_metrics.inc("restore_failures")
-                if self.spill_io is not None:
-                    self.spill_io.reads.finish([node.spill for node in spilled])
+                if self.controller is not None:
+                    self.controller.finish_reads([node.spill for node in spilled])
                 return 0, anchor
-            if not self._restore(spilled, rid):
+            if not self._restore(spilled, rid, anchor):
                 return 0, anchor
         if params.req is not None:
             params.req.host_hit_is_storage = True  # per-tier cached-token details: ours is the storage tier
@@ -389,79 +583,99 @@ class SpillRadixCache(SpilledTree):
     def _drop_lost(self, nodes: list[TreeNode]) -> None:
         """After an agreed loss: the first spilled node of the chain goes, with its subtree."""
         self.spill_metrics.inc("restore_failures")
-        if self.spill_io is not None:
-            self.spill_io.reads.finish([node.spill for node in nodes])
-        if self._attached(nodes[0]):
-            self._prune_spilled(nodes[0])
+        if self.controller is not None:
+            self.controller.finish_reads([node.spill for node in nodes])
+        if self.tree.attached(nodes[0]):
+            self.tree.prune(nodes[0])
 
-    @contained("init_load_back (readiness)", fallbacks.not_ready)
+    @contained("init_load_back (readiness)", _not_ready)
     def _restore_readiness(self, nodes: list[TreeNode], rid: str | None) -> Readiness:
         """Apply the prefetch policy to the reads this restore needs (starting any missing ones):
         WAIT defers admission until they land (up to the I/O timeout), TIMEOUT up to
         `prefetch_timeout_s`, BEST_EFFORT not at all; past the limit the request recomputes. The
         wait counts from the oldest read or the request's first deferral, whichever is earlier, so
         reads restarted meanwhile (a TTL expiry, a split) never defer a request forever."""
-        if self.spill_io is None:
+        if self.controller is None:
             return Readiness.FAILED
-        refs = [node.spill for node in nodes]
-        state, waited = self.spill_io.reads.readiness(refs)
+        state, waited = self.controller.readiness([node.spill for node in nodes])
         if state is not Readiness.PENDING:
             return state
         if rid is not None:
             now = time.monotonic()
             waited = max(waited, now - self._deferred_since.setdefault(rid, now))
         policy = self.spill_config.prefetch_policy
-        limit = {PrefetchPolicy.WAIT: self.spill_io.timeout_s, PrefetchPolicy.TIMEOUT: self.spill_config.prefetch_timeout_s,
+        limit = {PrefetchPolicy.WAIT: self.controller.timeout_s, PrefetchPolicy.TIMEOUT: self.spill_config.prefetch_timeout_s,
                  PrefetchPolicy.BEST_EFFORT: 0.0}[policy]  # fmt: skip
         if waited < limit:
             return Readiness.PENDING
         self.spill_metrics.inc("restores_too_late")
         return Readiness.FAILED
 
-    def _restore(self, nodes: list[TreeNode], rid: str | None) -> bool:
+    @contained("init_load_back (early unpack)", nothing)
+    def _unpack_early(self, nodes: list[TreeNode], rid: str, anchor: TreeNode | None) -> None:
+        """Unpack what has landed of `rid`'s restore of `nodes`, taking its slots at the first call
+        that finds verified bytes landed. Never blocks."""
+        ctl = self.controller
+        assert ctl is not None
         refs = tuple(node.spill for node in nodes)
-        progress = self.partial_restores.take(rid, refs)
-        self.partial_restores.stats.finished += progress is not None
-        if progress is None:
-            slots = self._alloc_slots(sum(ref.count for ref in refs))
-            if slots is not None and self.spill_io is not None:
-                progress = RestoreProgress(refs, slots)
-            elif slots is not None:
-                self.token_to_kv_pool_allocator.free(slots)
+        opened = ctl.restores.current(rid, refs) is not None
+        if not opened and not (ctl.landed_tokens(refs) and self._open_restore(rid, nodes, refs, anchor)):
+            return
+        ctl.unpack_landed(rid)
+
+    def _open_restore(self, owner: object, nodes: list[TreeNode], refs: tuple[SpillRef, ...],
+                      anchor: TreeNode | None) -> bool:  # fmt: skip
+        """Allocate the restore's slots and register them (the table owns them from here); False
+        when the pool cannot hold them, or the chain changed while room was made."""
+        assert self.controller is not None
+        slots = self._alloc_slots(sum(ref.count for ref in refs), anchor)
+        if slots is None:
+            return False
+        if not all(
+            node.evicted and node.spill is ref and self.tree.attached(node)
+            for node, ref in zip(nodes, refs, strict=True)
+        ):
+            self.token_to_kv_pool_allocator.free(slots)
+            return False
+        self.controller.restores.open(owner, refs, slots)
+        return True
+
+    def _restore(self, nodes: list[TreeNode], rid: str | None, anchor: TreeNode | None) -> bool:
+        """All or nothing; every rank verified its bytes, or all recompute. The restore's slots are
+        the table's until the nodes take them, so a fault anywhere frees them (the fallback drops
+        the owner's restore)."""
+        assert self.controller is not None
+        ctl, owner = self.controller, _owner(rid)
+        refs = tuple(node.spill for node in nodes)
         t0 = time.perf_counter()
-        ok = progress is not None and self._restore_io(progress)
-        if not self.agreement.all_ok(ok):  # every rank verified its bytes, or all recompute
-            if progress is None:
-                self.spill_metrics.inc("restore_failures")
-                if self.spill_io is not None:  # release their staging now, not after the TTL
-                    self.spill_io.reads.finish(refs)
-            else:
-                self.token_to_kv_pool_allocator.free(progress.slots)
+        opened = ctl.restores.current(owner, refs) is not None or self._open_restore(
+            owner, nodes, refs, anchor
+        )
+        if not opened:
+            self.spill_metrics.inc("restore_failures")
+            ctl.finish_reads(refs)  # release their staging now, not after the TTL
+        ok = opened and self._complete(owner)
+        if not self.agreement.all_ok(ok):
+            ctl.restores.drop(owner)
             self.spill_metrics.inc("tp_disagreements", int(ok))
             return False
+        progress = ctl.restores.get(owner)
         assert progress is not None  # agreed ok implies this rank's ok
+        self.spill_metrics.observe_restore(time.perf_counter() - t0)
+        values = [slots.clone() for _, _, slots in progress.parts()]
+        ctl.restores.hand_over(owner)
         try:
-            self.spill_metrics.observe_restore(time.perf_counter() - t0)
-            for node, (_, node_slots) in zip(nodes, progress.parts(), strict=True):
-                self._mark_resident(node, node_slots.clone())
-        except Exception:
-            self._free_unowned(nodes, progress)
+            self.tree.mark_resident(nodes, values)
+        except BaseException:  # those marked keep their verified KV; the others' slots are freed
+            for node, value in zip(nodes, values, strict=True):
+                if node.evicted:
+                    self.token_to_kv_pool_allocator.free(value)
             raise
         return True
 
-    def _free_unowned(self, nodes: list[TreeNode], progress: RestoreProgress) -> None:
-        """After a verified restore failed while marking `nodes` resident: the slots of the nodes
-        still spilled are freed. Those already marked keep theirs: their KV is verified and complete,
-        and a resident prefix of the chain is a valid tree (the rest stays spilled, restorable)."""
-        start = 0
-        for node, ref in zip(nodes, progress.refs, strict=True):
-            if node.evicted:
-                self.token_to_kv_pool_allocator.free(progress.slots[start : start + ref.count])
-            start += ref.count
-
-    @contained("init_load_back (restore)", fallbacks.not_restored)
-    def _restore_io(self, progress: RestoreProgress) -> bool:
-        return self.spill_io is not None and self.spill_io.restore(progress)
+    @contained("init_load_back (restore)", _not_completed)
+    def _complete(self, owner: object) -> bool:
+        return self.controller is not None and self.controller.complete(owner)
 
     def _forget_old_deferrals(self) -> None:
         """Requests deferred long ago and never seen again (aborted) leave no state behind."""
@@ -469,15 +683,24 @@ class SpillRadixCache(SpilledTree):
         for rid in [r for r, t in self._deferred_since.items() if t < cutoff]:
             del self._deferred_since[rid]
 
-    def _alloc_slots(self, n: int) -> torch.Tensor | None:
+    def _alloc_slots(self, n: int, anchor: TreeNode | None = None) -> torch.Tensor | None:
+        """n fresh slots, evicting to make room (with `anchor`'s path locked: the restore's chain
+        hangs from it), or None."""
         allocator = self.token_to_kv_pool_allocator
         if allocator.available_size() < n:
-            self.evict(EvictParams(num_tokens=n - allocator.available_size()))
+            lock = anchor is not None and anchor is not self.root_node
+            if lock:
+                self.inc_lock_ref(anchor)
+            try:
+                self.evict(EvictParams(num_tokens=n - allocator.available_size()))
+            finally:
+                if lock:
+                    self.dec_lock_ref(anchor)
         return allocator.alloc(n) if allocator.available_size() >= n else None
 
-    # ---- accounting -------------------------------------------------------------------------
+    # ---- reset, epochs, warm start ----------------------------------------------------------
 
-    @contained("reset", fallbacks.empty_reset)
+    @contained("reset", _empty_reset)
     def reset(self) -> None:
         """sglang's reset: an empty tree. At start, the tier's published extents are attached to it
         as spilled nodes (warm restart). Any later reset is a flush (`/flush_cache`, a weight update
@@ -485,12 +708,10 @@ class SpillRadixCache(SpilledTree):
         before it can ever be found again (those age out of the tier by LRU), and none named after it
         is attached by a restart (the weights in memory may no longer be the ones on disk)."""
         super().reset()
-        self.partial_restores.clear()
-        self.cross_lookups.clear()
-        self.spilled_tokens = 0
-        self.tier_orphans = {}
-        if self.spill_io is not None:
-            self.spill_io.reads.clear()
+        self.tree.cleared()
+        self.warm.forget()
+        if self.controller is not None:
+            self.controller.clear()
         if self.epoch is None:
             self.epoch = b""
             self._attach_tier_extents()
@@ -500,74 +721,96 @@ class SpillRadixCache(SpilledTree):
         self.spill_metrics.inc("flushes")
         logger.info("sgl_hicache: cache flushed; spilled KV from before the flush will not be served")
 
-    @contained("reset (warm start)", fallbacks.attached_nothing)
+    @contained("reset (warm start)", _attached_nothing)
     def _attach_tier_extents(self) -> None:
-        from sgl_hicache.cache.warm_start import attach_tier_extents
-
-        attach_tier_extents(self)
+        if self.controller is not None:
+            self.warm.attach_all(self.controller.tier, self.epoch or b"")
 
     def start_epoch(self) -> None:
         """A new random seed of every path key (a flush, a weight update): nothing named before is
         found after, and nothing named after is attached by a restart. Keeps the tree."""
         self.epoch = os.urandom(16)
-        self.tier_orphans = {}
+        self.warm.forget()
 
     def _agree_on_warm_start(self) -> None:
         """With TP > 1 every rank must start from the same tree: if the trees their tiers gave
         differ (a file missing or corrupt on one rank), all start empty."""
-        from sgl_hicache.cache.warm_start import tree_digest
-
         if self.agreement.size == 1:
             return
-        digest = tree_digest(self)
+        digest = tree_digest(self.root_node)
         low, neg_high = self.agreement.min([digest, -digest])
         if low != -neg_high:
             logger.warning("sgl_hicache: the TP ranks' tiers hold different trees; all start empty")
             self.spill_metrics.inc("tp_disagreements")
-            super().reset()
-            self.spilled_tokens = 0
-            self.tier_orphans = {}
+            self._attached_nothing()
 
     def disable_spill(self) -> None:
         """Spill off for good (guard.py: a fallback failed, so our state is not trusted any more):
-        without `spill_io` nothing spills, restores, prefetches or looks up, and the cache serves as
-        sglang's plain radix cache. Spilled nodes left in the tree are never restored (a request
+        without a controller nothing spills, restores, prefetches or looks up, and the cache serves
+        as sglang's plain radix cache. Spilled nodes left in the tree are never restored (a request
         matching them recomputes that part; an insert over them adopts them). Logged once."""
-        if self.spill_io is None:
+        if self.controller is None:
             return
-        self.spill_io = None  # the tier finishes its writes unwatched; nothing reads it again
+        self.controller = None  # the tier finishes its writes unwatched; nothing reads it again
         logger.error("sgl_hicache: spill disabled after an internal error in a fallback; serving as "
                      "sglang's plain radix cache from now on")  # fmt: skip
 
+    # ---- state and accounting ----------------------------------------------------------------
+
     def report(self, idle: bool) -> dict[str, Any]:
         """Counters, staging, tier stats and an integrity verdict (for `GET /server_info`)."""
-        from sgl_hicache.cache.report import spill_report
+        io = self.controller.report() if self.controller is not None else _NO_CONTROLLER
+        return {
+            "spilled_tokens_in_tree": self.tree.spilled_tokens,
+            "counters": dict(self.spill_metrics.totals),
+            **io,
+            "integrity": self._integrity_verdict(idle),
+            "tp_agreement": {
+                "ranks": self.agreement.size,
+                "collectives": self.agreement.calls,
+                "seconds": round(self.agreement.seconds, 6),
+            },
+        }
 
-        return spill_report(self, idle)
+    def _integrity_verdict(self, idle: bool) -> str:
+        """Opt-in (`SGL_HICACHE_REPORT_INTEGRITY=1`; else "off"): the check runs on the scheduler
+        thread and lists every file of the tier, so any client polling `/server_info` could stall
+        the scheduler. "skipped: ..." unless idle (running requests hold slots outside the tree),
+        else "ok" or "failed: ..." (a tier file another process removed meanwhile is an OSError)."""
+        if os.environ.get(INTEGRITY_ENV) != "1":
+            return "off"
+        if not idle:
+            return "skipped: requests in flight"
+        try:
+            self.check_integrity()
+        except (AssertionError, OSError) as e:
+            return f"failed: {e}"
+        return "ok"
 
     def check_integrity(self, held_tokens: int = 0, with_tier: bool = True) -> None:
         """Tree, pool, staging and (`with_tier`) tier accounting agree; AssertionError with the
-        numbers if not."""
-        from sgl_hicache.cache.integrity import check_cache_integrity
-
+        numbers if not. Call when idle (`held_tokens`: slots running requests hold)."""
         self._poll()
-        check_cache_integrity(self, held_tokens, with_tier)
+        restoring = self.controller.restores.held_slots() if self.controller is not None else []
+        self.tree.check_integrity(restoring, held_tokens)
+        if self.controller is not None:
+            self.controller.check_integrity(with_tier)
 
     @contained("poll", nothing)
     def _poll(self) -> None:
-        if self.spill_io is not None:
-            self.spill_io.poll()
-            self.cross_lookups.finish(self)
-            self.partial_restores.expire()
+        """Take finished I/O and copies (never changes the tree; lookups attach in `_attach_lookups`)."""
+        if self.controller is not None:
+            self.controller.poll()
             self._forget_old_deferrals()
-            self.spill_metrics.set_tier_stats(self.spill_io.tier.stats())
+            self.spill_metrics.set_tier_stats(self.controller.tier.stats())
 
 
-def _attached_on_match(cache: SpillRadixCache, node: TreeNode, key: RadixKey, pos: int) -> int:
-    """`warm_start.attach_on_match`, or 0 for a key holding an id no extent key can name (>= 2**32)."""
-    from sgl_hicache.cache.warm_start import attach_on_match
+def _owner(rid: str | None) -> object:
+    return rid if rid is not None else ANONYMOUS
 
-    try:
-        return attach_on_match(cache, node, key, pos)
-    except ValueError:
-        return 0
+
+_NO_CONTROLLER: dict[str, Any] = {
+    "staging_used_bytes": 0, "staging_capacity_bytes": 0, "staging_peak_bytes": 0, "staging_refused": 0,
+    "staging_pinned": False, "writes_in_flight": 0, "partial_restores": 0,
+    "early_unpack": vars(EarlyUnpackStats()), "tier": None,
+}  # fmt: skip

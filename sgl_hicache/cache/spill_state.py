@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sgl_hicache.cache.device import Copy
 from sgl_hicache.tier import ExtentKey
 
 
@@ -33,6 +34,7 @@ class Extent:
     tokens: int
     state: ExtentState = ExtentState.WRITING
     staged: torch.Tensor | None = field(default=None, repr=False)  # packed bytes while WRITING
+    pack: Copy | None = field(default=None, repr=False)  # the copy filling `staged`, until it is done
 
 
 @dataclass(frozen=True)

@@ -1,49 +1,115 @@
-"""Host staging memory for spills in flight, bounded by `--hicache-spill-staging`.
+"""Host staging memory for spills and restores in flight: one arena of `--hicache-spill-staging`
+bytes, allocated once (and, on a GPU, registered with the driver once: pinned), handed out in
+page-aligned blocks.
 
-A spilled node's packed KV lives in a staging buffer from the pack until the tier reports the write
-finished (the tier holds the buffer until then). When the budget is used up, `acquire` returns None
-and the caller drops the victim instead of spilling it: eviction never waits for the disk.
+A spilled node's packed KV lives in a block from its pack until the tier reports the write finished;
+a restore's read lives in one from the load until its unpack completed. When no block fits,
+`acquire` returns None and the caller drops the victim (or recomputes): nothing ever waits for the
+disk. Why one arena: a device copy to or from pageable memory is synchronous (the driver stages it
+through its own pinned buffer), and registering memory per copy costs more than the copy; sglang's
+HiCache host pool is one pinned allocation for the same reason.
+
+Blocks are first-fit over a free list kept sorted and coalesced, so fragmentation can refuse a
+block while as many bytes are free in pieces; `refused` counts those refusals with the others.
 """
 
 from __future__ import annotations
 
+import bisect
+import logging
 import threading
 
 import torch
 
 from sgl_hicache.tier import alloc_aligned
 
+logger = logging.getLogger(__name__)
+
+ALIGN = 4096  # direct I/O wants page-aligned buffers
+
 
 class StagingPool:
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
+        self._arena = torch.frombuffer(alloc_aligned(max(capacity_bytes, ALIGN)), dtype=torch.uint8)
+        self._size = _round(capacity_bytes)
+        self._free: list[tuple[int, int]] = [(0, self._size)]  # (offset, size), by offset
+        self._blocks: dict[int, tuple[int, int]] = {}  # data_ptr -> (offset, size) of blocks in use
         self._used = 0
         self.peak_bytes = 0  # high-water mark since start (to size the budget from measurement)
-        self.refused = 0  # acquisitions refused for lack of budget (not those held to a lower limit)
+        self.refused = 0  # acquisitions refused for lack of room (not those held to a lower limit)
+        self.pinned = False
         self._lock = threading.Lock()
 
     @property
     def used_bytes(self) -> int:
         return self._used
 
+    def pin(self) -> bool:
+        """Register the arena with the CUDA driver (page-locked), once; whether it is pinned. A
+        failure is logged and copies then run synchronously through the driver's own staging."""
+        if self.pinned or not torch.cuda.is_available():
+            return self.pinned
+        err = torch.cuda.cudart().cudaHostRegister(self._arena.data_ptr(), self._arena.numel(), 0)
+        self.pinned = int(err) == 0
+        if not self.pinned:
+            logger.warning("sgl_hicache: could not pin %d B of staging (cudaHostRegister: %s); host "
+                           "copies will be synchronous", self._arena.numel(), err)  # fmt: skip
+        return self.pinned
+
     def acquire(self, nbytes: int, limit_bytes: int | None = None) -> torch.Tensor | None:
-        """A page-aligned uint8 host tensor of `nbytes`, or None if that would take the bytes in use
-        past `limit_bytes` (default: the whole budget; a lower limit keeps the rest for others, and
-        its refusals are the caller's to count, not `refused`). Never blocks."""
+        """A page-aligned uint8 block of `nbytes` in the arena, or None if that would take the bytes
+        in use past `limit_bytes` (default: the whole budget; a lower limit keeps the rest for others,
+        and its refusals are the caller's to count, not `refused`) or no free block fits. Never blocks."""
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
         limit = self.capacity_bytes if limit_bytes is None else min(limit_bytes, self.capacity_bytes)
+        size = _round(nbytes)
         with self._lock:
             if self._used + nbytes > limit:
                 self.refused += limit_bytes is None
                 return None
+            i = next((i for i, (_, free) in enumerate(self._free) if free >= size), None)
+            if i is None:
+                self.refused += 1
+                return None
+            offset, free = self._free.pop(i)
+            if free > size:
+                self._free.insert(i, (offset + size, free - size))
+            buf = self._arena[offset : offset + nbytes]
+            self._blocks[buf.data_ptr()] = (offset, size)
             self._used += nbytes
             self.peak_bytes = max(self.peak_bytes, self._used)
-        return (
-            torch.frombuffer(alloc_aligned(nbytes), dtype=torch.uint8)
-            if nbytes
-            else torch.empty(0, dtype=torch.uint8)
-        )
+        return buf
 
     def release(self, buf: torch.Tensor) -> None:
+        if buf.numel() == 0:
+            return
         with self._lock:
+            offset, size = self._blocks.pop(buf.data_ptr())
             self._used -= buf.numel()
             assert self._used >= 0, f"staging accounting went negative: {self._used}"
+            i = bisect.bisect(self._free, (offset, size))
+            self._free.insert(i, (offset, size))
+            self._coalesce(i)
+
+    def _coalesce(self, i: int) -> None:
+        """Merge free block i with its free neighbours."""
+        if i + 1 < len(self._free) and self._free[i][0] + self._free[i][1] == self._free[i + 1][0]:
+            self._free[i] = (self._free[i][0], self._free[i][1] + self._free.pop(i + 1)[1])
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == self._free[i][0]:
+            self._free[i - 1] = (self._free[i - 1][0], self._free[i - 1][1] + self._free.pop(i)[1])
+
+    def check_integrity(self) -> None:
+        """Free blocks and blocks in use tile the arena exactly; AssertionError with the numbers."""
+        with self._lock:
+            spans = sorted([*self._free, *self._blocks.values()])
+            end = 0
+            for offset, size in spans:
+                assert offset == end, f"staging block at {offset} where {end} was expected"
+                end = offset + size
+            assert end == self._size, f"staging blocks cover {end} B of {self._size} B"
+
+
+def _round(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN

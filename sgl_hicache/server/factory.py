@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sgl_hicache.cache.identity import namespace_for
 from sgl_hicache.config import ConfigError, SpillConfig, WritePolicy
@@ -13,8 +13,9 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
+    from sgl_hicache.cache.controller import SpillController
+    from sgl_hicache.cache.device import Streams
     from sgl_hicache.cache.metrics import SpillMetrics
-    from sgl_hicache.cache.spill_io import SpillIO
     from sgl_hicache.kernels import KVPoolView
     from sgl_hicache.server.hints import HintInbox
     from sgl_hicache.tier import Namespace, Tier
@@ -44,14 +45,17 @@ def build_spill_cache(ctx: TreeCacheBuildContext) -> BasePrefixCache:
     view = from_sglang_pool(ctx.params.token_to_kv_pool_allocator.get_kvcache())
     check_write_policy(config, view.layers[0][0].device)
     namespace = namespace_for(ctx, view)
-    io = open_spill_io(config, namespace, view, metrics, ctx.tp_rank) if config.enabled else None
+    allocator = ctx.params.token_to_kv_pool_allocator
+    controller = (
+        open_controller(config, namespace, view, metrics, allocator, ctx.tp_rank) if config.enabled else None
+    )
     agreement = for_group(ctx.params.tp_cache_group, ctx.tp_size)  # ranks agree on local outcomes
-    if config.enabled and not agreement.all_ok(io is not None) and io is not None:
+    if config.enabled and not agreement.all_ok(controller is not None) and controller is not None:
         logger.error("sgl_hicache: another TP rank could not open its tier; serving without spill")
-        io.tier.close()
-        io = None
-    hints = open_hint_inbox(ctx) if io is not None else None
-    return SpillRadixCache(ctx.params, config, metrics, io, namespace.id, hints, agreement)
+        controller.tier.close()
+        controller = None
+    hints = open_hint_inbox(ctx) if controller is not None else None
+    return SpillRadixCache(ctx.params, config, metrics, controller, namespace.id, hints, agreement)
 
 
 def check_write_policy(config: SpillConfig, device: torch.device) -> None:
@@ -116,11 +120,13 @@ def with_test_faults(tier: Tier, tp_rank: int = 0) -> Tier:
     return FaultyTier(tier, spec)
 
 
-def open_spill_io(
-    config: SpillConfig, namespace: Namespace, view: KVPoolView, metrics: SpillMetrics, tp_rank: int = 0
-) -> SpillIO | None:
-    """The tier and staging; None (spill off, evictions drop as in sglang) if the tier cannot open."""
-    from sgl_hicache.cache.spill_io import SpillIO
+def open_controller(
+    config: SpillConfig, namespace: Namespace, view: KVPoolView, metrics: SpillMetrics, allocator: Any,
+    tp_rank: int = 0, streams: Streams | None = None,
+) -> SpillController | None:  # fmt: skip
+    """The tier, staging (pinned on a GPU) and the copy streams; None (spill off, evictions drop as
+    in sglang) if the tier cannot open. `streams`: the copy streams' stand-in (tests)."""
+    from sgl_hicache.cache.controller import SpillController
     from sgl_hicache.cache.staging import StagingPool
     from sgl_hicache.tier import open_tier
 
@@ -134,6 +140,9 @@ def open_spill_io(
         )
         return None
     tier = with_test_faults(tier, tp_rank)
-    return SpillIO(
-        tier, view, StagingPool(config.staging_bytes), metrics, config.io_timeout_s, config.prefetch_ttl_s
+    staging = StagingPool(config.staging_bytes)
+    if view.device.type == "cuda":
+        staging.pin()
+    return SpillController(
+        tier, view, staging, metrics, config.io_timeout_s, allocator, config.prefetch_ttl_s, streams
     )

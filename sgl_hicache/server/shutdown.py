@@ -37,7 +37,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from sgl_hicache.cache.spill_io import SpillIO
+    from sgl_hicache.cache.controller import SpillController
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ CLOSE_S = 2.0
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-def close_tier(io: SpillIO, why: str) -> bool:
+def close_tier(io: SpillController, why: str) -> bool:
     """Close `io`'s tier within about `CLOSE_S` (on a helper thread, waited for at most that long
     plus a margin); whether it closed. Logs the outcome."""
     start = time.monotonic()
@@ -60,7 +60,7 @@ def close_tier(io: SpillIO, why: str) -> bool:
     return True
 
 
-def close_on_signals(io: SpillIO) -> None:
+def close_on_signals(io: SpillController) -> None:
     """In the scheduler process's main thread: on SIGTERM or SIGINT, close the tier, then act as the
     handler replaced (none is installed over SIG_IGN, or off the main thread)."""
     if threading.current_thread() is not threading.main_thread():
@@ -71,7 +71,7 @@ def close_on_signals(io: SpillIO) -> None:
             signal.signal(signum, functools.partial(_on_signal, io, previous))
 
 
-def _on_signal(io: SpillIO, previous: Any, signum: int, frame: FrameType | None) -> None:
+def _on_signal(io: SpillController, previous: Any, signum: int, frame: FrameType | None) -> None:
     signal.signal(signum, previous)  # a second signal meanwhile acts at once, as it would have
     close_tier(io, signal.Signals(signum).name)
     if callable(previous):

@@ -72,8 +72,8 @@ class Stack:
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
         self.cache.evict(EvictParams(num_tokens=10**9))
-        if self.cache.spill_io is not None:
-            self.cache.spill_io.wait_writes()
+        if self.cache.controller is not None:
+            self.cache.controller.wait_writes()
 
 
 MARK_BITS = 14  # each bf16 element holds 14 bits of a marker: sign and top exponent bit stay 0 (finite)
@@ -121,8 +121,10 @@ def read_kv(pool: Any, slots: torch.Tensor) -> list[int]:
 
 
 def build_stack(tier_dir: Path, size: int = 256, spill: bool = True, chunk_bytes: int = 4 << 20,
-                page_size: int = 1, capacity_bytes: int = 1 << 30, **overrides: Any) -> Stack:  # fmt: skip
-    """A real sglang pool and allocator under a SpillRadixCache whose tier lives in `tier_dir`."""
+                page_size: int = 1, capacity_bytes: int = 1 << 30, streams: Any = None,
+                **overrides: Any) -> Stack:  # fmt: skip
+    """A real sglang pool and allocator under a SpillRadixCache whose tier lives in `tier_dir`
+    (`streams`: the copy streams' stand-in, see fake_device.py; default the CPU's)."""
     from sgl_hicache.kernels import from_sglang_pool
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
@@ -132,7 +134,7 @@ def build_stack(tier_dir: Path, size: int = 256, spill: bool = True, chunk_bytes
     from sgl_hicache.cache.metrics import SpillMetrics
     from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
     from sgl_hicache.config import SpillConfig, TierConfig
-    from sgl_hicache.server.factory import open_spill_io
+    from sgl_hicache.server.factory import open_controller
     from sgl_hicache.tier import KVDtype, KVLayout, Namespace
 
     pool = MHATokenToKVPool(size, page_size, torch.bfloat16, HEADS, HEAD_DIM, LAYERS, "cpu", False)
@@ -150,13 +152,15 @@ def build_stack(tier_dir: Path, size: int = 256, spill: bool = True, chunk_bytes
     view = from_sglang_pool(pool)
     ns = Namespace("test-model", KVLayout(LAYERS, HEADS, HEAD_DIM, KVDtype.BF16, page_size))
     metrics = SpillMetrics()
-    io = open_spill_io(config, ns, view, metrics) if spill else None
-    return Stack(SpillRadixCache(params, config, metrics, io, ns.id), pool, allocator, tier_dir, metrics)
+    controller = open_controller(config, ns, view, metrics, allocator, streams=streams) if spill else None
+    return Stack(
+        SpillRadixCache(params, config, metrics, controller, ns.id), pool, allocator, tier_dir, metrics
+    )
 
 
 def close_stack(stack: Stack) -> None:
-    if stack.cache.spill_io is not None:
-        stack.cache.spill_io.tier.close()  # idempotent
+    if stack.cache.controller is not None:
+        stack.cache.controller.tier.close()  # idempotent
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ def spilled_behind_a_slow_tier(make_stack: Any, bad_chunk: int | None = None, **
         raw = bytearray(path.read_bytes())
         raw[4096 + bad_chunk * CHUNK + 5] ^= 0xFF  # header_len is 4096 for 200 tokens
         path.write_bytes(bytes(raw))
-    s.cache.spill_io.tier = FaultyTier(s.cache.spill_io.tier, FaultSpec(latency_s=1.0))
+    s.cache.controller.tier = FaultyTier(s.cache.controller.tier, FaultSpec(latency_s=1.0))
     return s
 
 
@@ -59,7 +59,7 @@ def test_landed_chunks_are_unpacked_while_later_ones_are_read(make_stack: Any) -
     seen_partial = []
     deadline = time.monotonic() + 30
     while (answer := s.cache.init_load_back(params)) is None:
-        progress = s.cache.partial_restores.get(RID)
+        progress = s.cache.controller.restores.get(RID)
         if progress is not None and progress.unpacked[0]:
             n = progress.unpacked[0]
             assert read_kv(s.pool, progress.slots[:n]) == expected_kv(B[:n]), "early unpack wrote wrong KV"
@@ -68,10 +68,10 @@ def test_landed_chunks_are_unpacked_while_later_ones_are_read(make_stack: Any) -
         time.sleep(0.005)
     loaded, last = answer
     assert loaded == len(B) and read_kv(s.pool, last.value) == expected_kv(B)
-    stats = s.cache.partial_restores.stats
+    stats = s.cache.controller.restores.stats
     assert stats.steps >= 1 and stats.tokens > 0 and stats.finished == 1
     assert seen_partial and seen_partial == sorted(seen_partial)
-    assert s.cache.partial_restores.held_tokens == 0
+    assert s.cache.controller.restores.held_tokens == 0
     s.cache.check_integrity()
 
 
@@ -80,11 +80,11 @@ def test_a_corrupt_later_chunk_abandons_a_partly_unpacked_restore(make_stack: An
     m, params = admission(s)
     free_before = s.allocator.available_size()
     assert retry_until_answered(s, m, params) == (0, m.last_device_node)
-    stats = s.cache.partial_restores.stats
+    stats = s.cache.controller.restores.stats
     assert stats.tokens > 0, "the chunks before the corrupt one should have been unpacked early"
     assert stats.tokens <= 4 * CHUNK // 128, "nothing past the corrupt chunk is unpacked"
     assert s.allocator.available_size() == free_before, "the abandoned restore's slots are freed"
-    assert s.cache.partial_restores.held_tokens == 0 and stats.finished == 0
+    assert s.cache.controller.restores.held_tokens == 0 and stats.finished == 0
     totals = s.metrics.totals
     assert (totals["corrupt_extents"], totals["restore_failures"], totals["restored_tokens"]) == (1, 1, 0)
     assert s.match(B).host_hit_length == 0, "the lost node is pruned, nothing was restored"
@@ -93,7 +93,7 @@ def test_a_corrupt_later_chunk_abandons_a_partly_unpacked_restore(make_stack: An
 
 def wait_for_partial(s: Any, params: Any) -> None:
     deadline = time.monotonic() + 30
-    while not s.cache.partial_restores.held_tokens:
+    while not s.cache.controller.restores.held_tokens:
         assert s.cache.init_load_back(params) is None, "the restore finished before any early unpack"
         assert time.monotonic() < deadline
         time.sleep(0.005)
@@ -106,10 +106,10 @@ def test_memory_pressure_frees_a_partial_restore_first_and_it_still_completes(ma
     s.insert(list(range(600, 640)))  # an evictable tree node
     m, params = admission(s)
     wait_for_partial(s, params)
-    held, tree_evicted = s.cache.partial_restores.held_tokens, s.metrics.totals["evicted_tokens"]
+    held, tree_evicted = s.cache.controller.restores.held_tokens, s.metrics.totals["evicted_tokens"]
     assert s.cache.evictable_size() == 40 + held, "sglang's budget sees partial restores as evictable"
     assert s.cache.evict(EvictParams(num_tokens=1)).num_tokens_evicted == held
-    assert s.cache.partial_restores.stats.evicted == 1
+    assert s.cache.controller.restores.stats.evicted == 1
     assert s.metrics.totals["evicted_tokens"] == tree_evicted, "no tree node was evicted"
     s.cache.check_integrity()
     loaded, last = retry_until_answered(s, m, params)
@@ -124,7 +124,7 @@ def test_a_partial_restore_nobody_comes_back_for_expires(make_stack: Any) -> Non
     wait_for_partial(s, params)
     time.sleep(1.0)  # the request went away (aborted): no more retries
     s.cache.check_integrity()  # polls, which expires it
-    assert s.cache.partial_restores.stats.expired == 1 and s.allocator.available_size() == free_before
+    assert s.cache.controller.restores.stats.expired == 1 and s.allocator.available_size() == free_before
 
 
 def test_a_second_deferred_request_frees_its_partial_restore_once_the_first_restored(make_stack: Any) -> None:
@@ -139,15 +139,15 @@ def test_a_second_deferred_request_frees_its_partial_restore_once_the_first_rest
         req=SimpleNamespace(last_node=m.last_device_node, rid="resume-2"),
     )
     deadline = time.monotonic() + 30
-    while s.cache.partial_restores.get("resume-2") is None:  # the second takes its slots early
+    while s.cache.controller.restores.get("resume-2") is None:  # the second takes its slots early
         assert s.cache.init_load_back(second) is None, "the read landed before the second was deferred"
         assert time.monotonic() < deadline
         time.sleep(0.005)
     while (answer := s.cache.init_load_back(first)) is None:
         assert time.monotonic() < deadline
         time.sleep(0.005)
-    assert answer[0] == len(B) and s.cache.partial_restores.get("resume-2") is not None
+    assert answer[0] == len(B) and s.cache.controller.restores.get("resume-2") is not None
     assert s.cache.init_load_back(second) == (len(B), m.best_match_node), "B is resident now"
-    assert s.cache.partial_restores.held_tokens == 0, "the second request's partial restore is freed"
+    assert s.cache.controller.restores.held_tokens == 0, "the second request's partial restore is freed"
     assert s.allocator.available_size() == free_before - len(B)
     s.cache.check_integrity()

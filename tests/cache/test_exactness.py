@@ -43,9 +43,9 @@ def test_a_respilled_part_reuses_its_clean_extent_through_the_exact_reference(ma
     s.evict_all()
     restore(s, A[:25] + [7, 7, 7])
     restore(s, A)
-    stored = s.cache.spill_io.tier.stats().stores
+    stored = s.cache.controller.tier.stats().stores
     s.evict_all()
-    assert s.cache.spill_io.tier.stats().stores == stored, "clean parts must not be written again"
+    assert s.cache.controller.tier.stats().stores == stored, "clean parts must not be written again"
     head = s.cache.root_node.children[A[0]]
     (tail,) = head.children.values()
     assert (head.spill.offset, head.spill.count, tail.spill.offset, tail.spill.count) == (0, 25, 25, 15)
@@ -76,7 +76,7 @@ def test_a_restart_after_a_flush_attaches_only_what_the_restart_can_trust(make_s
     s.allocator.clear()
     s.insert(B)  # spilled in the new epoch: not attachable by a restart (weights may have changed)
     s.evict_all()
-    s.cache.spill_io.tier.close()
+    s.cache.controller.tier.close()
     again = make_stack(tier_dir=s.tier_dir)
     assert again.match(B).host_hit_length == 0
     assert again.match(A).host_hit_length == 40  # from the first epoch: computed with the weights on disk
@@ -89,7 +89,7 @@ def _forge(s: Any, tokens: list[int], payload_tokens: int, parent: bytes | None 
     from sgl_hicache.tier.paths import ExtentPaths
     from sgl_hicache.tier.store import StoreRequest, prepare, write_extent
 
-    tier = s.cache.spill_io.tier
+    tier = s.cache.controller.tier
     ns = tier.namespace
     node = s.cache.root_node.children[tokens[0]]
     key = node.spill.extent.key
@@ -130,7 +130,7 @@ def test_warm_start_never_attaches_a_forged_extent(make_stack: Any, tmp_path: Pa
     s.insert(A)
     s.evict_all()
     _forge(s, A, payload_tokens=40, header_tokens=B + B)
-    s.cache.spill_io.tier.close()
+    s.cache.controller.tier.close()
     again = make_stack(tier_dir=s.tier_dir)
     assert again.match(A).host_hit_length == 0 and again.match(B + B).host_hit_length == 0
 
@@ -158,6 +158,6 @@ def test_a_weight_update_without_flush_names_new_kv_apart_from_the_weights_on_di
     new_epoch_after_weight_update(None, SimpleNamespace(scheduler=SimpleNamespace(tree_cache=s.cache)))
     s.insert(B, ids=[t + 5000 for t in B])  # computed with the updated weights, not flushed
     s.evict_all()
-    s.cache.spill_io.tier.close()
+    s.cache.controller.tier.close()
     again = make_stack(tier_dir=s.tier_dir)
     assert again.match(A).host_hit_length == 40 and again.match(B).host_hit_length == 0

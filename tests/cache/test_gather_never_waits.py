@@ -19,8 +19,8 @@ LATENCY_S = 1.0
 
 def test_eviction_that_releases_a_staged_extent_never_makes_the_restore_wait(make_stack: Any) -> None:
     s = make_stack(size=256)
-    tier = FaultyTier(s.cache.spill_io.tier, FaultSpec(latency_s=LATENCY_S))
-    s.cache.spill_io.tier = tier
+    tier = FaultyTier(s.cache.controller.tier, FaultSpec(latency_s=LATENCY_S))
+    s.cache.controller.tier = tier
     s.insert(A)
     s.cache.evict(EvictParams(num_tokens=len(A)))  # A spilled: its write is slow, its bytes staged
     s.insert(B)  # the pool is full again: A's restore must evict B to get slots
@@ -49,5 +49,5 @@ def test_eviction_that_releases_a_staged_extent_never_makes_the_restore_wait(mak
     s.cache.check_integrity()
     loaded, last = s.load_back(s.match(A))  # A is still on the tier: the next restore uses it
     assert loaded == len(A) and read_kv(s.pool, last.value) == expected_kv(A)
-    s.cache.spill_io.wait_writes()
+    s.cache.controller.wait_writes()
     s.cache.check_integrity()

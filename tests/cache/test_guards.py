@@ -60,7 +60,7 @@ def path_slots(s: Any, node: Any) -> Any:
 
 
 def test_match_prefix_serves_the_resident_match(spilled: Any, caplog: Any, monkeypatch: Any) -> None:
-    monkeypatch.setattr(spilled.cache, "_match_spilled", boom)
+    monkeypatch.setattr(spilled.cache.tree, "match_spilled", boom)
     for m in contained_twice(spilled, caplog, "match_prefix", lambda: spilled.match(A)):
         assert (m.device_prefix_len, m.host_hit_length) == (0, 0)
     monkeypatch.undo()
@@ -68,7 +68,7 @@ def test_match_prefix_serves_the_resident_match(spilled: Any, caplog: Any, monke
 
 
 def test_a_failed_poll_is_skipped(spilled: Any, caplog: Any, monkeypatch: Any) -> None:
-    monkeypatch.setattr(spilled.cache.spill_io, "poll", boom)
+    monkeypatch.setattr(spilled.cache.controller, "poll", boom)
     for m in contained_twice(spilled, caplog, "poll", lambda: spilled.match(A)):
         assert m.host_hit_length == len(A)  # the match itself went on
     monkeypatch.undo()
@@ -79,7 +79,7 @@ def test_a_node_whose_spill_raises_is_dropped(make_stack: Any, caplog: Any, monk
     s = make_stack()
     s.insert(A)
     s.insert(A[:20] + [7] * 20)  # two leaves: two spills, both raising
-    monkeypatch.setattr(s.cache.spill_io, "store", boom)
+    monkeypatch.setattr(s.cache.controller, "store", boom)
     results = contained_twice(
         s, caplog, "evict (a node's spill)", lambda: s.cache.evict(EvictParams(num_tokens=1))
     )
@@ -98,7 +98,7 @@ def test_evict_falls_back_to_dropping(make_stack: Any, caplog: Any, monkeypatch:
     s.insert(A)
     s.insert(A[:20] + [7] * 20)
     free = s.allocator.available_size()
-    monkeypatch.setattr(s.cache.partial_restores, "evict", boom)
+    monkeypatch.setattr(s.cache.controller.restores, "evict", boom)
     results = contained_twice(s, caplog, "evict", lambda: s.cache.evict(EvictParams(num_tokens=1)))
     assert [r.num_tokens_evicted for r in results] == [20, 20]
     assert s.allocator.available_size() == free + 40 and s.cache.spilled_tokens == 0
@@ -113,7 +113,7 @@ def test_evict_falls_back_to_dropping(make_stack: Any, caplog: Any, monkeypatch:
     ("target", "name"),
     [
         ("reads.readiness", "init_load_back (readiness)"),
-        ("restore", "init_load_back (restore)"),
+        ("complete", "init_load_back (restore)"),
         ("cache._agreed_readiness", "init_load_back"),
     ],
 )
@@ -121,19 +121,21 @@ def test_init_load_back_recomputes(
     spilled: Any, caplog: Any, monkeypatch: Any, target: str, name: str
 ) -> None:
     owner, attr = target.rsplit(".", 1) if "." in target else ("", target)
-    obj = {"reads": spilled.cache.spill_io.reads, "cache": spilled.cache, "": spilled.cache.spill_io}[owner]
+    obj = {"reads": spilled.cache.controller.reads, "cache": spilled.cache, "": spilled.cache.controller}[
+        owner
+    ]
     free = spilled.allocator.available_size()
     monkeypatch.setattr(obj, attr, boom)
     m = spilled.match(A)
     for answer in contained_twice(spilled, caplog, name, lambda: spilled.load_back(m)):
         assert answer == (0, m.last_device_node)
-    assert spilled.allocator.available_size() == free and spilled.cache.deferred_rid is None
+    assert spilled.allocator.available_size() == free and spilled.cache.controller.restores.held_tokens == 0
     monkeypatch.undo()
     restores_exactly(spilled)
 
 
 def test_insert_over_spilled_nodes_drops_them(spilled: Any, caplog: Any, monkeypatch: Any) -> None:
-    monkeypatch.setattr(spilled.cache, "_match_spilled", boom)
+    monkeypatch.setattr(spilled.cache.tree, "match_spilled", boom)
     contained_twice(spilled, caplog, "insert (adopting spilled nodes)", lambda: spilled.insert(A, ids=A))
     monkeypatch.undo()
     m = spilled.match(A)
@@ -152,7 +154,7 @@ def test_reset_falls_back_to_an_empty_tree_in_a_new_epoch(
         spilled.cache.reset()
         epochs.append(spilled.cache.epoch)
 
-    monkeypatch.setattr(spilled.cache.spill_io.reads, "clear", boom)
+    monkeypatch.setattr(spilled.cache.controller.reads, "clear", boom)
     contained_twice(spilled, caplog, "reset", reset)
     assert len(set(epochs)) == 3 and spilled.cache.spilled_tokens == 0
     assert spilled.match(A).host_hit_length == 0  # nothing named before is found
@@ -172,7 +174,7 @@ def test_a_poll_that_fails_on_one_completion_still_takes_the_others(
     s = make_stack()
     s.insert(A)
     s.insert(A[:20] + [7] * 20)  # a shared head and two leaves: three writes
-    io = s.cache.spill_io
+    io = s.cache.controller
     monkeypatch.setattr(io, "poll", lambda: None)  # the writes finish unseen ...
     s.cache.evict(EvictParams(num_tokens=10**9))
     writes = io.writes_in_flight
@@ -197,15 +199,15 @@ def test_a_poll_that_fails_on_one_completion_still_takes_the_others(
     s.cache.check_integrity()
 
 
-@pytest.mark.parametrize("target", ["_pack", "tier.submit_store"])
+@pytest.mark.parametrize("target", ["engine.pack", "tier.submit_store"])
 def test_a_spill_failing_after_taking_staging_gives_it_back(
     make_stack: Any, caplog: Any, monkeypatch: Any, target: str
 ) -> None:
     s = make_stack()
     s.insert(A)
     s.insert(A[:20] + [7] * 20)
-    io = s.cache.spill_io
-    owner, attr = (io.tier, "submit_store") if target.startswith("tier.") else (io, target)
+    io = s.cache.controller
+    owner, attr = (io.tier, "submit_store") if target.startswith("tier.") else (io.engine, "pack")
     monkeypatch.setattr(owner, attr, boom)
     contained_twice(s, caplog, "evict (a node's spill)", lambda: s.cache.evict(EvictParams(num_tokens=1)))
     assert io.staging.used_bytes == 0, "staging taken by the failed spills was never given back"
@@ -216,7 +218,7 @@ def test_a_spill_failing_after_taking_staging_gives_it_back(
 
 
 def test_a_read_failing_to_start_gives_its_staging_back(spilled: Any, caplog: Any, monkeypatch: Any) -> None:
-    io = spilled.cache.spill_io
+    io = spilled.cache.controller
     monkeypatch.setattr(io.tier, "submit_load", boom)
     m = spilled.match(A)
     for answer in contained_twice(
@@ -239,16 +241,16 @@ def test_a_restore_failing_while_marking_its_nodes_frees_the_slots_no_node_owns(
     s.insert(A)  # a chain of two nodes, A[:20] and A[20:]
     s.evict_all()
     m = s.match(A)
-    chain = s.cache._path_up(m.best_match_node, m.last_device_node)
+    chain = s.cache.tree.path_up(m.best_match_node, m.last_device_node)
     assert [len(n.key) for n in chain] == [20, 20]
-    mark = s.cache._mark_resident
+    mark = s.cache.tree._mark_one
 
-    def fails_on_one(node: Any, value: Any) -> None:
+    def fails_on_one(node: Any, value: Any, now: float) -> None:
         if node is chain[failing]:
             raise RuntimeError("injected")
-        mark(node, value)
+        mark(node, value, now)
 
-    monkeypatch.setattr(s.cache, "_mark_resident", fails_on_one)
+    monkeypatch.setattr(s.cache.tree, "_mark_one", fails_on_one)
     for answer in contained_twice(s, caplog, "init_load_back", lambda: s.load_back(s.match(A))):
         assert answer[0] == 0  # recomputed from the resident prefix the match found
     monkeypatch.undo()
@@ -280,7 +282,7 @@ def test_a_drop_that_raises_leaves_the_node_whole(make_stack: Any, monkeypatch: 
     s = make_stack()
     s.insert(A[:3])  # too short to spill: evict drops it
     (leaf,) = s.cache.root_node.children.values()
-    monkeypatch.setattr(s.cache, "_forget_spilled", boom)
+    monkeypatch.setattr(s.cache, "_delete_leaf", boom)
     with pytest.raises(RuntimeError, match="injected"):
         s.cache._drop_node(leaf)
     s.cache.check_integrity()
@@ -308,8 +310,8 @@ def _resident_node(s: Any) -> Any:
 @pytest.mark.parametrize(
     ("setup", "target", "name", "last_resort"),
     [
-        (_short_leaf, "cache._forget_spilled", "evict", True),
-        (_spilled_chain, "partial_restores.drop", "init_load_back", False),
+        (_short_leaf, "cache._delete_leaf", "evict", True),
+        (_spilled_chain, "restores.drop", "init_load_back", False),
         (_resident_node, "cache._split_node", "match_prefix", True),
     ],
 )
@@ -322,7 +324,7 @@ def test_a_fault_the_fallback_meets_again_is_contained(
     s = make_stack()
     call = setup(s)
     owner, attr = target.split(".")
-    monkeypatch.setattr({"cache": s.cache, "partial_restores": s.cache.partial_restores}[owner], attr, boom)
+    monkeypatch.setattr({"cache": s.cache, "restores": s.cache.controller.restores}[owner], attr, boom)
     with caplog.at_level(logging.ERROR, logger="sgl_hicache"):
         contained_twice(s, caplog, name, call, errors=4)
         disabled = [
@@ -330,7 +332,7 @@ def test_a_fault_the_fallback_meets_again_is_contained(
             for r in caplog.records
             if "spill disabled after an internal error in a fallback" in r.getMessage()
         ]
-    assert (s.cache.spill_io is None, len(disabled)) == ((True, 1) if last_resort else (False, 0))
+    assert (s.cache.controller is None, len(disabled)) == ((True, 1) if last_resort else (False, 0))
     monkeypatch.undo()
     if not last_resort:
         s.evict_all()
@@ -349,10 +351,10 @@ def test_a_fault_the_fallback_meets_again_is_contained(
 def test_a_reset_whose_fallback_fails_too_is_sglangs_reset(
     spilled: Any, caplog: Any, monkeypatch: Any
 ) -> None:
-    monkeypatch.setattr(spilled.cache.spill_io.reads, "clear", boom)
+    monkeypatch.setattr(spilled.cache.controller.reads, "clear", boom)
     monkeypatch.setattr(spilled.cache, "start_epoch", boom)  # the fallback's last step
     contained_twice(spilled, caplog, "reset", spilled.cache.reset, errors=4)
-    assert spilled.cache.spill_io is None and spilled.cache.spilled_tokens == 0
+    assert spilled.cache.controller is None and spilled.cache.spilled_tokens == 0
     assert spilled.match(A).host_hit_length == 0  # an empty tree
     monkeypatch.undo()
     spilled.insert(A)

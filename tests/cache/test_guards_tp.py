@@ -52,9 +52,9 @@ def test_faults_contained_on_one_rank_keep_the_ranks_identical(tmp_path: Path) -
     try:
         for rank, stack in enumerate(stacks):
             stack.cache.agreement = ThreadedAgreement(group, rank)
-        io = stacks[1].cache.spill_io
+        io = stacks[1].cache.controller
         io.store = every(3, io.store)
-        io.restore = every(2, io.restore)
+        io.complete = every(2, io.complete)
         io.reads.readiness = every(4, io.reads.readiness)
         steps = conversation_steps(7)
         records: list[list[Any]] = [[], []]
@@ -63,7 +63,7 @@ def test_faults_contained_on_one_rank_keep_the_ranks_identical(tmp_path: Path) -
         assert stacks[1].metrics.totals["internal_errors"] > 0 == stacks[0].metrics.totals["internal_errors"]
         assert stacks[0].metrics.totals["restored_tokens"] > 0  # restores still happened
         for stack in stacks:
-            stack.cache.spill_io.wait_writes()
+            stack.cache.controller.wait_writes()
             stack.cache.check_integrity()
     finally:
         for stack in stacks:
@@ -94,7 +94,7 @@ def test_hints_whose_reads_fail_on_one_rank_keep_the_trees_identical(tmp_path: P
                 return match(tokens, salt)
 
             stack.match = hinted  # type: ignore[method-assign]
-        reads = stacks[1].cache.spill_io.reads
+        reads = stacks[1].cache.controller.reads
         reads.prefetch = every(2, reads.prefetch)
         steps = conversation_steps(11)
         records: list[list[Any]] = [[], []]
@@ -111,8 +111,6 @@ def test_a_warm_start_that_fails_on_one_rank_starts_every_rank_empty(
 ) -> None:
     """The warm-start agreement is a collective: a rank whose attach raised must still reach it
     (else the other rank waits in it, then pairs it with an unrelated collective)."""
-    from sgl_hicache.cache import warm_start
-
     group = ThreadedAgreement.Group(2)
     stacks = [build_stack(tmp_path / f"rank{r}", size=160) for r in range(2)]
     try:
@@ -121,14 +119,14 @@ def test_a_warm_start_that_fails_on_one_rank_starts_every_rank_empty(
             stack.evict_all()  # the same spilled tree on both ranks' tiers
             stack.cache.agreement = ThreadedAgreement(group, rank)
             stack.cache.epoch = None  # the next reset is a start: it attaches the tier's extents
-        attach = warm_start.attach_tier_extents
+        warm = stacks[1].cache.warm
+        attach = warm.attach_all
 
-        def fails_on_rank_1(cache: Any) -> None:
-            attach(cache)
-            if cache is stacks[1].cache:
-                raise RuntimeError("injected on one rank, after part of the attach")
+        def fails_on_rank_1(tier: Any, epoch: bytes) -> int:
+            attach(tier, epoch)
+            raise RuntimeError("injected on one rank, after part of the attach")
 
-        monkeypatch.setattr(warm_start, "attach_tier_extents", fails_on_rank_1)
+        monkeypatch.setattr(warm, "attach_all", fails_on_rank_1)
         run_ranks(group, lambda r: stacks[r].cache.reset(), timeout_s=60)
         assert [s.cache.spilled_tokens for s in stacks] == [0, 0], "the ranks start from different trees"
         assert stacks[1].metrics.totals["internal_errors"] == 1

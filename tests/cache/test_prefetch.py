@@ -30,13 +30,13 @@ def test_unused_prefetch_is_released_after_its_ttl(make_stack: Any) -> None:
     s.insert(A)
     s.evict_all()
     s.cache.prefetch(A)
-    assert s.cache.spill_io.staging.used_bytes > 0
+    assert s.cache.controller.staging.used_bytes > 0
     time.sleep(0.2)
     deadline = time.monotonic() + 5
-    while s.cache.spill_io.staging.used_bytes and time.monotonic() < deadline:
+    while s.cache.controller.staging.used_bytes and time.monotonic() < deadline:
         s.cache._poll()
         time.sleep(0.02)
-    assert s.cache.spill_io.staging.used_bytes == 0
+    assert s.cache.controller.staging.used_bytes == 0
     assert s.metrics.totals["prefetch_abandoned"] == 1
     m = s.match(A)
     assert s.load_back(m)[0] == 40 and s.metrics.totals["reads_on_demand"] == 1
@@ -49,7 +49,7 @@ def slow_stack(make_stack: Any, **overrides: Any) -> Any:
     s = make_stack(**overrides)
     s.insert(A)
     s.evict_all()
-    s.cache.spill_io.tier = FaultyTier(s.cache.spill_io.tier, FaultSpec(latency_s=0.3))
+    s.cache.controller.tier = FaultyTier(s.cache.controller.tier, FaultSpec(latency_s=0.3))
     return s
 
 
@@ -82,7 +82,7 @@ def test_best_effort_policy_recomputes_rather_than_wait(make_stack: Any) -> None
     m, answer = first_answer(s)
     assert answer == (0, m.last_device_node)
     assert s.metrics.totals["restores_too_late"] == 1 and s.metrics.totals["restore_failures"] == 1
-    s.cache.spill_io.wait_writes()
+    s.cache.controller.wait_writes()
     s.cache.check_integrity()
 
 
@@ -110,7 +110,7 @@ def test_reads_restarted_past_their_ttl_never_defer_a_request_forever(make_stack
     s = make_stack(prefetch_policy=PrefetchPolicy.TIMEOUT, prefetch_timeout_s=0.3, prefetch_ttl_s=0.05)
     s.insert(A)
     s.evict_all()
-    s.cache.spill_io.tier = FaultyTier(s.cache.spill_io.tier, FaultSpec(latency_s=30.0))
+    s.cache.controller.tier = FaultyTier(s.cache.controller.tier, FaultSpec(latency_s=30.0))
     deadline = time.monotonic() + 5
     while True:
         m = s.match(A)

@@ -42,8 +42,8 @@ def test_random_conversations_keep_integrity(make_stack: Any, seed: int) -> None
             continue
         turn(stack, clients[client])
         if rng.random() < 0.3:
-            stack.cache.spill_io.wait_writes()
+            stack.cache.controller.wait_writes()
         stack.cache.check_integrity()
-    stack.cache.spill_io.wait_writes()
+    stack.cache.controller.wait_writes()
     stack.cache.check_integrity()
     assert stack.metrics.totals["spilled_tokens"] > 0 and stack.metrics.totals["restored_tokens"] > 0

@@ -24,7 +24,7 @@ def test_evicted_nodes_stay_in_the_tree_as_spilled_and_free_their_slots(make_sta
     assert s.cache.spilled_tokens == 60 and s.cache.evictable_size() == 0
     assert s.allocator.available_size() == s.allocator.size
     assert s.metrics.totals["spilled_tokens"] == 60 and s.metrics.totals["dropped_tokens"] == 0
-    assert s.cache.spill_io.tier.stats().extents == 2
+    assert s.cache.controller.tier.stats().extents == 2
     s.cache.check_integrity()
 
 
@@ -104,8 +104,8 @@ def test_corrupt_extent_is_a_clean_miss(make_stack: Any) -> None:
 
 def test_full_staging_drops_instead_of_waiting(make_stack: Any, caplog: Any) -> None:
     s = make_stack(staging_bytes=1 << 20)
-    a, b = (packed_nbytes(s.cache.spill_io.view, len(x)) for x in (A, B))
-    s.cache.spill_io.staging.capacity_bytes = a + b - 1  # either fits, not both while A is written
+    a, b = (packed_nbytes(s.cache.controller.view, len(x)) for x in (A, B))
+    s.cache.controller.staging.capacity_bytes = a + b - 1  # either fits, not both while A is written
     s.insert(A)
     s.insert(B)
     with caplog.at_level(logging.WARNING):
@@ -121,12 +121,12 @@ def test_full_staging_drops_instead_of_waiting(make_stack: Any, caplog: Any) -> 
 
 def test_a_node_larger_than_all_of_staging_is_refused_and_logged_once(make_stack: Any, caplog: Any) -> None:
     s = make_stack(staging_bytes=1 << 20)
-    a = packed_nbytes(s.cache.spill_io.view, len(A))
-    s.cache.spill_io.staging.capacity_bytes = a - 1  # B fits, A never can
+    a = packed_nbytes(s.cache.controller.view, len(A))
+    s.cache.controller.staging.capacity_bytes = a - 1  # B fits, A never can
     s.insert(A)
     s.insert(B)
     s.insert(C)
-    with caplog.at_level(logging.WARNING, logger="sgl_hicache.cache.spill_io"):
+    with caplog.at_level(logging.WARNING, logger="sgl_hicache.cache.controller"):
         s.evict_all()
     assert [n.key.token_ids[0] for n in s.cache.root_node.children.values()] == [B[0]]
     assert s.metrics.totals["spills_refused_too_large"] == 2 and s.metrics.totals["dropped_tokens"] == 80
@@ -162,7 +162,7 @@ def test_warm_start_attaches_the_tiers_extents_as_spilled_nodes(make_stack: Any)
     s.insert([1, 2] + B)
     s.insert(B, salt="carol")  # salted: re-attached only when a request of that tenant brings the tokens
     s.evict_all()
-    s.cache.spill_io.tier.close()
+    s.cache.controller.tier.close()
     again = make_stack(tier_dir=s.tier_dir)
     assert again.cache.spilled_tokens == 2 + 40 + 20
     m = again.match([1, 2] + A)

@@ -216,7 +216,7 @@ class SpillCacheMachine(RuleBasedStateMachine):
 
     @rule(which=st.integers(0, 1))
     def writes_land(self, which: int) -> None:
-        io = self.servers[which % len(self.servers)].stack.cache.spill_io
+        io = self.servers[which % len(self.servers)].stack.cache.controller
         io.wait_writes()
 
     @precondition(lambda self: bool(self.convs))
@@ -241,7 +241,7 @@ class SpillCacheMachine(RuleBasedStateMachine):
         if roll:
             return
         server = self.servers[which % len(self.servers)]
-        server.stack.cache.spill_io.wait_writes()
+        server.stack.cache.controller.wait_writes()
         close_stack(server.stack)
         server.stack, server.version, server.pending = self._stack(), 0, {}
 
@@ -298,7 +298,7 @@ def _rewrite_with_other_tokens(path: Path, s: Stack) -> None:
     from sgl_hicache.tier.store import StoreRequest, prepare, write_extent
 
     header = decode_fixed(path.read_bytes()[:4096], None)
-    tier = s.cache.spill_io.tier
+    tier = s.cache.controller.tier
     payload = np.full(header.payload_len, 7, dtype=np.uint8)
     tokens = [99] * header.token_count
     req = StoreRequest.of(ExtentKey(header.key), ExtentKey(header.parent), tokens, memoryview(payload))
@@ -327,7 +327,7 @@ class TwoCachesOneDirectory(SpillCacheMachine):
         server, other = self.servers[which], self.servers[1 - which]
         if spill_first and not other.pending:
             other.stack.cache.evict(EvictParams(num_tokens=10**9))
-            other.stack.cache.spill_io.wait_writes()
+            other.stack.cache.controller.wait_writes()
         tokens, salt = self._new_tokens(data, other.convs)
         self.convs.append((tokens, salt))
         server.convs.append((tokens, salt))
@@ -337,7 +337,7 @@ class TwoCachesOneDirectory(SpillCacheMachine):
         deadline = time.monotonic() + 10
         while server.stack.cache.lookup_waiting(rid) and time.monotonic() < deadline:
             time.sleep(0.001)
-            server.stack.cache._poll()
+            server.stack.cache._attach_lookups()
         self._admit(server, rid, tokens, salt)
 
 

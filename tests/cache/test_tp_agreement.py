@@ -74,8 +74,8 @@ def run_rank(stack: Stack, steps: list[list[int]], record: list[Any]) -> None:
             stack.cache.evict(EvictParams(num_tokens=need - stack.allocator.available_size()))
         stack.insert(tokens)
         if i % 4 == 0:
-            stack.cache.spill_io.wait_writes()  # a local event: when each rank's writes land
-        record.append((i, loaded, stack.allocator.available_size(), tree_digest(stack.cache)))
+            stack.cache.controller.wait_writes()  # a local event: when each rank's writes land
+        record.append((i, loaded, stack.allocator.available_size(), tree_digest(stack.cache.root_node)))
 
 
 def run_pair(
@@ -85,7 +85,7 @@ def run_pair(
 
     stacks = [build_stack(tmp_path / f"rank{r}", size=160) for r in range(2)]
     spec = FaultSpec(seed=seed, fail_rate=0.25, corrupt_rate=0.15, latency_s=0.01, jitter_s=0.02)
-    stacks[1].cache.spill_io.tier = FaultyTier(stacks[1].cache.spill_io.tier, spec)
+    stacks[1].cache.controller.tier = FaultyTier(stacks[1].cache.controller.tier, spec)
     for stack, agreement in zip(stacks, agreements, strict=True):
         stack.cache.agreement = agreement
     steps = conversation_steps(seed)
@@ -120,9 +120,9 @@ def test_ranks_agree_although_only_one_has_faults(tmp_path: Path, seed: int) -> 
     try:
         assert rank0 == rank1, "the ranks' trees, pools or restores diverged"
         assert any(loaded > 0 for _, loaded, _, _ in rank0), "nothing was restored: the test proves nothing"
-        assert stacks[1].cache.spill_io.tier.injected["failures"] > 0
+        assert stacks[1].cache.controller.tier.injected["failures"] > 0
         for stack in stacks:
-            stack.cache.spill_io.wait_writes()
+            stack.cache.controller.wait_writes()
             stack.cache.check_integrity()
         assert stacks[0].metrics.totals["tp_disagreements"] > 0, "rank 0 never had to follow rank 1"
     finally:

@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 from sgl_hicache.kernels import packed_nbytes
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-from sgl_hicache.cache.spill_io import BACKGROUND_SHARE
+from sgl_hicache.cache.controller import BACKGROUND_SHARE
 from sgl_hicache.config import WritePolicy
 from tests.cache.conftest import Stack, read_kv
 from tests.cache.test_cross_server import PROMPT, restore_on
@@ -42,7 +43,7 @@ def test_a_history_still_resident_on_a_is_found_by_b_only_written_through(
     a, b = _pair(make_stack, tmp_path, policy)
     for end in (48, 112, len(PROMPT)):  # three turns on A, never evicted
         a.insert(PROMPT[:end])
-    a.cache.spill_io.wait_writes()
+    a.cache.controller.wait_writes()
     assert a.cache.spilled_tokens == 0  # all of it is resident on A
     n, kv = restore_on(b, PROMPT + [9, 9, 9, 9])
     if policy is WritePolicy.WRITE_BACK:
@@ -55,18 +56,23 @@ def test_a_history_still_resident_on_a_is_found_by_b_only_written_through(
     a.cache.check_integrity(with_tier=False)
 
 
-def test_evicting_a_written_through_node_writes_nothing_and_restores_exactly(
+def test_evicting_a_written_through_node_rewrites_only_what_its_file_lacks_and_restores_exactly(
     make_stack: Any, tmp_path: Path
 ) -> None:
+    """Write-through assumes a shared root, where another server may have evicted our file since we
+    wrote it: an eviction stores each node again, and the tier writes nothing where the node's own
+    extent is still there (it refreshes its age). The halves of a split node have no extent of
+    their own: they are written. Every restored byte is the one computed."""
     a = make_stack(tmp_path / "tier", size=512, write_policy=WritePolicy.WRITE_THROUGH)
     a.insert(PROMPT[:64])
     a.insert(PROMPT[:32] + [7] * 40)  # splits A's written-through node at 32: refs split with it
-    a.cache.spill_io.wait_writes()
-    written = a.metrics.totals["spilled_bytes"]
-    assert written > 0
+    a.cache.controller.wait_writes()
+    tier = a.cache.controller.tier
+    stores = tier.stats().stores
+    assert stores == 2
     a.evict_all()
-    assert a.metrics.totals["spilled_bytes"] == written  # clean: nothing packed or written again
-    assert a.metrics.totals["spilled_tokens"] == 0
+    assert tier.stats().stores == stores + 2  # the two halves; the 40-token node's file was there
+    assert a.metrics.totals["spilled_tokens"] == 64 + 40  # all submitted: the tier decides
     assert a.cache.spilled_tokens == 64 + 40
     for tokens in (PROMPT[:64], PROMPT[:32] + [7] * 40):
         m = a.match(tokens)  # the second shares 32 tokens the first restore made resident
@@ -82,14 +88,14 @@ def test_a_refused_write_stops_the_path_and_the_next_insert_fills_it_without_a_g
 ) -> None:
     a = make_stack(tmp_path / "tier", size=512, write_policy=WritePolicy.WRITE_THROUGH)
     a.insert(PROMPT[:48])
-    real_store = a.cache.spill_io.store
-    monkeypatch.setattr(a.cache.spill_io, "store", lambda *args, **kw: None)  # staging full
+    real_store = a.cache.controller.store
+    monkeypatch.setattr(a.cache.controller, "store", lambda *args, **kw: None)  # staging full
     a.insert(PROMPT[:112])
     a.insert(PROMPT)
     assert a.metrics.totals["written_through_tokens"] == 48  # nothing below the refused node
-    monkeypatch.setattr(a.cache.spill_io, "store", real_store)
+    monkeypatch.setattr(a.cache.controller, "store", real_store)
     a.insert(PROMPT + [3] * 16)  # the next turn's insert writes what is missing on its path, top down
-    a.cache.spill_io.wait_writes()
+    a.cache.controller.wait_writes()
     assert a.metrics.totals["written_through_tokens"] == len(PROMPT) + 16
     a.evict_all()
     m = a.match(PROMPT + [3] * 16)
@@ -107,7 +113,7 @@ def test_a_failed_write_through_is_contained_and_never_served(
     def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(a.cache.spill_io, "store", broken)
+    monkeypatch.setattr(a.cache.controller, "store", broken)
     a.insert(PROMPT)  # the insert itself succeeds: sglang never sees our exception
     assert a.metrics.totals["internal_errors"] == 1
     assert a.match(PROMPT).device_prefix_len == len(PROMPT)
@@ -122,8 +128,8 @@ def test_a_write_refused_midway_writes_nothing_below_it(
     path are not written (their extents would follow a gap), and the next insert fills the path
     top down. (With every store refused, as above, skipping past the refused node looks the same.)"""
     a = make_stack(tmp_path / "tier", size=512, write_policy=WritePolicy.WRITE_THROUGH)
-    real_store = a.cache.spill_io.store
-    monkeypatch.setattr(a.cache.spill_io, "store", lambda *args, **kw: None)
+    real_store = a.cache.controller.store
+    monkeypatch.setattr(a.cache.controller, "store", lambda *args, **kw: None)
     a.insert(PROMPT[:48])  # [0, 48) resident, no copy
     tried: list[int] = []
 
@@ -131,13 +137,13 @@ def test_a_write_refused_midway_writes_nothing_below_it(
         tried.append(len(args[2]))  # the node's tokens
         return None if len(tried) == 1 else real_store(*args, **kwargs)
 
-    monkeypatch.setattr(a.cache.spill_io, "store", refuse_the_first)
+    monkeypatch.setattr(a.cache.controller, "store", refuse_the_first)
     a.insert(PROMPT[:112])  # the path: [0, 48) refused now, then [48, 112) must not be tried
     assert tried == [48]
     assert a.metrics.totals["written_through_tokens"] == 0
     a.insert(PROMPT)  # both accepted now: the whole path, top down
     assert tried == [48, 48, 64, 48]
-    a.cache.spill_io.wait_writes()
+    a.cache.controller.wait_writes()
     assert a.metrics.totals["written_through_tokens"] == len(PROMPT)
     a.cache.check_integrity()
 
@@ -196,7 +202,7 @@ def test_write_through_fills_only_its_share_of_staging(
     Without the bound the three write-throughs below would hold all of it and the restore would
     recompute."""
     a = make_stack(tmp_path / "tier", size=512, write_policy=WritePolicy.WRITE_THROUGH)
-    io = a.cache.spill_io
+    io = a.cache.controller
     one = packed_nbytes(io.view, 48)
     io.staging.capacity_bytes = 3 * one  # three 48-token nodes; write-through may hold one of them
     assert one <= 3 * one * BACKGROUND_SHARE < 2 * one
@@ -216,8 +222,12 @@ def test_write_through_fills_only_its_share_of_staging(
     assert n == 48
     assert read_kv(a.pool, a.cache.path_device_indices(node)) == old
     release()
-    a.evict_all()  # the two deferred nodes are written at eviction, as under write_back
-    assert a.metrics.totals["spilled_tokens"] == 96 and a.metrics.totals["dropped_tokens"] == 0
+    # The three prompts (least recently used; the restored node stays): the two deferred ones are
+    # written at eviction, as under write_back; the written-through one is stored again too (the
+    # tier finds its file and writes nothing). Each takes staging until its store completes.
+    a.cache.evict(EvictParams(num_tokens=3 * 48))
+    a.cache.controller.wait_writes()
+    assert a.metrics.totals["spilled_tokens"] == 96 + 48 and a.metrics.totals["dropped_tokens"] == 0
     for tokens in prompts:
         n, node = a.load_back(a.match(tokens))
         assert n == 48
@@ -231,7 +241,7 @@ def test_a_node_larger_than_write_throughs_share_is_written_at_eviction(
     """A node that can never fit write-through's share (but fits staging) is counted apart from a
     momentary deferral and logged once with the flag to raise; its eviction writes it exactly."""
     a = make_stack(tmp_path / "tier", size=512, write_policy=WritePolicy.WRITE_THROUGH)
-    io = a.cache.spill_io
+    io = a.cache.controller
     io.staging.capacity_bytes = packed_nbytes(io.view, 64)  # share: 32 tokens
     big = [[base + i for i in range(48)] for base in (1000, 2000)]
     for tokens in big:

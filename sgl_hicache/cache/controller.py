@@ -1,0 +1,374 @@
+"""`SpillController`: the one object that moves KV between the device pool and the tier.
+
+It owns the staging arena, the stores and reads in flight, the restores in progress (their slots
+and early unpacks), the lookups' I/O half and the ordering of every copy against sglang's forward
+(`CopyEngine`); it knows nothing of the radix tree (sglang's `HiCacheController` and vLLM's
+`kv_offload` worker side are the models). Every method runs on the scheduler thread and never
+blocks on I/O or on the device, except `wait_writes` and `close` (tests, shutdown).
+
+Contract:
+- `store` packs a node's slots into staging and submits the extent's write once the pack is done;
+  None when staging cannot hold it (the caller drops the node), counted as
+  `spills_refused_staging_full` (momentarily: writes in flight hold it) or `spills_refused_too_large`
+  (never: larger than all of staging; logged once with the flag to raise). A `background` store (a
+  write-through: nothing is lost without it) may fill staging only up to `BACKGROUND_SHARE` of it,
+  so eviction spills and reads always have the rest; refused, it is counted as
+  `writes_through_deferred` or `writes_through_too_large` (logged once). The caller may free the
+  slots as soon as `store` returns (later forwards wait for the pack's gather).
+- `poll` (never blocks) submits the writes whose packs are done, moves finished writes to ON_TIER
+  or LOST, hands finished loads to `reads`, and gives back staging whose copies are done. It never
+  touches the tree; finished lookups wait for `take_lookups`.
+- A restore is all or nothing. The caller allocates its slots and registers them with
+  `restores.open` (the table owns them from then on), may `unpack_landed` while reads are in flight
+  (early unpack), then `complete`s it: every read it needs completed and verified (never waited
+  for: see `ExtentReads.gather`), the rest unpacked; True leaves it in the table for the caller's
+  `restores.hand_over`, False frees its slots (the request recomputes). Any tier failure marks the
+  extent LOST; nothing read is used unverified.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from sgl_hicache.cache.device import Copy, CopyEngine, Streams, streams_for
+from sgl_hicache.cache.lookups import FoundSegments, Lookups
+from sgl_hicache.cache.metrics import SpillMetrics
+from sgl_hicache.cache.reads import ExtentReads, Readiness, needs
+from sgl_hicache.cache.restores import RestoreProgress, Restores
+from sgl_hicache.cache.spill_state import Extent, ExtentState, SpillRef
+from sgl_hicache.cache.staging import StagingPool
+from sgl_hicache.kernels import KVPoolView, packed_nbytes
+from sgl_hicache.tier import Completion, ExtentKey, Ticket, Tier
+from sgl_hicache.tier.base import LookupResult
+
+logger = logging.getLogger(__name__)
+
+BACKGROUND_SHARE = 0.5
+"""The part of staging that background stores (write-through) may fill: the rest is kept for
+eviction spills (else a dropped node) and reads (else a recompute), which share it."""
+
+
+@dataclass(frozen=True)
+class _Store:
+    """What a write needs besides its bytes, kept while its pack runs."""
+
+    extent: Extent
+    parent: ExtentKey
+    tokens: np.ndarray
+    store_tokens: bool
+    aliases: Sequence[tuple[int, bytes]]
+
+
+class SpillController:
+    def __init__(self, tier: Tier, view: KVPoolView, staging: StagingPool, metrics: SpillMetrics, timeout_s: float,
+                 allocator: Any, prefetch_ttl_s: float = 30.0, streams: Streams | None = None) -> None:  # fmt: skip
+        self.view = view
+        self.staging = staging
+        self.metrics = metrics
+        self.timeout_s = timeout_s
+        self.engine = CopyEngine(view, streams or streams_for(view.device))
+        self.reads = ExtentReads(tier, view, staging, metrics, prefetch_ttl_s, self.retire)
+        self.restores = Restores(allocator, self.engine, prefetch_ttl_s)
+        self.lookups = Lookups()
+        self._packing: list[_Store] = []  # stores whose pack is not done yet (submitted by `poll`)
+        self._writing: dict[Ticket, Extent] = {}
+        self._readers: dict[int, Copy] = {}  # staging block (data_ptr) -> the last unpack reading it
+        self._retiring: list[
+            tuple[torch.Tensor, list[Copy]]
+        ] = []  # blocks released once their copies are done
+        self._logged: set[str] = set()  # counters whose warning was logged (`_count_once`)
+
+    @property
+    def tier(self) -> Tier:
+        return self.reads.tier
+
+    @tier.setter
+    def tier(self, tier: Tier) -> None:  # tests wrap the tier in a FaultyTier after writing
+        self.reads.tier = tier
+
+    # ---- stores -------------------------------------------------------------------------------
+
+    def store(
+        self, key: ExtentKey, parent: ExtentKey, tokens: np.ndarray, slots: torch.Tensor, store_tokens: bool,
+        aliases: Sequence[tuple[int, bytes]] = (), background: bool = False,
+    ) -> Extent | None:  # fmt: skip
+        """`store_tokens`: whether the extent file may hold the token ids (the default tenant's only);
+        `aliases`: the path keys inside it, so other servers find it (`Tier.submit_store`);
+        `background`: a write-through, bounded by `BACKGROUND_SHARE` of staging."""
+        nbytes = packed_nbytes(self.view, len(slots))
+        limit = int(self.staging.capacity_bytes * BACKGROUND_SHARE) if background else None
+        buf = self.staging.acquire(nbytes, limit)
+        if buf is None:
+            self._refused(len(slots), nbytes, limit)
+            return None
+        try:
+            copy = self.engine.pack(slots, buf)
+        except BaseException:  # whatever was enqueued before the raise may still write into it
+            self.retire(buf, self.engine.write_barrier())
+            raise
+        extent = Extent(key, len(slots), ExtentState.WRITING, staged=buf, pack=copy)
+        self._packing.append(_Store(extent, parent, tokens, store_tokens, aliases))
+        self.metrics.inc("spilled_bytes", nbytes)
+        self._submit_packed()
+        return extent
+
+    def _submit_packed(self) -> None:
+        """Submit the writes whose packs are done, oldest first; stop at the first still running."""
+        while self._packing:
+            pack = self._packing[0].extent.pack
+            if pack is not None and not pack.done:
+                return
+            self._submit(self._packing.pop(0))
+
+    def _submit(self, request: _Store) -> None:
+        extent = request.extent
+        extent.pack = None
+        assert extent.staged is not None
+        try:
+            ticket = self.tier.submit_store(extent.key, extent.staged.numpy(), request.tokens, request.parent,
+                                            store_tokens=request.store_tokens, aliases=request.aliases)  # fmt: skip
+        except BaseException:  # nothing was queued (a submit raises before queueing): nobody holds it
+            self._lose(extent)
+            raise
+        self._writing[ticket] = extent
+
+    def _refused(self, tokens: int, nbytes: int, limit: int | None) -> None:
+        if limit is not None and nbytes <= limit:
+            self.metrics.inc("writes_through_deferred")
+        elif limit is not None:
+            self._count_once(
+                "writes_through_too_large",
+                "sgl_hicache: a node of %d tokens (%d B of KV) is never written through: write-through may "
+                "fill %d B of staging; it is written when evicted instead, and the nodes below it on its "
+                "path too (logged once; counted in writes_through_too_large): raise --hicache-spill-staging "
+                "to at least %d B",
+                tokens, nbytes, limit, int(nbytes / BACKGROUND_SHARE) + 1,
+            )  # fmt: skip
+        elif nbytes <= self.staging.capacity_bytes:
+            self.metrics.inc("spills_refused_staging_full")
+        else:
+            self._count_once(
+                "spills_refused_too_large",
+                "sgl_hicache: a node of %d tokens (%d B of KV) can never spill: staging holds %d B in all; "
+                "it and any like it are dropped (logged once; counted in spills_refused_too_large): raise "
+                "--hicache-spill-staging to at least %d B",
+                tokens, nbytes, self.staging.capacity_bytes, nbytes,
+            )  # fmt: skip
+
+    def _count_once(self, counter: str, warning: str, *args: object) -> None:
+        """Count `counter`; log `warning` the first time only (a condition that will recur)."""
+        self.metrics.inc(counter)
+        if counter not in self._logged:
+            self._logged.add(counter)
+            logger.warning(warning, *args)
+
+    def still_stored(self, extent: Extent) -> bool:
+        """Whether `extent` is on its way (its bytes in staging) or, as this process's index says,
+        on the tier (another process sharing the root may have evicted it since: see the cache)."""
+        if extent.state is ExtentState.WRITING:
+            return extent.staged is not None
+        return extent.state is ExtentState.ON_TIER and self.tier.contains(extent.key)
+
+    @property
+    def writes_in_flight(self) -> int:
+        return len(self._writing) + len(self._packing)
+
+    # ---- completions --------------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Take every finished tier operation and copy. The tier hands each completion over once:
+        one whose handling raises must not lose the ones after it (their writes would stay in
+        flight, their staging held, for good), so all are handled and then the first exception is
+        raised."""
+        errors: list[Exception] = []
+        for done in self.tier.get_finished():
+            try:
+                self._complete(done)
+            except Exception as e:  # re-raised below, after the rest are handled
+                errors.append(e)
+        self._submit_packed()
+        self._release_retired()
+        self.reads.expire()
+        self.restores.expire()
+        if errors:
+            raise errors[0]
+
+    def _complete(self, done: Completion) -> None:
+        if self.reads.completed(done):
+            return
+        extent = self._writing.pop(done.ticket, None)
+        if extent is None:
+            return
+        try:
+            self._finish_write(extent, done.ok)
+        except Exception:  # whatever it reached: the staging goes back and the extent is never read
+            if extent.staged is not None:
+                self.staging.release(extent.staged)
+                extent.staged = None
+            extent.state = ExtentState.LOST
+            raise
+
+    def _finish_write(self, extent: Extent, ok: bool) -> None:
+        self._release_staged(extent)
+        extent.state = ExtentState.ON_TIER if ok else ExtentState.LOST
+        if not ok:
+            self.metrics.inc("spill_failures")
+
+    def _lose(self, extent: Extent) -> None:
+        self._release_staged(extent)
+        extent.state = ExtentState.LOST
+
+    def _release_staged(self, extent: Extent) -> None:
+        if extent.staged is not None:
+            self.retire(extent.staged, extent.pack)
+            extent.staged, extent.pack = None, None
+
+    def retire(self, buf: torch.Tensor, copy: Copy | None = None) -> None:
+        """Give a staging block back once the copies using it are done (`copy`, and the last unpack
+        that read it); at once if they are."""
+        reader = self._readers.pop(buf.data_ptr(), None) if buf.numel() else None
+        pending = [c for c in (copy, reader) if c is not None and not c.done]
+        if pending:
+            self._retiring.append((buf, pending))
+        else:
+            self.staging.release(buf)
+
+    def _release_retired(self) -> None:
+        waiting, self._retiring = self._retiring, []
+        for buf, copies in waiting:
+            if all(c.done for c in copies):
+                self.staging.release(buf)
+            else:
+                self._retiring.append((buf, copies))
+
+    # ---- reads and restores -------------------------------------------------------------------
+
+    def prefetch(self, refs: Sequence[SpillRef]) -> int:
+        return self.reads.prefetch(refs)
+
+    def readiness(self, refs: Sequence[SpillRef]) -> tuple[Readiness, float]:
+        return self.reads.readiness(refs)
+
+    def finish_reads(self, refs: Sequence[SpillRef]) -> None:
+        self.reads.finish(refs)
+
+    def landed_tokens(self, refs: Sequence[SpillRef]) -> int:
+        """Tokens of `refs` whose bytes are verified in host memory now (see `unpack_landed`)."""
+        return sum(max(0, min(ref.count, self.reads.landed(ref.extent)[1] - ref.offset)) for ref in refs)
+
+    def unpack_landed(self, owner: object) -> int:
+        """Unpack into `owner`'s restore whatever of its refs is verified in host memory and not
+        unpacked yet (a prefix of each ref, whole pages); returns the tokens unpacked now."""
+        progress = self.restores.get(owner)
+        assert progress is not None, f"no restore in progress for {owner}"
+        done = 0
+        for i, ref, _ in progress.parts():
+            buf, landed = self.reads.landed(ref.extent)
+            upto = max(0, min(ref.count, landed - ref.offset))
+            if buf is not None and upto > progress.unpacked[i]:
+                done += upto - progress.unpacked[i]
+                self._unpack(progress, i, buf, upto)
+        if done:
+            self.restores.stats.steps += 1
+            self.restores.stats.tokens += done
+        return done
+
+    def complete(self, owner: object) -> bool:
+        """Finish `owner`'s restore (see the module doc); all or nothing."""
+        progress = self.restores.get(owner)
+        assert progress is not None, f"no restore in progress for {owner}"
+        self.restores.stats.finished += any(progress.unpacked)
+        sources = self.reads.gather(needs(progress.refs))
+        if sources is not None:
+            for i, ref, _ in progress.parts():
+                self._unpack(progress, i, sources[id(ref.extent)], ref.count)
+        self.reads.finish(progress.refs)
+        if sources is None:
+            self.metrics.inc("restore_failures")
+            self.restores.drop(owner)
+            return False
+        self.metrics.inc("restored_tokens", progress.tokens)
+        return True
+
+    def _unpack(self, progress: RestoreProgress, i: int, buf: torch.Tensor, upto: int) -> None:
+        """Tokens [unpacked, upto) of ref i of `progress`, from its extent's packed bytes in `buf`:
+        exactly those bytes are copied."""
+        ref, start = progress.refs[i], progress.unpacked[i]
+        if upto <= start:
+            return
+        first = sum(r.count for r in progress.refs[:i])
+        src = buf[packed_nbytes(self.view, ref.offset + start) : packed_nbytes(self.view, ref.offset + upto)]
+        slots = progress.slots[first + start : first + upto]
+        copy = self.engine.unpack(slots, src, after=ref.extent.pack)
+        progress.last_copy = copy
+        if buf.numel():
+            self._readers[buf.data_ptr()] = copy
+        progress.unpacked[i] = upto
+
+    # ---- lookups ------------------------------------------------------------------------------
+
+    def take_lookups(self) -> list[tuple[FoundSegments, LookupResult]]:
+        return self.lookups.finished(self.tier)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """A flush: every read, restore in progress and lookup is given up."""
+        self.restores.clear()
+        self.reads.clear()
+        self.lookups.clear()
+
+    def wait_writes(self, timeout_s: float = 30.0) -> None:
+        """Block until every submitted write has finished (tests, shutdown); then `poll`."""
+        for request in self._packing:
+            if request.extent.pack is not None:
+                self.engine.streams.synchronize(request.extent.pack.event)
+        self._submit_packed()
+        for ticket in list(self._writing):
+            try:
+                done = self.tier.wait(ticket, timeout=timeout_s)
+            except KeyError:  # already returned through get_finished by another caller
+                continue
+            self._complete(done)
+        self.poll()
+
+    def close(self, timeout_s: float) -> None:
+        """Shutdown: close the tier, giving its writes at most `timeout_s` (then abandoned, their
+        temp files removed; see `Tier.close`). Later stores complete REJECTED (their extents LOST)."""
+        self.tier.close(timeout_s)
+
+    def check_integrity(self, with_tier: bool = True) -> None:
+        """Staging accounting, and the tier's own check when nothing is in flight (`with_tier`;
+        off for a directory that other processes change, where index and files legitimately differ)."""
+        staged = sum(e.staged.numel() for e in self._extents_in_flight() if e.staged is not None)
+        retiring = sum(buf.numel() for buf, _ in self._retiring)
+        held = staged + self.reads.held_bytes + retiring
+        assert self.staging.used_bytes == held, f"staging used {self.staging.used_bytes} != held {held}"
+        self.staging.check_integrity()
+        if with_tier and not self.writes_in_flight and not self.reads.in_flight:
+            self.tier.check_integrity()
+
+    def _extents_in_flight(self) -> list[Extent]:
+        return [*self._writing.values(), *(request.extent for request in self._packing)]
+
+    def report(self) -> dict[str, Any]:
+        """Staging, writes and early unpacking, for `GET /server_info`."""
+        import dataclasses
+
+        return {
+            "staging_used_bytes": self.staging.used_bytes,
+            "staging_capacity_bytes": self.staging.capacity_bytes,
+            "staging_peak_bytes": self.staging.peak_bytes,
+            "staging_refused": self.staging.refused,
+            "staging_pinned": self.staging.pinned,
+            "writes_in_flight": self.writes_in_flight,
+            "partial_restores": len(self.restores.held_slots()),
+            "early_unpack": dataclasses.asdict(self.restores.stats),
+            "tier": dataclasses.asdict(self.tier.stats()),
+        }

@@ -1,0 +1,148 @@
+"""Restores in progress: the slots each has taken and how much of its KV is unpacked into them.
+
+A request whose spilled prefix is still being read is deferred (`init_load_back` answers "retry").
+At a retry that finds verified bytes landed, its restore takes its slots (once) and unpacks what
+landed, so when the last read completes only the last chunks remain. One rule makes this safe, and
+one makes it leak-free:
+
+- **The table owns the slots** of every restore from the moment they are allocated until the tree
+  takes them (`hand_over`, after the whole restore is verified) or they are freed: whatever raises
+  in between, the slots are in the table, and dropping the entry frees them. Nothing serves them
+  before `hand_over`.
+- **Freeing waits for the copies**: slots given back while an unpack into them may still run, or
+  handed to the tree, are preceded by a device-side wait of sglang's forward for that copy
+  (`CopyEngine.forward_waits`), so no forward reads a slot before its unpack, and none writes a slot
+  an unpack still writes.
+
+The slots of a partial restore count as evictable (`SpillRadixCache.evictable_size`): `evict` frees
+restores in progress before any tree node, at the cost of their unpack only (the bytes stay in
+staging). One nobody comes back for is freed after `ttl_s`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sgl_hicache.cache.device import Copy, CopyEngine
+from sgl_hicache.cache.spill_state import SpillRef
+
+
+@dataclass(eq=False)
+class RestoreProgress:
+    """The slots of one restore (its refs' tokens back to back), per ref how many of its leading
+    tokens are unpacked into them, and the last unpack enqueued."""
+
+    refs: tuple[SpillRef, ...]
+    slots: torch.Tensor
+    started: float = field(default_factory=time.monotonic)
+    unpacked: list[int] = field(default_factory=list)
+    last_copy: Copy | None = None
+
+    def __post_init__(self) -> None:
+        assert len(self.slots) == sum(ref.count for ref in self.refs), "one slot per token of the refs"
+        self.unpacked = self.unpacked or [0] * len(self.refs)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.slots)
+
+    def parts(self) -> Iterator[tuple[int, SpillRef, torch.Tensor]]:
+        """Each ref's index, the ref and its slice of the slots."""
+        start = 0
+        for i, ref in enumerate(self.refs):
+            yield i, ref, self.slots[start : start + ref.count]
+            start += ref.count
+
+
+@dataclass
+class EarlyUnpackStats:
+    """What early unpacking did (reported in `/server_info`)."""
+
+    steps: int = 0  # unpacks of landed bytes done while reads of the restore were still in flight
+    tokens: int = 0  # tokens they unpacked
+    finished: int = 0  # restores completed from a partial restore
+    evicted: int = 0  # partial restores freed to make room
+    expired: int = 0  # partial restores freed after their time to live
+
+
+class Restores:
+    """Restores in progress by owner (a request id, or a key of the caller's). Owns their slots."""
+
+    def __init__(self, allocator: Any, engine: CopyEngine, ttl_s: float) -> None:
+        self.allocator = allocator
+        self.engine = engine
+        self.ttl_s = ttl_s
+        self.stats = EarlyUnpackStats()
+        self._by_owner: dict[object, RestoreProgress] = {}
+
+    @property
+    def held_tokens(self) -> int:
+        return sum(p.tokens for p in self._by_owner.values())
+
+    def held_slots(self) -> list[torch.Tensor]:
+        return [p.slots for p in self._by_owner.values()]
+
+    def get(self, owner: object) -> RestoreProgress | None:
+        return self._by_owner.get(owner)
+
+    def open(self, owner: object, refs: tuple[SpillRef, ...], slots: torch.Tensor) -> RestoreProgress:
+        """Register fresh `slots` for `owner`'s restore of `refs`: the table owns them from now on."""
+        assert owner not in self._by_owner, f"{owner} already has a restore in progress"
+        progress = RestoreProgress(refs, slots)
+        self._by_owner[owner] = progress
+        return progress
+
+    def current(self, owner: object, refs: tuple[SpillRef, ...]) -> RestoreProgress | None:
+        """`owner`'s restore if it is for exactly `refs`; one for other refs (the tree changed under
+        it: a split, another restore, a lost extent) is freed."""
+        progress = self._by_owner.get(owner)
+        if progress is not None and progress.refs != refs:
+            self.drop(owner)
+            return None
+        return progress
+
+    def hand_over(self, owner: object) -> RestoreProgress:
+        """Remove `owner`'s restore; its slots become the caller's (the tree's). Every later
+        forward runs after its unpacks."""
+        progress = self._by_owner.pop(owner)
+        self.engine.forward_waits(progress.last_copy)
+        return progress
+
+    def drop(self, owner: object) -> None:
+        """Free `owner`'s slots, if it has a restore (after its unpacks, on the device)."""
+        progress = self._by_owner.pop(owner, None)
+        if progress is not None:
+            self.engine.forward_waits(progress.last_copy)
+            self.allocator.free(progress.slots)
+
+    def evict(self, num_tokens: int) -> int:
+        """Free restores in progress, oldest first, until `num_tokens` slots are freed or none is
+        left; returns the slots freed."""
+        freed = 0
+        for owner in sorted(self._by_owner, key=lambda o: self._by_owner[o].started):
+            if freed >= num_tokens:
+                break
+            freed += self._by_owner[owner].tokens
+            self.drop(owner)
+            self.stats.evicted += 1
+        return freed
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        for owner in [o for o, p in self._by_owner.items() if now - p.started > self.ttl_s]:
+            self.drop(owner)
+            self.stats.expired += 1
+
+    def clear(self) -> None:
+        for owner in list(self._by_owner):
+            self.drop(owner)
+
+    def forget(self) -> None:
+        """Forget every restore without freeing its slots: only where sglang clears the whole
+        allocator next (a flush's fallback), or where freeing itself is what failed."""
+        self._by_owner.clear()
