@@ -122,13 +122,17 @@ def fail(error: Exception) -> int:
 
 
 def run_sglang(argv: list[str]) -> int:
-    """What `python -m sglang.launch_server` does in its `__main__` block (sglang 0.5.23)."""
+    """What `python -m sglang.launch_server` does in its `__main__` block (sglang 0.5.23), plus our
+    exit hook: this process made the runtime directory (`hooks.register_exit_hook`)."""
     from sglang.launch_server import run_server
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.utils import kill_process_tree
 
+    from sgl_hicache.server.hooks import register_exit_hook
+
     load_plugins()
+    register_exit_hook()
     server_args = prepare_server_args(argv)
     try:
         run_server(server_args)

@@ -1,6 +1,12 @@
 """The patches of sglang we make, all through sglang's own plugin hook registry (no file edited),
 AFTER hooks (but 3b, 5, 7, 8 and 10) that call sglang's original first and change none of its state
-(but 3a, which adds our hints to the list it returns, and 6):
+(but 3a, which adds our hints to the list it returns, and 6).
+
+None is registered in a process whose server did not select our backend: there `plugin.py`
+registers only its check hooks. In a scheduler that selected it, plugin.py's check hook on
+`Scheduler.__init__` calls `register_scheduler_hooks` (1-3, 6-10) before the Scheduler is built; in
+the HTTP process of such a server, its check hook on `set_global_state` calls `add_routes` (4); our
+launcher, the process that makes the hint socket's runtime directory, calls `register_exit_hook` (5).
 
 1. `SchedulerInternalStateController.get_internal_state` (sglang 0.5.23,
    `sglang/srt/managers/scheduler_components/internal_state.py`): adds a `"hicache_spill"` entry
@@ -21,13 +27,13 @@ AFTER hooks (but 3b, 5, 7, 8 and 10) that call sglang's original first and chang
       received list (in place, first, so sglang's dispatcher never sees one) and prefetches each.
    Why: hints must run on the scheduler thread of every rank, and sglang's broadcast is the one
    channel that keeps ranks in step at no extra collective; no public input-source API.
-4. `http_server.set_global_state` (the HTTP process, once at start): afterwards, adds
-   `POST /hicache/prefetch` to sglang's FastAPI app (`http_routes.py`).
-5. `sglang.srt.utils.common.kill_process_tree`, BEFORE: when sglang is about to kill
-   its own main process (every shutdown path of 0.5.23 ends with SIGKILL to itself, so no `finally`
-   of our launcher runs), first removes the hint socket's private runtime directory if this process
-   made it (`hints.remove_runtime_dir`). Why: otherwise every server start leaves one in the temp
-   directory.
+4. `http_server.set_global_state` (the HTTP process, once at start), through plugin.py's check
+   hook: afterwards, adds `POST /hicache/prefetch` to sglang's FastAPI app (`http_routes.py`).
+5. `sglang.srt.utils.common.kill_process_tree`, BEFORE, in our launcher's process only: when sglang
+   is about to kill its own main process (every shutdown path of 0.5.23 ends with SIGKILL to itself,
+   so no `finally` of our launcher runs), first removes the hint socket's private runtime directory
+   if this process made it (`hints.remove_runtime_dir`). Why: otherwise every server start leaves
+   one in the temp directory.
 6. `PrefillAdder.add_one_req` (`sglang/srt/managers/schedule_policy.py`), AFTER: when our
    `init_load_back` deferred the request (its reads are in flight) sglang answers `OTHER`, and its
    admission loop then stops, holding back every request queued behind the deferred one; we turn
@@ -75,19 +81,18 @@ TARGET = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInter
 PREFETCH_TARGET = "sglang.srt.managers.scheduler.Scheduler._prefetch_kvcache"
 HINTS_OUT_TARGET = "sglang.srt.managers.scheduler.Scheduler._poll_timeout_aborts"
 HINTS_IN_TARGET = "sglang.srt.managers.scheduler.Scheduler.process_input_requests"
-ROUTES_TARGET = "sglang.srt.entrypoints.http_server.set_global_state"
 EXIT_TARGET = "sglang.srt.utils.common.kill_process_tree"
 ADMIT_TARGET = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
 RELEASE_TARGET = "sglang.srt.managers.scheduler.Scheduler.release_host_resources"
 LOOP_TARGET = "sglang.srt.managers.scheduler.Scheduler.run_event_loop"
-# Every target `register_hooks` patches; `sglang_seam.SEAM` checks each against the installed sglang.
 WEIGHTS_TARGET = (
     "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
     ".record_weight_version_after_update"
 )
-# One entry per registration: ADMIT_TARGET twice (hooks 6 and 10).
-TARGETS = (TARGET, PREFETCH_TARGET, HINTS_OUT_TARGET, HINTS_IN_TARGET, ROUTES_TARGET, EXIT_TARGET, ADMIT_TARGET,
-           RELEASE_TARGET, LOOP_TARGET, WEIGHTS_TARGET, ADMIT_TARGET)  # fmt: skip
+# Every target `register_scheduler_hooks` patches, one entry per registration in its order
+# (ADMIT_TARGET twice: hooks 6 and 10); `sglang_seam.SEAM` checks each, and EXIT_TARGET.
+TARGETS = (TARGET, PREFETCH_TARGET, HINTS_OUT_TARGET, HINTS_IN_TARGET, ADMIT_TARGET, ADMIT_TARGET, RELEASE_TARGET,
+           LOOP_TARGET, WEIGHTS_TARGET)  # fmt: skip
 STATE_KEY = "hicache_spill"
 
 HOOK_ERRORS: Counter[str] = Counter()  # hook name -> exceptions it contained, in this process
@@ -236,7 +241,7 @@ def _spill_io(scheduler: Any) -> Any:
     from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
 
     cache = scheduler.tree_cache
-    return cache.spill_io if isinstance(cache, SpillRadixCache) else None
+    return cache.controller if isinstance(cache, SpillRadixCache) else None
 
 
 @contained
@@ -249,17 +254,31 @@ def new_epoch_after_weight_update(result: Any, updater: Any, *args: Any, **kwarg
     return result
 
 
-def register_hooks() -> None:
+def register_scheduler_hooks() -> None:
+    """Hooks 1-3 and 6-10, applied at once: in a scheduler process that selected our backend, before
+    its Scheduler is built (plugin.py; sglang's `load_plugins` has applied hooks already)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(TARGET, add_spill_state, HookType.AFTER)
     HookRegistry.register(PREFETCH_TARGET, prefetch_at_arrival, HookType.AFTER)
     HookRegistry.register(HINTS_OUT_TARGET, send_hints, HookType.AFTER)
     HookRegistry.register(HINTS_IN_TARGET, apply_hints, HookType.BEFORE)
-    HookRegistry.register(ROUTES_TARGET, add_routes, HookType.AFTER)
-    HookRegistry.register(EXIT_TARGET, remove_runtime_dir_first, HookType.BEFORE)
     HookRegistry.register(ADMIT_TARGET, skip_deferred_admission, HookType.AFTER)
     HookRegistry.register(ADMIT_TARGET, wait_for_lookup, HookType.AROUND)
     HookRegistry.register(RELEASE_TARGET, close_tier_first, HookType.BEFORE)
     HookRegistry.register(LOOP_TARGET, close_tier_on_signals, HookType.BEFORE)
     HookRegistry.register(WEIGHTS_TARGET, new_epoch_after_weight_update, HookType.AFTER)
+    HookRegistry.apply_hooks()  # patches only targets not patched yet
+
+
+def register_exit_hook() -> None:
+    """Hook 5, applied at once: in our launcher's process, which made the runtime directory. `hints`
+    is imported here, so the hook's own import (in a signal handler, when a child failed) finds it
+    whole: an import it began itself could be interrupted there by a second such signal, whose
+    handler would then find the module half-imported (ImportError, issue 24)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from sgl_hicache.server import hints  # noqa: F401
+
+    HookRegistry.register(EXIT_TARGET, remove_runtime_dir_first, HookType.BEFORE)
+    HookRegistry.apply_hooks()

@@ -1,39 +1,81 @@
-"""The sglang plugin (entry-point group `sglang.srt.plugins`): registers our radix-cache backend
-and our one read-only hook (`sgl_hicache.server.hooks`).
+"""The sglang plugin (entry-point group `sglang.srt.plugins`).
 
-sglang calls `register()` once early in each of its processes (`load_plugins()`, which is guarded
-against running twice), so `--radix-cache-backend hicache_spill` resolves in the scheduler.
-With `SGL_HICACHE_CPU_HICACHE_COMPAT=1` it also applies `sgl_hicache.platform.hicache_cpu_compat`,
-which lets sglang's own HiCache run on CPU (the benchmark's peer).
+sglang runs `register()` early in every process of every server started in this environment (main
+and HTTP, scheduler, detokenizer, ...), before that process knows the server's flags, and whether or
+not the server selected our backend. So `register()` registers nothing of ours, only:
 
-Before anything, it checks the sglang seam (`sglang_seam.check_seam`) and raises SeamError on a
-mismatch, having registered nothing. sglang 0.5.23's `load_plugins` logs that exception and goes on
-(it does not stop start-up), so the backend stays unregistered: a server started with
-`--radix-cache-backend hicache_spill` stops when its scheduler finds no such backend, and one that
-does not ask for it runs unaffected.
+- our backend's name in sglang's radix-cache registry, so `--radix-cache-backend hicache_spill`
+  resolves; its factory imports the cache when a scheduler calls it (`server/factory.py`);
+- two check hooks, which compare the server's `radix_cache_backend` with that name and otherwise
+  return at once, having imported nothing:
+  - `Scheduler.__init__`, BEFORE: in a scheduler that selected us, checks the sglang seam
+    (`sglang_seam.check_seam`: a SeamError ends the scheduler, and sglang stops the server), then
+    registers and applies the scheduler's hooks (`hooks.register_scheduler_hooks`). Before, not
+    after: every patch is in place before the Scheduler is built, so nothing it builds (its request
+    dispatcher, our cache) can hold an unpatched method.
+  - `http_server.set_global_state`, AFTER: in the HTTP process of such a server, adds
+    `POST /hicache/prefetch` (`hooks.add_routes`). sglang calls it once every scheduler is built,
+    i.e. has passed the seam check;
+- with `SGL_HICACHE_CPU_HICACHE_COMPAT=1` (or sglang's `SGLANG_` copy), the patches that let
+  sglang's own HiCache run on CPU (`sgl_hicache.platform.hicache_cpu_compat`, the benchmark's peer).
+
+Our launcher registers the one hook left (`hooks.register_exit_hook`, removal of the hint socket's
+runtime directory): it is the process that makes that directory. Importing this module imports no
+other module of ours (tests/test_import_graph.py).
 """
 
 from __future__ import annotations
 
-from sgl_hicache.cache.metrics import BACKEND_NAME
+import os
+from typing import Any
+
+BACKEND_NAME = "hicache_spill"  # sgl_hicache.cache.metrics.BACKEND_NAME (a test keeps them equal)
+SCHEDULER_TARGET = "sglang.srt.managers.scheduler.Scheduler.__init__"
+ROUTES_TARGET = "sglang.srt.entrypoints.http_server.set_global_state"
+CHECK_TARGETS = (SCHEDULER_TARGET, ROUTES_TARGET)
+COMPAT_ENV = ("SGL_HICACHE_CPU_HICACHE_COMPAT", "SGLANG_HICACHE_CPU_HICACHE_COMPAT")  # hicache_cpu_compat's
 
 
 def register() -> None:
-    from sgl_hicache.server.sglang_seam import check_seam
-
-    check_seam()
-    _apply_cpu_hicache_compat()
     from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sgl_hicache.server.factory import build_spill_cache
-    from sgl_hicache.server.hooks import register_hooks
-
+    _apply_cpu_hicache_compat()
     if get_radix_cache_factory(BACKEND_NAME) is None:
         register_radix_cache_backend(BACKEND_NAME, build_spill_cache)
-        register_hooks()
+        HookRegistry.register(SCHEDULER_TARGET, hook_scheduler_if_selected, HookType.BEFORE)
+        HookRegistry.register(ROUTES_TARGET, add_routes_if_selected, HookType.AFTER)
+
+
+def selected(server_args: Any) -> bool:
+    return getattr(server_args, "radix_cache_backend", None) == BACKEND_NAME
+
+
+def build_spill_cache(context: Any) -> Any:
+    from sgl_hicache.server import factory
+
+    return factory.build_spill_cache(context)
+
+
+def hook_scheduler_if_selected(scheduler: Any, server_args: Any = None, *args: Any, **kwargs: Any) -> None:
+    if selected(server_args):
+        from sgl_hicache.server import hooks
+        from sgl_hicache.server.sglang_seam import check_seam
+
+        check_seam()
+        hooks.register_scheduler_hooks()
+
+
+def add_routes_if_selected(result: Any, global_state: Any = None, *args: Any, **kwargs: Any) -> None:
+    if selected(getattr(getattr(global_state, "tokenizer_manager", None), "server_args", None)):
+        from sgl_hicache.server import hooks
+
+        hooks.add_routes(result, global_state, *args, **kwargs)
 
 
 def _apply_cpu_hicache_compat() -> None:
+    if not any(name in os.environ for name in COMPAT_ENV):
+        return
     from sgl_hicache.platform import hicache_cpu_compat
 
     if hicache_cpu_compat.enabled_by_env():

@@ -7,9 +7,10 @@ would start with a half-working cache (prefetch off, spilled nodes never restore
 
 Where it runs (the verdict is computed once per process, in a few ms once sglang is imported):
 - our launcher, before sglang starts: one line `... error: <SeamError>` and exit code 2;
-- the plugin's `register()`, before it registers anything. sglang 0.5.23's `load_plugins` logs and
-  swallows a plugin's exception, so there the backend simply stays unregistered (a scheduler asked
-  for `--radix-cache-backend hicache_spill` then fails, which stops the server; plain sglang runs on);
+- the plugin's check hook in a scheduler that selected our backend, before any hook of ours is
+  registered there: it raises out of `Scheduler.__init__`, which ends the scheduler, and sglang then
+  stops the whole server. Not in `register()`, which runs in every sglang process whatever its
+  server's flags, and whose exception sglang 0.5.23's `load_plugins` logs and swallows;
 - the cache factory, before it builds anything: an exception there ends the scheduler process, and
   sglang then stops the whole server.
 
@@ -74,7 +75,14 @@ _SCHED = "sglang.srt.managers.scheduler."
 _HTTP = "sglang.srt.entrypoints.http_server."
 _POOL = "sglang.srt.mem_cache.memory_pool."
 _ALLOC = "sglang.srt.mem_cache.allocator.BaseTokenToKVPoolAllocator"
-_SERVER_ARGS = (*KV_FLAGS, *(u.field for u in UNISOLATED), "model_path", "revision", "download_dir")
+_SERVER_ARGS = (
+    *KV_FLAGS,
+    *(u.field for u in UNISOLATED),
+    "model_path",
+    "revision",
+    "download_dir",
+    "radix_cache_backend",
+)
 
 # fmt: off
 SEAM = (
@@ -84,7 +92,11 @@ SEAM = (
     Touch(_REG + "TreeCacheBuildContext", CLASS, members=("server_args", "params", "is_hybrid_swa", "is_hybrid_ssm",
           "enable_hierarchical_cache", "model_config", "tp_size", "tp_rank")),
     Touch(_HOOKS + "HookRegistry.register", FUNCTION, ("target", "hook", "hook_type")),
-    Touch(_HOOKS + "HookType", CLASS, members=("AFTER", "BEFORE")),
+    Touch(_HOOKS + "HookRegistry.apply_hooks", FUNCTION, ()),
+    Touch(_HOOKS + "HookType", CLASS, members=("AFTER", "BEFORE", "AROUND")),
+    # the plugin's check hooks (server/plugin.py; the Scheduler's `__init__` is checked as its class's
+    # constructor below), and what they read
+    Touch(_HTTP + "set_global_state", FUNCTION, ("global_state",)),
     # the hooks (server/hooks.py), and what they read
     Touch(hooks.TARGET, METHOD, ("recv_req",)),
     Touch("sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController", CLASS,
@@ -100,7 +112,7 @@ SEAM = (
           METHOD, (), keywords=("local_reqs",), refers=("_broadcast_reqs_across_ranks",)),
     Touch("sglang.srt.managers.scheduler_components.request_receiver.SchedulerRequestReceiver."
           "_broadcast_reqs_across_ranks", METHOD, ("recv_reqs", "local_reqs"), refers=("broadcast_pyobj",)),
-    Touch(_SCHED + "Scheduler", CLASS, members=("tree_cache",)),
+    Touch(_SCHED + "Scheduler", CLASS, ("server_args", "port_args"), members=("tree_cache", "server_args")),
     Touch(_SCHED + "Scheduler.is_fully_idle", METHOD, ()),
     Touch(hooks.ADMIT_TARGET, METHOD, ("req", "has_chunked_req", "truncation_align_size")),
     Touch(hooks.WEIGHTS_TARGET, METHOD, ("weight_version",)),
@@ -110,12 +122,11 @@ SEAM = (
     Touch("sglang.srt.managers.schedule_policy.AddReqResult", CLASS, members=("OTHER", "CONTINUE")),
     Touch("sglang.srt.managers.schedule_batch.Req", CLASS, members=("rid", "origin_input_ids", "extra_key",
           "cache_salt", "last_node", "host_hit_is_storage")),
-    Touch(hooks.ROUTES_TARGET, FUNCTION, ("global_state",)),
     Touch(_HTTP + "app", ATTRIBUTE, members=("routes", "add_api_route")),
     Touch(_HTTP + "get_global_state", FUNCTION, ()),
     Touch(_HTTP + "_GlobalState", CLASS, members=("tokenizer_manager",)),
     Touch("sglang.srt.managers.tokenizer_manager.TokenizerManager", CLASS,
-          members=("model_config", "context_len", "tokenizer")),
+          members=("model_config", "context_len", "tokenizer", "server_args")),
     Touch(hooks.EXIT_TARGET, FUNCTION, ("parent_pid", "include_parent")),
     Touch(hooks.RELEASE_TARGET, METHOD, ()),
     Touch(hooks.LOOP_TARGET, METHOD, ()),

@@ -41,6 +41,12 @@ def start_server(tmp_path: Path) -> Iterator[Any]:
                 os.killpg(pgid, 0)
 
 
+def lines_of_ours(log: Path) -> list[str]:
+    """The lines of a server's log that name our package (a traceback through our code, a contained
+    hook's error, a log line of ours): none where our backend was not selected."""
+    return [line for line in log.read_text(errors="replace").splitlines() if "sgl_hicache" in line]
+
+
 def post_json(url: str, body: dict[str, Any]) -> dict[str, Any]:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from tests.server.conftest import metrics, post_json
+from sgl_hicache.bench.server_process import ServerStartError
+from tests.server.conftest import lines_of_ours, metrics, post_json
 
 pytestmark = pytest.mark.server
 
@@ -48,3 +49,15 @@ def test_plain_sglang_launcher_selects_our_backend_by_flag(
     series = metrics(server.base_url)
     assert series['sglang:hicache_spill_tier_capacity_bytes{tp_rank="0"}'] == 3 * 2**30
     assert series['sglang:hicache_spill_match_requests_total{tp_rank="0"}'] >= 1
+
+
+def test_plain_sglang_that_fails_to_start_shows_nothing_of_ours(
+    tiny_model: Path, tmp_path: Path, start_server: Any
+) -> None:
+    """Issue 24: a plain server that stops at start-up (its scheduler fails after every process loaded
+    our plugin; sglang then kills its process tree) logs no error of ours on the way down."""
+    with pytest.raises(ServerStartError, match="server exited"):
+        start_server(tiny_model, "--radix-cache-backend", "nonexistent", module="sglang.launch_server")
+    log = tmp_path / "server0.log"
+    assert "'nonexistent' is not registered" in log.read_text()
+    assert lines_of_ours(log) == []

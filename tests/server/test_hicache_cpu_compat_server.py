@@ -7,8 +7,10 @@ greedy tokens it got while A was resident.
 
 from __future__ import annotations
 
+import json
 import random
 import re
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,7 @@ import pytest
 
 from sgl_hicache.bench.server_process import CPU_FLAGS, ServerProcess
 from sgl_hicache.platform.hicache_cpu_compat import ENV_VAR
-from tests.server.conftest import post_json
+from tests.server.conftest import lines_of_ours, post_json
 
 pytestmark = pytest.mark.server
 
@@ -54,17 +56,21 @@ def storage_hits_total(base: str) -> float:
     return sum(float(v) for v in re.findall(pattern, text, flags=re.M))
 
 
-@pytest.fixture
-def hicache_server(tiny_model: Path, tmp_path: Path) -> Any:
-    storage = tmp_path / "l3"
+@pytest.fixture(scope="module")
+def hicache_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """One server for the module; once it is stopped, its log names nothing of ours (the plugin is
+    loaded in each of its processes but was not selected)."""
+    tmp = tmp_path_factory.mktemp("hicache")
+    storage = tmp / "l3"
     env = {ENV_VAR: "1", "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(storage)}
     args = (*CPU_FLAGS, "--enable-metrics", "--enable-cache-report", *HICACHE_FLAGS)
     server = ServerProcess(
-        tiny_model, POOL, args, module="sglang.launch_server", log_path=tmp_path / "server.log", env=env
+        tiny_model, POOL, args, module="sglang.launch_server", log_path=tmp / "server.log", env=env
     )
     with server:
         server.storage_dir = storage  # type: ignore[attr-defined]
         yield server
+    assert lines_of_ours(tmp / "server.log") == []
 
 
 def test_turn_evicted_from_device_and_host_resumes_from_file_storage(hicache_server: Any) -> None:
@@ -88,3 +94,15 @@ def test_turn_evicted_from_device_and_host_resumes_from_file_storage(hicache_ser
     assert resumed["meta_info"]["cached_tokens"] == details["storage"]
     assert storage_hits_total(base) - hits_before == details["storage"]
     assert len(list(hicache_server.storage_dir.glob("*.bin"))) >= details["storage"]  # one file per page
+
+
+def test_none_of_our_hooks_is_applied_where_our_backend_was_not_selected(hicache_server: Any) -> None:
+    """Issues 24 and 28: only the compat patches asked for by the variable; no route, no state of ours."""
+    base = hicache_server.base_url
+    with urllib.request.urlopen(base + "/server_info", timeout=60) as r:
+        states = json.loads(r.read())["internal_states"]
+    assert states and all("hicache_spill" not in s for s in states)
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        post_json(base + "/hicache/prefetch", {"input_ids": tokens(1)})
+    assert refused.value.code == 404
+    assert generate(base, tokens(1))["output_ids"]  # and it serves

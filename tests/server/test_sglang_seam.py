@@ -1,6 +1,7 @@
 """The sglang seam (`sgl_hicache.server.sglang_seam`): the installed sglang passes; every entry of the
 table, broken in turn, is named by `check_seam()`; and a broken seam stops the launcher (exit 2, one
-line), the plugin (registers nothing) and the factory (builds nothing). No server is started."""
+line), a scheduler that selected our backend (before any hook of ours is registered) and the factory
+(builds nothing). No server is started."""
 
 from __future__ import annotations
 
@@ -127,11 +128,15 @@ def test_code_that_no_longer_calls_what_we_rely_on_is_named(
 def test_every_hook_target_is_in_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry
 
+    from sgl_hicache.server import plugin
+
     registered: list[str] = []
     monkeypatch.setattr(HookRegistry, "register", lambda target, *args: registered.append(target))
-    hooks.register_hooks()
+    monkeypatch.setattr(HookRegistry, "apply_hooks", lambda: None)
+    hooks.register_scheduler_hooks()
     assert sorted(registered) == sorted(hooks.TARGETS)
-    assert set(hooks.TARGETS) <= {t.name for t in SEAM}
+    constructors = {f"{t.name}.__init__" for t in SEAM if t.kind is CLASS and t.params is not None}
+    assert {*hooks.TARGETS, hooks.EXIT_TARGET, *plugin.CHECK_TARGETS} <= {t.name for t in SEAM} | constructors
 
 
 def test_every_entry_is_explained_in_the_design() -> None:
@@ -175,23 +180,26 @@ def test_the_launcher_exits_2_with_one_line(
     assert not tier.exists()
 
 
-def test_the_plugin_raises_and_registers_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sglang.srt.mem_cache import registry
+def test_a_scheduler_that_selected_us_stops_before_a_hook_of_ours_is_registered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from sgl_hicache.server.plugin import register
+    from sgl_hicache.server import plugin
 
     calls: list[Any] = []
-    monkeypatch.setattr(registry, "register_radix_cache_backend", lambda *args: calls.append(args))
     monkeypatch.setattr(HookRegistry, "register", lambda *args: calls.append(args))
+    monkeypatch.setattr(HookRegistry, "apply_hooks", lambda: calls.append("apply"))
     broken = break_seam(monkeypatch)
+    selected = types.SimpleNamespace(radix_cache_backend=plugin.BACKEND_NAME)
     with pytest.raises(SeamError, match=re.escape(broken)):
-        register()
+        plugin.hook_scheduler_if_selected(None, selected, None)
     assert calls == []
 
 
 def test_sglang_goes_on_after_a_plugin_raises(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Why the factory checks too: sglang 0.5.23's `load_plugins` logs a plugin's exception and goes on."""
+    """Why `register()` does not check the seam, and the selected scheduler and the factory do: sglang
+    0.5.23's `load_plugins` logs a plugin's exception and goes on, so it would stop nothing there."""
     import sglang.srt.plugins as plugins
 
     def raising() -> None:
