@@ -105,6 +105,16 @@ def option(default: Any, help: str, flag: str | None = None) -> Any:
     return field(default=default, metadata={"help": help, "flag": flag})
 
 
+def flag_of(f: dataclasses.Field[Any]) -> str:
+    """The command-line flag of an `option` field."""
+    return f.metadata["flag"] or "--hicache-spill-" + f.name.replace("_", "-")
+
+
+def flag_named(cls: type, name: str) -> str:
+    """The flag of field `name` of config dataclass `cls` (for messages that name it)."""
+    return flag_of(next(f for f in dataclasses.fields(cls) if f.name == name))
+
+
 @dataclass(frozen=True)
 class TierConfig:
     """The NVMe / NVMe-oF extent store (`sgl_hicache.tier`)."""

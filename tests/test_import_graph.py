@@ -1,17 +1,24 @@
-"""The import graph of sgl_hicache, read with `ast` (nothing is imported).
+"""The import graph of sgl_hicache, read with `ast` (nothing is imported but in the last test).
 
-- No import cycles inside `cache/`: module- and function-level imports count, `if TYPE_CHECKING:`
-  imports do not (they never run).
+- No import cycles inside `cache/` or `server/`: module- and function-level imports count,
+  `if TYPE_CHECKING:` imports do not (they never run). A function-level import can run at any
+  moment, a signal handler included: one that finds its module half-imported fails.
+- Inside `tier/` and `cache/` no cycles at all, type-only imports included.
 - Layers: `tier` imports nothing of `cache`/`server`/`bench`, and `kernels` (the top-level
   `kernels/` directory, installed as `sgl_hicache.kernels`) nothing of `cache`/`server`; here
   type-only imports count too (a type is a dependency).
 - `cache` imports nothing of `server`/`bench`: the server builds the cache and passes in what it
   needs (metrics, a hint source), never the other way.
+- Importing the sglang plugin (`server/plugin.py`, imported in every sglang process of the
+  environment, whatever the server's flags) imports no other module of ours.
 """
 
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
@@ -127,20 +134,18 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_is_read() -> None:
     assert "sgl_hicache.kernels.layout" in modules() and "sgl_hicache.cache.spill_radix_cache" in modules()
-    assert Edge("sgl_hicache.cache.spill_io", "sgl_hicache.kernels", False) in edges()
-    assert Edge("sgl_hicache.cache.warm_start", "sgl_hicache.cache.spill_radix_cache", True) in edges()
+    assert Edge("sgl_hicache.cache.controller", "sgl_hicache.kernels", False) in edges()
+    assert Edge("sgl_hicache.cache.warm_start", "sgl_hicache.cache.tree", False) in edges()
+    assert Edge("sgl_hicache.server.factory", "sgl_hicache.cache.device", True) in edges()
     assert Edge("sgl_hicache.kernels", "sgl_hicache.kernels.layout", False) in edges()  # relative
     assert cycles({"a": {"b"}, "b": {"a"}, "c": {"c"}, "d": {"a"}}) == [["a", "b"], ["c"]]
 
 
-def test_no_import_cycles_inside_cache() -> None:
+@pytest.mark.parametrize("package", ["sgl_hicache.cache", "sgl_hicache.server"])
+def test_no_import_cycles_inside(package: str) -> None:
     graph: dict[str, set[str]] = {}
     for e in edges():
-        if (
-            not e.typing_only
-            and in_package(e.source, "sgl_hicache.cache")
-            and in_package(e.target, "sgl_hicache.cache")
-        ):
+        if not e.typing_only and in_package(e.source, package) and in_package(e.target, package):
             graph.setdefault(e.source, set()).add(e.target)
     assert cycles(graph) == []
 
@@ -153,3 +158,29 @@ def test_layering(layer: str, forbidden: tuple[str, ...]) -> None:
         if in_package(e.source, layer) and any(in_package(e.target, f) for f in forbidden)
     )
     assert not bad, f"{layer} must not import {forbidden}: {bad}"
+
+
+@pytest.mark.parametrize("package", ["sgl_hicache.tier", "sgl_hicache.cache"])
+def test_no_import_cycles_even_type_only(package: str) -> None:
+    """Inside `tier/` and `cache/` type-only imports count too: a module that names another's type
+    for its annotations depends on it (reading it needs the other), so no circle of any kind."""
+    graph: dict[str, set[str]] = {}
+    for e in edges():
+        if in_package(e.source, package) and in_package(e.target, package):
+            graph.setdefault(e.source, set()).add(e.target)
+    assert cycles(graph) == []
+
+
+IMPORT_PLUGIN = """
+import json, sys
+before = set(sys.modules)
+import sgl_hicache.server.plugin
+print(json.dumps(sorted(m for m in set(sys.modules) - before if m.startswith("sgl_hicache"))))
+"""
+
+
+def test_importing_the_plugin_imports_nothing_else_of_ours() -> None:
+    out = subprocess.run([sys.executable, "-c", IMPORT_PLUGIN], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    imported = set(json.loads(out.stdout))
+    assert imported <= {"sgl_hicache", "sgl_hicache.server", "sgl_hicache.server.plugin"}, imported

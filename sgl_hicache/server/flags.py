@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sgl_hicache.config import ConfigError, SpillConfig, TierConfig, convert, format_size
+from sgl_hicache.config import ConfigError, SpillConfig, TierConfig, convert, flag_of, format_size
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,7 @@ def _walk(cls: type, prefix: tuple[str, ...]) -> Iterator[Flag]:
         if dataclasses.is_dataclass(hints[f.name]):
             yield from _walk(hints[f.name], (*prefix, f.name))
         elif "help" in f.metadata:
-            name = f.metadata["flag"] or "--hicache-spill-" + f.name.replace("_", "-")
-            yield Flag((*prefix, f.name), name, hints[f.name], f.default, f.metadata["help"])
+            yield Flag((*prefix, f.name), flag_of(f), hints[f.name], f.default, f.metadata["help"])
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from sgl_hicache.config import ConfigError, SpillConfig
+from sgl_hicache.config import ConfigError, SpillConfig, TierConfig
 from sgl_hicache.tier.trust import UntrustedDirectory, check_trusted
+from sgl_hicache.tier.volume import too_small
 
 
 def check_tier_directory(directory: Path) -> None:
@@ -19,9 +20,7 @@ def check_tier_directory(directory: Path) -> None:
     path = Path(directory)
     if not path.is_absolute():
         raise ConfigError(f"--hicache-spill-dir: {path} is not an absolute path")
-    existing = path
-    while not existing.exists():
-        existing = existing.parent
+    existing = _existing(path)
     if existing != path and not existing.is_dir():
         raise ConfigError(f"--hicache-spill-dir: {existing} is not a directory, so {path} cannot be created")
     if not existing.is_dir():
@@ -39,7 +38,23 @@ def check_tier_directory(directory: Path) -> None:
         raise ConfigError(f"--hicache-spill-dir: no write permission on {existing}{what}")
 
 
+def check_volume(tier: TierConfig) -> None:
+    """The volume must be larger than the free-space watermark plus a useful capacity, else every
+    store would be refused (`tier.volume`). Raises ConfigError naming --hicache-spill-min-free."""
+    reason = too_small(tier, _existing(Path(tier.directory)))
+    if reason is not None:
+        raise ConfigError(reason, "min_free_bytes")
+
+
+def _existing(path: Path) -> Path:
+    """`path`, or its nearest ancestor that exists (where the tier directory would be created)."""
+    while not path.exists():
+        path = path.parent
+    return path
+
+
 def check_config(config: SpillConfig) -> None:
     """Everything about `config` that depends on this machine (pure checks ran at construction)."""
     if config.enabled:
         check_tier_directory(config.tier.directory)
+        check_volume(config.tier)

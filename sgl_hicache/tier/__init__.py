@@ -7,13 +7,17 @@ paths.py        fan-out file layout, free space
 trust.py        the directory must be ours; its secret, which keys every header MAC
 recreate.py     a directory removed while serving: re-created, secret written back
 nvme.py         NvmeTier, the implementation: submit/complete, store and load jobs
+publish.py      a store's file half: "present" (adopting others' files), write + account outcome
 store.py        write one extent              load.py        read/verify one extent's chunks
 capacity.py     budget, watermark, eviction   index.py       LRU index, pins, byte accounting
+volume.py       is the volume larger than the free-space watermark plus a useful capacity?
 scan.py         startup index rebuild         integrity.py   check_integrity against the files
 ledger.py       the root's budget, shared by all its processes (a ledger file under a POSIX lock)
+budget.py       the ledger's content (State, leases) and what a reservation returns and calls back
 filelock.py     that lock: private open, probe (local-only NFS locks too), wait with a deadline
-shared.py       capacity.py's directory-wide half: leases, evicting other processes' extents
-sweep.py        stat-only walk of the whole root    owner.py  writer identity (host, boot, pid)
+shared.py       capacity.py's directory-wide half: leases, evicting others' extents, `Tier.shared`
+sweep.py        stat-only walk of the whole root, accounted unlinks   owner.py  writer identity
+aliases.py      path-key alias links: publish, read, remove dangling  lookup.py  cross-server lookups
 scheduler.py    I/O threads, loads first      completions.py tickets and completions
 directio.py     O_DIRECT probe, aligned buffers, exact positional I/O
 faults.py       errno -> Status, rate-limited logs, counters

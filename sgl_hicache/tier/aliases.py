@@ -12,8 +12,18 @@ alias per recorded key:
 An alias is only a pointer to check: a reader parses the target strictly, opens the extent by its
 key, verifies the header like a load (MACs, key), and accepts the claim only if the header's
 recorded alias at that offset is the path key it computed from its own tokens (lookup.py). A later
-writer of the same key replaces the link (`os.replace`, atomic): any of them is a valid claim. An
-alias whose extent was evicted dangles; a lookup that meets it sees a clean miss.
+writer of the same key replaces the link (`os.replace`, atomic): any of them is a valid claim.
+
+Dangling aliases (their extent gone) are removed: by the process that unlinks an extent (it reads
+the aliases the file's meta records just before the unlink, `recorded`, and removes them after it,
+`unlink_aliases`), and by a lookup that meets one (`remove_dangling`). Only a link that still names
+the gone extent is removed, and only while that extent is still absent: the link is first moved
+aside (atomic), checked again, and put back if it changed meanwhile, never over a newer claim. The
+aliases read from a file are not checked against the MACs: they only say which links to look at,
+and a link is removed only if it points at an extent that does not exist, which no lookup could
+use. An alias is left behind where its extent disappears otherwise (a crash between the unlink and
+the sweep, a file removed by hand or by `fsck --repair`, a file whose meta does not decode, a root
+removed): it stays until a lookup meets it or a writer claims its path key again.
 """
 
 from __future__ import annotations
@@ -25,16 +35,28 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from sgl_hicache.tier.format import Alias
+from sgl_hicache.tier.format import (
+    EXTENT_SUFFIX,
+    FIXED_SIZE,
+    Alias,
+    FormatError,
+    decode_aliases,
+    decode_fixed,
+)
 from sgl_hicache.tier.keys import ExtentKey
 from sgl_hicache.tier.paths import ALIAS_DIR, DIR_MODE, FANOUT_CHARS, ExtentPaths
 
 _TARGET = re.compile(r"([0-9a-f]{32})\.([0-9]{1,10})")
+_EXTENT = re.compile(r"([0-9a-f]{32})" + re.escape(EXTENT_SUFFIX))
 
 
 def alias_path(paths: ExtentPaths, path_key: bytes) -> Path:
+    return _alias_at(paths.ns_dir, path_key)
+
+
+def _alias_at(ns_dir: Path, path_key: bytes) -> Path:
     h = path_key.hex()
-    return paths.ns_dir / ALIAS_DIR / h[:FANOUT_CHARS] / h
+    return ns_dir / ALIAS_DIR / h[:FANOUT_CHARS] / h
 
 
 def write_aliases(paths: ExtentPaths, key: ExtentKey, aliases: Sequence[Alias]) -> int:
@@ -68,9 +90,66 @@ def _replace(target: str, final: Path) -> None:
 def read_alias(paths: ExtentPaths, path_key: bytes) -> tuple[ExtentKey, int] | None:
     """(extent key, offset) the alias of `path_key` claims, or None: no alias, or not one of ours
     (not a link, or a target that is not exactly "<32 hex>.<digits>"). One readlink."""
+    return _claim(alias_path(paths, path_key))
+
+
+def _claim(link: Path) -> tuple[ExtentKey, int] | None:
     try:
-        target = os.readlink(alias_path(paths, path_key))
+        target = os.readlink(link)
     except OSError:
         return None
     m = _TARGET.fullmatch(target)
     return None if m is None else (ExtentKey(bytes.fromhex(m[1])), int(m[2]))
+
+
+def recorded(extent: str) -> tuple[bytes, ...]:
+    """The path keys extent file `extent` records in its meta (read without checking the MACs: see
+    the module doc); none if it cannot be read. Read it before unlinking the file (an unlinked file
+    kept open would keep its blocks on the volume). Never raises."""
+    try:
+        fd = os.open(extent, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return ()
+    try:
+        header = decode_fixed(os.pread(fd, FIXED_SIZE, 0), None)
+        meta = os.pread(fd, FIXED_SIZE + header.meta_len, 0)
+        return tuple(a.path_key for a in decode_aliases(header, meta, None))
+    except (OSError, FormatError):
+        return ()
+    finally:
+        os.close(fd)
+
+
+def unlink_aliases(extent: str, path_keys: Sequence[bytes]) -> int:
+    """Remove the aliases of `path_keys` (what extent file `extent` recorded, `recorded`) that still
+    name it, now that it is unlinked; returns how many. Never raises: an alias left behind only
+    dangles until a lookup meets it."""
+    m = _EXTENT.fullmatch(os.path.basename(extent))
+    if m is None:
+        return 0
+    ns_dir, key = Path(extent).parent.parent, ExtentKey(bytes.fromhex(m[1]))
+    return sum(remove_dangling(ns_dir, path_key, key) for path_key in path_keys)
+
+
+def remove_dangling(ns_dir: Path, path_key: bytes, key: ExtentKey) -> bool:
+    """Remove the alias of `path_key` in namespace directory `ns_dir` if it names extent `key` and
+    that extent's file is absent; whether it was removed. Never raises."""
+    link = _alias_at(ns_dir, path_key)
+    extent = ns_dir / key.hex()[:FANOUT_CHARS] / f"{key.hex()}{EXTENT_SUFFIX}"
+    claim = _claim(link)
+    if claim is None or claim[0] != key or os.path.lexists(extent):
+        return False
+    aside = link.parent / f".{link.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.gone"
+    try:
+        os.rename(link, aside)
+    except OSError:
+        return False  # gone already, or not ours to move
+    claim = _claim(aside)
+    with contextlib.suppress(OSError):
+        if claim is not None and claim[0] == key and not os.path.lexists(extent):
+            os.unlink(aside)
+            return True
+        with contextlib.suppress(FileExistsError):  # a newer claim was published meanwhile: keep it
+            os.link(aside, link, follow_symlinks=False)
+        os.unlink(aside)
+    return False

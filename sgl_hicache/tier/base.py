@@ -148,11 +148,12 @@ class Tier(abc.ABC):
     """An extent store bound to one `Namespace`.
 
     Threading: every method is thread-safe. `submit_store`, `submit_load`, `get_finished`,
-    `submit_lookup`, `lookups_finished`, `contains`, `lookup`, `extents` and `stats` never block on I/O (they take a short internal lock
-    at most), so the scheduler thread may call them; `wait`, `read_tokens`, `check_integrity`,
-    `discard` and `close` may block. I/O failures are never raised: they come back as a
-    `Completion` status and are counted in `stats()`. Methods raise only for caller bugs
-    (`ValueError`: wrong key length, non-contiguous buffer; `KeyError`: unknown ticket).
+    `submit_lookup`, `lookups_finished`, `contains`, `lookup`, `extents`, `stats` and `shared`
+    never block on I/O (they take a short internal lock at most), so the scheduler thread may call
+    them; `wait`, `read_tokens`, `check_integrity`, `discard` and `close` may block. I/O failures
+    are never raised: they come back as a `Completion` status and are counted in `stats()`. Methods
+    raise only for caller bugs (`ValueError`: wrong key length, non-contiguous buffer; `KeyError`:
+    unknown ticket).
 
     Buffers: the tier keeps a reference to a store's payload and a load's destination until that
     ticket's completion has been returned; the caller must neither modify (store) nor read or reuse
@@ -167,6 +168,22 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def namespace(self) -> Namespace:
         """The namespace every key of this tier lives in."""
+
+    @property
+    @abc.abstractmethod
+    def shared(self) -> bool:
+        """Whether another process may be using this tier's root (so its lookups may find other
+        writers' extents, and any extent may be evicted by someone else: `contains` and `lookup`
+        then prove nothing). False until this process has seen a sign of one: another writer's
+        lease or write in the root's ledger, a file under the root that this tier does not index
+        (another namespace's included), another writer's temp file, a file of its index removed by
+        someone else, a key stored or loaded that another process published, or a lookup that found
+        another writer's extent (or a stale or refused claim); then True for good. Extents of this
+        namespace found at open are indexed and count as this tier's (no file records its writer).
+        Another process's open or store is seen at this tier's next store (a ledger transaction).
+        Without working locks (a per-process budget) the root is listed at open and, until something
+        foreign is found, at most every 30 s by a store: True once anything foreign was seen. Never
+        blocks."""
 
     @abc.abstractmethod
     def submit_store(
@@ -186,9 +203,14 @@ class Tier(abc.ABC):
         disk in clear: `read_tokens` then returns None for this extent; loads verify it all the same).
 
         Never blocks. Publishing is atomic (temp file + rename, fsync per `TierConfig.fsync`): a
-        failed or partial write is never visible. Storing a key already present (indexed, and its
-        file still there: another process sharing the directory may have removed it, and then it is
-        written again) completes OK without rewriting. To make room the tier evicts
+        failed or partial write is never visible (nor counted against the budget), except a file
+        the tier could not remove after the failure (then it stays counted; if it was published, it
+        stays indexed). Storing a key whose file is present at its path completes OK ("present")
+        without rewriting, whoever wrote it: the file's mtime is refreshed (the LRU of other
+        processes sharing the directory sees the use) and, if this tier did not index it (another
+        process, or an earlier one, published it), it is indexed from this request (parent, token
+        count, payload length) and the file's size; a key this tier indexes whose file another
+        process removed is written again. To make room the tier evicts
         least-recently-used extents that no load of this process is reading, its own or other
         processes'; the extent files of all processes sharing the directory never exceed
         `capacity_bytes` (docs/DESIGN.md "Sharing a tier"), nor eat into `min_free_bytes`. A tier
@@ -294,7 +316,8 @@ class Tier(abc.ABC):
         ("abandoned at close") without writing, the temp files of stores being written are removed
         (they complete REJECTED too), and close returns while the I/O threads (daemons) end the
         jobs they are in. A write stuck in the kernel past that point may leave its temp file if the
-        process dies meanwhile: the next open's scan removes it (its writer is dead, owner.py)."""
+        process dies meanwhile: the next open, or the next store on its host short of room, removes
+        it (its writer is dead, owner.py)."""
 
     def __enter__(self) -> Tier:
         return self

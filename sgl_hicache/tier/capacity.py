@@ -4,12 +4,20 @@
 Unlinks happen outside the lock; the bytes of a victim count as on disk until it is buried.
 The directory-wide budget, shared with every process using the same root, is `shared.SharedBudget`:
 `make_room` reserves there after making room here, and every unlink goes through it.
+
+A store's `Reservation` ends in exactly one of: `commit` (published: indexed and counted),
+`release` (failed, nothing left on disk), `retract` (published, but the store failed after the
+rename: the file is unlinked, or kept indexed and counted if that fails too) or `orphaned` (failed,
+and its temp file could not be removed: it stays counted as published until a sweep removes it).
+So every byte a store leaves under the root is counted, whatever fails.
 """
 
 from __future__ import annotations
 
+import errno
 import threading
 import time
+from dataclasses import dataclass
 
 from sgl_hicache.config import TierConfig
 from sgl_hicache.tier.base import Op
@@ -18,9 +26,18 @@ from sgl_hicache.tier.index import Entry, Index, OverBudget
 from sgl_hicache.tier.keys import ExtentKey
 from sgl_hicache.tier.ledger import Ledger
 from sgl_hicache.tier.paths import ExtentPaths, free_bytes
-from sgl_hicache.tier.shared import SharedBudget
+from sgl_hicache.tier.shared import NO_GENERATION, SharedBudget
 
 ROOM_WAIT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Room made for one store of `key`: `nbytes` here and in the root's ledger `generation`."""
+
+    key: ExtentKey
+    nbytes: int
+    generation: int
 
 
 class Space:
@@ -30,34 +47,81 @@ class Space:
         self._cfg, self._paths, self._counters, self._faults = cfg, paths, counters, faults
         self.paths, self.counters, self.faults = paths, counters, faults
         self.index = Index(cfg.capacity_bytes)
+        self.writing: set[ExtentKey] = set()  # keys of our stores between make_room and their end
         self.lock = threading.Lock()
         self._room = threading.Condition(self.lock)  # notified when reserved or dying bytes drop
         self.shared = SharedBudget(self, ledger, cfg.capacity_bytes)
 
-    def release(self, nbytes: int, shared: bool = True) -> None:
-        """Give back a reservation of a store that failed (here, and unless `shared` is False, in the
-        directory's ledger)."""
-        with self.lock:
-            self.index.release(nbytes)
-            self._room.notify_all()
-        if shared:
-            self.shared.release(nbytes)
+    def check(self, res: Reservation) -> None:
+        """Raise FileNotFoundError if `res` is no longer leased in the root's ledger (the root was
+        removed and re-created since): the store then re-creates what is missing and leases again."""
+        if not self.shared.still_leased(res.generation):
+            raise FileNotFoundError(errno.ENOENT, f"{self.paths.root}: re-created since the reservation")
 
-    def commit(self, key: ExtentKey, entry: Entry) -> None:
+    def commit(self, res: Reservation, entry: Entry) -> None:
         """A store's file is published: its reservation becomes an index entry, in one step."""
+        self._end_local(res, entry)
+        self.shared.commit(res.nbytes, res.generation)
+
+    def release(self, res: Reservation) -> None:
+        """A store failed and left nothing on disk: its reservation ends, here and in the ledger."""
+        self._end_local(res)
+        self.shared.release(res.nbytes, res.generation)
+
+    def retract(self, res: Reservation, entry: Entry) -> None:
+        """A store failed after its file was published (fsync=full: the directory's fsync after the
+        rename). Unlinked under the ledger lock, its lease ended, rather than kept: the store
+        reports failure, so the cache keeps no reference to it, and `full` promised a publish that
+        survives power loss, which this one may not; a kept file would hold budget that nobody
+        asked for and break "a failed store is never visible". If that unlink fails too (counted,
+        logged; e.g. the filesystem went read-only after the journal error), the file is kept,
+        indexed and counted as published, so the budget holds either way."""
+        try:
+            self.shared.retract(str(self.paths.extent(res.key)), res.nbytes, res.generation)
+        except OSError as e:
+            self.shared.unlink_failed(e)
+            self._end_local(res, entry)
+            return
+        self._end_local(res)
+
+    def orphaned(self, res: Reservation) -> None:
+        """A store failed and its temp file could not be removed: the file's bytes stay counted, as
+        published (what a recount of the files says), until a sweep removes it (stale by age)."""
+        self._end_local(res)
+        self.shared.commit(res.nbytes, res.generation)
+
+    def _end_local(self, res: Reservation, entry: Entry | None = None) -> None:
         with self.lock:
-            self.index.release(entry.file_bytes)
+            self.index.release(res.nbytes)
             self._room.notify_all()
-            self.index.add(key, entry)
-        self.shared.commit(entry.file_bytes)
+            self.writing.discard(res.key)
+            if entry is not None:
+                self.index.add(res.key, entry)
+
+    def adopt(self, key: ExtentKey, entry: Entry) -> None:
+        """Index `key`, whose file another process (or an earlier one) published, as a store of it
+        would have: making room in this process's budget first (its bytes are in the ledger
+        already). Not indexed if nothing can be evicted for it (all pinned). Touched if indexed."""
+        with self.lock:
+            if key in self.index:
+                self.index.touch(key)
+                return
+            index = self.index
+            victims = index.evict(
+                index.used_bytes + index.reserved + index.dying + entry.file_bytes - index.capacity
+            )
+            if victims is not None:
+                index.add(key, entry)
+        self.unlink(victims or [])
 
     def enforce_budget(self) -> None:
         with self.lock:
             victims = self.index.evict(self.index.used_bytes - self._cfg.capacity_bytes) or []
         self.unlink(victims)
 
-    def make_room(self, nbytes: int, key: ExtentKey) -> None:
-        """Reserve `nbytes` of budget and free space, evicting LRU extents; raises OverBudget.
+    def make_room(self, nbytes: int, key: ExtentKey) -> Reservation:
+        """Reserve `nbytes` of budget and free space for a store of `key`, evicting LRU extents;
+        raises OverBudget, FileNotFoundError (the root is gone), OSError.
 
         Waits (up to ROOM_WAIT_S, holding nothing, so it cannot deadlock) while an older copy of
         `key` is being unlinked (lest that unlink remove the new file) and while other running
@@ -70,19 +134,23 @@ class Space:
             while victims is None and self.index.reserved + self.index.dying and time.monotonic() < deadline:
                 self._room.wait(deadline - time.monotonic())  # other stores' bytes are in flight
                 victims = self.index.reserve(nbytes)
+            if victims is not None:
+                self.writing.add(key)
         if victims is None:
             raise OverBudget(f"{nbytes} B does not fit: capacity {self._cfg.capacity_bytes} B, rest pinned")
         self.unlink(victims)
         try:
-            self.shared.reserve(nbytes)  # the directory's budget, shared with other processes
+            generation = self.shared.reserve(nbytes)  # the directory's budget, shared with other processes
         except BaseException:
-            self.release(nbytes, shared=False)
+            self._end_local(Reservation(key, nbytes, NO_GENERATION))
             raise
+        res = Reservation(key, nbytes, generation)
         try:
             self._keep_free(nbytes)
         except BaseException:
-            self.release(nbytes)
+            self.release(res)
             raise
+        return res
 
     def _keep_free(self, nbytes: int) -> None:
         """Evict until writing `nbytes` leaves `min_free_bytes` on the volume; raises OverBudget."""

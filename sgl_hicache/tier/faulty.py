@@ -111,6 +111,10 @@ class FaultyTier(Tier):
     def namespace(self) -> Namespace:
         return self._inner.namespace
 
+    @property
+    def shared(self) -> bool:
+        return self._inner.shared
+
     def _draw(self) -> tuple[Ticket, float, bool, bool, bool]:
         with self._lock:
             ticket = Ticket(next(self._tickets))

@@ -1,5 +1,17 @@
 """The file lock under the root's ledger (ledger.py): open it privately, probe that POSIX locks work
 and are shared between hosts, take it with a deadline.
+
+Why `lockf` (POSIX locks), not `flock`: NFSv4 implements byte-range locks in the protocol, and a
+lock taken or released makes the Linux NFS client revalidate and flush the file, so the ledger is
+coherent across hosts; Linux emulates `flock` on NFS with the same POSIX locks, Lustre offers
+`flock` only when mounted with `-o flock`, and CephFS and GPFS implement POSIX locks cluster-wide.
+Gotcha of POSIX locks: closing any descriptor of the file drops the process's lock, so a process
+opens the ledger once (`open_ledger` shares one `Ledger` among the tiers of one root).
+
+Where the lock does not work (the probe at open fails, e.g. NFS without lockd, or the mount keeps
+locks local: `local_lock=posix|all`, `nolock`), `open_ledger` raises NoLocks and the tier keeps a
+per-process budget (logged): serving stays correct, but N processes on one such directory may use
+N x capacity; the free-space watermark, checked on the volume itself, still bounds them.
 """
 
 from __future__ import annotations

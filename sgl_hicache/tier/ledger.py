@@ -4,24 +4,35 @@
 lease per writer with bytes reserved for its stores in flight (their temp files), keyed by
 `owner.Writer.token`. Every change happens with the file locked (`fcntl.lockf`, a POSIX record
 lock): reserve (evicting, under the lock, until `published + leases + n <= capacity`), commit (a
-published store moves its bytes from its lease to `published`), release (a failed store), and every
-unlink of an extent (`remove`). Invariant, whatever the interleaving of processes: the bytes of
-extent and temp files under the root never exceed `published + sum(leases) <= capacity`. The
-counts may only drift upward (a crash between a publish and its commit, two processes publishing
-the same key, files removed by hand), which costs room, never the bound; `resync` (at every open,
-and at most every RESYNC_MIN_S when a reservation finds nothing to evict) recounts from the files.
+published store moves its bytes from its lease to `published`), release (a failed store), retract
+(a published file whose store failed after all: unlinked, its lease ended), and every unlink of an
+extent (`remove`). Invariant, whatever the interleaving of processes: the bytes of extent and temp
+files under the root never exceed `published + sum(leases) <= capacity`. The counts may only drift
+upward (a crash between a publish and its commit, two processes publishing the same key, files
+removed by hand), which costs room, never the bound; `resync` (at every open, at most every
+RESYNC_MIN_S when a reservation finds nothing to evict, and at once when a reservation ends the
+lease of a dead writer) recounts from the files, and first removes the temp files of dead writers
+(`scan.temp_still_stale`: a writer of this host, boot and pid namespace that is gone, or a file
+not written for STALE_TEMP_S), so a SIGKILLed writer's temp files stop counting at the next
+reservation that needs their room, not at the next open.
 
-Why `lockf` (POSIX locks), not `flock`: NFSv4 implements byte-range locks in the protocol, and a
-lock taken or released makes the Linux NFS client revalidate and flush the file, so the ledger is
-coherent across hosts; Linux emulates `flock` on NFS with the same POSIX locks, Lustre offers
-`flock` only when mounted with `-o flock`, and CephFS and GPFS implement POSIX locks cluster-wide.
-Gotcha of POSIX locks: closing any descriptor of the file drops the process's lock, so a process
-opens the ledger once (`open_ledger` shares one `Ledger` among the tiers of one root).
+Generations: a lease lives in one ledger file. When the root is removed and re-created, a torn
+ledger is rebuilt from the files, or our lease in it is not what we left (another process ended it),
+the bytes of our stores in flight are no longer in our lease; `reserve` returns the generation it
+leased in, and `commit`/`release`/`retract` take bytes back from our lease only in that same
+generation (else they would shrink the lease of another store in flight, whose temp file is on
+disk: an under-count). While the root is gone (removed, not re-created yet) there is no ledger to
+lease from: `reserve` raises FileNotFoundError, which sends the store to re-create the root and
+retry, where it used to lease in a scratch state that counted nowhere; and a store whose root was
+re-created between its reservation and its temp file's creation finds out (`current`) before it
+writes a byte, and leases again.
 
-Where the lock does not work (the probe at open fails, e.g. NFS without lockd, or the mount keeps
-locks local: `local_lock=posix|all`, `nolock`), `open_ledger` raises NoLocks and the tier keeps a
-per-process budget (logged): serving stays correct, but N processes on one such directory may use
-N x capacity; the free-space watermark, checked on the volume itself, still bounds them.
+The lock, and what happens where it does not work (a per-process budget): filelock.py. A process
+opens the ledger once per root (`open_ledger`): closing any descriptor of the file would drop the
+process's POSIX lock.
+
+Other processes: a transaction that finds the file changed since our own last one (another
+process wrote it), or a lease that is not ours, sets `others_seen` (for `Tier.shared`).
 """
 
 from __future__ import annotations
@@ -32,78 +43,20 @@ import fcntl
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 
-import xxhash
-
+from sgl_hicache.tier.budget import MAX_LEDGER_BYTES, Janitor, Lease, Reserved, State, leased
 from sgl_hicache.tier.filelock import lockf_until, open_private, probe_locks
 from sgl_hicache.tier.index import OverBudget
 from sgl_hicache.tier.owner import Liveness, Writer, liveness, me
-from sgl_hicache.tier.paths import temp_writer
 from sgl_hicache.tier.scan import STALE_TEMP_S
-from sgl_hicache.tier.sweep import FileStat, walk_root
+from sgl_hicache.tier.sweep import FileStat, remove_stale_temp, unlink_sized, walk_root
 from sgl_hicache.tier.trust import check_trusted
 
 LEDGER_NAME = ".budget"
-MAGIC = "sgl-hicache-budget 1"
 RESYNC_MIN_S = 30.0
 LOCK_WAIT_S = 5.0  # longer, and the operation fails (a store: IO_ERROR) rather than wait on
-MAX_LEDGER_BYTES = 64 << 10  # ~1000 leases; a larger file is torn or foreign: recounted
-
-
-@dataclass
-class Lease:
-    nbytes: int
-    updated: float
-
-
-@dataclass
-class State:
-    published: int = 0
-    leases: dict[str, Lease] = field(default_factory=dict)
-
-    @property
-    def total(self) -> int:
-        return self.published + sum(lease.nbytes for lease in self.leases.values())
-
-    def encode(self) -> bytes:
-        lines = [MAGIC, f"published {self.published}"]
-        lines += [f"lease {t} {lease.nbytes} {lease.updated:.3f}" for t, lease in sorted(self.leases.items())]
-        body = "\n".join(lines) + "\n"
-        return (body + f"sum {xxhash.xxh3_64_hexdigest(body.encode())}\n").encode()
-
-    @classmethod
-    def decode(cls, data: bytes) -> State | None:
-        """The state written by `encode`, or None for anything else (empty, torn, foreign)."""
-        text = data.decode("ascii", errors="replace")
-        body, _, tail = text.rpartition("sum ")
-        lines = body.splitlines()
-        if tail.strip() != xxhash.xxh3_64_hexdigest(body.encode()) or lines[:1] != [MAGIC] or len(lines) < 2:
-            return None
-        try:
-            state = cls(int(lines[1].removeprefix("published ")))
-            for line in lines[2:]:
-                _, token, nbytes, updated = line.split(" ")
-                if Writer.parse(token) is not None:
-                    state.leases[token] = Lease(int(nbytes), float(updated))
-        except ValueError:
-            return None
-        return state
-
-
-def unlink_sized(path: str, not_newer_than: float | None = None) -> int | None:
-    """Unlink `path`; the bytes it held, or None if it was gone or is kept because it was modified
-    after `not_newer_than` (rewritten or used since it was listed). Raises other OSErrors."""
-    try:
-        st = os.stat(path, follow_symlinks=False)
-        if not_newer_than is not None and st.st_mtime > not_newer_than:
-            return None
-        os.unlink(path)
-    except FileNotFoundError:
-        return None
-    return st.st_size
 
 
 class Ledger:
@@ -113,11 +66,15 @@ class Ledger:
         self.root = Path(root)
         self.path = self.root / LEDGER_NAME
         self._fd = open_private(self.path)
-        self._device = os.fstat(self._fd).st_dev
+        self._device, self._inode = os.fstat(self._fd).st_dev, os.fstat(self._fd).st_ino
         self._mutex = threading.Lock()  # POSIX locks do not exclude the threads of one process
         self._users = 0
         self._closed = False
         self._last_resync = -RESYNC_MIN_S
+        self._generation = 0  # bumped whenever the leases in the file are not the ones we wrote
+        self._mine = 0  # what our lease in the file holds, as far as we know (this generation)
+        self._written: bytes | None = None  # what our last transaction left in the file
+        self.others_seen = False  # another process wrote the file, or holds a lease in it
         try:
             probe_locks(self._fd, self.root)
         except BaseException:
@@ -126,30 +83,60 @@ class Ledger:
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[State]:
+        """The state with the file locked; written back on a normal exit. Once closed, or while the
+        root is gone, a scratch state that goes nowhere (see `_transaction`)."""
+        with self._transaction() as state:
+            yield State() if state is None else state
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[State | None]:
         """The state with the file locked; written back on a normal exit. Waits at most
         LOCK_WAIT_S for the lock (a process or host stuck holding it must not hold our I/O threads,
-        which loads need too), then raises TimeoutError (an OSError). Once closed (a store abandoned
-        at close still finishing), a scratch state that goes nowhere."""
+        which loads need too), then raises TimeoutError (an OSError). None where nothing can be
+        accounted: once closed (a store abandoned at close still finishing: our leases became
+        published at `detach`), or while the root is gone (its ledger and leases went with it)."""
         deadline = time.monotonic() + LOCK_WAIT_S
         if not self._mutex.acquire(timeout=LOCK_WAIT_S):
             raise TimeoutError(errno.ETIMEDOUT, f"{self.path}: busy in this process for {LOCK_WAIT_S} s")
         try:
             if self._closed or not self._lock_current(deadline):
-                yield State()  # closed, or the root is gone (being re-created): nothing to account
+                yield None
                 return
             try:
-                state = State.decode(os.pread(self._fd, MAX_LEDGER_BYTES, 0))
-                if state is None:
-                    state = State()
-                    self._resync(state)
+                state = self._read()
                 yield state
-                data = state.encode()
-                os.pwrite(self._fd, data, 0)
-                os.ftruncate(self._fd, len(data))
+                self._write(state)
             finally:
                 fcntl.lockf(self._fd, fcntl.LOCK_UN)
         finally:
             self._mutex.release()
+
+    def _read(self) -> State:
+        data = os.pread(self._fd, MAX_LEDGER_BYTES, 0)
+        state = State.decode(data)
+        if state is None:  # new, torn or foreign: rebuilt from the files, without the leases it held
+            state = State()
+            self._new_generation()
+            self._resync(state)
+        elif self._written is not None and data != self._written:
+            self.others_seen = True
+        held = state.leases.get(me().token)
+        if (0 if held is None else held.nbytes) != self._mine:  # rebuilt or reclaimed by another process
+            self._new_generation()
+            self._mine = 0 if held is None else held.nbytes
+        return state
+
+    def _new_generation(self) -> None:
+        self._generation += 1
+        self._mine = 0
+
+    def _write(self, state: State) -> None:
+        mine = me().token
+        self.others_seen = self.others_seen or any(token != mine for token in state.leases)
+        data = state.encode()
+        os.pwrite(self._fd, data, 0)
+        os.ftruncate(self._fd, len(data))
+        self._written = data
 
     def _lock_current(self, deadline: float) -> bool:
         """Lock the ledger that is at `path` now: one removed with the root (recreate.py) or
@@ -174,6 +161,8 @@ class Ledger:
                 self._fd = open_private(self.path)
             except FileNotFoundError:
                 return False
+            self._new_generation()  # another file: the leases of the one before are not in it
+            self._inode, self._written = os.fstat(self._fd).st_ino, None
 
     def _same_root(self) -> bool:
         try:
@@ -182,77 +171,133 @@ class Ledger:
         except OSError:
             return False
 
-    def reserve(self, nbytes: int, capacity: int, evict: Callable[[int], int]) -> bool:
-        """Lease `nbytes` within `capacity` (this process's configured one), calling `evict(short)`
-        under the lock to unlink extents (it returns the bytes freed); raises OverBudget, the
-        ledger unchanged but for what was evicted. Returns whether anything had to be evicted."""
-        with self.locked() as state:
+    def reserve(self, nbytes: int, capacity: int, janitor: Janitor) -> Reserved:
+        """Lease `nbytes` within `capacity` (this process's configured one), calling
+        `janitor.evict(short)` under the lock to unlink extents; raises OverBudget, the ledger
+        unchanged but for what was evicted or swept, and FileNotFoundError while the root is gone
+        (OSError once closed). Dead writers' leases end first, and their temp files go with them."""
+        with self._transaction() as state:
+            if state is None:
+                raise self._unaccountable()
             short = pressed = state.total + nbytes - capacity
-            if short > 0:
-                self._reclaim(state)
+            if short > 0 and self._reclaim(state):
+                self._resync(state, janitor)  # a writer died: its temp files go now, not at the next open
                 short = state.total + nbytes - capacity
             if short > 0:
-                state.published -= evict(short)
+                state.published -= janitor.evict(short)
                 short = state.total + nbytes - capacity
             if short > 0 and time.monotonic() - self._last_resync >= RESYNC_MIN_S:
-                self._resync(state)
+                self._resync(state, janitor)
                 short = state.total + nbytes - capacity
             if short <= 0:
                 self._lease(state, nbytes)
             over = _over(nbytes, capacity, state) if short > 0 else None
+            generation = self._generation
         if over is not None:
             raise over
-        return pressed > 0
+        return Reserved(generation, pressed > 0)
 
-    def commit(self, nbytes: int) -> None:
-        with self.locked() as state:
-            self._lease(state, -nbytes)
-            state.published += nbytes
+    def current(self, generation: int) -> bool:
+        """Whether the ledger leased in as `generation` is still the file at the root's path (one
+        stat, no lock). A store checks it once its temp file exists: if the root was removed and
+        re-created meanwhile, the new ledger does not hold its lease, and it must not write there."""
+        try:
+            inode = os.stat(self.path, follow_symlinks=False).st_ino
+        except OSError:
+            return False
+        return generation == self._generation and inode == self._inode
 
-    def release(self, nbytes: int) -> None:
-        with self.locked() as state:
-            self._lease(state, -nbytes)
+    def commit(self, nbytes: int, generation: int) -> None:
+        """A store leased in `generation` is published: its bytes move from our lease to `published`
+        (only `published` grows if the lease went with an older ledger: an over-count at worst)."""
+        with self._transaction() as state:
+            if state is not None:
+                self._end_lease(state, nbytes, generation)
+                state.published += nbytes
+
+    def release(self, nbytes: int, generation: int) -> None:
+        """A store leased in `generation` failed and left nothing: its lease ends."""
+        with self._transaction() as state:
+            if state is not None:
+                self._end_lease(state, nbytes, generation)
+
+    def retract(self, path: str, nbytes: int, generation: int) -> None:
+        """Unlink `path`, which a store leased in `generation` published but must not keep (it
+        failed after the rename), and end its lease. If the unlink fails, the file stays counted
+        (as `commit` counts it) and the OSError is raised."""
+        error: OSError | None = None
+        with self._transaction() as state:
+            try:
+                unlink_sized(path)
+            except OSError as e:
+                error = e
+            if state is not None:
+                self._end_lease(state, nbytes, generation)
+                state.published += 0 if error is None else nbytes
+        if error is not None:
+            raise error
 
     def remove(self, path: str) -> bool:
         """Unlink an extent file (or a stale temp file) and take its bytes off `published` (not
         those of a temp file whose writer holds a lease: they are in the lease); False if gone."""
         with self.locked() as state:
-            leased = _leased(path, state)
+            in_lease = leased(path, state)
             freed = unlink_sized(path)
-            state.published -= 0 if leased else freed or 0
+            state.published -= 0 if in_lease else freed or 0
             return freed is not None
 
-    def resync(self) -> list[FileStat]:
-        """Recount `published` from the files (under the lock); returns the files listed."""
+    def resync(self, janitor: Janitor | None = None) -> list[FileStat]:
+        """Remove stale temp files and recount `published` from the files (under the lock);
+        returns the files listed (those removed left out)."""
         with self.locked() as state:
-            return self._resync(state)
+            return self._resync(state, janitor)
 
     def snapshot(self) -> State:
         with self.locked() as state:
             return State(state.published, dict(state.leases))
 
+    def _unaccountable(self) -> OSError:
+        if self._closed:
+            return OSError(errno.ESHUTDOWN, f"{self.path}: this process closed its ledger")
+        return FileNotFoundError(errno.ENOENT, f"{self.root}: gone (being re-created)")
+
+    def _end_lease(self, state: State, nbytes: int, generation: int) -> None:
+        if generation == self._generation:  # else leased in a ledger that is gone: nothing to take back
+            self._lease(state, -nbytes)
+
     def _lease(self, state: State, delta: int) -> None:
         token = me().token
         lease = state.leases.setdefault(token, Lease(0, 0.0))
         lease.nbytes, lease.updated = max(0, lease.nbytes + delta), time.time()
+        self._mine = lease.nbytes
         if lease.nbytes == 0:
             del state.leases[token]
 
-    def _reclaim(self, state: State) -> None:
+    def _reclaim(self, state: State) -> bool:
         """Leases of writers dead on this host, or not updated for STALE_TEMP_S (any host), end; their
-        bytes count as published (their temp files may remain) until a resync recounts them."""
-        now = time.time()
+        bytes count as published (their temp files may remain) until a resync recounts them.
+        Whether any ended."""
+        now, ended = time.time(), False
         for token, lease in list(state.leases.items()):
             writer = Writer.parse(token)
             dead = writer is None or liveness(writer) is Liveness.DEAD
             if dead or now - lease.updated >= STALE_TEMP_S:
                 state.published += state.leases.pop(token).nbytes
+                ended = True
+        return ended
 
-    def _resync(self, state: State) -> list[FileStat]:
+    def _resync(self, state: State, janitor: Janitor | None = None) -> list[FileStat]:
         self._reclaim(state)
-        files = walk_root(self.root)
-        state.published = sum(f.size for f in files if not _leased(f.path, state))
+        files, removed = [], 0
+        for f in walk_root(self.root):
+            if f.is_temp and _swept(f.path, janitor):
+                removed += 1
+            else:
+                files.append(f)
+        state.published = sum(f.size for f in files if not leased(f.path, state))
         self._last_resync = time.monotonic()
+        if removed and janitor is not None:
+            janitor.removed_temps(removed)
         return files
 
     def attach(self) -> None:
@@ -265,6 +310,7 @@ class Ledger:
             return False
         with contextlib.suppress(OSError), self.locked() as state:
             state.published += state.leases.pop(me().token, Lease(0, 0.0)).nbytes
+            self._mine = 0
         with self._mutex:
             self._closed = True
             if self._fd >= 0:
@@ -298,10 +344,13 @@ def close_ledger(ledger: Ledger) -> None:
                     del _open[ident]
 
 
-def _leased(path: str, state: State) -> bool:
-    """A temp file whose writer holds a lease: its bytes are in the lease, not in `published`."""
-    writer = temp_writer(os.path.basename(path))
-    return writer is not None and writer.token in state.leases
+def _swept(path: str, janitor: Janitor | None) -> bool:
+    try:
+        return remove_stale_temp(path)
+    except OSError as e:  # it stays counted; the next sweep tries again
+        if janitor is not None:
+            janitor.unlink_failed(e)
+        return False
 
 
 def _over(nbytes: int, capacity: int, state: State) -> OverBudget:

@@ -18,9 +18,13 @@ tokens, its tenant and epoch (which seed path keys, keys.py) and how far the cal
 
 Any claim that fails a check is refused (counted; the whole lookup then finds nothing): the result
 never names a token range that is not, by the writer's MAC'd record and the key scheme, exactly the
-prompt's. A missing file (evicted or deleted by its writer) is a clean miss. Cost per prompt: at most
-log2(blocks) + 1 + max_steps readlinks and 4 calls (open, pread, fstat, close) per extent verified,
-counted in `LookupResult.fs_calls`.
+prompt's. A missing file (evicted or deleted by its writer) is a clean miss, and the dangling alias
+that named it is removed (`aliases.remove_dangling`). When the farthest claim is such a miss, the
+lookup goes on below the start of the extent it named (the alias there, the end of the extent
+before; if there is none, a binary search of the blocks below it), at most STALE_RETRIES times, so
+a stale farthest alias does not hide live extents before it. Cost per prompt: at most
+(1 + STALE_RETRIES) x (log2(blocks) + 2) + max_steps readlinks and 4 calls (open, pread, fstat,
+close) per extent verified, counted in `LookupResult.fs_calls`.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sgl_hicache.tier.aliases import read_alias
+from sgl_hicache.tier.aliases import read_alias, remove_dangling
 from sgl_hicache.tier.base import LookupRequest, LookupResult, Segment
 from sgl_hicache.tier.format import Alias, FormatError, Seal
 from sgl_hicache.tier.keys import ExtentKey, NamespaceId, PathHasher
@@ -45,6 +49,10 @@ BLOCK_TOKENS = 64
 """Writers record a path key every `block_tokens(page_size)` tokens of the sequence (from its
 start) and at each extent's end; readers probe the same positions. Part of the directory's format:
 every writer of a namespace uses the same value (the page size is part of the namespace)."""
+
+
+STALE_RETRIES = 2
+"""How many times a lookup whose farthest claim names a missing extent looks again below it."""
 
 
 def block_tokens(page_size: int) -> int:
@@ -60,6 +68,7 @@ class _Walk:
     ) -> None:
         self.req, self.paths, self.ns, self.seal, self.page = req, paths, ns, seal, page
         self.calls = self.refused = self.stale = 0
+        self.last_stale = False  # the last claim verified named a missing extent
         self._hashers: dict[int, PathHasher] = {}
 
     def key_at(self, pos: int) -> bytes:
@@ -81,6 +90,7 @@ class _Walk:
     def verify(self, claim: tuple[ExtentKey, int], pos: int) -> Segment | None:
         key, offset = claim
         start = pos - offset
+        self.last_stale = False
         if start < 0 or start % self.page or offset <= 0:
             self.refused += 1
             return None
@@ -88,7 +98,8 @@ class _Walk:
         try:
             ext = open_extent(self.paths.extent(key), self.ns, key, False, self.seal)
         except FileNotFoundError:
-            self.stale += 1
+            self.stale, self.last_stale, self.calls = self.stale + 1, True, self.calls + 3
+            remove_dangling(self.paths.ns_dir, self.key_at(pos), key)
             return None
         except (FormatError, OSError):
             self.refused += 1
@@ -131,19 +142,16 @@ def run_lookup(
 def _segments(walk: _Walk, block: int) -> tuple[Segment, ...]:
     req = walk.req
     blocks = list(range((req.start // block + 1) * block, len(req.tokens) + 1, block))
-    lo, hi, found = 0, len(blocks) - 1, None
-    while lo <= hi:  # the farthest block with an alias (aliases are dense up to where spills end)
-        mid = (lo + hi) // 2
-        claim = walk.alias(blocks[mid])
-        if claim is not None:
-            found, lo = (blocks[mid], claim), mid + 1
-        else:
-            hi = mid - 1
+    found, retries = _farthest(walk, blocks), STALE_RETRIES
     out: list[Segment] = []
     for _ in range(req.max_steps):
         if found is None:
             return ()
         seg = walk.verify(found[1], found[0])
+        if seg is None and walk.last_stale and not out and retries > 0:
+            retries -= 1  # the farthest claim names a missing extent: look below where it started
+            found = _below(walk, blocks, found[0] - found[1][1])
+            continue
         if seg is None:
             return ()
         out.append(seg)
@@ -152,6 +160,31 @@ def _segments(walk: _Walk, block: int) -> tuple[Segment, ...]:
         claim = walk.alias(seg.start)
         found = None if claim is None else (seg.start, claim)
     return ()
+
+
+def _farthest(walk: _Walk, blocks: list[int]) -> tuple[int, tuple[ExtentKey, int]] | None:
+    """The farthest block position with an alias, by binary search (aliases are dense up to where
+    spills end), and its claim."""
+    lo, hi, found = 0, len(blocks) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        claim = walk.alias(blocks[mid])
+        if claim is not None:
+            found, lo = (blocks[mid], claim), mid + 1
+        else:
+            hi = mid - 1
+    return found
+
+
+def _below(walk: _Walk, blocks: list[int], start: int) -> tuple[int, tuple[ExtentKey, int]] | None:
+    """A claim ending at or before `start` (where a missing extent started): the alias at `start`
+    (the end of the extent before it), else the farthest block below it with one."""
+    if start <= walk.req.start:
+        return None
+    claim = walk.alias(start)
+    if claim is not None:
+        return start, claim
+    return _farthest(walk, [b for b in blocks if b < start])
 
 
 @dataclass

@@ -8,13 +8,16 @@ file and renames it; one that finds the directory removed re-creates it and retr
 job per chunk of the requested prefix; the last chunk job closes the file and posts the completion.
 
 Sharing a root with other processes (docs/DESIGN.md "Sharing a tier"): the byte budget is the
-root's (ledger.py, shared.py); an index entry whose file another process removed is never trusted:
-a store of it checks the file before answering "present" and writes it again if it is gone, and a
-load of it is a clean MISS (ENOENT, or ESTALE on NFS) that forgets the key.
+root's (ledger.py, shared.py); the index is never trusted as proof that a file exists: a store
+checks the file before answering "present" (and writes it again if it is gone; a file there that
+we do not index, another process's, is adopted: indexed from the request), and a load of a removed
+file is a clean MISS (ENOENT, or ESTALE on NFS) that forgets the key. Those, and lookups that find
+others' extents, are signs of another process for `shared` (besides the ledger's, shared.py).
 
 Shutdown: `close(timeout_s)` gives queued and running stores that long, then abandons them and
 removes their temp files. A process killed before (SIGKILL) leaves the temp files of its running
-stores; the next open's scan removes them (their writer is dead: owner.py, scan.py).
+stores (and its lease); the next open, or the next reservation on its host short of room, removes
+them, accounted (their writer is dead: owner.py, ledger.py).
 """
 
 from __future__ import annotations
@@ -47,17 +50,19 @@ from sgl_hicache.tier.directio import as_view, probe_direct_io
 from sgl_hicache.tier.faults import Counters, FaultLog, classify, logger
 from sgl_hicache.tier.filelock import NoLocks
 from sgl_hicache.tier.format import FormatError, Mismatch, Seal
-from sgl_hicache.tier.index import Entry, OverBudget
+from sgl_hicache.tier.index import OverBudget
 from sgl_hicache.tier.integrity import check_files
 from sgl_hicache.tier.keys import ExtentKey, Namespace, chain_key_from_digest, check_key
 from sgl_hicache.tier.ledger import Ledger, close_ledger, open_ledger
 from sgl_hicache.tier.load import LoadState, OpenExtent, open_extent, read_chunk
 from sgl_hicache.tier.lookup import LookupQueue, run_lookup
 from sgl_hicache.tier.paths import ExtentPaths
+from sgl_hicache.tier.publish import Publisher
 from sgl_hicache.tier.recreate import Recreator
 from sgl_hicache.tier.scan import scan
 from sgl_hicache.tier.scheduler import IoScheduler
-from sgl_hicache.tier.store import Prepared, StoreRequest, prepare, write_extent
+from sgl_hicache.tier.store import StoreRequest, prepare
+from sgl_hicache.tier.volume import warn_if_too_small
 
 
 class NvmeTier(Tier):
@@ -65,11 +70,13 @@ class NvmeTier(Tier):
         self._cfg, self._ns, self._ns_id = cfg, namespace, namespace.id
         self._paths = ExtentPaths(cfg.directory, self._ns_id)
         secret = self._paths.create_root()
+        warn_if_too_small(cfg, self._paths.root)
         self._seal = Seal(secret)
         self._direct = cfg.direct_io and probe_direct_io(self._paths.ns_dir)
         self._counters, self._faults = Counters(), FaultLog()
         self._ledger = _shared_ledger(self._paths)
         self._space = Space(cfg, self._paths, self._counters, self._faults, self._ledger)
+        self._publisher = Publisher(cfg, namespace, self._paths, self._space, self._seal, self._direct)
         self._recreator = Recreator(self._paths, secret, self._space, self._counters)
         self._lock, self._index = self._space.lock, self._space.index
         self._completions = CompletionQueue()
@@ -83,6 +90,10 @@ class NvmeTier(Tier):
     @property
     def namespace(self) -> Namespace:
         return self._ns
+
+    @property
+    def shared(self) -> bool:
+        return self._space.shared.others_seen
 
     # -- completions --------------------------------------------------------------------------
 
@@ -115,7 +126,9 @@ class NvmeTier(Tier):
             self._space.drop(key)
         elif status is Status.MISS:  # removed behind our back (another process): forget it
             with self._lock:
-                self._index.remove(key)
+                forgotten = self._index.remove(key)
+            if forgotten is not None:
+                self._space.shared.saw_others()
         return Completion(ticket, op, key, status, 0, str(err))
 
     # -- stores -------------------------------------------------------------------------------
@@ -147,17 +160,17 @@ class NvmeTier(Tier):
         self._completions.post(done)
 
     def _store(self, ticket: Ticket, req: StoreRequest) -> Completion:
-        if self._still_present(req.key):
+        if self._publisher.present(req):
             return Completion(ticket, Op.STORE, req.key, Status.OK, req.payload.nbytes, "present")
         try:
             prep = prepare(req, self._cfg)
             try:
-                self._write(prep)
+                self._publisher.write(prep)
             except FileNotFoundError:  # the directory was removed while serving: re-create, retry once
                 if self._abandoned:
                     raise
                 self._recreator.recreate()
-                self._write(prep)
+                self._publisher.write(prep)
         except OverBudget as e:
             self._counters.add("no_space")
             return Completion(ticket, Op.STORE, req.key, Status.NO_SPACE, 0, str(e))
@@ -166,39 +179,9 @@ class NvmeTier(Tier):
                 return _abandoned_store(ticket, req.key)
             self._counters.add("store_failures")
             return self._fail(Op.STORE, ticket, req.key, e)
-        entry = Entry(req.parent, req.token_count, req.payload.nbytes, prep.file_bytes)
-        self._space.commit(req.key, entry)
         self._counters.add("stores")
         self._counters.add("store_bytes", req.payload.nbytes)
         return Completion(ticket, Op.STORE, req.key, Status.OK, req.payload.nbytes)
-
-    def _still_present(self, key: ExtentKey) -> bool:
-        """Whether `key` is indexed and its file still there (touched then); an entry whose file
-        another process removed is forgotten, so the store writes it again."""
-        with self._lock:
-            if key not in self._index:
-                return False
-        if self._paths.extent(key).exists():
-            with self._lock:
-                self._index.touch(key)
-            self._touch_file(key)
-            return True
-        with self._lock:
-            self._index.remove(key)
-        return False
-
-    def _touch_file(self, key: ExtentKey) -> None:
-        """Refresh the file's mtime: other processes sharing the root evict by it (shared.py)."""
-        with contextlib.suppress(OSError):  # only an eviction-order hint; a vanished file is fine
-            os.utime(self._paths.extent(key))
-
-    def _write(self, prep: Prepared) -> None:
-        self._space.make_room(prep.file_bytes, prep.req.key)
-        try:
-            write_extent(prep, self._cfg, self._ns, self._paths, self._direct, self._seal)
-        except BaseException:
-            self._space.release(prep.file_bytes)
-            raise
 
     # -- loads --------------------------------------------------------------------------------
 
@@ -261,8 +244,11 @@ class NvmeTier(Tier):
             self._completions.post(self._fail(Op.LOAD, load.ticket, load.key, load.error))
             return
         with self._lock:
+            ours = load.key in self._index
             self._index.touch(load.key)
-        self._touch_file(load.key)
+        if not ours:  # published after our scan, by someone else
+            self._space.shared.saw_others()
+        self._publisher.touch_file(load.key)
         self._counters.add("loads")
         self._counters.add("load_bytes", load.want)
         self._counters.add("buffered_loads", 0 if load.ext.direct else 1)
@@ -279,14 +265,20 @@ class NvmeTier(Tier):
     # -- lookups (lookup.py) ------------------------------------------------------------------
 
     def submit_lookup(self, request: LookupRequest) -> None:
-        run = partial(run_lookup, paths=self._paths, ns=self._ns_id, seal=self._seal,
-                      page_size=self._ns.layout.page_size)  # fmt: skip
         with self._lock:
             closed = self._closed
             if not closed:
-                self._io.submit_read(self._lookups.job(request, run))
+                self._io.submit_read(self._lookups.job(request, self._lookup))
         if closed:
             self._lookups.post(LookupResult(request))
+
+    def _lookup(self, request: LookupRequest) -> LookupResult:
+        result = run_lookup(request, self._paths, self._ns_id, self._seal, self._ns.layout.page_size)
+        with self._lock:
+            others = any(seg.key not in self._index for seg in result.segments)
+        if others or result.stale or result.refused:  # another writer's extents, or their traces
+            self._space.shared.saw_others()
+        return result
 
     def lookups_finished(self) -> list[LookupResult]:
         return self._lookups.drain()

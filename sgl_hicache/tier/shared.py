@@ -6,103 +6,176 @@ over budget, victims are taken oldest first across two lists: our index in LRU o
 `used_at`: publish or last use) and the extents we do not index (other processes' files, by mtime;
 a load refreshes its file's mtime, `touch_file`). Unlinking another process's file is safe: for
 that process it is a clean miss (its loads MISS and forget the key; its stores re-check the file
-before answering "present", nvme.py).
+before answering "present", publish.py). Every extent unlinked here takes its aliases with it
+(aliases.py: read from the file just before the unlink, removed after the ledger transaction,
+outside the lock).
 
-Without a ledger (`NoLocks` at open), every method is a no-op and only the per-process budget holds.
+Other processes (`Tier.shared`): `others_seen` turns True for good at the first sign that another
+process uses the root: the ledger changed by someone else or holding another writer's lease
+(ledger.py), or a listing of the root that finds an extent we do not index or another writer's temp
+file (at open, and whenever others' extents are listed again). The tier adds the signs only it
+sees (nvme.py). Without a ledger (`NoLocks` at open) budget calls are no-ops and only the
+per-process budget holds; the root is then listed at open and at most every PRIVATE_RELIST_S by a
+store, until something foreign is found.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
+import time
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from sgl_hicache.tier.aliases import recorded, unlink_aliases
 from sgl_hicache.tier.base import Op
-from sgl_hicache.tier.index import Entry, OverBudget
+from sgl_hicache.tier.faults import Counters, FaultLog
+from sgl_hicache.tier.index import Entry, Index, OverBudget
 from sgl_hicache.tier.keys import ExtentKey
-from sgl_hicache.tier.ledger import Ledger, unlink_sized
-from sgl_hicache.tier.scan import temp_still_stale
-from sgl_hicache.tier.sweep import FOREIGN_RETRY_S, FileStat, Foreign, walk_root
+from sgl_hicache.tier.ledger import Ledger
+from sgl_hicache.tier.owner import me
+from sgl_hicache.tier.paths import ExtentPaths, temp_writer
+from sgl_hicache.tier.sweep import FOREIGN_RETRY_S, FileStat, Foreign, unlink_sized, walk_root
 
-if TYPE_CHECKING:
-    from sgl_hicache.tier.capacity import Space
+PRIVATE_RELIST_S = 30.0
+NO_GENERATION = -1  # what `reserve` returns without a ledger
+
+
+class LocalBudget(Protocol):
+    """What the shared budget needs of this process's own (`capacity.Space`)."""
+
+    lock: threading.Lock  # guards `index` and `writing`
+    index: Index
+    writing: set[ExtentKey]  # keys of our stores in flight (their files are ours, not yet indexed)
+    paths: ExtentPaths
+    counters: Counters
+    faults: FaultLog
+
+    def buried(self, key: ExtentKey, entry: Entry) -> None: ...
+
+    def counted_eviction(self, nbytes: int) -> None: ...
 
 
 class SharedBudget:
-    def __init__(self, space: Space, ledger: Ledger | None, capacity: int) -> None:
-        self._space, self.ledger, self._capacity = space, ledger, capacity
+    def __init__(self, local: LocalBudget, ledger: Ledger | None, capacity: int) -> None:
+        self._space, self.ledger, self._capacity = local, ledger, capacity
         self._foreign = Foreign(self._indexed)
         self._pressed = False  # the last reservation had to evict: keep the foreign list fresh
+        self._others = False
+        self._listed_at = time.monotonic()
+        self._doomed: list[tuple[str, tuple[bytes, ...]]] = []  # unlinked under the lock: their aliases
+        self._doomed_lock = threading.Lock()
+
+    @property
+    def others_seen(self) -> bool:
+        """Whether another process was seen using the root (see the module doc). Never blocks."""
+        return self._others or (self.ledger is not None and self.ledger.others_seen)
+
+    def saw_others(self) -> None:
+        self._others = True
 
     def open(self) -> None:
-        """Recount the root (one stat per file, under the lock), remove stale temp files of every
-        namespace, list the extents we do not index; then enforce the budget."""
-        if self.ledger is not None:
-            files = self.ledger.resync()
-            self._remove_stale_temps(files)
-            self._foreign.load(files)
-            with contextlib.suppress(OverBudget):  # others' stores in flight fill it: they will end
-                self.reserve(0)
-
-    def _remove_stale_temps(self, files: list[FileStat]) -> None:
-        """Stale temp files of every namespace under the root (our own: scan.py did), by the
-        scan's rule, accounted."""
-        for f in files:
-            if f.is_temp and temp_still_stale(f.path) and self._guarded_remove(f.path):
-                self._space.counters.add("removed_temp_files")
-
-    def _guarded_remove(self, path: str) -> bool:
-        try:
-            return self.unlink(path)
-        except OSError as e:
-            self._space.counters.add("io_errors")
-            self._space.faults.report(Op.STORE, e, "unlink")
-            return False
-
-    def reserve(self, nbytes: int) -> None:
-        """Lease `nbytes` of the root's budget, evicting oldest first; raises OverBudget."""
+        """Remove stale temp files of every namespace and recount the root (one stat per file,
+        under the lock), list the extents we do not index; then enforce the budget."""
         if self.ledger is None:
+            self._listed(walk_root(self._space.paths.root))
             return
+        self._listed(self.ledger.resync(self))
+        with contextlib.suppress(OverBudget):  # others' stores in flight fill it: they will end
+            self.reserve(0)
+
+    def _listed(self, files: list[FileStat]) -> None:
+        """A fresh listing of the root: the candidates for eviction, and signs of other processes."""
+        self._foreign.load(files)
+        self._listed_at = time.monotonic()
+        if not self._others:
+            self._others = any(self._not_ours(f) for f in files)
+
+    def _not_ours(self, f: FileStat) -> bool:
+        if f.is_temp:
+            return temp_writer(f.name) != me()
+        with self._space.lock:  # per file: never held for a whole listing
+            return not self._indexed(f.path)
+
+    def reserve(self, nbytes: int) -> int:
+        """Lease `nbytes` of the root's budget, evicting oldest first; returns the ledger generation
+        to give back to commit/release/retract. Raises OverBudget, FileNotFoundError (the root is
+        gone: re-create it and retry), OSError."""
+        if self.ledger is None:
+            if not self.others_seen and time.monotonic() - self._listed_at >= PRIVATE_RELIST_S:
+                self._listed(walk_root(self._space.paths.root))
+            return NO_GENERATION
+        ledger = self.ledger
         if self._pressed and self._foreign.due():
-            self._foreign.load(walk_root(self.ledger.root))  # outside the lock: stat only
+            self._listed(walk_root(ledger.root))  # outside the lock: stat only
         try:
-            self._pressed = self.ledger.reserve(nbytes, self._capacity, self._evict)
+            return self._reserve(ledger, nbytes)
         except OverBudget:
             if not self._foreign.due(FOREIGN_RETRY_S):
                 raise
-            self._foreign.load(walk_root(self.ledger.root))  # others published since: list them
-            self._pressed = self.ledger.reserve(nbytes, self._capacity, self._evict)
+            self._listed(walk_root(ledger.root))  # others published since: list them
+            return self._reserve(ledger, nbytes)
 
-    def commit(self, nbytes: int) -> None:
+    def _reserve(self, ledger: Ledger, nbytes: int) -> int:
+        try:
+            reserved = ledger.reserve(nbytes, self._capacity, self)
+        finally:
+            self._unalias_doomed()
+        self._pressed = reserved.pressed
+        return reserved.generation
+
+    def still_leased(self, generation: int) -> bool:
+        """Whether bytes leased as `generation` are still in the root's ledger (`Ledger.current`)."""
+        return self.ledger is None or self.ledger.current(generation)
+
+    def commit(self, nbytes: int, generation: int) -> None:
         """A published store's lease becomes published bytes. Never raises: if the ledger cannot
         be written, the bytes stay leased (counted all the same) until the lease ends."""
         if self.ledger is not None:
-            self._never_raise(self.ledger.commit, nbytes)
+            self._never_raise(partial(self.ledger.commit, nbytes, generation))
 
-    def release(self, nbytes: int) -> None:
+    def release(self, nbytes: int, generation: int) -> None:
         if self.ledger is not None:
-            self._never_raise(self.ledger.release, nbytes)
+            self._never_raise(partial(self.ledger.release, nbytes, generation))
 
-    def _never_raise(self, op: Callable[[int], None], nbytes: int) -> None:
+    def retract(self, path: str, nbytes: int, generation: int) -> None:
+        """Unlink a file we published whose store failed, ending its lease; raises OSError if the
+        file could not be unlinked (it is then counted as published)."""
+        if self.ledger is None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            return
+        self.ledger.retract(path, nbytes, generation)
+
+    def _never_raise(self, op: Callable[[], None]) -> None:
         try:
-            op(nbytes)
+            op()
         except OSError as e:  # counted and logged; the ledger only over-counts meanwhile
-            self._space.counters.add("io_errors")
-            self._space.faults.report(Op.STORE, e, str(self.ledger.path if self.ledger else ""))
+            self.unlink_failed(e, str(self.ledger.path if self.ledger else ""))
 
     def unlink(self, path: str) -> bool:
-        """Unlink one of our extent files, accounted; False if it was gone. Raises OSError."""
-        if self.ledger is None:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                return False
-            return True
-        return self.ledger.remove(path)
+        """Unlink one of our extent files, accounted, and its aliases; False if it was gone.
+        Raises OSError."""
+        aliases = recorded(path)
+        removed = self._unlink_accounted(path)
+        if removed:
+            unlink_aliases(path, aliases)
+        return removed
 
-    def _evict(self, short: int) -> int:
+    def _unlink_accounted(self, path: str) -> bool:
+        if self.ledger is not None:
+            return self.ledger.remove(path)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        return True
+
+    # -- the ledger's Janitor: called during a reservation ------------------------------------
+
+    def evict(self, short: int) -> int:
         """Called with the ledger locked: unlink oldest-first victims until `short` bytes are freed."""
         freed = 0
         while freed < short:
@@ -111,6 +184,15 @@ class SharedBudget:
                 break
             freed += victim()
         return freed + (self._unlink_dying(short - freed) if freed < short else 0)
+
+    def removed_temps(self, count: int) -> None:
+        self._space.counters.add("removed_temp_files", count)
+
+    def unlink_failed(self, error: OSError, where: str = "unlink") -> None:
+        self._space.counters.add("io_errors")
+        self._space.faults.report(Op.STORE, error, where)
+
+    # -- victims ------------------------------------------------------------------------------
 
     def _unlink_dying(self, short: int) -> int:
         """Unlink victims that other threads of ours took out of the index and are about to unlink
@@ -148,17 +230,31 @@ class SharedBudget:
         return freed or 0
 
     def _guarded(self, path: str, not_newer_than: float | None) -> int | None:
+        """Unlink a victim (under the ledger lock); its aliases are removed after the transaction."""
+        aliases = recorded(path)
         try:
-            return unlink_sized(path, not_newer_than)
+            freed = unlink_sized(path, not_newer_than)
         except OSError as e:
-            self._space.counters.add("io_errors")
-            self._space.faults.report(Op.STORE, e, "unlink")
+            self.unlink_failed(e)
             return None
+        if freed is not None and aliases:
+            with self._doomed_lock:
+                self._doomed.append((path, aliases))
+        return freed
+
+    def _unalias_doomed(self) -> None:
+        with self._doomed_lock:
+            doomed, self._doomed = self._doomed, []
+        for path, aliases in doomed:
+            unlink_aliases(path, aliases)
 
     def _indexed(self, path: str) -> bool:
+        """Whether `path` is one of our extents (indexed, or being stored); call under the lock."""
         name = os.path.basename(path)
         if os.path.dirname(os.path.dirname(path)) != str(self._space.paths.ns_dir):
             return False
         with contextlib.suppress(ValueError):
-            return ExtentKey(bytes.fromhex(name.split(".")[0])) in self._space.index
+            key = ExtentKey(bytes.fromhex(name.split(".")[0]))
+            index = self._space.index
+            return key in index or key in index.dying_keys or key in self._space.writing
         return False

@@ -1,8 +1,11 @@
 """Writing one extent: (zstd,) temp file, chunks checksummed as they go out, header, fsync, rename.
 
 A reader can never see a partial extent: the file is complete (and fdatasync'ed under
-Fsync.DATA/FULL) before `os.replace` gives it its final name; on any error the temp file is
-removed and the error propagates to the job, which reports it as a Completion.
+Fsync.DATA/FULL) and closed (a close error, as NFS reports write-back errors, fails it too) before
+`os.replace` gives it its final name; on any error the temp file is removed and the error
+propagates to the job, which reports it as a Completion. A failure that leaves a file behind raises
+`Debris` instead, so the caller can account for it: a temp file that could not be removed, or a
+file published whose directory fsync (Fsync.FULL) failed afterwards.
 
 Why checksum while writing: hashing holds the GIL, so hashing a whole extent before its first
 write would leave the device idle at the start of every burst; hashing one group of chunks, then
@@ -16,7 +19,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +36,16 @@ from sgl_hicache.tier.paths import FILE_MODE, ExtentPaths
 
 GROUP_BYTES = 16 << 20  # hashed, then written in one pwritev
 _local = threading.local()
+
+
+class Debris(Exception):
+    """A failed write left a file on disk: its temp file, which could not be removed either
+    (`published` False), or the published extent, whose directory fsync failed (True). `error` is
+    the failure to report."""
+
+    def __init__(self, error: BaseException, published: bool) -> None:
+        super().__init__(str(error))
+        self.error, self.published = error, published
 
 
 @dataclass(frozen=True)
@@ -96,25 +109,44 @@ def prepare(req: StoreRequest, cfg: TierConfig) -> Prepared:
 
 
 def write_extent(
-    prep: Prepared, cfg: TierConfig, ns: Namespace, paths: ExtentPaths, direct: bool, seal: Seal
-) -> None:
-    """Publish `prep` under its final name, sealed with `seal`. Raises OSError; the temp file is
-    then removed."""
-    tmp = paths.temp_for(prep.req.key)
+    prep: Prepared, cfg: TierConfig, ns: Namespace, paths: ExtentPaths, direct: bool, seal: Seal,
+    created: Callable[[], None] | None = None,
+) -> None:  # fmt: skip
+    """Publish `prep` under its final name, sealed with `seal`. `created` is called once the temp
+    file exists, before a byte is written: what it raises abandons the write. Raises OSError with
+    the temp file removed, or `Debris` when a file is left behind (see the module doc)."""
+    tmp, final = paths.temp_for(prep.req.key), paths.extent(prep.req.key)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | (O_DIRECT if direct else 0), FILE_MODE)
     try:
-        chunks = _write_chunks(fd, prep)
-        pwritev_exact(fd, [_aligned(_header(prep, cfg, ns, chunks, seal), "header")], 0)
-        if cfg.fsync is not Fsync.NONE:
-            os.fdatasync(fd)
-    except BaseException:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
+        try:
+            if created is not None:
+                created()
+            chunks = _write_chunks(fd, prep)
+            pwritev_exact(fd, [_aligned(_header(prep, cfg, ns, chunks, seal), "header")], 0)
+            if cfg.fsync is not Fsync.NONE:
+                os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+    except BaseException as e:
+        _remove_temp(tmp, e)
         raise
-    os.close(fd)
-    _publish(tmp, paths.extent(prep.req.key), cfg.fsync)
+    if cfg.fsync is Fsync.FULL:
+        try:
+            _sync_dir(final.parent)
+        except OSError as e:
+            raise Debris(e, published=True) from e
     with contextlib.suppress(OSError):  # the extent is published and valid; only not findable by lookup
         write_aliases(paths, prep.req.key, prep.req.aliases)
+
+
+def _remove_temp(tmp: Path, error: BaseException) -> None:
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise Debris(error, published=False) from e
 
 
 def _write_chunks(fd: int, prep: Prepared) -> list[Chunk]:
@@ -188,15 +220,9 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
     return cache[level]
 
 
-def _publish(tmp: Path, final: Path, fsync: Fsync) -> None:
+def _sync_dir(directory: Path) -> None:
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    if fsync is Fsync.FULL:
-        dfd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)

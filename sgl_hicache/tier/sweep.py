@@ -2,7 +2,8 @@
 
 The shared budget's ground truth (`ledger.Ledger.resync` sums it) and the candidates for evicting
 extents that other processes wrote (`Foreign`, oldest modification first). Cost: one `scandir` per
-fan-out directory and one `stat` per file, for every namespace directory under the root.
+fan-out directory and one `stat` per file, for every namespace directory under the root. The
+ledger unlinks what it accounts through `unlink_sized` and `remove_stale_temp`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from sgl_hicache.tier.format import EXTENT_SUFFIX, TEMP_SUFFIX
 from sgl_hicache.tier.keys import KEY_BYTES, NamespaceId
 from sgl_hicache.tier.paths import ExtentPaths
+from sgl_hicache.tier.scan import temp_still_stale
 
 FOREIGN_TTL_S = 10.0  # under pressure, other processes' extents are listed again this often ...
 FOREIGN_RETRY_S = 1.0  # ... or, when a reservation found nothing to evict, at most this often
@@ -60,6 +62,25 @@ def walk_root(root: Path) -> list[FileStat]:
                 continue
             out.append(FileStat(de.path, de.name, st.st_size, st.st_mtime))
     return out
+
+
+def unlink_sized(path: str, not_newer_than: float | None = None) -> int | None:
+    """Unlink `path`; the bytes it held, or None if it was gone or is kept because it was modified
+    after `not_newer_than` (rewritten or used since it was listed). Raises other OSErrors."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+        if not_newer_than is not None and st.st_mtime > not_newer_than:
+            return None
+        os.unlink(path)
+    except FileNotFoundError:
+        return None
+    return st.st_size
+
+
+def remove_stale_temp(path: str) -> bool:
+    """Unlink a temp file if `scan.temp_still_stale` (a fresh stat) says so; whether it went.
+    Raises OSErrors other than the file being gone."""
+    return temp_still_stale(path) and unlink_sized(path) is not None
 
 
 class Foreign:

@@ -206,3 +206,31 @@ def test_untrusted_tier_directory_exits_2_with_one_line(tmp_path: Path) -> None:
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert f"--hicache-spill-dir: tier directory {shared} is writable by group or others" in lines[0]
     assert f"`chmod 700 {shared}`" in lines[0] and list(shared.iterdir()) == []
+
+
+@pytest.fixture
+def small_volume(tmp_path: Path) -> Iterator[Path]:
+    """A 64 MiB tmpfs (skipped where mounting is not permitted)."""
+    target = tmp_path / "small"
+    target.mkdir(mode=0o700)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,mode=0700", "tmpfs", str(target)],
+                       capture_output=True, text=True)  # fmt: skip
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    yield target
+    subprocess.run(["umount", "-l", str(target)], check=False)
+
+
+def test_a_volume_too_small_for_the_free_space_watermark_is_refused(small_volume: Path) -> None:
+    """The default --hicache-spill-min-free (1G) on a 64 MiB volume: every store would be refused."""
+    tier = str(small_volume / "tier")
+    with pytest.raises(ConfigError, match=r"^--hicache-spill-min-free: ") as refused:
+        parse(["--enable-hicache-spill", "--hicache-spill-dir", tier])
+    assert "64M" in str(refused.value) and "1G" in str(refused.value)
+    result = launch("--enable-hicache-spill", "--hicache-spill-dir", tier)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "--hicache-spill-min-free" in lines[0] and not (small_volume / "tier").exists()
+    config, _ = parse(["--enable-hicache-spill", "--hicache-spill-dir", tier,
+                       "--hicache-spill-min-free", "8M", "--hicache-spill-capacity", "32M"])  # fmt: skip
+    assert config.tier.min_free_bytes == 8 << 20

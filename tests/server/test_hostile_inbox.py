@@ -291,4 +291,5 @@ def test_the_integrity_verdict_is_opt_in_and_survives_a_vanished_file(
     assert SpillRadixCache._integrity_verdict(FakeCache(None), idle=False).startswith("skipped")  # type: ignore[arg-type]
     gone = FileNotFoundError(2, "No such file or directory", "/tier/ab/x.ext")
     assert SpillRadixCache._integrity_verdict(FakeCache(gone), idle=True).startswith("failed: ")  # type: ignore[arg-type]
-    assert SpillRadixCache._integrity_verdict(FakeCache(AssertionError("3 != 4")), idle=True) == "failed: 3 != 4"  # type: ignore[arg-type]
+    verdict = SpillRadixCache._integrity_verdict(FakeCache(AssertionError("3 != 4")), idle=True)  # type: ignore[arg-type]
+    assert verdict == "failed: 3 != 4"

@@ -11,18 +11,19 @@ from pathlib import Path
 from typing import Any
 
 from sgl_hicache.config import Fsync, TierConfig
-from sgl_hicache.tier import ROOT_KEY, Status, Tier, open_tier
-from sgl_hicache.tier.ledger import LEDGER_NAME, State, close_ledger, open_ledger
+from sgl_hicache.tier import ROOT_KEY, Namespace, Status, Tier, open_tier
+from sgl_hicache.tier.budget import State
+from sgl_hicache.tier.ledger import LEDGER_NAME, close_ledger, open_ledger
 from sgl_hicache.tier.sweep import walk_root
 from tests.tier.common import CHUNK, NS, key_for, payload_for, tokens_for
 
 
-def open_shared(directory: str, capacity: int) -> Tier:
+def open_shared(directory: str, capacity: int, ns: Namespace = NS) -> Tier:
     cfg = TierConfig(
         directory=Path(directory), capacity_bytes=capacity, chunk_bytes=CHUNK, min_free_bytes=0,
         fsync=Fsync.NONE, io_threads=3,
     )  # fmt: skip
-    return open_tier(cfg, NS)
+    return open_tier(cfg, ns)
 
 
 def random_writer(directory: str, capacity: int, seed: int, ops: int, results: Any) -> None:
@@ -93,13 +94,15 @@ def stuck_writer(directory: str, capacity: int, index: int, started: Any) -> Non
     time.sleep(3600)
 
 
-def store_then_load(directory: str, capacity: int, indices: list[int], results: Any) -> None:
-    """Store `indices` one after another (oldest first); report each store's status."""
-    tier = open_shared(directory, capacity)
+def store_then_load(
+    directory: str, capacity: int, indices: list[int], results: Any, ns: Namespace = NS
+) -> None:
+    """Store `indices` one after another (oldest first, in namespace `ns`); report each status."""
+    tier = open_shared(directory, capacity, ns)
     out = []
     for i in indices:
         size = 60_000
-        done = tier.wait(tier.submit_store(key_for(i), payload_for(i, size), tokens_for(i), ROOT_KEY), 30)
+        done = tier.wait(tier.submit_store(key_for(i, ns), payload_for(i, size), tokens_for(i), ROOT_KEY), 30)
         out.append(done.status.value)
         time.sleep(0.02)  # distinct mtimes
     tier.close()

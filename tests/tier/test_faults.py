@@ -157,3 +157,13 @@ def test_a_bug_in_a_job_is_logged_and_completed(make_tier, monkeypatch, caplog):
     assert any("failed unexpectedly" in r.getMessage() for r in caplog.records)
     monkeypatch.undo()
     assert load(tier, 1) is Status.OK  # not dropped, threads alive
+
+
+def test_a_volume_smaller_than_the_watermark_is_logged_once_at_open(make_tier, mount_point, caplog):
+    """A server started without our launcher cannot be refused before it starts: the tier warns."""
+    small = mount_point("tmpfs", "size=1m,mode=0700")
+    with caplog.at_level(logging.WARNING, logger="sgl_hicache.tier"):
+        tier = make_tier(directory=small, min_free_bytes=1 << 30)
+        assert store(tier, 1) is Status.NO_SPACE and store(tier, 2) is Status.NO_SPACE
+    warned = [r.getMessage() for r in caplog.records if "--hicache-spill-min-free" in r.getMessage()]
+    assert len(warned) == 1 and "1G" in warned[0], caplog.text

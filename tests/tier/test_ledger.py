@@ -6,18 +6,22 @@ import errno
 import logging
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
+
+import pytest
 
 import sgl_hicache.tier.filelock as filelock
 import sgl_hicache.tier.ledger as ledger_mod
 import sgl_hicache.tier.nvme as nvme_mod
 from sgl_hicache.tier import ROOT_KEY, KVDtype, KVLayout, Namespace, Status
-from sgl_hicache.tier.ledger import LEDGER_NAME, State
-from sgl_hicache.tier.owner import Writer, host_tag
+from sgl_hicache.tier.budget import Lease, State
+from sgl_hicache.tier.ledger import LEDGER_NAME, close_ledger, open_ledger
+from sgl_hicache.tier.owner import Writer, host_tag, me
 from sgl_hicache.tier.sweep import FOREIGN_RETRY_S, walk_root
 from tests.tier import share_proc
-from tests.tier.common import key_for, payload_for, tokens_for
+from tests.tier.common import NS, key_for, payload_for, tokens_for
 from tests.tier.share_proc import SPAWN, locked_usage, start
 from tests.tier.test_capacity import file_bytes
 
@@ -65,7 +69,7 @@ def test_a_torn_ledger_is_recounted_from_the_files(make_tier, tmp_path: Path) ->
 
 
 def test_state_round_trips_and_rejects_tampering() -> None:
-    state = State(1234, {"12-34-0123456789abcdef": ledger_mod.Lease(99, 1.5)})
+    state = State(1234, {"12-34-0123456789abcdef": Lease(99, 1.5)})
     data = state.encode()
     assert State.decode(data) == state
     assert State.decode(data.replace(b"1234", b"1235")) is None
@@ -173,3 +177,110 @@ def test_a_ledger_held_too_long_fails_the_store_not_the_loads(
     assert store(tier, 2) is Status.OK
     on_disk, state = locked_usage(root)
     assert state is not None and state.published == on_disk == 2 * FILE
+
+
+def no_evict(short: int) -> int:
+    return 0
+
+
+def test_a_reservation_while_the_root_is_gone_is_refused(make_tier, tmp_path: Path) -> None:
+    """No lease that counts nowhere: while the root is gone (removed, not re-created yet) a
+    reservation raises FileNotFoundError, which sends the store to re-create the root and retry."""
+    root = tmp_path / "tier"
+    make_tier(directory=root).close()
+    ledger = open_ledger(root)
+    try:
+        shutil.rmtree(root)
+        with pytest.raises(FileNotFoundError):
+            ledger.reserve(1000, 100_000, no_evict)
+    finally:
+        close_ledger(ledger)
+
+
+def test_a_lease_of_a_removed_ledger_is_not_taken_from_the_new_one(make_tier, tmp_path: Path) -> None:
+    """A store leased 1000 B from the ledger that went with the root; another process re-created
+    the root, and our next store leased 3000 B from the new ledger. The first store's end (failed,
+    or published) must not shrink the second's lease, whose temp file is on disk."""
+    root = tmp_path / "tier"
+    make_tier(directory=root).close()
+    ledger = open_ledger(root)
+    try:
+        old = ledger.reserve(1000, 100_000, no_evict)
+        shutil.rmtree(root)
+        root.mkdir(mode=0o700)  # re-created by another process (recreate.py)
+        new = ledger.reserve(3000, 100_000, no_evict)
+        assert new.generation != old.generation
+        ledger.release(1000, old.generation)
+        assert ledger.snapshot().leases[me().token].nbytes == 3000
+        ledger.commit(1000, old.generation)  # published into the new root after all: counted
+        state = ledger.snapshot()
+        assert state.leases[me().token].nbytes == 3000 and state.published == 1000
+        ledger.commit(3000, new.generation)
+        assert ledger.snapshot() == State(4000, {})
+    finally:
+        close_ledger(ledger)
+
+
+def test_a_lease_another_process_ended_is_not_taken_from_our_next_one(make_tier, tmp_path: Path) -> None:
+    """Another process ended our lease (it judged it stale: its bytes moved to `published`); our
+    next store leases 3000 B. The end of the first store must not shrink that lease."""
+    root = tmp_path / "tier"
+    make_tier(directory=root).close()
+    ledger = open_ledger(root)
+    try:
+        old = ledger.reserve(1000, 100_000, no_evict)
+        with ledger.locked() as state:  # what another process's `_reclaim` writes
+            state.published += state.leases.pop(me().token).nbytes
+        new = ledger.reserve(3000, 100_000, no_evict)
+        ledger.release(1000, old.generation)
+        assert new.generation != old.generation
+        assert ledger.snapshot().leases[me().token].nbytes == 3000
+    finally:
+        close_ledger(ledger)
+
+
+def test_a_root_recreated_before_the_temp_file_exists_is_not_written_uncounted(
+    make_tier, tmp_path: Path, monkeypatch
+) -> None:
+    """Our store leased in the root's ledger; then another process removed and re-created the root
+    (its new ledger holds no lease of ours) before our temp file existed. The store must not write
+    there uncounted: it leases again in the new ledger. Checked while its write is stalled."""
+    import sgl_hicache.tier.store as store_mod
+
+    root = tmp_path / "tier"
+    tier = make_tier(directory=root)
+    make_room, recreated = tier._space.make_room, []
+
+    def make_room_then_recreate(nbytes: int, key):
+        res = make_room(nbytes, key)
+        if not recreated:
+            recreated.append(True)
+            shutil.rmtree(root)
+            (root / NS.id.hex()).mkdir(mode=0o700, parents=True)
+            root.chmod(0o700)
+            other = open_ledger(root)  # the other process's new ledger, recounted from the files
+            other.snapshot()
+            close_ledger(other)
+        return res
+
+    stalled, go = threading.Event(), threading.Event()
+    real = store_mod.pwritev_exact
+
+    def stall_on_header(fd: int, views, offset: int) -> None:
+        if offset == 0 and not stalled.is_set():
+            stalled.set()
+            go.wait(30)
+        real(fd, views, offset)
+
+    tier._space.make_room = make_room_then_recreate
+    monkeypatch.setattr(store_mod, "pwritev_exact", stall_on_header)
+    ticket = tier.submit_store(key_for(1), payload_for(1, SIZE), tokens_for(1), ROOT_KEY)
+    try:
+        assert stalled.wait(30)
+        on_disk, state = locked_usage(root)
+        assert state is not None and on_disk <= state.total, f"{on_disk} B on disk, {state} counted"
+    finally:
+        go.set()
+    assert tier.wait(ticket, 30).ok
+    on_disk, state = locked_usage(root)
+    assert state is not None and state.leases == {} and state.published >= on_disk == FILE

@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
-import sgl_hicache.tier.nvme as nvme
+import sgl_hicache.tier.publish as publish
 from sgl_hicache.tier import ROOT_KEY
 from sgl_hicache.tier.format import ALIGN
 from tests.tier.common import key_for, payload_for, tokens_for
 
 THREADS = 4
+
+
+def wait_until(cond, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
 
 
 def file_bytes(n: int) -> int:
@@ -23,14 +31,14 @@ def stall_writes(monkeypatch):
     """Call it to make every later extent write wait for the event it returns (a stalled disk);
     released at teardown."""
     gate = threading.Event()
-    real = nvme.write_extent
+    real = publish.write_extent
 
     def write(*args, **kw):
         gate.wait()
         return real(*args, **kw)
 
     def stall() -> threading.Event:
-        monkeypatch.setattr(nvme, "write_extent", write)
+        monkeypatch.setattr(publish, "write_extent", write)
         return gate
 
     yield stall
@@ -53,6 +61,7 @@ def test_load_completes_while_stores_wait_for_room(make_tier, stall_writes):
     # Extent 1 reserves a unit and stalls in its write; 2..4 need the whole budget, which only the
     # end of 1 can give (0 alone is too small to evict for them): they wait in make_room.
     tier.submit_store(key_for(1), payload_for(1, 10_000), tokens_for(1), ROOT_KEY)
+    wait_until(lambda: tier._space.index.reserved > 0)  # 1 reserved first (else a big one could evict 0)
     big = 3 * unit - ALIGN
     for i in (2, 3, 4):
         tier.submit_store(key_for(i), payload_for(i, big), tokens_for(i), ROOT_KEY)

@@ -135,3 +135,58 @@ def test_a_sigkilled_writers_temp_file_and_lease_are_reclaimed(
     assert state is not None and state.leases == {} and state.published == on_disk == 0
     assert tier.wait(tier.submit_store(key_for(3), payload_for(3, 100_000), tokens_for(3), ROOT_KEY)).ok
     tier.check_integrity()
+
+
+def test_a_reservation_reclaims_a_sigkilled_writers_lease_and_temp_file(
+    make_tier, tmp_path: Path, children: list
+) -> None:
+    """No reopen: a store that finds nothing to evict ends the lease of a writer killed since, and
+    removes its temp file (its writer is dead on this host), accounted under the lock. A live
+    writer's temp file and another host's young one are kept (owner.py's rules)."""
+    root, cap = tmp_path / "tier", 200_000
+    make_tier(directory=root, capacity_bytes=cap).close()
+    started = SPAWN.Event()
+    proc = start(children, share_proc.stuck_writer, str(root), cap, 3, started)
+    assert started.wait(60), "the child never reached its header write"
+    elsewhere = plant_temp(root, Writer(1, 1, "0123456789abcdef"), 60)  # another host's, young: kept
+    tier = make_tier(directory=root, capacity_bytes=cap)  # opened while the writer lives
+    (stuck,) = [f for f in walk_root(root) if f.is_temp and f.path != str(elsewhere)]
+    assert store_big(tier, 4) is Status.NO_SPACE, "a live writer's lease and temp file must hold"
+    assert os.path.exists(stuck.path)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(10)
+    assert store_big(tier, 4) is Status.OK
+    assert not os.path.exists(stuck.path) and elsewhere.exists()
+    assert tier.stats().removed_temp_files == 1
+    on_disk, state = locked_usage(root)
+    assert state is not None and state.leases == {} and state.published == on_disk <= cap
+
+
+def store_big(tier, i: int) -> Status:
+    return tier.wait(
+        tier.submit_store(key_for(i), payload_for(i, 120_000), tokens_for(i), ROOT_KEY), 30
+    ).status
+
+
+def test_storing_a_key_another_tier_wrote_adopts_its_file(make_tier, tmp_path: Path) -> None:
+    """B (its own index, opened before A wrote) stores a key whose file A published: no rewrite,
+    the file's mtime refreshed (others' LRU sees the use), and B indexes and loads it."""
+    root = tmp_path / "tier"
+    a, b = make_tier(directory=root), make_tier(directory=root)
+    data = payload_for(5, 50_000)
+    assert a.wait(a.submit_store(key_for(5), data, tokens_for(5), ROOT_KEY)).ok
+    path = a._paths.extent(key_for(5))
+    os.utime(path, (time.time() - 3600, time.time() - 3600))
+    before = os.stat(path)
+    done = b.wait(b.submit_store(key_for(5), data, tokens_for(5), ROOT_KEY))
+    after = os.stat(path)
+    assert done.ok and done.detail == "present" and done.nbytes == 50_000
+    assert after.st_ino == before.st_ino and b.stats().stores == 0, "rewritten"
+    assert after.st_mtime > time.time() - 60, "mtime not refreshed"
+    info = b.lookup(key_for(5))
+    assert info is not None and (info.parent, info.token_count, info.payload_len, info.file_bytes) == (
+        ROOT_KEY, 2, 50_000, after.st_size
+    )  # fmt: skip
+    buf = bytearray(50_000)
+    assert b.wait(b.submit_load(key_for(5), buf)).ok and buf == data.tobytes()
+    assert b.shared
