@@ -90,7 +90,7 @@ def marker_bits(ids: torch.Tensor, layer: int, which: int) -> torch.Tensor:
     (head 0, dim 0) holds the low 14 bits of the id, (0, 1) the high 14, every other element an
     injective function of the id and its own position, so a wrong byte anywhere changes the id read."""
     mask = (1 << MARK_BITS) - 1
-    pos = torch.arange(HEADS * HEAD_DIM, dtype=torch.int64).view(HEADS, HEAD_DIM)
+    pos = torch.arange(HEADS * HEAD_DIM, dtype=torch.int64, device=ids.device).view(HEADS, HEAD_DIM)
     salt = (pos * 131 + layer * 977 + which * 389)[None]
     bits = (ids[:, None, None] + salt) & mask
     bits[:, 0, 0] = ids & mask
@@ -104,7 +104,7 @@ def fill_kv(pool: Any, slots: torch.Tensor, ids: list[int]) -> None:
     assert all(0 <= i < MARK_MAX for i in ids), "marker ids out of range"
     for layer in range(LAYERS):
         for which, buf in enumerate((pool.k_buffer[layer], pool.v_buffer[layer])):
-            buf.view(torch.int16)[slots] = marker_bits(vals, layer, which)
+            buf.view(torch.int16)[slots] = marker_bits(vals.to(buf.device), layer, which)
 
 
 def read_kv(pool: Any, slots: torch.Tensor) -> list[int]:
@@ -122,7 +122,7 @@ def read_kv(pool: Any, slots: torch.Tensor) -> list[int]:
 
 def build_stack(tier_dir: Path, size: int = 256, spill: bool = True, chunk_bytes: int = 4 << 20,
                 page_size: int = 1, capacity_bytes: int = 1 << 30, streams: Any = None,
-                **overrides: Any) -> Stack:  # fmt: skip
+                device: str = "cpu", **overrides: Any) -> Stack:  # fmt: skip
     """A real sglang pool and allocator under a SpillRadixCache whose tier lives in `tier_dir`
     (`streams`: the copy streams' stand-in, see fake_device.py; default the CPU's)."""
     from sgl_hicache.kernels import from_sglang_pool
@@ -137,11 +137,13 @@ def build_stack(tier_dir: Path, size: int = 256, spill: bool = True, chunk_bytes
     from sgl_hicache.server.factory import open_controller
     from sgl_hicache.tier import KVDtype, KVLayout, Namespace
 
-    pool = MHATokenToKVPool(size, page_size, torch.bfloat16, HEADS, HEAD_DIM, LAYERS, "cpu", False)
+    pool = MHATokenToKVPool(size, page_size, torch.bfloat16, HEADS, HEAD_DIM, LAYERS, device, False)
     if page_size == 1:
-        allocator = TokenToKVPoolAllocator(size, torch.bfloat16, "cpu", pool, need_sort=False)
+        allocator = TokenToKVPoolAllocator(size, torch.bfloat16, device, pool, need_sort=False)
     else:
-        allocator = PagedTokenToKVPoolAllocator(size, page_size, torch.bfloat16, "cpu", pool, need_sort=False)
+        allocator = PagedTokenToKVPoolAllocator(
+            size, page_size, torch.bfloat16, device, pool, need_sort=False
+        )
     params = CacheInitParams(
         disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator, page_size=page_size
     )

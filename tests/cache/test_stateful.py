@@ -33,6 +33,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from sgl_hicache.config import WritePolicy
 from tests.cache.conftest import Stack, build_stack, close_stack, fill_kv, read_kv
+from tests.cache.fake_device import RecordingStreams, reuse_freed_slots_first
 
 EXAMPLES = int(os.environ.get("SGL_HICACHE_FUZZ_EXAMPLES", "20"))
 STEPS = 100
@@ -197,7 +198,10 @@ class SpillCacheMachine(RuleBasedStateMachine):
             new = s.allocator.alloc(need) if need else torch.empty(0, dtype=torch.int64)
             if new is None:
                 return  # the pool cannot hold it now: the request waits (dropped here)
-            fill_kv(s.pool, new, self.ref.kv(server.version, salt, tokens)[len(prefix) :])
+            want = self.ref.kv(server.version, salt, tokens)
+            # The request's forward attends over its prefix, then writes its own KV.
+            self._forward(server, lambda: _reads(s.pool, prefix, want[: len(prefix)]))
+            self._forward(server, lambda: fill_kv(s.pool, new, want[len(prefix) :]))
             values = torch.cat([prefix.to(torch.int64), new.to(torch.int64)])
             key = RadixKey(array("q", tokens), cache_salt=salt)
             result = s.cache.insert(InsertParams(key=key, value=values))
@@ -205,6 +209,14 @@ class SpillCacheMachine(RuleBasedStateMachine):
                 s.allocator.free(values[len(prefix) : result.prefix_len])
         finally:
             s.cache.dec_lock_ref(node)
+
+    def _forward(self, server: Server, work: Any) -> None:
+        """A forward's access to the KV pool: at once here (the CPU); queued on the device's
+        forward stream in the machine below."""
+        work()
+
+    def _idle(self, server: Server) -> None:
+        """The device finishes what was queued: nothing to do on the CPU."""
 
     # ---- what happens between requests --------------------------------------------------------
 
@@ -231,6 +243,7 @@ class SpillCacheMachine(RuleBasedStateMachine):
         server = self.servers[which % len(self.servers)]
         if server.pending or roll:
             return
+        self._idle(server)
         server.stack.cache.reset()
         server.stack.allocator.clear()
         server.version = self.ref.new_version()
@@ -241,6 +254,7 @@ class SpillCacheMachine(RuleBasedStateMachine):
         if roll:
             return
         server = self.servers[which % len(self.servers)]
+        self._idle(server)
         server.stack.cache.controller.wait_writes()
         close_stack(server.stack)
         server.stack, server.version, server.pending = self._stack(), 0, {}
@@ -278,6 +292,11 @@ class SpillCacheMachine(RuleBasedStateMachine):
             server.stack.cache.check_integrity(with_tier=not self.tampered and self.servers_sharing == 1)
 
 
+def _reads(pool: Any, slots: torch.Tensor, want: list[int]) -> None:
+    """A forward reading `slots` finds exactly the reference KV there."""
+    assert read_kv(pool, slots) == want, "a forward read KV that is not its prefix's"
+
+
 def check_resident_kv(s: Stack, ref: Reference, version: int, page_size: int) -> None:
     stack: list[tuple[Any, list[int]]] = [(child, []) for child in s.cache.root_node.children.values()]
     while stack:
@@ -305,6 +324,57 @@ def _rewrite_with_other_tokens(path: Path, s: Stack) -> None:
     path.unlink()
     paths = ExtentPaths(s.tier_dir, tier.namespace.id)
     write_extent(prepare(req, tier._cfg), tier._cfg, tier.namespace, paths, False, tier._seal)  # sealed
+
+
+class SpillCacheOnAFakeDevice(SpillCacheMachine):
+    """The copies and the forward on a device whose streams run only when the machine steps them
+    (fake_device.py): in any order the events allow, so every pack, unpack and staging reuse our
+    ordering forgot shows up as a wrong byte in a forward's read or in the pool."""
+
+    pool_tokens = 128
+
+    def _stack(self) -> Stack:
+        stack = build_stack(
+            self.dir / "tier", size=self.pool_tokens, page_size=self.page_size, chunk_bytes=4096,
+            write_policy=self.write_policy, streams=RecordingStreams(),
+        )  # fmt: skip
+        reuse_freed_slots_first(stack.allocator)
+        return stack
+
+    @staticmethod
+    def device(server: Server) -> RecordingStreams:
+        return server.stack.cache.controller.engine.streams  # type: ignore[no-any-return]
+
+    def _forward(self, server: Server, work: Any) -> None:
+        streams = self.device(server)
+        streams.launch(streams.forward, work)
+
+    @rule(which=st.integers(0, 1), pick=st.integers(0, 2), steps=st.integers(1, 8))
+    def device_runs(self, which: int, pick: int, steps: int) -> None:
+        """The device runs some queued work of one stream (the forward or one of ours)."""
+        streams = self.device(self.servers[which % len(self.servers)])
+        for _ in range(steps):
+            streams.step(streams.streams[pick % len(streams.streams)])
+
+    @rule(which=st.integers(0, 1), seed=st.integers(0, 2**16), forward_last=st.booleans())
+    def device_catches_up(self, which: int, seed: int, forward_last: bool) -> None:
+        """Everything queued runs, ours first or the forward first where the events allow."""
+        streams = self.device(self.servers[which % len(self.servers)])
+        streams.drain(random.Random(seed), lambda st_: (st_ is streams.forward) != forward_last)
+
+    def _idle(self, server: Server) -> None:
+        """Before a flush or a restart: the device finishes what was queued (sglang flushes only
+        idle, and a new process starts with an idle device)."""
+        self.device(server).drain(random.Random(0))
+
+    @invariant()
+    def resident_kv_is_the_references(self) -> None:
+        if not hasattr(self, "rng"):
+            return
+        for server in self.servers:  # slots with queued writes hold what they hold: checked once idle
+            if self.device(server).idle:
+                check_resident_kv(server.stack, self.ref, server.version, self.page_size)
+            server.stack.cache.check_integrity(with_tier=False)
 
 
 class SpillCachePage16(SpillCacheMachine):
@@ -353,6 +423,8 @@ _SETTINGS = settings(
 )  # fmt: skip
 TestSpillCache = SpillCacheMachine.TestCase
 TestSpillCache.settings = _SETTINGS
+TestSpillCacheOnAFakeDevice = SpillCacheOnAFakeDevice.TestCase
+TestSpillCacheOnAFakeDevice.settings = _SETTINGS
 TestSpillCachePage16 = SpillCachePage16.TestCase
 TestSpillCachePage16.settings = _SETTINGS
 TestTwoCachesOneDirectory = TwoCachesOneDirectory.TestCase
