@@ -6,10 +6,9 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from sgl_hicache.cache.identity import namespace_for
-from sgl_hicache.config import ConfigError, SpillConfig, WritePolicy
+from sgl_hicache.config import ConfigError, SpillConfig
 
 if TYPE_CHECKING:
-    import torch
     from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
@@ -43,7 +42,6 @@ def build_spill_cache(ctx: TreeCacheBuildContext) -> BasePrefixCache:
     config = import_config()
     metrics = SpillMetrics.create(config, ctx.tp_rank)
     view = from_sglang_pool(ctx.params.token_to_kv_pool_allocator.get_kvcache())
-    check_write_policy(config, view.layers[0][0].device)
     namespace = namespace_for(ctx, view)
     allocator = ctx.params.token_to_kv_pool_allocator
     controller = (
@@ -56,21 +54,6 @@ def build_spill_cache(ctx: TreeCacheBuildContext) -> BasePrefixCache:
         controller = None
     hints = open_hint_inbox(ctx) if controller is not None else None
     return SpillRadixCache(ctx.params, config, metrics, controller, namespace.id, hints, agreement)
-
-
-def check_write_policy(config: SpillConfig, device: torch.device) -> None:
-    """WRITE_THROUGH packs a node's KV when sglang inserts it. On a GPU with sglang's overlap
-    scheduler (its default) a finished request is inserted while the next forward may still be
-    writing its last token, on another stream: the pack, ordered only behind the scheduler's stream,
-    could copy KV not yet written (sglang's HiCache fences its writes on the forward stream for
-    this). Until ours is fenced and checked on a GPU, write-through is refused off the CPU, where
-    the forward is synchronous."""
-    if config.enabled and config.write_policy is WritePolicy.WRITE_THROUGH and device.type != "cpu":
-        raise ConfigError(
-            f"--hicache-spill-write-policy write_through runs on --device cpu only for now (not yet fenced "
-            f"against the forward stream on {device.type}); use write_back",
-            "write_policy",
-        )
 
 
 def open_hint_inbox(ctx: TreeCacheBuildContext) -> HintInbox | None:

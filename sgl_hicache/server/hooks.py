@@ -1,5 +1,5 @@
 """The patches of sglang we make, all through sglang's own plugin hook registry (no file edited),
-AFTER hooks (but 3b, 5, 7, 8 and 10) that call sglang's original first and change none of its state
+AFTER hooks (but 3b, 5, 6, 7, 8 and 10) that call sglang's original first and change none of its state
 (but 3a, which adds our hints to the list it returns, and 6).
 
 None is registered in a process whose server did not select our backend: there `plugin.py`
@@ -34,11 +34,12 @@ launcher, the process that makes the hint socket's runtime directory, calls `reg
    so no `finally` of our launcher runs), first removes the hint socket's private runtime directory
    if this process made it (`hints.remove_runtime_dir`). Why: otherwise every server start leaves
    one in the temp directory.
-6. `PrefillAdder.add_one_req` (`sglang/srt/managers/schedule_policy.py`), AFTER: when our
+6. `PrefillAdder.add_one_req` (`sglang/srt/managers/schedule_policy.py`), AROUND: when our
    `init_load_back` deferred the request (its reads are in flight) sglang answers `OTHER`, and its
    admission loop then stops, holding back every request queued behind the deferred one; we turn
    exactly that answer into `CONTINUE` (skip this request for this round, as sglang does for its
-   own storage prefetches that are not done). Nothing was admitted or allocated for it.
+   own storage prefetches that are not done). Nothing was admitted or allocated for it. The cache
+   says whether it deferred this very attempt as the return value of `end_admission`, around it.
 7. `Scheduler.release_host_resources`, BEFORE: sglang calls it in the scheduler process when a
    `ShutdownReq` ended the loop (graceful shutdown: SIGTERM to the main process); first we close
    the tier, bounded (`shutdown.close_tier`). Why: the one shutdown callback sglang gives a
@@ -46,15 +47,18 @@ launcher, the process that makes the hint socket's runtime directory, calls `reg
 8. `Scheduler.run_event_loop`, BEFORE: in the scheduler process's main thread, installs SIGTERM and
    SIGINT handlers that close the tier, then act as the handlers they replace
    (`shutdown.close_on_signals`). Why: a signal to the whole process group reaches the scheduler
-   itself, which has no handler and dies at once (see shutdown.py).
+   itself, which has no handler and dies at once (see shutdown.py). It also hands the cache
+   sglang's forward streams (`Scheduler.forward_stream`, `Scheduler.schedule_stream`), which every
+   pack and unpack of ours is ordered against (cache/device.py); both exist once the Scheduler is
+   built, and the current stream is always fenced too.
 9. `SchedulerWeightUpdaterManager.record_weight_version_after_update`, AFTER: sglang calls it on
    every rank after every successful weight update (disk, tensor, distributed, ...), flushed or
    not; we start a new key epoch (`SpillRadixCache.start_epoch`), so KV computed with the new
    weights is never named like KV of the weights on disk (a restart, or another server sharing the
    directory, would take one for the other). Why: a weight update without `flush_cache` (or whose
    flush sglang refused) does not reset the cache.
-10. `PrefillAdder.add_one_req` again, AROUND: a request whose cross-server lookup is still running
-   (cache/cross_attach.py) is answered `CONTINUE` without calling sglang's admission (skipped for
+10. `PrefillAdder.add_one_req`, the same AROUND hook: a request whose cross-server lookup is still
+   running (cache/lookups.py) is answered `CONTINUE` without calling sglang's admission (skipped for
    this round, like 6), within the cache's limit; its lookup then attaches before its next match.
 `tests/server/test_concurrent_clients.py`, `tests/server/test_spill_resume.py`,
 `tests/server/test_hostile_hints.py` and `tests/server/test_shutdown.py` prove they still hold for
@@ -90,9 +94,9 @@ WEIGHTS_TARGET = (
     ".record_weight_version_after_update"
 )
 # Every target `register_scheduler_hooks` patches, one entry per registration in its order
-# (ADMIT_TARGET twice: hooks 6 and 10); `sglang_seam.SEAM` checks each, and EXIT_TARGET.
-TARGETS = (TARGET, PREFETCH_TARGET, HINTS_OUT_TARGET, HINTS_IN_TARGET, ADMIT_TARGET, ADMIT_TARGET, RELEASE_TARGET,
-           LOOP_TARGET, WEIGHTS_TARGET)  # fmt: skip
+# (ADMIT_TARGET once: hooks 6 and 10 are one); `sglang_seam.SEAM` checks each, and EXIT_TARGET.
+TARGETS = (TARGET, PREFETCH_TARGET, HINTS_OUT_TARGET, HINTS_IN_TARGET, ADMIT_TARGET, RELEASE_TARGET, LOOP_TARGET,
+           WEIGHTS_TARGET)  # fmt: skip
 STATE_KEY = "hicache_spill"
 
 HOOK_ERRORS: Counter[str] = Counter()  # hook name -> exceptions it contained, in this process
@@ -180,34 +184,42 @@ def add_routes(result: Any, *args: Any, **kwargs: Any) -> Any:
     return result
 
 
-@contained
-def skip_deferred_admission(result: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+def admit(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND `add_one_req` (6 and 10): a request whose cross-server lookup is still running is
+    skipped for this round without calling sglang's admission; otherwise sglang admits it, and when
+    our `init_load_back` deferred it (the cache says so at the attempt's end), sglang's `OTHER` (stop
+    admitting) becomes `CONTINUE` (skip this one). sglang's own exceptions pass through unchanged."""
     from sglang.srt.managers.schedule_policy import AddReqResult
 
-    from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
-
-    cache = adder.tree_cache
-    if result is AddReqResult.OTHER and isinstance(cache, SpillRadixCache) and cache.take_deferral(req.rid):
+    attempt = begin_admission(adder, req)  # contained: None (admit as sglang would) on an error of ours
+    if attempt is WAIT_FOR_LOOKUP:
         return AddReqResult.CONTINUE
-    return result
+    try:
+        result = original(adder, req, *args, **kwargs)
+    finally:
+        deferred = attempt is not None and end_admission(adder, attempt)
+    return AddReqResult.CONTINUE if result is AddReqResult.OTHER and deferred else result
 
 
-def wait_for_lookup(original: Any, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND `add_one_req`: a request whose cross-server lookup is still running is skipped for this
-    round (CONTINUE, as sglang does for its own storage prefetches), within the cache's limit."""
-    from sglang.srt.managers.schedule_policy import AddReqResult
-
-    if lookup_running(adder, req):  # contained: an exception there admits as sglang would
-        return AddReqResult.CONTINUE
-    return original(adder, req, *args, **kwargs)
+WAIT_FOR_LOOKUP = object()
 
 
 @contained
-def lookup_running(adder: Any, req: Any) -> bool:
+def begin_admission(adder: Any, req: Any) -> Any:
+    """WAIT_FOR_LOOKUP, our cache's record of this admission attempt, or None (not our cache)."""
     from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
 
     cache = adder.tree_cache
-    return isinstance(cache, SpillRadixCache) and cache.lookup_waiting(req.rid)
+    if not isinstance(cache, SpillRadixCache):
+        return None
+    if cache.lookup_waiting(req.rid):
+        return WAIT_FOR_LOOKUP
+    return cache.begin_admission(req.rid)
+
+
+@contained
+def end_admission(adder: Any, attempt: Any) -> bool:
+    return bool(adder.tree_cache.end_admission(attempt))
 
 
 @contained
@@ -229,12 +241,21 @@ def close_tier_first(scheduler: Any, *args: Any, **kwargs: Any) -> None:
 
 
 @contained
-def close_tier_on_signals(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+def at_loop_start(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """Hook 8: the tier closes on SIGTERM/SIGINT, and our copies are ordered against sglang's
+    forward streams (the model runner's, under the overlap scheduler; the scheduler's own)."""
+    from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
     from sgl_hicache.server.shutdown import close_on_signals
 
-    io = _spill_io(scheduler)
-    if io is not None:
-        close_on_signals(io)
+    cache = scheduler.tree_cache
+    if not isinstance(cache, SpillRadixCache):
+        return
+    cache.set_forward_streams([getattr(scheduler, name, None) for name in FORWARD_STREAMS])
+    if cache.controller is not None:
+        close_on_signals(cache.controller)
+
+
+FORWARD_STREAMS = ("forward_stream", "schedule_stream")  # Scheduler attributes (0.5.23); None on CPU
 
 
 def _spill_io(scheduler: Any) -> Any:
@@ -263,10 +284,9 @@ def register_scheduler_hooks() -> None:
     HookRegistry.register(PREFETCH_TARGET, prefetch_at_arrival, HookType.AFTER)
     HookRegistry.register(HINTS_OUT_TARGET, send_hints, HookType.AFTER)
     HookRegistry.register(HINTS_IN_TARGET, apply_hints, HookType.BEFORE)
-    HookRegistry.register(ADMIT_TARGET, skip_deferred_admission, HookType.AFTER)
-    HookRegistry.register(ADMIT_TARGET, wait_for_lookup, HookType.AROUND)
+    HookRegistry.register(ADMIT_TARGET, admit, HookType.AROUND)
     HookRegistry.register(RELEASE_TARGET, close_tier_first, HookType.BEFORE)
-    HookRegistry.register(LOOP_TARGET, close_tier_on_signals, HookType.BEFORE)
+    HookRegistry.register(LOOP_TARGET, at_loop_start, HookType.BEFORE)
     HookRegistry.register(WEIGHTS_TARGET, new_epoch_after_weight_update, HookType.AFTER)
     HookRegistry.apply_hooks()  # patches only targets not patched yet
 

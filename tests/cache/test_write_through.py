@@ -148,27 +148,6 @@ def test_a_write_refused_midway_writes_nothing_below_it(
     a.cache.check_integrity()
 
 
-@pytest.mark.parametrize(("device", "policy", "refused"), [
-    ("cpu", WritePolicy.WRITE_THROUGH, False), ("cuda", WritePolicy.WRITE_THROUGH, True),
-    ("cuda", WritePolicy.WRITE_BACK, False),
-])  # fmt: skip
-def test_write_through_is_refused_off_the_cpu_until_fenced(
-    device: str, policy: WritePolicy, refused: bool
-) -> None:
-    """On a GPU the pack at insert time could copy KV the overlapped forward has not written yet."""
-    import torch
-
-    from sgl_hicache.config import ConfigError, SpillConfig
-    from sgl_hicache.server.factory import check_write_policy
-
-    config = SpillConfig(enabled=True, write_policy=policy)
-    if not refused:
-        check_write_policy(config, torch.device(device))
-        return
-    with pytest.raises(ConfigError, match="write_through runs on --device cpu only"):
-        check_write_policy(config, torch.device(device))
-
-
 def _hold_store_completions(monkeypatch: pytest.MonkeyPatch, tier: Any) -> Callable[[], None]:
     """Keep the tier's finished stores from the cache (their staging stays held, as behind a slow
     disk) until the returned function is called."""
