@@ -96,6 +96,10 @@ class Sampler:
         self._stop.set()
         self._thread.join()
 
+    def follow(self, pid: int) -> None:
+        """Sample the server `pid` from now on (a restarted one)."""
+        self.pid = pid
+
     def _run(self) -> None:
         t0 = time.monotonic()
         while not self._stop.is_set():

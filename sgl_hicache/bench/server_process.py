@@ -120,6 +120,13 @@ class ServerProcess:
             stop_group(self.proc, grace_s, 10.0)
             self.proc = None
 
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once (a crash: nothing of the server runs after it);
+        returns once the group is gone (or after 10 s)."""
+        if self.proc is not None:
+            stop_group(self.proc, 0.0, 10.0, signal.SIGKILL)
+            self.proc = None
+
     def __enter__(self) -> ServerProcess:
         return self.start() if self.proc is None else self
 
@@ -216,12 +223,14 @@ def check_cpus(cpus: Collection[int]) -> tuple[int, ...]:
     return tuple(sorted(set(cpus)))
 
 
-def stop_group(proc: subprocess.Popen[bytes], grace_s: float, kill_wait_s: float) -> None:
-    """SIGTERM `proc`'s process group (it leads one), SIGKILL what is left after `grace_s`, wait up
-    to `kill_wait_s` more for the group to be gone, and forget it in the signal-time reaper."""
+def stop_group(proc: subprocess.Popen[bytes], grace_s: float, kill_wait_s: float,
+               first: signal.Signals = signal.SIGTERM) -> None:  # fmt: skip
+    """Send `first` (SIGTERM) to `proc`'s process group (it leads one), SIGKILL what is left after
+    `grace_s`, wait up to `kill_wait_s` more for the group to be gone, and forget it in the
+    signal-time reaper."""
     pgid = proc.pid
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGTERM)
+        os.killpg(pgid, first)
     if not _wait_group_gone(proc, pgid, grace_s):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGKILL)

@@ -62,3 +62,4 @@ def test_soak_alone_passes_and_reports(tmp_path: Path) -> None:
     )  # 8 conversations x 2 rounds, at least once
     assert 0 < line["soak_tier_peak_mb"] <= 512
     assert line["soak_rss_peak_mb"] >= line["soak_rss_start_mb"] > 0
+    assert line["soak_restored_after_restart"] > 0, "the server SIGKILLed halfway restarted warm"

@@ -128,7 +128,18 @@ def test_soak_verdicts() -> None:
     steady = SoakOutcome(requests=10, samples=[(0, 900, 0), (20, 1000, 2**19), (60, 1090, 2**20)])
     assert steady.failures(soak) == []  # growth is counted from the end of warm-up (t >= 12 s)
     growing = SoakOutcome(requests=10, samples=[(0, 900, 0), (20, 1000, 0), (60, 1101, 0)])
-    assert growing.failures(soak) == ["soak: RSS grew 101 MiB after warm-up, bound 100"]
+    assert growing.failures(soak) == ["soak: RSS of server 1 grew 101 MiB after warm-up, bound 100"]
+    # A crash at 30 s and a warm restart: each server's life has its own warm-up; the restarted
+    # one starts low (a fresh process), which is no shrinking to credit the first one with.
+    lives = [(0, 900, 0), (20, 1000, 0), (29, 1050, 0), (31, 0, 0), (33, 800, 0), (40, 850, 0), (60, 949, 0)]
+    restarted = SoakOutcome(requests=10, samples=lives, restarted_at_s=30, restored_after_restart=5)
+    assert restarted.failures(soak) == []
+    assert replace(restarted, samples=[*lives[:-1], (60, 960, 0)]).failures(soak) == [
+        "soak: RSS of server 2 grew 110 MiB after warm-up, bound 100"
+    ]
+    assert replace(restarted, restored_after_restart=0).failures(soak) == [
+        "soak: the restarted server restored nothing of the cycle before the crash"
+    ]
     over = SoakOutcome(requests=10, errors=1, samples=[(0, 900, 0), (60, 900, 2**20 + 1)])
     assert over.failures(soak) == ["soak: 1 of 10 requests failed", "soak: tier held 1 MiB, capacity 1"]
     assert SoakOutcome().failures(soak) == ["soak: no request completed", "soak: no samples taken"]
