@@ -190,7 +190,7 @@ class SpillRadixCache(RadixCache):
         """One node's spill failed: dropped instead, unless it had already become spilled."""
         return node.value is None
 
-    def _spilled_path_dropped(self, node: TreeNode, key: RadixKey, value: Any) -> int:
+    def _spilled_path_dropped(self, node: TreeNode, key: RadixKey) -> tuple[int, list[TreeNode]]:
         """An insert could not adopt the spilled nodes on its path: the first of them goes, with its
         subtree, so sglang's insert then finds only resident nodes there. Walks with dict lookups
         only, none of our helpers."""
@@ -205,7 +205,7 @@ class SpillRadixCache(RadixCache):
             if n < len(child.key):  # the path leaves the tree inside a resident node
                 break
             node, key = child, key[n:]
-        return 0
+        return 0, []
 
     def _not_ready(self, *_args: Any) -> Readiness:
         """A restore whose readiness could not be judged recomputes (its verdict is still agreed)."""
@@ -348,15 +348,22 @@ class SpillRadixCache(RadixCache):
 
     def _insert_helper(self, node: TreeNode, key: RadixKey, value: Any, priority: int = 0,
                        inserted_len: int = 0) -> tuple[int, TreeNode]:  # fmt: skip
-        adopted = self._adopt_spilled(node, key, value)
+        """sglang's insert, after the spilled nodes on `key`'s path adopted the request's slots
+        (their restore was not used: the request recomputed them)."""
+        pos, chain = self._spilled_on_path(node, key)
+        slices = []
+        for spilled in chain:
+            slices.append(value[pos : pos + len(spilled.key)].clone())
+            pos += len(spilled.key)
+        self.tree.mark_resident(chain, slices)
         prefix_len, last = RadixCache._insert_helper(self, node, key, value, priority, inserted_len)
         # Adopted tokens are the tail of the matched prefix and now own the request's slots:
         # they must not be reported as duplicates (the caller frees duplicates' slots).
-        return prefix_len - adopted, last
+        return prefix_len - sum(len(n.key) for n in chain), last
 
     @contained("insert (adopting spilled nodes)", _spilled_path_dropped)
-    def _adopt_spilled(self, node: TreeNode, key: RadixKey, value: Any) -> int:
-        return self.tree.adopt(node, key, value)
+    def _spilled_on_path(self, node: TreeNode, key: RadixKey) -> tuple[int, list[TreeNode]]:
+        return self.tree.spilled_on_path(node, key)
 
     def insert(self, params: InsertParams) -> InsertResult:
         """sglang's insert (both of its callers, a checkpoint and a finished request's release, go

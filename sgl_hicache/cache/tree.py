@@ -118,19 +118,13 @@ class SpillTree:
             new_node.spill, child.spill = ref.split(split_len)
         return new_node
 
-    def adopt(self, node: TreeNode, key: RadixKey, value: torch.Tensor) -> int:
-        """Give the spilled nodes on `key`'s path below `node` the request's slots (`value`, the
-        whole key's): an insert over a restore that was not used. Returns how many tokens."""
+    def spilled_on_path(self, node: TreeNode, key: RadixKey) -> tuple[int, list[TreeNode]]:
+        """(resident tokens from `node` on `key`'s path, the spilled nodes that follow them): what an
+        insert of `key` adopts (split where `key` leaves one)."""
         values, last = self.match_resident(node, key)
         pos = sum(len(v) for v in values)
         end, _ = self.match_spilled(last, key[pos:], prune_lost=False)
-        chain = self.path_up(end, last) or []
-        slices = []
-        for spilled in chain:
-            slices.append(value[pos : pos + len(spilled.key)].clone())
-            pos += len(spilled.key)
-        self.mark_resident(chain, slices)
-        return sum(len(n.key) for n in chain)
+        return pos, self.path_up(end, last) or []
 
     def attach_segments(
         self, node: TreeNode, pos: int, key: RadixKey, segments: Sequence[Segment]
