@@ -193,3 +193,13 @@ def test_docs_run_benchmarks_as_modules() -> None:
     assert not by_path, f"run benchmarks as `python -m benchmarks.<name>`: {by_path}"
     script = (ROOT / "benchmarks" / "gpu_check.sh").read_text()
     assert not re.search(r"\"\$PY\"\s+benchmarks/", script), "gpu_check.sh runs a benchmark by path"
+
+
+def test_the_readme_lists_every_flag_of_ours() -> None:
+    """The README's flag table names every flag our launcher takes (a user reads no other file)."""
+    from sgl_hicache.server.flags import spill_flags
+
+    table = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `--")]
+    listed = {re.match(r"\| `(--[a-z0-9-]+)`", line).group(1) for line in table}  # type: ignore[union-attr]
+    missing = sorted({flag.name for flag in spill_flags()} - listed)
+    assert not missing, f"flags missing from the README's table: {missing}"
