@@ -73,7 +73,12 @@ def resume_once(base: str, length: int, pool: int, seed: int) -> tuple[float, in
 def spill_counters(base: str) -> dict[str, float]:
     """Our `sglang:hicache_spill_*` series by short name (`dropped_tokens_total`, ...)."""
     prefix = "sglang:hicache_spill_"
-    return {k.split("{")[0].removeprefix(prefix): v for k, v in scrape(base).items() if k.startswith(prefix)}
+    out: dict[str, float] = {}
+    for k, v in scrape(base).items():  # a family (dropped_tokens_total{reason}) is summed
+        if k.startswith(prefix):
+            name = k.split("{")[0].removeprefix(prefix)
+            out[name] = out.get(name, 0.0) + v
+    return out
 
 
 def run_system(

@@ -8,7 +8,7 @@ blocks on I/O or on the device, except `wait_writes` and `close` (tests, shutdow
 
 Contract:
 - `store` packs a node's slots into staging and submits the extent's write once the pack is done;
-  None when staging cannot hold it (the caller drops the node), counted as
+  a `Refused` reason when staging cannot hold it (the caller drops the node), counted as
   `spills_refused_staging_full` (momentarily: writes in flight hold it) or `spills_refused_too_large`
   (never: larger than all of staging; logged once with the flag to raise). A `background` store (a
   write-through: nothing is lost without it) may fill staging only up to `BACKGROUND_SHARE` of it,
@@ -28,6 +28,7 @@ Contract:
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,6 +53,15 @@ logger = logging.getLogger(__name__)
 BACKGROUND_SHARE = 0.5
 """The part of staging that background stores (write-through) may fill: the rest is kept for
 eviction spills (else a dropped node) and reads (else a recompute), which share it."""
+
+
+class Refused(enum.Enum):
+    """Why `store` did not take a node (see the module doc)."""
+
+    STAGING_FULL = "staging_full"  # momentarily: writes in flight hold staging
+    TOO_LARGE = "too_large"  # never: larger than all of staging
+    DEFERRED = "deferred"  # a write-through: its share of staging is full now
+    TOO_LARGE_FOR_SHARE = "too_large_for_share"  # a write-through: larger than its share
 
 
 @dataclass(frozen=True)
@@ -97,7 +107,7 @@ class SpillController:
     def store(
         self, key: ExtentKey, parent: ExtentKey, tokens: np.ndarray, slots: torch.Tensor, store_tokens: bool,
         aliases: Sequence[tuple[int, bytes]] = (), background: bool = False,
-    ) -> Extent | None:  # fmt: skip
+    ) -> Extent | Refused:  # fmt: skip
         """`store_tokens`: whether the extent file may hold the token ids (the default tenant's only);
         `aliases`: the path keys inside it, so other servers find it (`Tier.submit_store`);
         `background`: a write-through, bounded by `BACKGROUND_SHARE` of staging."""
@@ -105,8 +115,7 @@ class SpillController:
         limit = int(self.staging.capacity_bytes * BACKGROUND_SHARE) if background else None
         buf = self.staging.acquire(nbytes, limit)
         if buf is None:
-            self._refused(len(slots), nbytes, limit)
-            return None
+            return self._refused(len(slots), nbytes, limit)
         try:
             copy = self.engine.pack(slots, buf)
         except BaseException:  # whatever was enqueued before the raise may still write into it
@@ -138,10 +147,11 @@ class SpillController:
             raise
         self._writing[ticket] = extent
 
-    def _refused(self, tokens: int, nbytes: int, limit: int | None) -> None:
+    def _refused(self, tokens: int, nbytes: int, limit: int | None) -> Refused:
         if limit is not None and nbytes <= limit:
             self.metrics.inc("writes_through_deferred")
-        elif limit is not None:
+            return Refused.DEFERRED
+        if limit is not None:
             self._count_once(
                 "writes_through_too_large",
                 "sgl_hicache: a node of %d tokens (%d B of KV) is never written through: write-through may "
@@ -150,16 +160,18 @@ class SpillController:
                 "to at least %d B",
                 tokens, nbytes, limit, int(nbytes / BACKGROUND_SHARE) + 1,
             )  # fmt: skip
-        elif nbytes <= self.staging.capacity_bytes:
+            return Refused.TOO_LARGE_FOR_SHARE
+        if nbytes <= self.staging.capacity_bytes:
             self.metrics.inc("spills_refused_staging_full")
-        else:
-            self._count_once(
-                "spills_refused_too_large",
-                "sgl_hicache: a node of %d tokens (%d B of KV) can never spill: staging holds %d B in all; "
-                "it and any like it are dropped (logged once; counted in spills_refused_too_large): raise "
-                "--hicache-spill-staging to at least %d B",
-                tokens, nbytes, self.staging.capacity_bytes, nbytes,
-            )  # fmt: skip
+            return Refused.STAGING_FULL
+        self._count_once(
+            "spills_refused_too_large",
+            "sgl_hicache: a node of %d tokens (%d B of KV) can never spill: staging holds %d B in all; "
+            "it and any like it are dropped (logged once; counted in spills_refused_too_large): raise "
+            "--hicache-spill-staging to at least %d B",
+            tokens, nbytes, self.staging.capacity_bytes, nbytes,
+        )  # fmt: skip
+        return Refused.TOO_LARGE
 
     def _count_once(self, counter: str, warning: str, *args: object) -> None:
         """Count `counter`; log `warning` the first time only (a condition that will recur)."""

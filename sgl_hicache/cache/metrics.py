@@ -1,14 +1,22 @@
-"""Prometheus metrics of the spill tier, in sglang's `sglang:` naming style.
+"""Prometheus metrics of the spill tier, in sglang's shape.
 
 sglang serves `/metrics` (with `--enable-metrics`) from its HTTP process by aggregating the
 multiprocess files that every process writes under `PROMETHEUS_MULTIPROC_DIR`. Our metrics are
 created in the scheduler process, after sglang set that directory, and are not registered in any
 in-process registry (so building a second cache in one process never collides): their values reach
 `/metrics` through those files.
+
+The shape is sglang's: names `sglang:hicache_spill_*`; running totals are counters (`..._total`),
+states are gauges; every series carries sglang's labels (`model_name`, `tp_rank`, `pp_rank`, and
+whatever `--extra-metric-labels` adds); a family of reasons is one counter with a `reason` label
+(`dropped_tokens_total{reason=...}`), as sglang does. `totals` keeps every count in-process too
+(tests, `GET /server_info`), under the names of `COUNTERS`.
 """
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,26 +26,46 @@ BACKEND_NAME = "hicache_spill"
 TIER_GAUGES = {  # TierStats field: (metric name, help)
     "bytes_stored": ("tier_used_bytes", "bytes of published extents in the tier"),
     "extents": ("tier_extents", "published extents in the tier"),
-    "io_errors": ("tier_io_errors", "I/O errors the tier met since start (EIO, EACCES, EROFS, ...)"),
-    "checksum_failures": ("tier_checksum_failures", "reads that failed verification since start"),
-    "mismatches": ("tier_mismatches", "reads of extents that were not what their key names since start"),
-    "no_space": ("tier_no_space", "stores refused for lack of space since start"),
-    "evictions": ("tier_evictions", "extents the tier evicted to stay within its budget since start"),
-    "recreations": ("tier_recreations", "times the tier directory was removed and re-created since start"),
+}
+TIER_COUNTERS = {  # TierStats running totals: (metric name, help), exported as counters
+    "io_errors": ("tier_io_errors", "I/O errors the tier met (EIO, EACCES, EROFS, ...)"),
+    "checksum_failures": ("tier_checksum_failures", "reads that failed verification"),
+    "mismatches": ("tier_mismatches", "reads of extents that were not what their key names"),
+    "no_space": ("tier_no_space", "stores refused for lack of space"),
+    "evictions": ("tier_evictions", "extents the tier evicted to stay within its budget"),
+    "recreations": ("tier_recreations", "times the tier directory was removed and re-created"),
+}
+STAGING_GAUGES = {
+    "staging_used_bytes": "host staging in use (extents on their way to the tier, reads on their way back)",
+    "staging_peak_bytes": "the most host staging in use at once since start (size --hicache-spill-staging by it)",
+    "staging_capacity_bytes": "host staging there is (--hicache-spill-staging)",
 }
 RESTORE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class DropReason(enum.StrEnum):
+    """Why evicted tokens were dropped (recomputed if needed again) instead of spilled."""
+
+    TOO_SHORT = "too_short"  # a leaf below --hicache-spill-min-spill-tokens
+    STAGING_FULL = "staging_full"  # writes in flight held staging then
+    TOO_LARGE = "too_large"  # larger than all of staging
+    NO_TIER = "no_tier"  # spill off (the tier did not open, or switched off after an internal error)
+    UNNAMEABLE = "unnameable"  # a token id no key can name (outside 0..2**32-1)
+    INTERNAL_ERROR = "internal_error"  # our logic raised: contained, dropped as sglang would
+    TP_DISAGREEMENT = "tp_disagreement"  # another TP rank could not spill it
+
 
 COUNTERS = {
     "match_requests": "prefix matches served by the spill cache",
     "evicted_tokens": "tokens evicted from the device KV pool",
-    "spilled_tokens": "evicted tokens written to the tier",
+    "spilled_tokens": "evicted tokens submitted to the tier (one whose file is there already is only refreshed)",
     "written_through_tokens": "tokens submitted to the tier when cached (write_through policy), before any eviction",
     "writes_through_deferred": "write-throughs not submitted because staging was half full or more "
-    "then (spill_io.BACKGROUND_SHARE; the next insert on the path tries again; eviction writes it otherwise)",
+    "then (controller.BACKGROUND_SHARE; the next insert on the path tries again; eviction writes it otherwise)",
     "writes_through_too_large": "write-throughs never submitted because the node is larger than "
     "write-through's share of staging (eviction writes it; raise --hicache-spill-staging)",
     "spilled_bytes": "packed KV bytes submitted to the tier",
-    "dropped_tokens": "evicted tokens dropped instead of spilled (tier off, slow or full, or too short)",
+    "dropped_tokens": "evicted tokens dropped instead of spilled (by reason on /metrics: DropReason)",
     "spill_failures": "spills the tier failed to write (I/O error, no space)",
     "spills_refused_staging_full": "evicted nodes dropped because staging was full then (writes in flight)",
     "spills_refused_too_large": "evicted nodes dropped because they are larger than all of staging "
@@ -71,54 +99,117 @@ COUNTERS = {
 }
 
 
+# Counted in the family `dropped_tokens_total{reason}` on /metrics instead (tokens, by reason).
+NOT_EXPORTED = ("dropped_tokens", "spills_refused_staging_full", "spills_refused_too_large")
+
+
+def sglang_labels(server_args: Any, tp_rank: int) -> dict[str, str]:
+    """The labels sglang's own collectors put on a scheduler's series (`model_name`, `tp_rank`,
+    `pp_rank`; our backend refuses pipeline parallelism, so `pp_rank` is 0) and the operator's
+    `--extra-metric-labels`."""
+    # sglang names a model its served name, or its path when it has none (as its serving config does).
+    model = getattr(server_args, "served_model_name", None) or getattr(server_args, "model_path", None) or ""
+    labels = {"model_name": str(model), "tp_rank": str(tp_rank), "pp_rank": "0"}
+    labels.update(
+        {str(k): str(v) for k, v in (getattr(server_args, "extra_metric_labels", None) or {}).items()}
+    )
+    return labels
+
+
 @dataclass(frozen=True)
 class SpillMetrics:
-    """Counter totals kept in-process (`totals`, read by tests and `check_integrity`) and, when
-    created with `create`, mirrored to Prometheus."""
+    """Counter totals kept in-process (`totals`, `drops`; read by tests and `/server_info`) and,
+    when created with `create`, mirrored to Prometheus."""
 
     totals: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0.0))
+    drops: dict[DropReason, float] = field(default_factory=lambda: dict.fromkeys(DropReason, 0.0))
     prometheus: dict[str, Any] | None = None
+    dropped: dict[DropReason, Any] | None = None  # Counter children of dropped_tokens_total by reason
     restore_seconds: Any = None  # Histogram child, when exported
     tier_gauges: dict[str, Any] | None = None  # TierStats field -> Gauge child, when exported
+    tier_counters: dict[str, Any] | None = None  # TierStats field -> Counter child, when exported
+    staging_gauges: dict[str, Any] | None = None
+    _tier_seen: dict[str, int] = field(default_factory=dict)  # last TierStats totals mirrored
 
     @classmethod
-    def create(cls, config: SpillConfig, tp_rank: int = 0) -> SpillMetrics:
+    def create(cls, config: SpillConfig, labels: Mapping[str, str]) -> SpillMetrics:
+        """Exported metrics carrying `labels` (`sglang_labels`)."""
         from prometheus_client import Counter, Gauge, Histogram
 
-        labels = {"tp_rank": str(tp_rank)}
         names = list(labels)
-        info = Gauge("sglang:hicache_spill_info", "1 while the sgl_hicache spill cache serves (labels say how)",
-                     [*names, "backend", "enabled"], registry=None, multiprocess_mode="max")  # fmt: skip
+
+        def gauge(name: str, doc: str, mode: Any = "mostrecent", extra: tuple[str, ...] = ()) -> Any:
+            return Gauge(
+                f"sglang:hicache_spill_{name}", doc, [*names, *extra], registry=None, multiprocess_mode=mode
+            )
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Any:
+            return Counter(f"sglang:hicache_spill_{name}", doc, [*names, *extra], registry=None)
+
+        info = gauge(
+            "info",
+            "1 while the sgl_hicache spill cache serves (labels say how)",
+            "max",
+            ("backend", "enabled"),
+        )
         info.labels(**labels, backend=BACKEND_NAME, enabled=str(config.enabled).lower()).set(1)
-        capacity = Gauge("sglang:hicache_spill_tier_capacity_bytes", "byte budget of the spill tier", names,
-                         registry=None, multiprocess_mode="max")  # fmt: skip
-        capacity.labels(**labels).set(config.tier.capacity_bytes)
-        counters = {
-            name: Counter(f"sglang:hicache_spill_{name}", doc, names, registry=None).labels(**labels)
-            for name, doc in COUNTERS.items()
-        }
+        gauge("tier_capacity_bytes", "byte budget of the spill tier", "max").labels(**labels).set(
+            config.tier.capacity_bytes
+        )
+        dropped = counter(
+            "dropped_tokens", "evicted tokens dropped instead of spilled, by reason", ("reason",)
+        )
         restore = Histogram("sglang:hicache_spill_restore_seconds", "time to restore a request's spilled KV",
                             names, registry=None, buckets=RESTORE_BUCKETS)  # fmt: skip
-        gauges = {
-            stat: Gauge(
-                f"sglang:hicache_spill_{name}", doc, names, registry=None, multiprocess_mode="mostrecent"
-            ).labels(**labels)
-            for stat, (name, doc) in TIER_GAUGES.items()
-        }
-        return cls(prometheus=counters, restore_seconds=restore.labels(**labels), tier_gauges=gauges)
+        return cls(
+            prometheus={
+                n: counter(n, doc).labels(**labels) for n, doc in COUNTERS.items() if n not in NOT_EXPORTED
+            },
+            dropped={r: dropped.labels(**labels, reason=r.value) for r in DropReason},
+            restore_seconds=restore.labels(**labels),
+            tier_gauges={k: gauge(n, doc).labels(**labels) for k, (n, doc) in TIER_GAUGES.items()},
+            tier_counters={k: counter(n, doc).labels(**labels) for k, (n, doc) in TIER_COUNTERS.items()},
+            staging_gauges={n: gauge(n, doc).labels(**labels) for n, doc in STAGING_GAUGES.items()},
+        )
 
     def observe_restore(self, seconds: float) -> None:
         if self.restore_seconds is not None:
             self.restore_seconds.observe(seconds)
 
     def set_tier_stats(self, stats: Any) -> None:
-        """Mirror the tier's own counters (a `TierStats`) to their gauges."""
+        """Mirror the tier's own state (a `TierStats`): gauges as they are, running totals as what
+        they grew by since the last call."""
         if self.tier_gauges is not None:
             for stat, gauge in self.tier_gauges.items():
                 gauge.set(getattr(stats, stat))
+        if self.tier_counters is not None:
+            for stat, counter in self.tier_counters.items():
+                now = int(getattr(stats, stat))
+                grown = now - self._tier_seen.get(stat, 0)
+                if grown > 0:
+                    counter.inc(grown)
+                self._tier_seen[stat] = now
+
+    def set_staging(self, used: int, peak: int, capacity: int) -> None:
+        if self.staging_gauges is not None:
+            values = {
+                "staging_used_bytes": used,
+                "staging_peak_bytes": peak,
+                "staging_capacity_bytes": capacity,
+            }
+            for name, gauge in self.staging_gauges.items():
+                gauge.set(values[name])
+
+    def drop(self, tokens: int, reason: DropReason) -> None:
+        """Evicted tokens dropped instead of spilled, and why."""
+        if tokens:
+            self.totals["dropped_tokens"] += tokens
+            self.drops[reason] += tokens
+            if self.dropped is not None:
+                self.dropped[reason].inc(tokens)
 
     def inc(self, name: str, amount: float = 1) -> None:
         if amount:
             self.totals[name] += amount
-            if self.prometheus is not None:
+            if self.prometheus is not None and name in self.prometheus:
                 self.prometheus[name].inc(amount)

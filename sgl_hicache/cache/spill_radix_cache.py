@@ -51,10 +51,10 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from sgl_hicache.cache.agreement import Agreement, SingleRank
-from sgl_hicache.cache.controller import SpillController
+from sgl_hicache.cache.controller import Refused, SpillController
 from sgl_hicache.cache.guard import contained, internal_error, last_resort, nothing
 from sgl_hicache.cache.hint_source import HintSource, ResumeHint
-from sgl_hicache.cache.metrics import SpillMetrics
+from sgl_hicache.cache.metrics import DropReason, SpillMetrics
 from sgl_hicache.cache.reads import Readiness
 from sgl_hicache.cache.restores import EarlyUnpackStats
 from sgl_hicache.cache.spill_state import ExtentState, SpillRef
@@ -148,7 +148,7 @@ class SpillRadixCache(RadixCache):
             return EvictResult()
         evicted = 0
         for node in self._victims(params.num_tokens):
-            evicted += self._drop_node(node)
+            evicted += self._drop_node(node, DropReason.INTERNAL_ERROR)
         return EvictResult(num_tokens_evicted=evicted)
 
     def _nothing_restored(self, params: InitLoadBackParams) -> tuple[int, Any] | None:
@@ -186,9 +186,9 @@ class SpillRadixCache(RadixCache):
         self._nothing_kept()
         self.warm.forget()
 
-    def _spilled_if_marked(self, node: TreeNode) -> bool:
+    def _spilled_if_marked(self, node: TreeNode) -> DropReason | None:
         """One node's spill failed: dropped instead, unless it had already become spilled."""
-        return node.value is None
+        return None if node.value is None else DropReason.INTERNAL_ERROR
 
     def _spilled_path_dropped(self, node: TreeNode, key: RadixKey) -> tuple[int, list[TreeNode]]:
         """An insert could not adopt the spilled nodes on its path: the first of them goes, with its
@@ -233,10 +233,10 @@ class SpillRadixCache(RadixCache):
         victims: list[tuple[TreeNode, bool]] = []
         for node in self._victims(params.num_tokens - freed):
             n = len(node.value)
-            spilled = self._spill_node(node)
-            if not spilled:
-                self._drop_node(node)
-            victims.append((node, spilled))
+            dropped = self._spill_node(node)
+            if dropped is not None:
+                self._drop_node(node, dropped)
+            victims.append((node, dropped is None))
             evicted += n
         self._agree_on_spills(victims)
         self.update_eviction_metrics(evicted, start)
@@ -267,24 +267,25 @@ class SpillRadixCache(RadixCache):
         agreed = self.agreement.min([int(spilled) for _, spilled in victims])
         for (node, spilled), ok in reversed(list(zip(victims, agreed, strict=True))):
             if spilled and not ok and self.tree.attached(node):
-                self.tree.prune(node)
+                self.spill_metrics.drop(self.tree.prune(node), DropReason.TP_DISAGREEMENT)
                 self.spill_metrics.inc("tp_disagreements")
 
     @contained("evict (a node's spill)", _spilled_if_marked)
-    def _spill_node(self, node: TreeNode) -> bool:
+    def _spill_node(self, node: TreeNode) -> DropReason | None:
+        """Spill resident leaf `node` (None), or say why it is to be dropped instead."""
         n = len(node.value)
         if self._clean(node):  # the exact range it was restored from or written through
             self.tree.mark_spilled(node, node.spill)
-            return True
+            return None
         # Short nodes are not worth an extent, unless dropping them would orphan spilled children.
         if n < self.spill_config.min_spill_tokens and not node.children:
-            return False
+            return DropReason.TOO_SHORT
         ref = self._store(node)
-        if ref is None:
-            return False
+        if isinstance(ref, DropReason):
+            return ref
         self.tree.mark_spilled(node, ref)
         self.spill_metrics.inc("spilled_tokens", n)
-        return True
+        return None
 
     def _clean(self, node: TreeNode) -> bool:
         """Whether resident `node` has an exact copy that its eviction may simply point to: in
@@ -304,12 +305,12 @@ class SpillRadixCache(RadixCache):
         shared = self.spill_config.write_policy is WritePolicy.WRITE_THROUGH
         return shared or bool(getattr(self.controller.tier, "shared", False))
 
-    def _store(self, node: TreeNode, background: bool = False) -> SpillRef | None:
+    def _store(self, node: TreeNode, background: bool = False) -> SpillRef | DropReason:
         """Write resident `node`'s KV to the tier as one extent (never blocks: `SpillController.store`;
-        `background`: a write-through, within its share of staging); its reference, or None when it
-        cannot be written now (no tier, staging full, an id no key names)."""
+        `background`: a write-through, within its share of staging); its reference, or why it
+        cannot be written now."""
         if self.controller is None:
-            return None
+            return DropReason.NO_TIER
         tokens = np.asarray(node.key.raw_token_ids(), dtype=np.int64)
         try:
             hasher = self.path_hasher(node.key)
@@ -320,16 +321,18 @@ class SpillRadixCache(RadixCache):
             key = chain_key(self.namespace_id, parent_key, tokens)
             aliases = alias_marks(hasher, sum(len(p) for p in before), tokens, self.page_size)
         except ValueError:  # an id outside 0..2**32-1 on its path (keys hash u32 ids): never spilled
-            return None
+            return DropReason.UNNAMEABLE
         default_tenant = tenant_of(node.key.extra_key, node.key.cache_salt) == b""  # others: no ids on disk
         extent = self.controller.store(
             key, parent_key, tokens, node.value, default_tenant, aliases, background
         )
-        return None if extent is None else SpillRef(extent, 0, len(node.value))
+        if isinstance(extent, Refused):
+            return DropReason.TOO_LARGE if extent is Refused.TOO_LARGE else DropReason.STAGING_FULL
+        return SpillRef(extent, 0, len(node.value))
 
-    def _drop_node(self, node: TreeNode) -> int:
+    def _drop_node(self, node: TreeNode, reason: DropReason) -> int:
         dropped = self.tree.drop(node)
-        self.spill_metrics.inc("dropped_tokens", dropped)
+        self.spill_metrics.drop(dropped, reason)
         return dropped
 
     def _node_keys(self, node: TreeNode) -> tuple[ExtentKey, ExtentKey]:
@@ -391,11 +394,11 @@ class SpillRadixCache(RadixCache):
                 todo.append(node)
             node = node.parent
         for node in reversed(todo):
-            ref = self._store(node, background=True)
-            if ref is None:
+            written = self._store(node, background=True)
+            if isinstance(written, DropReason):
                 return
-            node.spill = ref
-            self.spill_metrics.inc("written_through_tokens", ref.count)
+            node.spill = written
+            self.spill_metrics.inc("written_through_tokens", written.count)
 
     # ---- match: device prefix + spilled continuation ---------------------------------------
 
@@ -810,6 +813,8 @@ class SpillRadixCache(RadixCache):
             self.controller.poll()
             self._forget_old_deferrals()
             self.spill_metrics.set_tier_stats(self.controller.tier.stats())
+            staging = self.controller.staging
+            self.spill_metrics.set_staging(staging.used_bytes, staging.peak_bytes, staging.capacity_bytes)
 
 
 def _owner(rid: str | None) -> object:

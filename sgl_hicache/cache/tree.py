@@ -98,11 +98,13 @@ class SpillTree:
         self.base.token_to_kv_pool_allocator.free_segment(slots, start_pos=0)
         return len(slots)
 
-    def prune(self, node: TreeNode) -> None:
-        """Remove spilled `node` (its KV is lost) and its spilled subtree."""
-        self.spilled_tokens -= node.spill.count + _spilled_below(node)
+    def prune(self, node: TreeNode) -> int:
+        """Remove spilled `node` (its KV is lost) and its spilled subtree; returns their tokens."""
+        removed = node.spill.count + _spilled_below(node)
+        self.spilled_tokens -= removed
         node.parent.children.pop(node.key.child_key(self.page_size), None)
         self.base._update_leaf_status(node.parent)
+        return removed
 
     def split(self, key: RadixKey, child: TreeNode, split_len: int) -> TreeNode:
         """sglang's split, also splitting the spill reference (of spilled nodes, and of resident

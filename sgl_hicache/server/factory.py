@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 def build_spill_cache(ctx: TreeCacheBuildContext) -> BasePrefixCache:
     from sgl_hicache.cache.agreement import for_group
-    from sgl_hicache.cache.metrics import SpillMetrics
+    from sgl_hicache.cache.metrics import SpillMetrics, sglang_labels
     from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
     from sgl_hicache.kernels import from_sglang_pool
     from sgl_hicache.server.handoff import import_config
@@ -40,7 +40,7 @@ def build_spill_cache(ctx: TreeCacheBuildContext) -> BasePrefixCache:
     if getattr(ctx.model_config, "is_multimodal", False):  # image placeholders are 62-bit ids in the key
         raise ConfigError("the hicache_spill backend does not support multimodal models yet")
     config = import_config()
-    metrics = SpillMetrics.create(config, ctx.tp_rank)
+    metrics = SpillMetrics.create(config, sglang_labels(ctx.server_args, ctx.tp_rank))
     view = from_sglang_pool(ctx.params.token_to_kv_pool_allocator.get_kvcache())
     namespace = namespace_for(ctx, view)
     allocator = ctx.params.token_to_kv_pool_allocator

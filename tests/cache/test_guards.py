@@ -11,6 +11,7 @@ import pytest
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
+from sgl_hicache.cache.metrics import DropReason
 from tests.cache.conftest import expected_kv, read_kv
 
 A = list(range(100, 140))
@@ -84,7 +85,7 @@ def test_a_node_whose_spill_raises_is_dropped(make_stack: Any, caplog: Any, monk
         s, caplog, "evict (a node's spill)", lambda: s.cache.evict(EvictParams(num_tokens=1))
     )
     assert [r.num_tokens_evicted for r in results] == [20, 20]
-    assert s.metrics.totals["dropped_tokens"] == 40 and s.cache.spilled_tokens == 0
+    assert s.metrics.drops[DropReason.INTERNAL_ERROR] == 40 and s.cache.spilled_tokens == 0
     monkeypatch.undo()
     s.evict_all()  # the shared head (still resident) spills now; the dropped tails are gone
     assert s.match(A).host_hit_length == 20
@@ -284,7 +285,7 @@ def test_a_drop_that_raises_leaves_the_node_whole(make_stack: Any, monkeypatch: 
     (leaf,) = s.cache.root_node.children.values()
     monkeypatch.setattr(s.cache, "_delete_leaf", boom)
     with pytest.raises(RuntimeError, match="injected"):
-        s.cache._drop_node(leaf)
+        s.cache._drop_node(leaf, DropReason.TOO_SHORT)
     s.cache.check_integrity()
 
 

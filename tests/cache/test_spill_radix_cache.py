@@ -7,6 +7,7 @@ from typing import Any
 
 from sgl_hicache.kernels import packed_nbytes
 
+from sgl_hicache.cache.metrics import DropReason
 from tests.cache.conftest import expected_kv, read_kv
 
 A = list(range(100, 140))  # 40 tokens
@@ -68,7 +69,7 @@ def test_short_leaves_drop_but_a_short_parent_of_spilled_children_spills(make_st
     assert [5] not in [list(n.key.token_ids[:1]) for n in s.cache.root_node.children.values()]
     (parent,) = s.cache.root_node.children.values()
     assert parent.evicted and len(parent.key) == 2 and len(parent.children) == 2
-    assert s.metrics.totals["dropped_tokens"] == 3
+    assert s.metrics.totals["dropped_tokens"] == s.metrics.drops[DropReason.TOO_SHORT] == 3
     m = s.match([1, 2] + B)
     assert m.host_hit_length == 22 and s.load_back(m)[0] == 22
     s.cache.check_integrity()
@@ -112,6 +113,7 @@ def test_full_staging_drops_instead_of_waiting(make_stack: Any, caplog: Any) -> 
         s.evict_all()  # A (least recent) spills first and holds its staging until its write is polled
     assert [n.key.token_ids[0] for n in s.cache.root_node.children.values()] == [A[0]]
     assert s.metrics.totals["dropped_tokens"] == 20 and s.metrics.totals["spills_refused_staging_full"] == 1
+    assert s.metrics.drops[DropReason.STAGING_FULL] == 20
     assert s.metrics.totals["spills_refused_too_large"] == 0 and not caplog.records, "momentary: counted only"
     s.insert(B)
     s.evict_all()  # A's write is done and its staging released: B spills now
@@ -130,6 +132,7 @@ def test_a_node_larger_than_all_of_staging_is_refused_and_logged_once(make_stack
         s.evict_all()
     assert [n.key.token_ids[0] for n in s.cache.root_node.children.values()] == [B[0]]
     assert s.metrics.totals["spills_refused_too_large"] == 2 and s.metrics.totals["dropped_tokens"] == 80
+    assert s.metrics.drops[DropReason.TOO_LARGE] == 80
     assert s.metrics.totals["spills_refused_staging_full"] == 0
     (record,) = caplog.records
     message = record.getMessage()
@@ -152,7 +155,7 @@ def test_without_a_tier_eviction_drops_like_sglang(make_stack: Any) -> None:
     s = make_stack(spill=False)
     s.insert(A)
     s.evict_all()
-    assert not s.cache.root_node.children and s.metrics.totals["dropped_tokens"] == 40
+    assert not s.cache.root_node.children and s.metrics.drops[DropReason.NO_TIER] == 40
     s.cache.check_integrity()
 
 

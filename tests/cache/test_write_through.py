@@ -15,7 +15,7 @@ import pytest
 from sgl_hicache.kernels import packed_nbytes
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-from sgl_hicache.cache.controller import BACKGROUND_SHARE
+from sgl_hicache.cache.controller import BACKGROUND_SHARE, Refused
 from sgl_hicache.config import WritePolicy
 from tests.cache.conftest import Stack, read_kv
 from tests.cache.test_cross_server import PROMPT, restore_on
@@ -89,7 +89,9 @@ def test_a_refused_write_stops_the_path_and_the_next_insert_fills_it_without_a_g
     a = make_stack(tmp_path / "tier", size=512, write_policy=WritePolicy.WRITE_THROUGH)
     a.insert(PROMPT[:48])
     real_store = a.cache.controller.store
-    monkeypatch.setattr(a.cache.controller, "store", lambda *args, **kw: None)  # staging full
+    monkeypatch.setattr(
+        a.cache.controller, "store", lambda *args, **kw: Refused.DEFERRED
+    )  # its share is full
     a.insert(PROMPT[:112])
     a.insert(PROMPT)
     assert a.metrics.totals["written_through_tokens"] == 48  # nothing below the refused node
@@ -129,13 +131,13 @@ def test_a_write_refused_midway_writes_nothing_below_it(
     top down. (With every store refused, as above, skipping past the refused node looks the same.)"""
     a = make_stack(tmp_path / "tier", size=512, write_policy=WritePolicy.WRITE_THROUGH)
     real_store = a.cache.controller.store
-    monkeypatch.setattr(a.cache.controller, "store", lambda *args, **kw: None)
+    monkeypatch.setattr(a.cache.controller, "store", lambda *args, **kw: Refused.DEFERRED)
     a.insert(PROMPT[:48])  # [0, 48) resident, no copy
     tried: list[int] = []
 
     def refuse_the_first(*args: Any, **kwargs: Any) -> Any:
         tried.append(len(args[2]))  # the node's tokens
-        return None if len(tried) == 1 else real_store(*args, **kwargs)
+        return Refused.DEFERRED if len(tried) == 1 else real_store(*args, **kwargs)
 
     monkeypatch.setattr(a.cache.controller, "store", refuse_the_first)
     a.insert(PROMPT[:112])  # the path: [0, 48) refused now, then [48, 112) must not be tried

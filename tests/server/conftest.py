@@ -64,8 +64,11 @@ def eventually(check: Any, timeout_s: float = 10.0) -> bool:
     return True
 
 
-def metrics(base_url: str) -> dict[str, float]:
-    """`/metrics` as {'name{labels}': value} for our `sglang:hicache_spill_*` series."""
+OWN_LABELS = ("backend", "enabled", "reason", "tp_rank")  # the labels `metrics` keeps in its keys
+
+
+def raw_metrics(base_url: str) -> dict[str, float]:
+    """`/metrics` as {'name{labels}': value} for our `sglang:hicache_spill_*` series, as served."""
     with urllib.request.urlopen(base_url + "/metrics", timeout=30) as r:
         text = r.read().decode()
     out = {}
@@ -73,4 +76,17 @@ def metrics(base_url: str) -> dict[str, float]:
         m = re.match(r"^(sglang:hicache_spill_\S+) (\S+)$", line)
         if m:
             out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def metrics(base_url: str) -> dict[str, float]:
+    """`raw_metrics` keyed by the labels that tell our series apart (`OWN_LABELS`, in name order;
+    not sglang's `model_name` and `pp_rank` nor `--extra-metric-labels`), summed over the rest:
+    'sglang:hicache_spill_restored_tokens_total{tp_rank="0"}'."""
+    out: dict[str, float] = {}
+    for key, value in raw_metrics(base_url).items():
+        name, _, labels = key.partition("{")
+        pairs = sorted(p for p in re.findall(r'(\w+)="([^"]*)"', labels) if p[0] in OWN_LABELS)
+        short = name + ("{" + ",".join(f'{k}="{v}"' for k, v in pairs) + "}" if pairs else "")
+        out[short] = out.get(short, 0.0) + value
     return out

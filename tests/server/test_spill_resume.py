@@ -6,12 +6,15 @@ its own token sequences, and the destructive test (tier directory removed) is th
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import stat
 import subprocess
 import sys
 import time
 import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +22,13 @@ import pytest
 
 from sgl_hicache.bench.server_process import ServerProcess
 from sgl_hicache.tier.trust import SECRET_NAME
-from tests.server.conftest import SPILL_FLAGS, eventually, metrics, post_json
+from tests.server.conftest import SPILL_FLAGS, eventually, metrics, post_json, raw_metrics
 
 pytestmark = pytest.mark.server
 
 POOL = 1024  # device KV pool, tokens
+EXTRA_LABELS = {"team": "kv"}  # --extra-metric-labels: sglang's own series carry them, ours too
+DASHBOARD = Path(__file__).resolve().parents[2] / "examples" / "grafana" / "sgl_hicache.json"
 PROMPT = 300
 
 
@@ -64,6 +69,8 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
         str(tier),
         "--hicache-spill-min-free",
         "0",
+        "--extra-metric-labels",
+        json.dumps(EXTRA_LABELS),
     )
     with ServerProcess(tiny_model, POOL, args, log_path=tmp / "server.log") as s:
         s.tier_dir = tier  # type: ignore[attr-defined]
@@ -105,6 +112,34 @@ def test_resume_restores_history_with_output_identical_to_resident_run(server: A
     assert series['sglang:hicache_spill_restore_seconds_count{tp_rank="0"}'] >= 1
     assert series['sglang:hicache_spill_tier_used_bytes{tp_rank="0"}'] > 0
     assert series['sglang:hicache_spill_tier_extents{tp_rank="0"}'] > 0
+
+
+def test_metrics_have_sglangs_shape_and_the_dashboard_queries_exist(server: Any) -> None:
+    """Issue 28: our series carry sglang's labels (and --extra-metric-labels), running totals are
+    counters, drops are one counter by reason, staging is exported; every metric the Grafana
+    dashboard queries is one this server exports (after the restore above)."""
+    ours = raw_metrics(server.base_url)
+    model = str(server.model_path)
+    for key in ours:
+        for label, value in (
+            ("model_name", model),
+            ("pp_rank", "0"),
+            ("tp_rank", "0"),
+            *EXTRA_LABELS.items(),
+        ):
+            assert f'{label}="{value}"' in key, f"{key} lacks {label}"
+    names = {key.partition("{")[0] for key in ours}
+    for counter in ("tier_io_errors", "tier_no_space", "tier_evictions", "restored_tokens", "dropped_tokens"):
+        assert f"sglang:hicache_spill_{counter}_total" in names, counter
+    assert {"sglang:hicache_spill_staging_used_bytes", "sglang:hicache_spill_staging_peak_bytes"} <= names
+    reasons = {m.group(1) for key in ours if (m := re.search(r'reason="(\w+)"', key))}
+    assert {"too_short", "staging_full", "too_large", "no_tier", "internal_error"} <= reasons
+    with urllib.request.urlopen(server.base_url + "/metrics", timeout=30) as r:
+        exported = {
+            line.split("{")[0].split(" ")[0] for line in r.read().decode().splitlines() if line[:1] != "#"
+        }
+    queried = set(re.findall(r"sglang:[a-z_]+", json.dumps(json.loads(DASHBOARD.read_text())["panels"])))
+    assert len(queried) >= 20 and queried <= exported, sorted(queried - exported)
 
 
 def test_prefetch_at_arrival_feeds_the_restore(server: Any) -> None:
@@ -217,6 +252,6 @@ def test_tier_directory_removed_while_serving(server: Any) -> None:
     resumed, cached = generate(base, later2)
     assert cached >= history and resumed == later_reference
     assert counter(base, "restored_tokens") - restored >= history, "not restored from the tier"
-    assert metrics(base)['sglang:hicache_spill_tier_recreations{tp_rank="0"}'] >= 1
+    assert metrics(base)['sglang:hicache_spill_tier_recreations_total{tp_rank="0"}'] >= 1
     assert stat.S_IMODE(server.tier_dir.stat().st_mode) == 0o700
     assert (server.tier_dir / SECRET_NAME).read_bytes() == secret
