@@ -1,8 +1,11 @@
 """Configuration: one chain of frozen dataclasses, validated on construction.
 
-`SpillConfig` is the root. Every field that a user may set carries its command-line flag and help
-in its metadata (`option(...)`); `sgl_hicache.server.flags` derives the argparse options and the
+`SpillConfig` is the root. Every field that a user may set carries its help in its metadata: a
+top-level flag (`option(...)`) or a key of the one JSON flag `--hicache-spill-extra-config`
+(`tuning(...)`, the knobs few need); `sgl_hicache.server.flags` derives the argparse options and the
 typed `SGL_HICACHE_*` environment overrides from these fields, so a new setting is one new field.
+Sizes follow sglang's unit: a bare number is GB (`--hicache-size 200` is 200 GB), or, where that
+would mislead, needs a unit (`Bare`).
 
 The config reaches sglang's spawned scheduler processes explicitly: `to_json()` in the launcher,
 `from_json()` in the scheduler (see `sgl_hicache.server.handoff`). Nothing is kept in module globals.
@@ -24,7 +27,7 @@ MiB = 1024 * KiB
 GiB = 1024 * MiB
 TiB = 1024 * GiB
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(?:i?B)?|(B))?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "K": KiB, "M": MiB, "G": GiB, "T": TiB}
 
 
@@ -37,12 +40,18 @@ class ConfigError(ValueError):
         self.field = field
 
 
-def parse_size(text: str) -> int:
-    """Parse a byte size such as `200G`, `512MiB`, `1.5T` or `4096` (binary units: G = 2**30)."""
+def parse_size(text: str, bare: int | None = 1) -> int:
+    """Parse a byte size such as `200G`, `512MiB`, `1.5T` or `4096B` (binary units: G = 2**30). A
+    number without a unit is in units of `bare` bytes (GiB: sglang's unit), or refused if `bare` is
+    None."""
     m = _SIZE_RE.match(str(text))
     if not m:
-        raise ConfigError(f"cannot parse size {text!r} (expected e.g. 4096, 512M, 200G, 1.5T)")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
+        raise ConfigError(f"cannot parse size {text!r} (expected e.g. 512M, 200G, 1.5T)")
+    number, unit, byte = m.groups()
+    scale = _SIZE_UNITS[unit.upper()] if unit else 1 if byte else bare
+    if scale is None:
+        raise ConfigError(f"{str(text).strip()} has no unit (give a unit, e.g. 4M)")
+    return int(float(number) * scale)
 
 
 def format_size(n: int) -> str:
@@ -72,17 +81,22 @@ class Compression(enum.StrEnum):
 
 
 class PrefetchPolicy(enum.StrEnum):
-    """When a request whose prefix runs into spilled KV becomes schedulable.
+    """When a request whose prefix runs into spilled KV becomes schedulable (the names are those of
+    sglang's `--hicache-storage-prefetch-policy`; our former `wait` is accepted for WAIT_COMPLETE).
 
     Restores are all or nothing: a request either gets its whole spilled prefix back or recomputes it.
-    WAIT: only after its reads landed or failed (bounded by the tier's I/O timeout,
-    max(`prefetch_timeout_s`, 10 s)). BEST_EFFORT: at once; if the reads have not landed yet the
-    prefix is recomputed. TIMEOUT: waits up to `prefetch_timeout_s`, then recomputes.
+    WAIT_COMPLETE: only after its reads landed or failed (bounded by the tier's I/O timeout,
+    max(`prefetch_timeout_s`, 10 s)). TIMEOUT: waits up to `prefetch_timeout_s`, then recomputes.
+    BEST_EFFORT: at once; if the reads have not landed yet the prefix is recomputed.
     """
 
-    WAIT = "wait"
-    BEST_EFFORT = "best_effort"
+    WAIT_COMPLETE = "wait_complete"
     TIMEOUT = "timeout"
+    BEST_EFFORT = "best_effort"
+
+    @classmethod
+    def _missing_(cls, value: object) -> PrefetchPolicy | None:
+        return cls.WAIT_COMPLETE if value == "wait" else None
 
 
 class WritePolicy(enum.StrEnum):
@@ -100,14 +114,33 @@ class WritePolicy(enum.StrEnum):
     WRITE_THROUGH = "write_through"
 
 
-def option(default: Any, help: str, flag: str | None = None) -> Any:
-    """A user-settable field: its flag defaults to `--hicache-spill-<name>` (see server.flags)."""
-    return field(default=default, metadata={"help": help, "flag": flag})
+class Bare(enum.Enum):
+    """What a size setting makes of a number given without a unit."""
+
+    GB = GiB  # gigabytes, sglang's unit (`--hicache-size 200` is 200 GB); binary, as all our units
+    REFUSED = None  # refused with a hint: no unit would read naturally (a chunk of 4: bytes? MiB?)
+
+
+def option(default: Any, help: str, flag: str | None = None, *, bare: Bare | None = None) -> Any:
+    """A user-settable field with its own flag, `--hicache-spill-<name>` unless named (see
+    server.flags). `bare`: the field is a byte size, and what a number without a unit means."""
+    return field(default=default, metadata={"help": help, "flag": flag, "bare": bare})
+
+
+def tuning(default: Any, help: str, key: str | None = None, *, bare: Bare | None = None) -> Any:
+    """A user-settable knob few need: a key of `--hicache-spill-extra-config` (the field's name
+    unless named), with its own `SGL_HICACHE_SPILL_<KEY>` variable."""
+    return field(default=default, metadata={"help": help, "tuning": True, "key": key, "bare": bare})
 
 
 def flag_of(f: dataclasses.Field[Any]) -> str:
     """The command-line flag of an `option` field."""
     return f.metadata["flag"] or "--hicache-spill-" + f.name.replace("_", "-")
+
+
+def key_of(f: dataclasses.Field[Any]) -> str | None:
+    """The `--hicache-spill-extra-config` key of a `tuning` field; None for any other field."""
+    return (f.metadata["key"] or f.name) if f.metadata.get("tuning") else None
 
 
 def flag_named(cls: type, name: str) -> str:
@@ -124,21 +157,27 @@ class TierConfig:
         "directory of the spill tier (a mounted NVMe/NVMe-oF volume)",
         "--hicache-spill-dir",
     )
-    capacity_bytes: int = option(64 * GiB, "byte budget of the tier, e.g. 200G", "--hicache-spill-capacity")
+    capacity_bytes: int = option(
+        64 * GiB,
+        "byte budget of the tier directory, shared by every server using it; GB if no unit, or e.g. 2T",
+        "--hicache-spill-capacity",
+        bare=Bare.GB,
+    )
     min_free_bytes: int = option(
-        1 * GiB, "keep at least this much free space on the volume", "--hicache-spill-min-free"
+        1 * GiB,
+        "keep at least this much free space on the volume; GB if no unit, or e.g. 512M",
+        "--hicache-spill-min-free",
+        bare=Bare.GB,
     )
-    io_threads: int = option(
-        8,
-        "parallel I/O threads (reads go first; at most N-1 writes run at once, so a read always finds a thread)",
-    )
-    chunk_bytes: int = option(
-        4 * MiB, "large extents are read as parallel chunks of this size", "--hicache-spill-chunk-size"
-    )
-    direct_io: bool = option(True, "use O_DIRECT where the filesystem allows it (probed once)")
-    fsync: Fsync = option(Fsync.DATA, "durability of published extents: none, data, full")
-    compression: Compression = option(Compression.NONE, "per-extent compression: none, zstd")
-    zstd_level: int = option(1, "zstd level when compression is zstd")
+    io_threads: int = tuning(8, "parallel I/O threads (reads go first; at most N-1 writes at once)")
+    chunk_bytes: int = tuning(
+        4 * MiB, "large extents are read in parallel chunks of this size (a unit is required)", "chunk_size",
+        bare=Bare.REFUSED,
+    )  # fmt: skip
+    direct_io: bool = tuning(True, "use O_DIRECT where the filesystem allows it (probed once)")
+    fsync: Fsync = tuning(Fsync.DATA, "durability of published extents")
+    compression: Compression = tuning(Compression.NONE, "per-extent compression")
+    zstd_level: int = tuning(1, "zstd level when compression is zstd (-7..22)")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "directory", Path(self.directory))
@@ -177,18 +216,23 @@ class SpillConfig:
         "--enable-hicache-spill",
     )
     staging_bytes: int = option(
-        256 * MiB, "host staging memory for spill and restore", "--hicache-spill-staging"
+        256 * MiB,
+        "host memory for extents in flight to and from the tier; GB if no unit, or e.g. 512M",
+        "--hicache-spill-staging",
+        bare=Bare.GB,
     )
-    min_spill_tokens: int = option(16, "subtrees with fewer tokens are dropped, not spilled")
+    min_spill_tokens: int = tuning(16, "subtrees with fewer tokens are dropped, not spilled")
     prefetch_policy: PrefetchPolicy = option(
-        PrefetchPolicy.WAIT,  # chosen by benchmarks/prefetch_policy.py: see docs/DESIGN.md
-        "when a resumed request may run: wait, best_effort, timeout",
+        PrefetchPolicy.WAIT_COMPLETE,  # chosen by benchmarks/prefetch_policy.py: see docs/DESIGN.md
+        "when a resumed request whose reads have not landed may run: wait_complete (wait for them, up "
+        "to the I/O timeout; `wait` is accepted too), timeout, best_effort (recompute at once); as "
+        "sglang's --hicache-storage-prefetch-policy",
         "--hicache-spill-prefetch-policy",
     )
     prefetch_timeout_s: float = option(
-        2.0, "the TIMEOUT policy's limit on waiting for a restore", "--hicache-spill-prefetch-timeout"
+        2.0, "seconds the timeout policy waits for a restore", "--hicache-spill-prefetch-timeout"
     )
-    prefetch_ttl_s: float = option(30.0, "a prefetched read nobody used is released after this long")
+    prefetch_ttl_s: float = tuning(30.0, "seconds after which a prefetched read nobody used is released")
     write_policy: WritePolicy = option(
         WritePolicy.WRITE_BACK,
         "when KV is written to the tier: write_back (on eviction), write_through (also when cached; "
@@ -282,7 +326,9 @@ def _to_bool(value: Any) -> bool:
 
 
 def _to_int(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else parse_size(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ConfigError(f"expected an integer, got {value!r}")
 
 
 _CONVERTERS: dict[Any, Callable[[Any], Any]] = {

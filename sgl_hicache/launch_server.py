@@ -1,8 +1,11 @@
 """`python -m sgl_hicache.launch_server [sglang flags] --enable-hicache-spill [--hicache-spill-* ...]`
 
-Every sglang 0.5.23 flag plus ours (see `sgl_hicache.server.flags`). Our flags are parsed and checked
-before sglang starts: a bad one prints one line and exits with code 2, having written nothing. So
-does an installed sglang that is not the one we were written against (`sgl_hicache.server.sglang_seam`).
+Every sglang 0.5.23 flag plus ours (see `sgl_hicache.server.flags`). Everything that can be refused
+is refused before sglang starts, with one line and exit code 2, having written nothing: our flags
+first (no sglang import), then sglang's, read by sglang's own parser (`server.sglang_args`: unknown
+flags, bad values, what our backend refuses, the model's config.json), then an installed sglang
+that is not the one we were written against (`sgl_hicache.server.sglang_seam`). `--help` prints
+ours only, without importing sglang; `--help-sglang` prints sglang's.
 With `--enable-hicache-spill`, `--radix-cache-backend hicache_spill` is added for sglang, and the
 config travels to the scheduler processes in `SGL_HICACHE_CONFIG`. `--device cpu` also sets
 `SGLANG_USE_CPU_ENGINE=1`, which sglang's CPU engine needs, and with `--tp-size N>1` the defaults of
@@ -21,8 +24,9 @@ from sgl_hicache.cache.identity import UNISOLATED
 from sgl_hicache.cache.metrics import BACKEND_NAME
 from sgl_hicache.config import ConfigError, SpillConfig
 from sgl_hicache.platform.cpu_tp_env import cpu_tp_env
-from sgl_hicache.server.flags import add_flags, config_from
+from sgl_hicache.server.flags import add_flags, config_from, refuse_unknown_ours
 from sgl_hicache.server.handoff import export_config
+from sgl_hicache.server.sglang_args import check_sglang_args
 from sgl_hicache.server.sglang_seam import SeamError, check_seam
 from sgl_hicache.server.validate import check_config
 
@@ -42,6 +46,7 @@ def parse(argv: list[str]) -> tuple[SpillConfig, list[str]]:
     parser = _Parser(prog=PROG, add_help=False, allow_abbrev=False)
     add_flags(parser)
     ours, rest = parser.parse_known_args(argv)
+    refuse_unknown_ours(rest)
     config = config_from(ours)
     check_config(config)
     backend = _flag_value(rest, "--radix-cache-backend")
@@ -79,19 +84,35 @@ def _flag_value(argv: list[str], name: str) -> str | None:
     return None
 
 
+HELP = """sglang's HTTP server with its radix cache spilling to an NVMe tier: takes every sglang flag
+(--help-sglang lists them; it imports sglang, seconds) and the flags below. Sizes are GB when given
+without a unit, as sglang's --hicache-size; a flag beats its SGL_HICACHE_* variable."""
+
+
 def print_help() -> None:
     parser = argparse.ArgumentParser(
-        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+        prog=PROG, usage=f"{PROG} --model-path PATH [sglang flags] --enable-hicache-spill [--hicache-spill-* ...]",
+        description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    parser.add_argument("--help-sglang", action="store_true", help="show sglang's own flags and exit")
     add_flags(parser)
     parser.print_help()
-    print("\nsglang's own flags follow.\n", flush=True)
+
+
+def print_sglang_help() -> None:
+    from sgl_hicache.server.sglang_args import sglang_parser
+
+    sglang_parser(f"{PROG} [flags of ours]").print_help()
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
         print_help()
+        return 0
+    if "--help-sglang" in argv:
+        print_sglang_help()
+        return 0
     try:
         config, sglang_argv = parse(argv)
     except ConfigError as e:
@@ -104,8 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
         os.environ.update(cpu_tp_env(sglang_argv))  # only for --tp-size > 1; never overrides
     try:
-        check_seam()  # imports sglang, which reads the environment set above
-    except SeamError as e:
+        check_sglang_args(sglang_argv, PROG)  # imports sglang's server_args, which reads the env above
+        check_seam()  # imports sglang
+    except (ConfigError, SeamError) as e:
         return fail(e)
     from sgl_hicache.server.hints import HintSocketError, private_runtime_dir
 
@@ -116,8 +138,13 @@ def main(argv: list[str] | None = None) -> int:
         return fail(e)
 
 
+_LINE_BREAKS = "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"  # what str.splitlines() splits at
+
+
 def fail(error: Exception) -> int:
-    print(f"{PROG}: error: {error}", file=sys.stderr)
+    """Print `error` as one line (a line break in a value it quotes is escaped) and return exit code 2."""
+    message = "".join(ascii(c)[1:-1] if c in _LINE_BREAKS else c for c in str(error))
+    print(f"{PROG}: error: {message}", file=sys.stderr)
     return 2
 
 

@@ -32,10 +32,30 @@ def test_parse_size(text: str, expected: int) -> None:
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "abc", "12x", "-1G", "1.2.3G", "G"])
+@pytest.mark.parametrize("text", ["", "abc", "12x", "-1G", "1.2.3G", "G", "1e3", "inf"])
 def test_parse_size_rejects(text: str) -> None:
     with pytest.raises(ConfigError, match="cannot parse size"):
         parse_size(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [("200", 200 * GiB), ("1.5", 1536 * MiB), ("0", 0), ("512M", 512 * MiB)]
+)
+def test_a_bare_number_is_in_the_unit_asked_for(text: str, expected: int) -> None:
+    """Sizes in sglang's unit: `--hicache-size 200` is 200 GB, and so is our `200`."""
+    assert parse_size(text, bare=GiB) == expected
+
+
+def test_a_bare_number_can_be_refused_with_a_hint() -> None:
+    with pytest.raises(ConfigError, match=r"^4 has no unit \(give a unit, e\.g\. 4M\)$"):
+        parse_size("4", bare=None)
+    assert parse_size("4M", bare=None) == 4 * MiB and parse_size("4096B", bare=None) == 4096
+
+
+@pytest.mark.parametrize("name", ["wait_complete", "wait"])
+def test_sglangs_policy_name_and_our_old_one_are_the_same_member(name: str) -> None:
+    assert PrefetchPolicy(name) is PrefetchPolicy.WAIT_COMPLETE
+    assert [p.value for p in PrefetchPolicy] == ["wait_complete", "timeout", "best_effort"]
 
 
 def test_json_round_trip_preserves_every_field() -> None:
@@ -44,7 +64,7 @@ def test_json_round_trip_preserves_every_field() -> None:
             directory=Path("/x/y"), capacity_bytes=3 * GiB, compression=Compression.ZSTD, io_threads=3
         ),
         enabled=True,
-        prefetch_policy=PrefetchPolicy.WAIT,
+        prefetch_policy=PrefetchPolicy.WAIT_COMPLETE,
         staging_bytes=64 * MiB,
     )
     again = SpillConfig.from_json(config.to_json())

@@ -26,15 +26,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PREFIXES = ("python -m ", "python benchmarks/", ".venv/bin/python ", "sgl-hicache", "make ", "bash ")
-HELP_TIMEOUT_S = 240  # the launcher imports sglang: ~5 s idle, 15 s on a busy 2-core box
+HELP_TIMEOUT_S = 240  # --help-sglang imports sglang's server_args: ~5 s idle, 15 s on a busy 2-core box
 
-# Modules whose own `--help` is not run, and the module whose help lists their flags instead.
-# The module must still exist (`module_exists`).
+# Modules whose own `--help` is not run, and the help options of another module that list their flags
+# instead. The module must still exist (`module_exists`).
 HELP_FROM = {
-    # sglang's own launcher: ours prints sglang's full help after our flags, so the sglang flags the
-    # docs show are checked there; its own --help would import sglang a second time (~10 s).
-    "sglang.launch_server": "sgl_hicache.launch_server",
+    # sglang's own launcher: ours prints sglang's help with --help-sglang (the same parser), which is
+    # lighter than sglang's own --help (all of sglang's imports).
+    "sglang.launch_server": ("sgl_hicache.launch_server", (("--help-sglang",),)),
 }
+# Modules whose flags are listed by more than one help option: our launcher's --help lists ours only,
+# --help-sglang the sglang flags it takes too.
+HELPS = {"sgl_hicache.launch_server": (("--help",), ("--help-sglang",))}
 
 
 class DocCommand(NamedTuple):
@@ -103,15 +106,16 @@ def leading_words(tokens: list[str]) -> list[str]:
     return words
 
 
-def help_argv(tokens: list[str]) -> list[str]:
-    """The `--help` command line for a python / sgl-hicache command as the doc shows it."""
+def help_argvs(tokens: list[str]) -> list[list[str]]:
+    """The `--help` command lines for a python / sgl-hicache command as the doc shows it (most have one)."""
     if tokens[0] == "sgl-hicache":
-        return [str(Path(sys.executable).parent / "sgl-hicache"), *leading_words(tokens[1:]), "--help"]
+        return [[str(Path(sys.executable).parent / "sgl-hicache"), *leading_words(tokens[1:]), "--help"]]
     assert tokens[0] in ("python", ".venv/bin/python"), tokens
     if tokens[1] == "-m":
-        module = HELP_FROM.get(tokens[2], tokens[2])
-        return [sys.executable, "-m", module, *leading_words(tokens[3:]), "--help"]
-    return [sys.executable, tokens[1], *leading_words(tokens[2:]), "--help"]
+        module, helps = HELP_FROM.get(tokens[2], (tokens[2], ()))
+        helps = helps or HELPS.get(module, (("--help",),))
+        return [[sys.executable, "-m", module, *leading_words(tokens[3:]), *h] for h in helps]
+    return [[sys.executable, tokens[1], *leading_words(tokens[2:]), "--help"]]
 
 
 @functools.cache
@@ -141,9 +145,10 @@ def module_exists(name: str) -> bool:
 def check_python(tokens: list[str], text: str) -> None:
     if tokens[0] != "sgl-hicache" and tokens[1] == "-m" and tokens[2] in HELP_FROM:
         assert module_exists(tokens[2]), f"no module {tokens[2]}"
-    out = help_text(tuple(help_argv(tokens)))
+    argvs = help_argvs(tokens)
+    out = "".join(help_text(tuple(argv)) for argv in argvs)
     missing = [f for f in shown_flags(text) if not re.search(rf"(?<![\w-]){f}(?![\w-])", out)]
-    assert not missing, f"flags not in {shlex.join(help_argv(tokens))}: {missing}"
+    assert not missing, f"flags not in {' / '.join(shlex.join(a) for a in argvs)}: {missing}"
 
 
 def check_make(tokens: list[str]) -> None:
@@ -196,10 +201,11 @@ def test_docs_run_benchmarks_as_modules() -> None:
 
 
 def test_the_readme_lists_every_flag_of_ours() -> None:
-    """The README's flag table names every flag our launcher takes (a user reads no other file)."""
-    from sgl_hicache.server.flags import spill_flags
+    """The README's flag table names every flag our launcher takes and every key of its extra config
+    (a user reads no other file)."""
+    from sgl_hicache.server.flags import flag_names, settings
 
-    table = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `--")]
-    listed = {re.match(r"\| `(--[a-z0-9-]+)`", line).group(1) for line in table}  # type: ignore[union-attr]
-    missing = sorted({flag.name for flag in spill_flags()} - listed)
-    assert not missing, f"flags missing from the README's table: {missing}"
+    lines = (ROOT / "README.md").read_text().splitlines()
+    listed = {m.group(1) for line in lines if (m := re.match(r"\| `([a-z0-9_-]+)`", line))}
+    missing = sorted({*flag_names(), *(s.key for s in settings() if s.key)} - listed)
+    assert not missing, f"flags or keys missing from the README's table: {missing}"

@@ -46,7 +46,7 @@ RESTORE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 class DropReason(enum.StrEnum):
     """Why evicted tokens were dropped (recomputed if needed again) instead of spilled."""
 
-    TOO_SHORT = "too_short"  # a leaf below --hicache-spill-min-spill-tokens
+    TOO_SHORT = "too_short"  # a leaf below min_spill_tokens (--hicache-spill-extra-config)
     STAGING_FULL = "staging_full"  # writes in flight held staging then
     TOO_LARGE = "too_large"  # larger than all of staging
     NO_TIER = "no_tier"  # spill off (the tier did not open, or switched off after an internal error)

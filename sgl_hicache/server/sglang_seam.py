@@ -82,6 +82,14 @@ _SERVER_ARGS = (
     "revision",
     "download_dir",
     "radix_cache_backend",
+    # what our launcher reads of sglang's parsed arguments (server/sglang_args.py, model_check.py)
+    "enable_hierarchical_cache",
+    "speculative_algorithm",
+    "disable_hybrid_swa_memory",
+    "language_model_only",
+    "enable_multimodal",
+    "served_model_name",
+    "extra_metric_labels",
 )
 
 # fmt: off
@@ -112,7 +120,9 @@ SEAM = (
           METHOD, (), keywords=("local_reqs",), refers=("_broadcast_reqs_across_ranks",)),
     Touch("sglang.srt.managers.scheduler_components.request_receiver.SchedulerRequestReceiver."
           "_broadcast_reqs_across_ranks", METHOD, ("recv_reqs", "local_reqs"), refers=("broadcast_pyobj",)),
-    Touch(_SCHED + "Scheduler", CLASS, ("server_args", "port_args"), members=("tree_cache", "server_args")),
+    Touch(_SCHED + "Scheduler", CLASS, ("server_args", "port_args"), members=("tree_cache", "server_args",
+          "forward_stream", "schedule_stream", "enable_overlap")),
+    Touch(hooks.IDLE_TARGET, METHOD, ()),
     Touch(_SCHED + "Scheduler.is_fully_idle", METHOD, ()),
     Touch(hooks.ADMIT_TARGET, METHOD, ("req", "has_chunked_req", "truncation_align_size")),
     Touch(hooks.WEIGHTS_TARGET, METHOD, ("weight_version",)),
@@ -171,6 +181,9 @@ SEAM = (
     # the factory and the namespace (cache/factory.py, cache/identity.py)
     Touch("sglang.srt.configs.model_config.ModelConfig", CLASS, members=("vocab_size", "context_len")),
     Touch("sglang.srt.server_args.ServerArgs", CLASS, members=_SERVER_ARGS),
+    Touch("sglang.srt.server_args.ServerArgs.add_cli_args", FUNCTION, ("parser",)),
+    Touch("sglang.srt.utils.server_args_config_parser.ConfigArgumentMerger", CLASS, ("parser",),
+          members=("merge_config_with_args",)),
     Touch("sglang.srt.arg_groups.overrides.resolution_result", FUNCTION, ("server_args", "field", "default")),
     # the KV pools (kernels/sglang_pools.py)
     Touch(_POOL + "MHATokenToKVPool", CLASS, members=("kv_cache_layout", "is_quantized_kv_cache", "k_buffer",

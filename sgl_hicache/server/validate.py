@@ -5,9 +5,17 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from sgl_hicache.config import ConfigError, SpillConfig, TierConfig
+from sgl_hicache.config import ConfigError, SpillConfig, TierConfig, flag_named
 from sgl_hicache.tier.trust import UntrustedDirectory, check_trusted
-from sgl_hicache.tier.volume import too_small
+from sgl_hicache.tier.volume import human, too_small
+
+PSEUDO_ROOTS = (Path("/proc"), Path("/sys"), Path("/dev"))  # kernel interfaces, whatever is mounted there
+REAL_UNDER_PSEUDO = (Path("/dev/shm"),)  # a tmpfs: memory, but a filesystem
+PSEUDO_FS = frozenset({
+    "proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "pstore",
+    "bpf", "configfs", "fusectl", "mqueue", "binfmt_misc", "autofs", "efivarfs", "hugetlbfs", "nsfs",
+    "rpc_pipefs", "selinuxfs",
+})  # fmt: skip
 
 
 def check_tier_directory(directory: Path) -> None:
@@ -21,10 +29,16 @@ def check_tier_directory(directory: Path) -> None:
     if not path.is_absolute():
         raise ConfigError(f"--hicache-spill-dir: {path} is not an absolute path")
     existing = _existing(path)
+    pseudo = pseudo_filesystem(path, existing)
+    if pseudo is not None:
+        raise ConfigError(
+            f"--hicache-spill-dir: {path} would be on a pseudo filesystem ({pseudo}), not a disk"
+        )
     if existing != path and not existing.is_dir():
         raise ConfigError(f"--hicache-spill-dir: {existing} is not a directory, so {path} cannot be created")
     if not existing.is_dir():
         raise ConfigError(f"--hicache-spill-dir: {path} exists and is not a directory")
+    _check_names(path, existing)
     try:
         check_trusted(path)
     except UntrustedDirectory as e:
@@ -46,9 +60,60 @@ def check_volume(tier: TierConfig) -> None:
         raise ConfigError(reason, "min_free_bytes")
 
 
+def pseudo_filesystem(path: Path, existing: Path) -> str | None:
+    """What makes `path` (whose nearest existing ancestor is `existing`) a place for no files: the type
+    of a kernel pseudo filesystem it would be on, or the root (/proc, /sys, /dev) it is under; None
+    for a real filesystem."""
+    real = Path(os.path.realpath(existing)) / path.relative_to(existing)
+    fs_type = _mount_type(Path(os.path.realpath(existing)))
+    if fs_type in PSEUDO_FS:
+        return fs_type
+    if any(real.is_relative_to(p) for p in REAL_UNDER_PSEUDO):
+        return None
+    return next((str(root) for root in PSEUDO_ROOTS if real.is_relative_to(root)), None)
+
+
+def _mount_type(path: Path) -> str | None:
+    """The filesystem type of the mount holding `path` (a resolved path), from /proc/self/mountinfo."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    best, fs_type = -1, None
+    for line in lines:
+        fields = line.split()
+        if " - " not in line or len(fields) < 5:
+            continue
+        mount = Path(fields[4].replace("\\040", " "))
+        if path.is_relative_to(mount) and len(mount.parts) > best:
+            best, fs_type = len(mount.parts), line.split(" - ", 1)[1].split()[0]
+    return fs_type
+
+
+def _check_names(path: Path, existing: Path) -> None:
+    """ConfigError if a directory still to be made under `existing` could never be created."""
+    limit = os.pathconf(existing, "PC_NAME_MAX")
+    for part in path.relative_to(existing).parts:
+        if len(os.fsencode(part)) > limit:
+            raise ConfigError(
+                f"--hicache-spill-dir: {path} cannot be created: file name too long ({part[:16]}... > {limit} bytes)"
+            )
+
+
+def check_staging(staging_bytes: int) -> None:
+    """Staging is host memory, allocated at start: more than the machine has can never be allocated."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if staging_bytes > total:
+        flag = flag_named(SpillConfig, "staging_bytes")
+        raise ConfigError(
+            f"{flag}: {human(staging_bytes)} is more than this machine's memory ({human(total)})"
+        )
+
+
 def _existing(path: Path) -> Path:
-    """`path`, or its nearest ancestor that exists (where the tier directory would be created)."""
-    while not path.exists():
+    """`path`, or its nearest ancestor that exists (where the tier directory would be created); a path
+    that cannot be asked about (a name too long) counts as missing."""
+    while not os.path.exists(path):
         path = path.parent
     return path
 
@@ -58,3 +123,4 @@ def check_config(config: SpillConfig) -> None:
     if config.enabled:
         check_tier_directory(config.tier.directory)
         check_volume(config.tier)
+        check_staging(config.staging_bytes)

@@ -66,7 +66,7 @@ def first_answer(s: Any) -> Any:
 def test_wait_policy_defers_admission_until_the_read_lands(make_stack: Any) -> None:
     from sgl_hicache.config import PrefetchPolicy
 
-    s = slow_stack(make_stack, prefetch_policy=PrefetchPolicy.WAIT)
+    s = slow_stack(make_stack, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE)
     _, answer = first_answer(s)
     assert answer is None, "admission must be deferred, not block the scheduler on the read"
     loaded, last = s.load_back(s.match(A))

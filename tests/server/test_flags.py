@@ -1,4 +1,5 @@
-"""Our flags: derived from the config, validated before sglang starts (exit 2, one line, no writes)."""
+"""Our flags: derived from the config, in sglang's conventions, validated before sglang starts (exit
+2, one line, no writes). Refusals by sglang's own parser and of models: test_sglang_args.py."""
 
 from __future__ import annotations
 
@@ -12,33 +13,43 @@ from pathlib import Path
 
 import pytest
 
-from sgl_hicache.config import ConfigError, Fsync, GiB
+from sgl_hicache.config import ConfigError, Fsync, GiB, MiB, PrefetchPolicy
 from sgl_hicache.launch_server import parse
-from sgl_hicache.server.flags import config_from, spill_flags
+from sgl_hicache.server.flags import EXTRA_CONFIG, config_from, flag_names, settings
 from sgl_hicache.server.handoff import ENV_CONFIG, export_config, import_config
+from tests.server.launcher import refusal, run_main
 
 LAUNCH = [sys.executable, "-m", "sgl_hicache.launch_server", "--model-path", "/nonexistent-model"]
+KNOBS = {"io_threads", "chunk_size", "direct_io", "fsync", "compression", "zstd_level", "min_spill_tokens",
+         "prefetch_ttl_s"}  # fmt: skip
 
 
-def launch(*args: str, user: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*LAUNCH, *args], capture_output=True, text=True, timeout=60, user=user)
+def launch(
+    *args: str, user: str | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    environ = None if env is None else {**os.environ, **env}
+    return subprocess.run(
+        [*LAUNCH, *args], capture_output=True, text=True, timeout=60, user=user, env=environ
+    )
 
 
-def test_every_config_option_has_a_flag_and_env() -> None:
-    names = {f.name for f in spill_flags()}
-    assert {
-        "--enable-hicache-spill",
-        "--hicache-spill-dir",
-        "--hicache-spill-capacity",
-        "--hicache-spill-staging",
-    } <= names
-    envs = [f.env for f in spill_flags()]
-    assert "SGL_HICACHE_SPILL_CAPACITY" in envs and len(set(envs)) == len(envs)
+def test_every_setting_has_one_flag_or_key_and_an_env() -> None:
+    assert set(flag_names()) == {
+        "--enable-hicache-spill", "--hicache-spill-dir", "--hicache-spill-capacity", "--hicache-spill-min-free",
+        "--hicache-spill-staging", "--hicache-spill-prefetch-policy", "--hicache-spill-prefetch-timeout",
+        "--hicache-spill-write-policy", EXTRA_CONFIG,
+    }  # fmt: skip
+    assert {s.key for s in settings() if s.key} == KNOBS
+    assert all((s.flag is None) != (s.key is None) for s in settings())
+    envs = [s.env for s in settings()]
+    assert len(set(envs)) == len(envs)
+    assert {"SGL_HICACHE_SPILL_CAPACITY", "SGL_HICACHE_SPILL_IO_THREADS", "SGL_HICACHE_SPILL_CHUNK_SIZE",
+            "SGL_HICACHE_SPILL_PREFETCH_TTL_S", "SGL_HICACHE_ENABLE_HICACHE_SPILL"} <= set(envs)  # fmt: skip
 
 
 def test_parse_splits_our_flags_from_sglangs(tmp_path: Path) -> None:
     config, rest = parse(["--model-path", "m", "--enable-hicache-spill", "--hicache-spill-dir", str(tmp_path / "t"),
-                          "--hicache-spill-capacity", "200G", "--hicache-spill-fsync", "full", "--page-size", "16"])  # fmt: skip
+                          "--hicache-spill-capacity", "200G", EXTRA_CONFIG, '{"fsync": "full"}', "--page-size", "16"])  # fmt: skip
     assert config.enabled and config.tier.capacity_bytes == 200 * GiB and config.tier.fsync is Fsync.FULL
     assert rest == ["--model-path", "m", "--page-size", "16", "--radix-cache-backend", "hicache_spill"]
     assert not (tmp_path / "t").exists(), "validation must not create the tier directory"
@@ -57,11 +68,55 @@ def test_spill_with_another_backend_is_rejected(tmp_path: Path) -> None:
         )
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "field", "expected"),
+    [
+        ("--hicache-spill-capacity", "200", "capacity_bytes", 200 * GiB),
+        ("--hicache-spill-capacity", "1.5T", "capacity_bytes", 1536 * GiB),
+        ("--hicache-spill-staging", "1", "staging_bytes", 1 * GiB),
+        ("--hicache-spill-staging", "512M", "staging_bytes", 512 * MiB),
+        ("--hicache-spill-min-free", "0", "min_free_bytes", 0),
+        ("--hicache-spill-min-free", "2", "min_free_bytes", 2 * GiB),
+    ],
+)
+def test_a_bare_size_is_in_gb_as_sglangs_hicache_size(
+    flag: str, value: str, field: str, expected: int
+) -> None:
+    config, _ = parse([flag, value])
+    assert getattr(config.tier if field != "staging_bytes" else config, field) == expected
+
+
+@pytest.mark.parametrize(("name", "member"), [("wait_complete", PrefetchPolicy.WAIT_COMPLETE),
+                         ("wait", PrefetchPolicy.WAIT_COMPLETE), ("timeout", PrefetchPolicy.TIMEOUT),
+                         ("best_effort", PrefetchPolicy.BEST_EFFORT)])  # fmt: skip
+def test_sglangs_prefetch_policy_names_and_our_old_alias(name: str, member: PrefetchPolicy) -> None:
+    assert parse(["--hicache-spill-prefetch-policy", name])[0].prefetch_policy is member
+    assert config_from(None, {"SGL_HICACHE_SPILL_PREFETCH_POLICY": name}).prefetch_policy is member
+
+
+def test_tuning_knobs_come_in_one_json_flag() -> None:
+    config, _ = parse([EXTRA_CONFIG, '{"io_threads": 3, "chunk_size": "8M", "direct_io": false, "fsync": "none", '
+                       '"compression": "zstd", "zstd_level": 5, "min_spill_tokens": 1, "prefetch_ttl_s": 2.5}'])  # fmt: skip
+    tier = config.tier
+    assert (tier.io_threads, tier.chunk_bytes, tier.direct_io, tier.fsync) == (3, 8 * MiB, False, Fsync.NONE)
+    assert (tier.compression.value, tier.zstd_level, config.min_spill_tokens) == ("zstd", 5, 1)
+    assert config.prefetch_ttl_s == 2.5
+
+
 def test_env_overrides_and_flag_precedence() -> None:
-    env = {"SGL_HICACHE_SPILL_CAPACITY": "3G", "SGL_HICACHE_SPILL_IO_THREADS": "5"}
-    assert config_from(None, env).tier.capacity_bytes == 3 * GiB
-    config, _ = parse(["--hicache-spill-io-threads", "7"])
+    env = {"SGL_HICACHE_SPILL_CAPACITY": "3G", "SGL_HICACHE_SPILL_IO_THREADS": "5",
+           "SGL_HICACHE_SPILL_CHUNK_SIZE": "8M", "SGL_HICACHE_SPILL_DIRECT_IO": "off"}  # fmt: skip
+    config = config_from(None, env)
+    assert config.tier.capacity_bytes == 3 * GiB and config.tier.io_threads == 5
+    assert config.tier.chunk_bytes == 8 * MiB and config.tier.direct_io is False
+    assert config_from(None, {"SGL_HICACHE_SPILL_CAPACITY": "3"}).tier.capacity_bytes == 3 * GiB
+    config, _ = parse([EXTRA_CONFIG, '{"io_threads": 7}'])
     assert config.tier.io_threads == 7
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SGL_HICACHE_SPILL_IO_THREADS", "5")
+        mp.setenv("SGL_HICACHE_SPILL_ZSTD_LEVEL", "4")
+        config, _ = parse([EXTRA_CONFIG, '{"io_threads": 7}'])
+    assert config.tier.io_threads == 7 and config.tier.zstd_level == 4, "a key beats its env, others stay"
     with pytest.raises(ConfigError, match="SGL_HICACHE_SPILL_CAPACITY"):
         config_from(None, {"SGL_HICACHE_SPILL_CAPACITY": "lots"})
 
@@ -77,28 +132,93 @@ def test_handoff_round_trip_through_environment(tmp_path: Path) -> None:
     assert ENV_CONFIG in env
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["--hicache-spill-capacity", "12x"], "--hicache-spill-capacity: cannot parse size '12x'"),
-        (["--hicache-spill-capacity", "0"], "--hicache-spill-capacity: capacity must be positive"),
-        (
-            ["--hicache-spill-dir", "relative/dir"],
-            "--hicache-spill-dir: relative/dir is not an absolute path",
-        ),
-        (["--hicache-spill-dir", "/etc/hostname/tier"], "/etc/hostname is not a directory"),
-        (
-            ["--hicache-spill-prefetch-policy", "sometimes"],
-            "--hicache-spill-prefetch-policy: invalid value 'sometimes'",
-        ),
-    ],
-)
-def test_bad_flags_exit_2_with_one_line(args: list[str], message: str) -> None:
-    result = launch("--enable-hicache-spill", *args)
+BAD = [
+    (["--hicache-spill-capacity", "12x"], "--hicache-spill-capacity: cannot parse size '12x'"),
+    (["--hicache-spill-capacity", "0"], "--hicache-spill-capacity: capacity must be positive"),
+    (["--hicache-spill-dir", "relative/dir"], "--hicache-spill-dir: relative/dir is not an absolute path"),
+    (["--hicache-spill-dir", "/etc/hostname/tier"], "/etc/hostname is not a directory"),
+    (["--hicache-spill-dir", "/proc/x"], "--hicache-spill-dir: /proc/x would be on a pseudo filesystem (proc)"),
+    (["--hicache-spill-dir", "/sys/kernel/x"], "--hicache-spill-dir: /sys/kernel/x would be on a pseudo filesystem (sysfs)"),
+    (["--hicache-spill-dir", "/dev/x"], "--hicache-spill-dir: /dev/x would be on a pseudo filesystem"),
+    (["--hicache-spill-dir", "/tmp/" + "n" * 300], "cannot be created: file name too long"),
+    (["--hicache-spill-staging", "999T"], "--hicache-spill-staging: 999T is more than this machine's memory ("),
+    (["--hicache-spill-prefetch-policy", "sometimes"],
+     "--hicache-spill-prefetch-policy: invalid choice 'sometimes' (choose from wait_complete, timeout, best_effort)"),
+    (["--hicache-spill-prefetch-timeout", "inf"], "--hicache-spill-prefetch-timeout: expected a finite number, got 'inf'"),
+    ([EXTRA_CONFIG, '{"chunk_size": 4}'], f"{EXTRA_CONFIG} chunk_size: 4 has no unit (give a unit, e.g. 4M)"),
+    ([EXTRA_CONFIG, '{"io_threads": 1.9}'], f"{EXTRA_CONFIG} io_threads: expected an integer, got 1.9"),
+    ([EXTRA_CONFIG, '{"min_spill_tokens": "16"}'], f'{EXTRA_CONFIG} min_spill_tokens: expected an integer, got "16"'),
+    ([EXTRA_CONFIG, '{"direct_io": "yes"}'], f'{EXTRA_CONFIG} direct_io: expected true or false, got "yes"'),
+    ([EXTRA_CONFIG, '{"io_thread": 8}'],
+     f"{EXTRA_CONFIG}: unknown key 'io_thread' (did you mean io_threads? known: chunk_size, compression, direct_io, "
+     "fsync, io_threads, min_spill_tokens, prefetch_ttl_s, zstd_level)"),
+    ([EXTRA_CONFIG, "{io_threads: 8}"], f"{EXTRA_CONFIG}: not a JSON object: Expecting property name"),
+    ([EXTRA_CONFIG, "[8]"], f"{EXTRA_CONFIG}: not a JSON object: [8]"),
+    ([EXTRA_CONFIG, '{"io_threads": 0}'], f"{EXTRA_CONFIG} io_threads: io threads must be in 1..256, got 0"),
+    ([EXTRA_CONFIG, '{"zstd_level": null}'], f"{EXTRA_CONFIG} zstd_level: expected an integer, got null"),
+    (["--hicache-spill-io-threads", "8"],
+     f"--hicache-spill-io-threads moved into {EXTRA_CONFIG}: pass {EXTRA_CONFIG} '{{\"io_threads\": 8}}'"),
+    (["--no-hicache-spill-direct-io"],
+     f"--no-hicache-spill-direct-io moved into {EXTRA_CONFIG}: pass {EXTRA_CONFIG} '{{\"direct_io\": false}}'"),
+    (["--hicache-spill-chunk-size=8M"],
+     f"--hicache-spill-chunk-size moved into {EXTRA_CONFIG}: pass {EXTRA_CONFIG} '{{\"chunk_size\": \"8M\"}}'"),
+    (["--hicache-spill-capcity", "200G"], "unknown flag --hicache-spill-capcity (did you mean --hicache-spill-capacity?)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "message"), BAD, ids=[" ".join(a)[:40] for a, _ in BAD])
+def test_bad_flags_are_refused_before_sglang_is_imported(args: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        parse(["--enable-hicache-spill", *args])
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(("args", "message"), BAD[::4], ids=[" ".join(a)[:40] for a, _ in BAD[::4]])
+def test_bad_flags_exit_2_with_one_line(args: list[str], message: str, tmp_path: Path) -> None:
+    result = launch("--enable-hicache-spill", *args, env={"TMPDIR": str(tmp_path)})
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.stderr
     assert lines[0].startswith("python -m sgl_hicache.launch_server: error:")
+    assert list(tmp_path.iterdir()) == [], "a refused launch wrote something"
+
+
+def test_a_refusal_quoting_a_line_break_is_still_one_line() -> None:
+    line = refusal(run_main(["--enable-hicache-spill", "--hicache-spill-dir", "a\x1eb\nc"]))
+    assert line == "--hicache-spill-dir: a\\x1eb\\nc is not an absolute path"
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"SGL_HICACHE_SPILL_IO_THREADS": "1.9"}, "SGL_HICACHE_SPILL_IO_THREADS: expected an integer, got '1.9'"),
+        ({"SGL_HICACHE_SPILL_CHUNK_SIZE": "4096"}, "SGL_HICACHE_SPILL_CHUNK_SIZE: 4096 has no unit (give a unit, e.g. 4M)"),
+        ({"SGL_HICACHE_SPILL_PREFETCH_TTL_S": "nan"}, "SGL_HICACHE_SPILL_PREFETCH_TTL_S: expected a finite number, got 'nan'"),
+    ],
+)  # fmt: skip
+def test_bad_environment_values_are_refused(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        config_from(None, env)
+    assert str(refused.value) == message
+
+
+def test_help_is_ours_only_short_and_does_not_import_sglang() -> None:
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "sgl_hicache.launch_server", "--help"],
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    imported = {
+        line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")
+    }
+    assert not {m for m in imported if m.split(".")[0] in ("sglang", "torch")}, (
+        "--help imported sglang or torch"
+    )
+    out = result.stdout
+    assert all(flag in out for flag in flag_names()) and "--help-sglang" in out
+    assert all(f"{key} " in out for key in KNOBS) and "SGL_HICACHE_SPILL_IO_THREADS" in out
+    assert "{wait_complete,timeout,best_effort}" in out and "--hicache-spill-capacity SIZE" in out
+    assert "--hicache-spill-dir DIR" in out and "--hicache-spill-prefetch-timeout SECONDS" in out
+    assert "HICACHE_SPILL__" not in out and "--tp-size" not in out, "sglang's flags are not ours"
+    assert len(out.splitlines()) < 120
 
 
 def parse_as(user: str, argv: list[str]) -> str:
@@ -159,10 +279,20 @@ def test_unwritable_directory_is_rejected_and_nothing_written(public_tmp: Path) 
     )
 
 
-def test_read_only_filesystem_is_rejected() -> None:
-    result = launch("--enable-hicache-spill", "--hicache-spill-dir", "/proc/sys/tier")
-    assert result.returncode == 2
-    assert "read-only filesystem" in result.stderr or "no write permission" in result.stderr, result.stderr
+def test_read_only_filesystem_is_rejected(tmp_path: Path) -> None:
+    """A read-only bind mount (skipped where mounting is not permitted)."""
+    target = tmp_path / "ro"
+    target.mkdir()
+    r = subprocess.run(
+        ["mount", "--bind", "-o", "ro", str(tmp_path), str(target)], capture_output=True, text=True
+    )
+    if r.returncode:
+        pytest.skip(f"cannot bind-mount read-only here: {r.stderr.strip()}")
+    try:
+        with pytest.raises(ConfigError, match="read-only filesystem"):
+            parse(["--enable-hicache-spill", "--hicache-spill-dir", str(target / "tier")])
+    finally:
+        subprocess.run(["umount", "-l", str(target)], check=False)
 
 
 def _untrusted_dirs(tmp_path: Path) -> dict[str, Path]:

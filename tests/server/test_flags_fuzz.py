@@ -1,15 +1,15 @@
 """Fuzzing our launcher's flags and `SGL_HICACHE_*` overrides (issue 12): any value of any of our
-flags, in either spelling, over any environment overrides, gives either a frozen config handed to
-sglang with exactly the values asked for (flag over environment), or one line on stderr and exit
-code 2 with sglang never started. Most examples run `launch_server.main` in-process (sglang's start
-stubbed); a few failing ones run the real command in a subprocess."""
+flags, in either spelling, any `--hicache-spill-extra-config` JSON, over any environment overrides,
+gives either a frozen config handed to sglang with exactly the values asked for (flag or JSON key
+over environment), or one line on stderr and exit code 2 with sglang never started. Most examples
+run `launch_server.main` in-process (sglang's start stubbed); a few failing ones run the real command
+in a subprocess."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import io
+import json
 import os
 import subprocess
 import sys
@@ -21,13 +21,14 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 import sgl_hicache.launch_server as launch_server
-import sgl_hicache.server.hints as hints
-from sgl_hicache.config import ConfigError, SpillConfig, convert
-from sgl_hicache.server.flags import Flag, spill_flags
+from sgl_hicache.config import ConfigError, SpillConfig, format_size
+from sgl_hicache.server import flags as flags_module
+from sgl_hicache.server.flags import EXTRA_CONFIG, Setting
 from sgl_hicache.server.handoff import ENV_CONFIG, import_config
+from tests.server.launcher import PREFIX, run_main
 
-FLAGS = spill_flags()
-PREFIX = "python -m sgl_hicache.launch_server: error: "
+FLAGS = [s for s in flags_module.settings() if s.flag]
+KNOBS = [s for s in flags_module.settings() if s.key]
 MODEL = ["--model-path", "/nonexistent-model"]
 
 # Text an environment variable or an exec'd argument can hold (no NUL, no lone surrogates).
@@ -35,9 +36,11 @@ TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters=
 NUMBERS = st.one_of(
     st.integers(-(2**70), 2**70).map(str),
     st.floats(allow_nan=True, allow_infinity=True).map(str),
-    st.sampled_from(
-        ["0", "-1", "1", "4096", "4097", "512M", "1.5T", " 2g ", "1e3", "0x10", "9" * 40, "1.2.3G"]
-    ),
+    st.sampled_from(["0", "-1", "1", "1.9", "4096", "4097", "512M", "1.5T", " 2g ", "1e3", "0x10"]),
+    st.sampled_from(["9" * 40, "1.2.3G", "4M"]),
+)
+JSON_SCALARS = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False), TEXT, NUMBERS
 )
 
 
@@ -56,84 +59,107 @@ def trusted_dir() -> Path:
     return TRUSTED[0]
 
 
-def values_for(flag: Flag) -> st.SearchStrategy[str]:
+def valid_texts(setting: Setting) -> list[str]:
+    if setting.type is bool:
+        return ["1", "0", "true", "False", "yes", "off"]
+    if setting.bare is not None:  # a size: bare numbers are GB (or need a unit)
+        return [format_size(setting.default), format_size(setting.default * 2), "512M", "1"]
+    if setting.type in (int, float):
+        return [str(setting.default), str(setting.default * 2), "1", "2"]
+    return [m.value for m in setting.type] + (["wait"] if setting.name == "prefetch_policy" else [])
+
+
+def texts_for(setting: Setting) -> st.SearchStrategy[str]:
     """Mostly plausible values (so that many examples are accepted), one in five anything."""
     base = str(trusted_dir())
-    if flag.type is Path:
+    if setting.type is Path:
         valid = [base, base + "/new/sub"]
         bad = st.one_of(st.sampled_from(["relative/dir", "/etc/hostname/tier", "/proc/1/x", "/"]), TEXT)
         bad = st.one_of(bad, TEXT.map(lambda t: base + "/" + t))
-    elif flag.type is bool:
-        valid, bad = ["1", "0", "true", "False", "yes", "off"], TEXT
-    elif flag.type in (int, float):
-        valid, bad = [str(flag.default), str(flag.default * 2)], st.one_of(NUMBERS, TEXT)
+    elif setting.type in (int, float):
+        valid, bad = valid_texts(setting), st.one_of(NUMBERS, TEXT)
     else:
-        valid, bad = [m.value for m in flag.type], TEXT
+        valid, bad = valid_texts(setting), TEXT
     return st.tuples(st.integers(0, 4), st.sampled_from(valid), bad).map(
         lambda t: t[2] if t[0] == 4 else t[1]
     )
 
 
+def json_for(setting: Setting) -> st.SearchStrategy[Any]:
+    """A JSON value for a key of the extra config: mostly of the right type, sometimes anything."""
+    valid: list[Any] = [setting.default, setting.default * 2] if setting.type in (int, float) else []
+    if setting.type is bool:
+        valid = [True, False]
+    elif setting.type not in (int, float):
+        valid = [m.value for m in setting.type]
+    if setting.bare is not None:
+        valid = ["4M", "8M", "1G"]
+    return st.one_of(st.sampled_from(valid), st.sampled_from(valid), st.sampled_from(valid), JSON_SCALARS)
+
+
 @st.composite
-def arguments(draw: st.DrawFn, subprocess_safe: bool = False) -> tuple[list[str], dict[str, str]]:
+def extra_config(draw: st.DrawFn) -> str:
+    keys = draw(st.lists(st.sampled_from(KNOBS), max_size=4))
+    obj = {s.key: draw(json_for(s)) for s in keys}
+    if draw(st.integers(0, 9)) == 0:
+        obj[draw(st.sampled_from(["io_thread", "bogus", "chunk_bytes", ""]))] = 1
+    text = json.dumps(obj)
+    return draw(st.sampled_from([text] * 8 + [text[:-1], "[1]", "null", ""]))
+
+
+@st.composite
+def arguments(draw: st.DrawFn) -> tuple[list[str], dict[str, str]]:
     """(argv of our flags around sglang's, environment overrides)."""
     argv = list(MODEL)
     env: dict[str, str] = {}
     for flag in FLAGS:
+        assert flag.flag is not None
         if flag.type is bool:
-            form = draw(st.sampled_from([None, flag.name, "--no-" + flag.name.removeprefix("--")]))
+            form = draw(st.sampled_from([None, flag.flag, "--no-" + flag.flag.removeprefix("--")]))
             argv += [form] if form else []
         elif draw(st.integers(0, 2)) == 0:
-            value = draw(values_for(flag))
+            value = draw(texts_for(flag))
             joined = draw(st.booleans()) or value.startswith("-")  # a separate "-x" is another flag
-            argv += [f"{flag.name}={value}"] if joined else [flag.name, value]
+            argv += [f"{flag.flag}={value}"] if joined else [flag.flag, value]
+    for setting in [*FLAGS, *KNOBS]:
         if draw(st.integers(0, 5)) == 0:
-            env[flag.env] = draw(st.one_of(st.sampled_from(["1", "0", "true", "wait"]), values_for(flag)))
+            other = st.sampled_from(["1", "0", "true", "wait", "4M"])
+            env[setting.env] = draw(st.one_of(texts_for(setting), texts_for(setting), other))
+    if draw(st.booleans()):
+        argv.append(f"{EXTRA_CONFIG}={draw(extra_config())}")
     if draw(st.booleans()):
         argv += ["--enable-hicache-spill", "--hicache-spill-dir", str(trusted_dir())]
     if draw(st.integers(0, 9)) == 0:  # a flag left without its value
-        argv.append(draw(st.sampled_from([f.name for f in FLAGS if f.type is not bool])))
+        argv.append(draw(st.sampled_from([f.flag for f in FLAGS if f.type is not bool] + [EXTRA_CONFIG])))
     return argv, env
 
 
-def get(config: SpillConfig, flag: Flag) -> Any:
-    return functools.reduce(getattr, flag.path, config)
+def get(config: SpillConfig, setting: Setting) -> Any:
+    return functools.reduce(getattr, setting.path, config)
 
 
-def given_value(flag: Flag, argv: list[str], env: dict[str, str]) -> Any:
-    """What `flag` was set to (its last spelling on the command line, else its variable), or the
-    field's default."""
+def given_value(setting: Setting, argv: list[str], env: dict[str, str]) -> Any:
+    """What `setting` was set to (its flag's last spelling on the command line, or its key in the last
+    extra config, else its variable), or the field's default."""
+    if setting.key is not None:
+        extras = [json.loads(a.split("=", 1)[1]) for a in argv if a.startswith(EXTRA_CONFIG + "=")]
+        if extras and setting.key in extras[-1]:
+            return setting.from_json(extras[-1][setting.key])
     raw: Any = None
     for i, arg in enumerate(argv):
-        if flag.type is bool and arg in (flag.name, "--no-" + flag.name.removeprefix("--")):
-            raw = arg == flag.name
-        elif arg == flag.name and i + 1 < len(argv):
+        if setting.flag is None:
+            break
+        if setting.type is bool and arg in (setting.flag, "--no-" + setting.flag.removeprefix("--")):
+            raw = arg == setting.flag
+        elif arg == setting.flag and i + 1 < len(argv):
             raw = argv[i + 1]
-        elif arg.startswith(flag.name + "="):
+        elif arg.startswith(setting.flag + "="):
             raw = arg.split("=", 1)[1]
+    if isinstance(raw, bool):
+        return raw
     if raw is None:
-        raw = env.get(flag.env)
-    return flag.default if raw is None else convert(flag.type, raw)
-
-
-def run_main(argv: list[str], env: dict[str, str]) -> tuple[int, str, list[list[str]], dict[str, str]]:
-    """`launch_server.main(argv)` under `env`, sglang stubbed: (exit code, stderr, sglang argvs, env after)."""
-    started: list[list[str]] = []
-    stderr = io.StringIO()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(ENV_CONFIG, "")  # recorded, so that what main exports is undone
-        for name in [n for n in os.environ if n.startswith("SGL_HICACHE_")]:
-            mp.delenv(name)
-        for name, value in env.items():
-            mp.setenv(name, value)
-        mp.setenv("PYTHONWARNINGS", "")
-        mp.setattr(launch_server, "check_seam", lambda: None)
-        mp.setattr(launch_server, "run_sglang", lambda args: started.append(args) or 0)
-        mp.setattr(hints, "private_runtime_dir", contextlib.nullcontext)
-        with contextlib.redirect_stderr(stderr):
-            code = launch_server.main(argv)
-        after = dict(os.environ)
-    return code, stderr.getvalue(), started, after
+        raw = env.get(setting.env)
+    return setting.default if raw is None else setting.from_text(raw)
 
 
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -151,8 +177,8 @@ def test_flags_give_a_frozen_config_or_one_line_and_exit_2(args: tuple[list[str]
     config = import_config({ENV_CONFIG: after[ENV_CONFIG]})
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.enabled = not config.enabled  # type: ignore[misc]
-    for flag in FLAGS:
-        assert get(config, flag) == given_value(flag, argv, env), flag.name
+    for setting in [*FLAGS, *KNOBS]:
+        assert get(config, setting) == given_value(setting, argv, env), setting.label
     assert ("hicache_spill" in started[0]) == config.enabled
 
 
@@ -166,7 +192,7 @@ def test_refused_flags_exit_2_with_one_line_from_the_real_command(
     assume(code == 2)  # only refusals: an accepted config would start sglang
     base = {k: v for k, v in os.environ.items() if not k.startswith("SGL_HICACHE_")}
     result = subprocess.run([sys.executable, "-m", "sgl_hicache.launch_server", *argv], capture_output=True,
-                            text=True, timeout=120, env={**base, **env})  # fmt: skip
+                            text=True, timeout=240, env={**base, **env})  # fmt: skip
     assert result.returncode == 2 and result.stderr == expected, result.stderr
 
 
@@ -174,4 +200,4 @@ def test_a_missing_value_is_one_line_too() -> None:
     code, stderr, started, _ = run_main([*MODEL, "--hicache-spill-capacity"], {})
     assert code == 2 and len(stderr.splitlines()) == 1 and stderr.startswith(PREFIX) and not started
     with pytest.raises(ConfigError):
-        launch_server.parse(["--hicache-spill-io-threads", "--hicache-spill-capacity", "1G"])
+        launch_server.parse(["--hicache-spill-staging", "--hicache-spill-capacity", "1G"])

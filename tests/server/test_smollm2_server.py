@@ -127,7 +127,7 @@ def test_spilling_server_gives_the_never_evicting_servers_chat(
     # reference computed it by a decode step, and on the CPU those bf16 values differ (seen: a 15-token
     # decode tail dropped, recomputed, and turn 3 answered otherwise). Like for like is asserted first.
     args = (*SPILL_FLAGS, "--enable-hicache-spill", "--hicache-spill-dir", str(tmp_path / "tier"),
-            "--hicache-spill-min-free", "0", "--hicache-spill-min-spill-tokens", "1")  # fmt: skip
+            "--hicache-spill-min-free", "0", "--hicache-spill-extra-config", '{"min_spill_tokens": 1}')  # fmt: skip
     with ServerProcess(smollm2_model, POOL, args, log_path=tmp_path / "server.log") as ours:
         replies = [generate(ours.base_url, s.input_ids, len(s.output_ids)) for s in transcript]
         series = metrics(ours.base_url)
