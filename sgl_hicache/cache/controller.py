@@ -157,8 +157,8 @@ class SpillController:
                 "sgl_hicache: a node of %d tokens (%d B of KV) is never written through: write-through may "
                 "fill %d B of staging; it is written when evicted instead, and the nodes below it on its "
                 "path too (logged once; counted in writes_through_too_large): raise --hicache-spill-staging "
-                "to at least %d B",
-                tokens, nbytes, limit, int(nbytes / BACKGROUND_SHARE) + 1,
+                "to at least %s",
+                tokens, nbytes, limit, _size_flag(int(nbytes / BACKGROUND_SHARE) + 1),
             )  # fmt: skip
             return Refused.TOO_LARGE_FOR_SHARE
         if nbytes <= self.staging.capacity_bytes:
@@ -168,8 +168,8 @@ class SpillController:
             "spills_refused_too_large",
             "sgl_hicache: a node of %d tokens (%d B of KV) can never spill: staging holds %d B in all; "
             "it and any like it are dropped (logged once; counted in spills_refused_too_large): raise "
-            "--hicache-spill-staging to at least %d B",
-            tokens, nbytes, self.staging.capacity_bytes, nbytes,
+            "--hicache-spill-staging to at least %s",
+            tokens, nbytes, self.staging.capacity_bytes, _size_flag(nbytes),
         )  # fmt: skip
         return Refused.TOO_LARGE
 
@@ -317,11 +317,20 @@ class SpillController:
         first = sum(r.count for r in progress.refs[:i])
         src = buf[packed_nbytes(self.view, ref.offset + start) : packed_nbytes(self.view, ref.offset + upto)]
         slots = progress.slots[first + start : first + upto]
-        copy = self.engine.unpack(slots, src, after=ref.extent.pack)
+        try:
+            copy = self.engine.unpack(slots, src, after=ref.extent.pack)
+        except BaseException:  # chunks enqueued before the raise still write the slots, read `buf`
+            self._reading(progress, buf, self.engine.load_barrier())
+            raise
+        self._reading(progress, buf, copy)
+        progress.unpacked[i] = upto
+
+    def _reading(self, progress: RestoreProgress, buf: torch.Tensor, copy: Copy) -> None:
+        """`copy` is the last unpack into `progress`'s slots and from staging block `buf`: freeing
+        the slots and releasing the block wait for it."""
         progress.last_copy = copy
         if buf.numel():
             self._readers[buf.data_ptr()] = copy
-        progress.unpacked[i] = upto
 
     # ---- lookups ------------------------------------------------------------------------------
 
@@ -351,8 +360,14 @@ class SpillController:
         self.poll()
 
     def close(self, timeout_s: float) -> None:
-        """Shutdown: close the tier, giving its writes at most `timeout_s` (then abandoned, their
-        temp files removed; see `Tier.close`). Later stores complete REJECTED (their extents LOST)."""
+        """Shutdown: submit the writes whose packs are done (waiting for the device's copies: their
+        bytes are the only copy of evicted KV), then close the tier, giving its writes at most
+        `timeout_s` (then abandoned, their temp files removed; see `Tier.close`). Later stores
+        complete REJECTED (their extents LOST). Blocks."""
+        for request in self._packing:
+            if request.extent.pack is not None:
+                self.engine.streams.synchronize(request.extent.pack.event)
+        self._submit_packed()
         self.tier.close(timeout_s)
 
     def check_integrity(self, with_tier: bool = True) -> None:
@@ -384,3 +399,8 @@ class SpillController:
             "early_unpack": dataclasses.asdict(self.restores.stats),
             "tier": dataclasses.asdict(self.tier.stats()),
         }
+
+
+def _size_flag(nbytes: int) -> str:
+    """`nbytes` rounded up to whole MiB, as --hicache-spill-staging takes it (a bare number is GB)."""
+    return f"{-(-nbytes // (1 << 20))}M"

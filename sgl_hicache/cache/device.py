@@ -166,20 +166,24 @@ class CopyEngine:
         self._forward: list[Any] = []  # sglang's forward streams besides the current one
 
     def set_forward_streams(self, streams: Sequence[Any]) -> None:
-        """sglang's forward streams (the scheduler hands them over once, at its loop's start)."""
+        """The stream(s) sglang's forward runs on (the scheduler hands them over once, at its loop's
+        start): the model runner's under the overlap scheduler, the scheduler's own without it."""
         self._forward = [s for s in streams if s is not None]
 
     def _forwards(self) -> list[Any]:
-        current = self.streams.current()
-        return [current, *(s for s in self._forward if s is not current)]
+        """Where forwards run: the streams handed over, else the calling thread's current stream."""
+        return self._forward or [self.streams.current()]
 
     def _fence(self, ours: Any) -> None:
-        for stream in self._forwards():
+        """`ours` waits for what the forward streams and the current stream have enqueued so far."""
+        current = self.streams.current()
+        for stream in [*self._forwards(), *([current] if current not in self._forward else [])]:
             self.streams.wait(ours, self.streams.record(stream))
 
     def forward_waits(self, copy: Copy | None) -> None:
         """Every forward enqueued from now on runs after `copy` (slots it writes are handed over or
-        freed, or slots it reads may be reused)."""
+        freed, or slots it reads may be reused). Only the forward streams wait: the scheduler's
+        own stream, which does not touch the pool under the overlap scheduler, goes on."""
         if copy is not None:
             for stream in self._forwards():
                 self.streams.wait(stream, copy.event)
@@ -202,8 +206,14 @@ class CopyEngine:
         return Copy(self.streams.record(self._write), self.streams)
 
     def write_barrier(self) -> Copy:
-        """A copy that completes after everything enqueued on the write stream so far."""
+        """A copy that completes after everything enqueued on the write stream so far (what a pack
+        that raised midway may have left there)."""
         return Copy(self.streams.record(self._write), self.streams)
+
+    def load_barrier(self) -> Copy:
+        """A copy that completes after everything enqueued on the load stream so far (what an
+        unpack that raised midway may have left there)."""
+        return Copy(self.streams.record(self._load), self.streams)
 
     def unpack(self, slots: torch.Tensor, src: torch.Tensor, after: Copy | None = None) -> Copy:
         """Scatter packed KV from host `src` into `slots` (token i of `slots` takes token i of

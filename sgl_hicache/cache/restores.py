@@ -144,5 +144,8 @@ class Restores:
 
     def forget(self) -> None:
         """Forget every restore without freeing its slots: only where sglang clears the whole
-        allocator next (a flush's fallback), or where freeing itself is what failed."""
+        allocator next (a flush's fallback), or where freeing itself is what failed. Forwards still
+        wait for every unpack enqueued, since the slots will be handed out again."""
+        if self._by_owner:
+            self.engine.forward_waits(self.engine.load_barrier())
         self._by_owner.clear()

@@ -31,8 +31,8 @@ ALIGN = 4096  # direct I/O wants page-aligned buffers
 class StagingPool:
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
-        self._arena = torch.frombuffer(alloc_aligned(max(capacity_bytes, ALIGN)), dtype=torch.uint8)
-        self._size = _round(capacity_bytes)
+        self._size = _round(capacity_bytes)  # the arena is whole pages: every block in it is too
+        self._arena = torch.frombuffer(alloc_aligned(max(self._size, ALIGN)), dtype=torch.uint8)
         self._free: list[tuple[int, int]] = [(0, self._size)]  # (offset, size), by offset
         self._blocks: dict[int, tuple[int, int]] = {}  # data_ptr -> (offset, size) of blocks in use
         self._used = 0

@@ -47,10 +47,11 @@ launcher, the process that makes the hint socket's runtime directory, calls `reg
 8. `Scheduler.run_event_loop`, BEFORE: in the scheduler process's main thread, installs SIGTERM and
    SIGINT handlers that close the tier, then act as the handlers they replace
    (`shutdown.close_on_signals`). Why: a signal to the whole process group reaches the scheduler
-   itself, which has no handler and dies at once (see shutdown.py). It also hands the cache
-   sglang's forward streams (`Scheduler.forward_stream`, `Scheduler.schedule_stream`), which every
-   pack and unpack of ours is ordered against (cache/device.py); both exist once the Scheduler is
-   built, and the current stream is always fenced too.
+   itself, which has no handler and dies at once (see shutdown.py). It also hands the cache the
+   stream sglang's forward runs on (`Scheduler.forward_stream` with `Scheduler.enable_overlap`, else
+   `Scheduler.schedule_stream`), which every pack and unpack of ours is ordered against
+   (cache/device.py); both exist once the Scheduler is built, and the current stream is always
+   fenced too.
 9. `SchedulerWeightUpdaterManager.record_weight_version_after_update`, AFTER: sglang calls it on
    every rank after every successful weight update (disk, tensor, distributed, ...), flushed or
    not; we start a new key epoch (`SpillRadixCache.start_epoch`), so KV computed with the new
@@ -60,6 +61,10 @@ launcher, the process that makes the hint socket's runtime directory, calls `reg
 10. `PrefillAdder.add_one_req`, the same AROUND hook: a request whose cross-server lookup is still
    running (cache/lookups.py) is answered `CONTINUE` without calling sglang's admission (skipped for
    this round, like 6), within the cache's limit; its lookup then attaches before its next match.
+11. `Scheduler.on_idle`, AFTER: sglang calls it when it has nothing to schedule; our cache is then
+   called by nothing else, so it takes its finished I/O and copies here (`SpillRadixCache.poll`): on
+   a GPU a write is submitted only once its pack's copy is done, which an idle server would
+   otherwise leave waiting in staging.
 `tests/server/test_concurrent_clients.py`, `tests/server/test_spill_resume.py`,
 `tests/server/test_hostile_hints.py` and `tests/server/test_shutdown.py` prove they still hold for
 the pinned version.
@@ -89,6 +94,7 @@ EXIT_TARGET = "sglang.srt.utils.common.kill_process_tree"
 ADMIT_TARGET = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
 RELEASE_TARGET = "sglang.srt.managers.scheduler.Scheduler.release_host_resources"
 LOOP_TARGET = "sglang.srt.managers.scheduler.Scheduler.run_event_loop"
+IDLE_TARGET = "sglang.srt.managers.scheduler.Scheduler.on_idle"
 WEIGHTS_TARGET = (
     "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
     ".record_weight_version_after_update"
@@ -96,7 +102,7 @@ WEIGHTS_TARGET = (
 # Every target `register_scheduler_hooks` patches, one entry per registration in its order
 # (ADMIT_TARGET once: hooks 6 and 10 are one); `sglang_seam.SEAM` checks each, and EXIT_TARGET.
 TARGETS = (TARGET, PREFETCH_TARGET, HINTS_OUT_TARGET, HINTS_IN_TARGET, ADMIT_TARGET, RELEASE_TARGET, LOOP_TARGET,
-           WEIGHTS_TARGET)  # fmt: skip
+           WEIGHTS_TARGET, IDLE_TARGET)  # fmt: skip
 STATE_KEY = "hicache_spill"
 
 HOOK_ERRORS: Counter[str] = Counter()  # hook name -> exceptions it contained, in this process
@@ -250,12 +256,22 @@ def at_loop_start(scheduler: Any, *args: Any, **kwargs: Any) -> None:
     cache = scheduler.tree_cache
     if not isinstance(cache, SpillRadixCache):
         return
-    cache.set_forward_streams([getattr(scheduler, name, None) for name in FORWARD_STREAMS])
+    overlap = bool(getattr(scheduler, "enable_overlap", False))
+    cache.set_forward_streams([getattr(scheduler, "forward_stream" if overlap else "schedule_stream", None)])
     if cache.controller is not None:
         close_on_signals(cache.controller)
 
 
-FORWARD_STREAMS = ("forward_stream", "schedule_stream")  # Scheduler attributes (0.5.23); None on CPU
+@contained
+def poll_when_idle(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """Hook 11: with nothing to schedule, sglang calls no cache method, so the finished writes,
+    reads and copies are taken here (a write whose pack finished is submitted only by a poll)."""
+    from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
+
+    cache = scheduler.tree_cache
+    if isinstance(cache, SpillRadixCache):
+        cache.poll()
+    return result
 
 
 def _spill_io(scheduler: Any) -> Any:
@@ -276,7 +292,7 @@ def new_epoch_after_weight_update(result: Any, updater: Any, *args: Any, **kwarg
 
 
 def register_scheduler_hooks() -> None:
-    """Hooks 1-3 and 6-10, applied at once: in a scheduler process that selected our backend, before
+    """Hooks 1-3 and 6-11, applied at once: in a scheduler process that selected our backend, before
     its Scheduler is built (plugin.py; sglang's `load_plugins` has applied hooks already)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -288,6 +304,7 @@ def register_scheduler_hooks() -> None:
     HookRegistry.register(RELEASE_TARGET, close_tier_first, HookType.BEFORE)
     HookRegistry.register(LOOP_TARGET, at_loop_start, HookType.BEFORE)
     HookRegistry.register(WEIGHTS_TARGET, new_epoch_after_weight_update, HookType.AFTER)
+    HookRegistry.register(IDLE_TARGET, poll_when_idle, HookType.AFTER)
     HookRegistry.apply_hooks()  # patches only targets not patched yet
 
 

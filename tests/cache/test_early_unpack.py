@@ -151,3 +151,88 @@ def test_a_second_deferred_request_frees_its_partial_restore_once_the_first_rest
     assert s.cache.controller.restores.held_tokens == 0, "the second request's partial restore is freed"
     assert s.allocator.available_size() == free_before - len(B)
     s.cache.check_integrity()
+
+
+class LateBytes:
+    """A tier whose loads' bytes reach the caller's buffer only as `landed` reports them (and all at
+    the completion), as a disk's would: the inner tier reads into a private buffer. A copy of bytes
+    that have not landed yet then reads the poison the destination held."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.loads: dict[Any, tuple[Any, Any]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def submit_load(self, key: Any, dest: Any, nbytes: Any = None) -> Any:
+        import numpy as np
+
+        from sgl_hicache.tier import alloc_aligned
+
+        private = np.frombuffer(alloc_aligned(max(dest.nbytes, 1)), dtype=np.uint8)[: dest.nbytes]
+        ticket = self.inner.submit_load(key, private, nbytes)
+        self.loads[ticket] = (private, dest)
+        return ticket
+
+    def landed(self, ticket: Any) -> int:
+        n = self.inner.landed(ticket)
+        if ticket in self.loads:
+            private, dest = self.loads[ticket]
+            dest[:n] = private[:n]
+        return int(n)
+
+    def get_finished(self) -> list[Any]:
+        done = self.inner.get_finished()
+        for c in done:
+            if c.ticket in self.loads:
+                private, dest = self.loads.pop(c.ticket)
+                dest[:] = private
+        return done
+
+
+def _split_spilled_b_behind_a_slow_tier(make_stack: Any) -> Any:
+    """B spilled as one 200-token extent, then split at 96 (a prompt sharing 96 tokens matched it),
+    read at 1 s latency in 4 KiB chunks (32 tokens each); staging poisoned, so a byte copied before
+    it landed is wrong KV (not the stale copy of B its block held since the spill)."""
+    from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
+
+    s = make_stack(size=512, chunk_bytes=CHUNK)
+    s.insert(B)
+    s.evict_all()
+    assert s.match(B[:96] + [7] * 8).host_hit_length == 96  # splits the spilled node: refs at 0 and 96
+    s.cache.controller.staging._arena.fill_(0x55)
+    s.cache.controller.tier = LateBytes(FaultyTier(s.cache.controller.tier, FaultSpec(latency_s=1.0)))
+    return s
+
+
+def test_early_unpack_of_a_split_extent_copies_only_landed_bytes(make_stack: Any) -> None:
+    """Kills `unpack_landed: upto = min(ref.count, landed)` (the ref's offset ignored: bytes past
+    the landed prefix are unpacked early, and never again)."""
+    s = _split_spilled_b_behind_a_slow_tier(make_stack)
+    m, params = admission(s)
+    loaded, last = retry_until_answered(s, m, params)
+    assert loaded == len(B)
+    assert read_kv(s.pool, s.cache.path_device_indices(last)) == expected_kv(B)
+    assert s.cache.controller.restores.stats.steps >= 1, "nothing was unpacked early"
+    s.cache.check_integrity()
+
+
+def test_a_partial_restore_whose_chain_was_split_meanwhile_is_replaced(make_stack: Any) -> None:
+    """Kills `Restores.current` keeping a restore opened for other refs (the chain was split while
+    the request was deferred): its slots leak, or its KV is handed to the wrong nodes."""
+    s = spilled_behind_a_slow_tier(make_stack)
+    _, params = admission(s)
+    wait_for_partial(s, params)  # a partial restore of the one 200-token node
+    assert s.match(B[:96] + [7] * 8).host_hit_length == 96  # another prompt splits that node
+    _, params = admission(s)  # the request is matched again next round: two nodes now
+    deadline = time.monotonic() + 30
+    while (answer := s.cache.init_load_back(params)) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    loaded, last = answer
+    assert loaded == len(B), "the restore was reopened for the two nodes and completed"
+    assert read_kv(s.pool, s.cache.path_device_indices(last)) == expected_kv(B)
+    assert s.metrics.totals.get("internal_errors", 0) == 0
+    assert s.cache.controller.restores.get(RID) is None
+    s.cache.check_integrity()

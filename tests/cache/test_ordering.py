@@ -232,3 +232,31 @@ def test_7_staging_goes_back_only_after_its_unpack_ran(stack: Stack) -> None:
     forward_first(stack)
     assert read_kv(stack.pool, node.value) == A
     stack.cache.check_integrity()
+
+
+def test_a_pack_waits_for_sglangs_forward_stream_when_it_is_not_the_current_one(tmp_path: Any) -> None:
+    """Kills `CopyEngine._forwards` returning the current stream only (set_forward_streams
+    ignored): under sglang's overlap scheduler the forward runs on `forward_stream`, the scheduler
+    thread's current stream is `schedule_stream`. The recording fake makes them one stream, so no
+    CPU test could tell."""
+
+    class OverlapStreams(RecordingStreams):
+        def __init__(self) -> None:
+            super().__init__()
+            self.schedule = self.new_stream("schedule")
+
+        def current(self) -> Any:
+            return self.schedule
+
+    streams = OverlapStreams()
+    s = build_stack(tmp_path / "tier", size=256, streams=streams)
+    s.cache.set_forward_streams([streams.forward, streams.schedule])  # what at_loop_start hands over
+    compute(s, A)  # its forward queued on the forward stream, not run
+    evict_all(s)  # the pack must wait for it
+    streams.drain(random.Random(0), prefer=lambda st: st is not streams.forward)  # ours first
+    s.cache.controller.wait_writes()
+    m = s.match(A)
+    n, node = s.load_back(m)
+    streams.drain(random.Random(0), prefer=lambda st: st is streams.forward)
+    assert n == len(A) and read_kv(s.pool, node.value) == A
+    close_stack(s)

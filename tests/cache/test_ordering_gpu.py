@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.cache.conftest import Stack, build_stack, close_stack, fill_kv, read_kv
+from tests.cache.fake_device import reuse_freed_slots_first
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,6 +28,7 @@ BUSY = 200_000_000  # cycles the forward stream sleeps first: ~0.1 s, far longer
 @pytest.fixture
 def stack(tmp_path: Path) -> Any:
     s = build_stack(tmp_path / "tier", size=256, device="cuda")
+    reuse_freed_slots_first(s.allocator)  # a freed slot is handed out again at once
     forward = torch.cuda.Stream()
     s.cache.set_forward_streams([forward])
     yield s, forward
@@ -74,6 +76,8 @@ def test_a_forward_reads_restored_slots_after_their_unpack(stack: Any) -> None:
     s, forward = stack
     compute(s, forward, A)
     torch.cuda.synchronize()
+    with torch.cuda.stream(s.cache.controller.engine._load):
+        torch.cuda._sleep(BUSY)  # our load stream is late: the unpack lands ~0.1 s from now
     node = evict_and_restore(s, A)
     seen: list[list[int]] = []
     with torch.cuda.stream(forward):  # no sleep: the read is queued right behind the unpack's event
@@ -92,8 +96,10 @@ def test_freed_slots_are_rewritten_only_after_the_pack_gathered_them(stack: Any)
     torch.cuda.synchronize()
     with torch.cuda.stream(s.cache.controller.engine._write):
         torch.cuda._sleep(BUSY)  # our write stream is late this time
+    freed = s.cache.root_node.children[A[0]].value.clone()
     s.cache.evict(EvictParams(num_tokens=10**9))
     slots = s.allocator.alloc(len(A))
+    assert set(slots.tolist()) == set(freed.tolist())
     with torch.cuda.stream(forward):  # a forward reuses the freed slots at once
         fill_kv(s.pool, slots, OTHER)
     s.cache.controller.wait_writes()
