@@ -506,9 +506,11 @@ class SpillRadixCache(RadixCache):
 
     def lookup_waiting(self, rid: str | None) -> bool:
         """Whether request `rid`'s admission should wait for its cross-server lookup: still running,
-        within the prefetch policy's limit (never with best_effort). Never blocks."""
+        within the prefetch policy's limit (never with best_effort), on a tier another process has
+        been seen to use (`Tier.shared`; on a private tier the lookup runs, cheaply, on the I/O
+        threads, and is what first sees another writer, but no request waits for it). Never blocks."""
         policy = self.spill_config.prefetch_policy
-        if self.controller is None or policy is PrefetchPolicy.BEST_EFFORT:
+        if self.controller is None or policy is PrefetchPolicy.BEST_EFFORT or not self.controller.tier.shared:
             return False
         waiting = self.controller.lookups.waiting(rid, self.spill_config.prefetch_timeout_s)
         self.spill_metrics.inc("lookups_waited", int(waiting))
@@ -614,7 +616,7 @@ class SpillRadixCache(RadixCache):
             now = time.monotonic()
             waited = max(waited, now - self._deferred_since.setdefault(rid, now))
         policy = self.spill_config.prefetch_policy
-        limit = {PrefetchPolicy.WAIT: self.controller.timeout_s, PrefetchPolicy.TIMEOUT: self.spill_config.prefetch_timeout_s,
+        limit = {PrefetchPolicy.WAIT_COMPLETE: self.controller.timeout_s, PrefetchPolicy.TIMEOUT: self.spill_config.prefetch_timeout_s,
                  PrefetchPolicy.BEST_EFFORT: 0.0}[policy]  # fmt: skip
         if waited < limit:
             return Readiness.PENDING
@@ -805,6 +807,10 @@ class SpillRadixCache(RadixCache):
         self.tree.check_integrity(restoring, held_tokens)
         if self.controller is not None:
             self.controller.check_integrity(with_tier)
+
+    def poll(self) -> None:
+        """Take finished I/O and copies (sglang's idle loop calls this through a hook). Never blocks."""
+        self._poll()
 
     @contained("poll", nothing)
     def _poll(self) -> None:

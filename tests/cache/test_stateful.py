@@ -220,6 +220,24 @@ class SpillCacheMachine(RuleBasedStateMachine):
 
     # ---- what happens between requests --------------------------------------------------------
 
+    @rule(which=st.integers(0, 1), after=st.integers(0, 3))
+    def the_tier_faults_in_an_early_unpack(self, which: int, after: int) -> None:
+        """Issue 24: the tier's `landed` (read by a restore's early unpack before and after it takes
+        its slots) raises once, `after` calls from now: contained, and no slot may be left owned by
+        nothing (the invariant's integrity check counts every slot)."""
+        tier = self.servers[which % len(self.servers)].stack.cache.controller.tier
+        real, calls = tier.landed, [0]
+
+        def landed(ticket: Any) -> int:
+            calls[0] += 1
+            if calls[0] == after + 1:
+                del tier.landed  # one fault only
+                raise RuntimeError("injected: landed")
+            return real(ticket)  # type: ignore[no-any-return]
+
+        if "landed" not in vars(tier):
+            tier.landed = landed
+
     @rule(which=st.integers(0, 1), tokens=st.integers(1, 200))
     def evict(self, which: int, tokens: int) -> None:
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
@@ -405,10 +423,75 @@ class TwoCachesOneDirectory(SpillCacheMachine):
         rid = f"r{self.rids}"
         server.stack.cache.prefetch(tokens, None, salt, rid=rid)
         deadline = time.monotonic() + 10
-        while server.stack.cache.lookup_waiting(rid) and time.monotonic() < deadline:
+        while server.stack.cache.controller.lookups.waiting(rid, 10.0) and time.monotonic() < deadline:
             time.sleep(0.001)
             server.stack.cache._attach_lookups()
         self._admit(server, rid, tokens, salt)
+
+    @rule(data=st.data(), which=st.integers(0, 1))
+    def a_lookup_lands_during_a_restore(self, data: Any, which: int) -> None:
+        """Issue 24: a lookup of a conversation the other cache served finishes on the I/O thread
+        while this cache restores one of its own (and may evict to make room for it): its result
+        is handed over at the first chance, whoever asks; it must attach only where nothing is
+        being restored (a split of the chain under restore was wrong KV)."""
+        server, other = self.servers[which], self.servers[1 - which]
+        mine = [c for c in server.convs if server.stack.match(*c).host_hit_length]
+        if not mine or not other.convs:
+            return
+        tokens, salt = self._new_tokens(data, other.convs)
+        tier = server.stack.cache.controller.tier
+        held: list[Any] = []
+        real = tier.lookups_finished
+        tier.lookups_finished = lambda: []  # the result waits on the I/O side ...
+        self.rids += 1
+        server.stack.cache.prefetch(tokens, None, salt, rid=f"r{self.rids}")
+        deadline = time.monotonic() + 10
+        while not held and time.monotonic() < deadline:
+            held.extend(real())
+            time.sleep(0.001)
+
+        def handed_over() -> list[Any]:  # ... until asked, by anyone
+            out = [*held, *real()]
+            held.clear()
+            return out
+
+        tier.lookups_finished = handed_over
+        restored, rsalt = mine[data.draw(st.integers(0, len(mine) - 1), label="mine")]
+        self.rids += 1
+        self._admit(server, f"r{self.rids}", restored, rsalt)
+        del tier.lookups_finished
+
+    @rule(which=st.integers(0, 1))
+    def a_foreign_evictor_then_this_cache_evicts(self, which: int) -> None:
+        """Issue 24: a process sharing the root evicts files of KV still resident here (under
+        write-through their age is their write time, so they go first); this cache then evicts:
+        what it evicted must be restorable, as under write-back, which writes it then."""
+        from sgl_hicache.cache.spill_state import ExtentState
+        from sgl_hicache.tier.paths import ExtentPaths
+
+        server = self.servers[which]
+        if server.pending or self.tampered:
+            return
+        cache = server.stack.cache
+        resident, spilled = set(), set()
+        stack = list(cache.root_node.children.values())
+        while stack:
+            node = stack.pop()
+            ref = getattr(node, "spill", None)
+            if ref is not None and ref.extent.state is ExtentState.ON_TIER:
+                (spilled if node.evicted else resident).add(ref.extent.key)
+            stack.extend(node.children.values())
+        paths = ExtentPaths(server.stack.tier_dir, cache.controller.tier.namespace.id)
+        for key in resident - spilled:  # files only resident nodes here refer to
+            paths.extent(key).unlink(missing_ok=True)
+        server.stack.evict_all()
+        for tokens, salt in server.convs[-4:]:
+            m = server.stack.match(tokens, salt)
+            if m.host_hit_length:
+                n, _ = server.stack.load_back(m, rid=f"foreign-{self.rids}")
+                assert n == m.host_hit_length, "KV this cache evicted was lost to a foreign evictor"
+                break
+        self.tampered = True  # the other cache's spilled nodes may have pointed at those files
 
 
 class TwoCachesWriteThrough(TwoCachesOneDirectory):
