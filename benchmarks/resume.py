@@ -33,7 +33,7 @@ from typing import Any
 
 from benchmarks.harness import emit, log
 from sgl_hicache.bench.probe import scrape, spill_state, tree_rss_mb
-from sgl_hicache.bench.server_process import CPU_FLAGS, ServerProcess
+from sgl_hicache.bench.server_process import ServerProcess, device_flags
 from sgl_hicache.config import SpillConfig
 
 NEW_QUESTION = 32
@@ -82,9 +82,9 @@ def spill_counters(base: str) -> dict[str, float]:
 
 
 def run_system(
-    model: Path, pool: int, lengths: list[int], spill_dir: Path | None, workdir: Path
+    model: Path, pool: int, lengths: list[int], spill_dir: Path | None, workdir: Path, device: str = "cpu"
 ) -> dict[str, Any]:
-    flags = [*CPU_FLAGS, "--enable-metrics", "--chunked-prefill-size", "4096"]
+    flags = [*device_flags(device), "--enable-metrics", "--chunked-prefill-size", "4096"]
     module = "sglang.launch_server"
     if spill_dir is not None:
         module = "sgl_hicache.launch_server"
@@ -119,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dir", type=Path, default=Path("out/bench-resume"), help="work dir on the disk to measure"
     )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the servers run")
+    parser.add_argument(
+        "--model-path", type=Path, default=None, help="a model dir (default: generated small)"
+    )
     args = parser.parse_args(argv)
     lengths = [2048, 8192] if args.quick else [int(x) for x in args.lengths.split(",")]
     pool = max(lengths) + 4096
@@ -127,12 +131,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from sgl_hicache.modelgen import generate_model
 
-        model = generate_model(workdir / "model-small", "small", seed=0)
-        base = run_system(model, pool, lengths, None, workdir)
-        ours = run_system(model, pool, lengths, workdir / "tier", workdir)
+        model = args.model_path or generate_model(workdir / "model-small", "small", seed=0)
+        base = run_system(model, pool, lengths, None, workdir, args.device)
+        ours = run_system(model, pool, lengths, workdir / "tier", workdir, args.device)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    figures: dict[str, Any] = {"pool_tokens": pool, "model": "small"}
+    figures: dict[str, Any] = {
+        "pool_tokens": pool,
+        "model": str(args.model_path or "small"),
+        "device": args.device,
+    }
     for length in lengths:
         figures[f"ttft_resume_ms_{length}"] = ours[length][0]
         figures[f"ttft_recompute_ms_{length}"] = base[length][0]

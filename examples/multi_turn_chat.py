@@ -13,6 +13,7 @@ conversation out of the pool, resume it from the tier, stop the server:
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
@@ -70,8 +71,9 @@ def chat_turn(
 class Chat:
     """One conversation: its messages so far, and a printed row per turn."""
 
-    def __init__(self, base_url: str, name: str, max_tokens: int = 40, show_text: bool = True) -> None:
-        self.client = OpenAI(base_url=base_url, api_key="none")
+    def __init__(self, base_url: str, name: str, max_tokens: int = 40, show_text: bool = True,
+                 api_key: str = "none") -> None:  # fmt: skip
+        self.client = OpenAI(base_url=base_url, api_key=api_key)
         self.model = self.client.models.list().data[0].id
         self.name, self.max_tokens, self.show_text = name, max_tokens, show_text
         self.messages: list[dict[str, str]] = [
@@ -104,8 +106,9 @@ def _wrapped(who: str, text: str) -> str:
 HEADER = f"{'chat':>6} {'turn':>4} {'prompt':>7} {'cached':>7} {'TTFT ms':>9} {'total ms':>9}"
 
 
-def run_chat(base_url: str, questions: list[str] = QUESTIONS, max_tokens: int = 40) -> list[TurnResult]:
-    chat = Chat(base_url, "A", max_tokens)
+def run_chat(base_url: str, questions: list[str] = QUESTIONS, max_tokens: int = 40,
+             api_key: str = "none") -> list[TurnResult]:  # fmt: skip
+    chat = Chat(base_url, "A", max_tokens, api_key=api_key)
     print(HEADER, flush=True)
     for question in questions:
         chat.ask(question)
@@ -195,6 +198,11 @@ def main(argv: list[str] | None = None) -> int:
         "--base-url", help="OpenAI-compatible base URL of a running server, e.g. http://127.0.0.1:30000/v1"
     )
     parser.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY", "none"),
+        help="the server's --api-key (with --base-url)",
+    )
+    parser.add_argument(
         "--launch", action="store_true", help="start (and stop) the patched server on CPU with spill enabled"
     )
     parser.add_argument(
@@ -210,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     if bool(args.base_url) == bool(args.launch):
         parser.error("give exactly one of --base-url or --launch")
     if args.base_url:
-        run_chat(args.base_url)
+        run_chat(args.base_url, api_key=args.api_key)
         return 0
     from sgl_hicache.modelgen import ModelBuildError
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import urllib.request
@@ -19,22 +20,24 @@ from typing import Any
 from openai import OpenAI
 
 
-def hint(base_url: str, messages: list[dict[str, str]], cache_salt: str | None = None) -> dict[str, Any]:
+def hint(base_url: str, messages: list[dict[str, str]], cache_salt: str | None = None,
+         api_key: str = "none") -> dict[str, Any]:  # fmt: skip
     body: dict[str, Any] = {"messages": messages}
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
-    req = urllib.request.Request(
-        base_url + "/hicache/prefetch", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"}
+    req = urllib.request.Request(base_url + "/hicache/prefetch", json.dumps(body).encode(), headers)
     with urllib.request.urlopen(req, timeout=10) as r:
         return json.loads(r.read())  # type: ignore[no-any-return]
 
 
-def warm_then_ask(base_url: str, history: list[dict[str, str]], question: str) -> str:
-    reply = hint(base_url, history)  # returns at once; the reads of the spilled history have started
+def warm_then_ask(base_url: str, history: list[dict[str, str]], question: str, api_key: str = "none") -> str:
+    reply = hint(
+        base_url, history, api_key=api_key
+    )  # returns at once; the reads of the spilled history have started
     print(f"hint: {reply['prompt_tokens']} tokens of history, accepted: {reply['accepted']}")
     time.sleep(0.5)  # ... the user is typing ...
-    client = OpenAI(base_url=base_url + "/v1", api_key="none")
+    client = OpenAI(base_url=base_url + "/v1", api_key=api_key)
     model = client.models.list().data[0].id
     messages = [*history, {"role": "user", "content": question}]
     out = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0)
@@ -50,12 +53,15 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:30000")
+    parser.add_argument(
+        "--api-key", default=os.environ.get("OPENAI_API_KEY", "none"), help="the server's --api-key"
+    )
     args = parser.parse_args(argv)
     history = [
         {"role": "user", "content": "Let us plan a long trip by train."},
         {"role": "assistant", "content": "Gladly. Where would you like to go?"},
     ]
-    warm_then_ask(args.base_url.rstrip("/"), history, "Through the mountains, in winter.")
+    warm_then_ask(args.base_url.rstrip("/"), history, "Through the mountains, in winter.", args.api_key)
     return 0
 
 

@@ -26,6 +26,7 @@ from typing import Any
 from sgl_hicache.bench import aggregate, cluster, gate, report, run, soak
 from sgl_hicache.bench.server_process import ServerStartError
 from sgl_hicache.bench.spec import (
+    DEVICES,
     SYSTEMS,
     BenchSpec,
     Gate,
@@ -56,8 +57,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=None,
                    help=f"runs of each system, interleaved; figures are medians (default {BenchSpec().repeats}; --quick: 1)")  # fmt: skip
     p.add_argument(
-        "--model", default=shape.model,
+        "--model", "--model-path", dest="model", default=shape.model,
         help="smollm2, a generated size (tiny, small) or a model dir (default %(default)s)",
+    )  # fmt: skip
+    p.add_argument(
+        "--device", choices=DEVICES, default=shape.device,
+        help="where every server runs, with sglang's defaults for that device (default %(default)s; "
+        "cuda: your GPU box, HiCache with its GPU defaults: kernel I/O, page_first layout)",
     )  # fmt: skip
     p.add_argument(
         "--pool-tokens",
@@ -103,7 +109,7 @@ def parser() -> argparse.ArgumentParser:
 
 def spec_from(args: argparse.Namespace) -> BenchSpec:
     shape = Shape(model=args.model, pool_tokens=args.pool_tokens, host_budget_mb=args.host_budget_mb,
-                  page_size=args.page_size)  # fmt: skip
+                  page_size=args.page_size, device=args.device)  # fmt: skip
     concurrencies = _ints(args.concurrency, "--concurrency")
     turns = {"rounds": args.rounds, "first_tokens": args.first_tokens, "question_tokens": args.question_tokens,
              "output_tokens": args.output_tokens}  # fmt: skip

@@ -39,6 +39,12 @@ from typing import Any
 from sgl_hicache.platform.cpu_tp_env import cpu_tp_env
 
 CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--skip-server-warmup")
+CUDA_FLAGS = ("--device", "cuda")  # sglang's own defaults for everything else on a GPU
+
+
+def device_flags(device: str) -> tuple[str, ...]:
+    """The flags that put a server on `device` (cpu or cuda) with sglang's defaults there."""
+    return CPU_FLAGS if device == "cpu" else CUDA_FLAGS
 
 
 def free_port() -> int:
@@ -72,6 +78,12 @@ class ServerProcess:
             check_cpus(self.cpus)
 
     @property
+    def on_cpu(self) -> bool:
+        """Whether the server runs on the CPU (`--device cpu`, or no `--device`: sglang picks cuda)."""
+        args = list(self.extra_args)
+        return "--device" in args and args[args.index("--device") + 1 : args.index("--device") + 2] == ["cpu"]
+
+    @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
@@ -83,7 +95,7 @@ class ServerProcess:
         ]  # fmt: skip
 
     def start(self, timeout_s: float = 180.0) -> ServerProcess:
-        env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **self.env}
+        env = {**os.environ, **({"SGLANG_USE_CPU_ENGINE": "1"} if self.on_cpu else {}), **self.env}
         env.update(cpu_tp_env(self.command(), env, self.cpus))  # --device cpu --tp-size N: platform, bind
         self.proc = spawn_group(self.command(), self.log_path, env, self.cpus)
         try:

@@ -67,6 +67,9 @@ def expand_systems(names: str) -> tuple[str, ...]:
     return tuple(s for s in SYSTEMS if s in wanted)
 
 
+DEVICES = ("cpu", "cuda")
+
+
 @dataclass(frozen=True)
 class Shape:
     """The serving setup every system shares. The defaults (with those of `MultiTurn`, `Trace` and
@@ -84,8 +87,12 @@ class Shape:
     # a configuration nobody would run; 16 is served correctly by all three systems on CPU.
     page_size: int = 16
     chunked_prefill: int = 2048
+    # cpu (here) or cuda (your GPU box): every system runs with sglang's defaults for that device
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise SpecError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.pool_tokens < 256:
             raise SpecError(f"pool_tokens must be >= 256, got {self.pool_tokens}")
         if self.host_budget_mb < 1:

@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from sgl_hicache.bench.server_process import CPU_FLAGS, ServerProcess
+from sgl_hicache.bench.server_process import ServerProcess, device_flags
 from sgl_hicache.bench.spec import HICACHE, HiCacheConfig, HostPool, Shape
 
 COMMON_FLAGS = ("--enable-metrics", "--enable-cache-report")
@@ -54,7 +54,7 @@ def build(name: str, shape: Shape, model: Path, workdir: Path, *, tier_capacity_
           workload_tokens: int = 0) -> System:  # fmt: skip
     """`tier_capacity_mb` bounds ours' tier (default: the tier's own default budget);
     `workload_tokens` (every prompt and output token of the run) sizes the resident pool."""
-    base = (*CPU_FLAGS, *COMMON_FLAGS, "--page-size", str(shape.page_size),
+    base = (*device_flags(shape.device), *COMMON_FLAGS, "--page-size", str(shape.page_size),
             "--chunked-prefill-size", str(shape.chunked_prefill))  # fmt: skip
     if name == "recompute":
         return System(name, "sglang.launch_server", base, (), None, shape.pool_tokens)
@@ -63,7 +63,8 @@ def build(name: str, shape: Shape, model: Path, workdir: Path, *, tier_capacity_
         return System(name, "sglang.launch_server", base, (), None, pool)
     tier = workdir / f"tier-{name}"
     if name in HICACHE:
-        env = (*HICACHE_COMPAT_ENV.items(), ("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tier)))
+        compat = HICACHE_COMPAT_ENV.items() if shape.device == "cpu" else ()
+        env = (*compat, ("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tier)))
         hicache = (*base, *hicache_flags(HICACHE[name], shape, model))
         return System(name, "sglang.launch_server", hicache, env, tier, shape.pool_tokens)
     if name == "ours":
@@ -79,8 +80,13 @@ def hicache_flags(config: HiCacheConfig, shape: Shape, model: Path) -> tuple[str
     """The `--hicache-*` flags of one HiCache configuration (write policy: sglang's default,
     `write_through`)."""
     ratio = config.default_ratio if config.host is HostPool.DEFAULT else _host_ratio(shape, model)
-    return ("--enable-hierarchical-cache", "--hicache-ratio", f"{ratio:.6f}",
-            "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first",
+    # On a GPU, sglang's defaults (`kernel` I/O, `page_first` layout): HiCache at its strongest there.
+    cpu_only = (
+        ("--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first")
+        if shape.device == "cpu"
+        else ()
+    )
+    return ("--enable-hierarchical-cache", "--hicache-ratio", f"{ratio:.6f}", *cpu_only,
             "--hicache-storage-backend", "file",
             "--hicache-storage-prefetch-policy", config.prefetch_policy,
             "--hicache-host-memory-mode", config.memory_mode)  # fmt: skip

@@ -30,3 +30,28 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], messa
     assert p.stderr.strip().splitlines()[-1].startswith("error: ")
     assert message in p.stderr
     assert p.stdout == ""
+
+
+def test_device_cuda_runs_every_system_with_sglangs_gpu_defaults(tmp_path: Path) -> None:
+    """Issue 28: a user measures their own GPU box. `--device cuda` drops every CPU flag, the CPU
+    engine's environment and our HiCache CPU patches; HiCache runs with its GPU defaults (kernel
+    I/O, page_first layout: no --hicache-io-backend / --hicache-mem-layout)."""
+    from sgl_hicache.bench import systems
+    from sgl_hicache.bench.cli import parser, spec_from
+    from sgl_hicache.bench.spec import HICACHE
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(
+        '{"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4}'
+    )
+    spec = spec_from(parser().parse_args(["--device", "cuda", "--model-path", str(tmp_path / "m")]))
+    assert spec.shape.device == "cuda" and spec.shape.model == str(tmp_path / "m")
+    for name in ("recompute", "ours", "resident", *HICACHE):
+        system = systems.build(name, spec.shape, tmp_path / "m", tmp_path)
+        flags = " ".join(system.flags)
+        assert "--device cuda" in flags and "cpu" not in flags and "torch_native" not in flags, name
+        assert "--hicache-io-backend" not in flags and "--hicache-mem-layout" not in flags, name
+        assert "SGL_HICACHE_CPU_HICACHE_COMPAT" not in dict(system.env), name
+        assert not system.server(tmp_path / "m", tmp_path / "log").on_cpu
+    cpu = systems.build("ours", spec_from(parser().parse_args([])).shape, tmp_path / "m", tmp_path)
+    assert cpu.server(tmp_path / "m", tmp_path / "log").on_cpu and "--device cpu" in " ".join(cpu.flags)

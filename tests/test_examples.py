@@ -1,0 +1,114 @@
+"""The user-facing examples against a stand-in OpenAI-compatible server (issue 28): every request
+carries the `--api-key` given, resume hints go out when asked for, and the summary line reports
+what the server said was cached."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+class StandIn:
+    """GET /v1/models, streamed POST /v1/chat/completions (usage: half the prompt cached after the
+    first request), POST /hicache/prefetch; records each request's path and Authorization header."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str]] = []
+        self.chats = 0
+
+    async def models(self, request: web.Request) -> web.Response:
+        self.seen.append((request.path, request.headers.get("Authorization", "")))
+        return web.json_response(
+            {"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "x"}]}
+        )
+
+    async def prefetch(self, request: web.Request) -> web.Response:
+        self.seen.append((request.path, request.headers.get("Authorization", "")))
+        body = await request.json()
+        return web.json_response({"accepted": True, "prompt_tokens": len(json.dumps(body["messages"]))})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        self.seen.append((request.path, request.headers.get("Authorization", "")))
+        body = await request.json()
+        prompt = sum(len(m["content"].split()) for m in body["messages"])
+        cached = prompt // 2 if self.chats else 0
+        self.chats += 1
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        base = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m"}
+        delta = {**base, "choices": [{"index": 0, "delta": {"content": "next: read"}, "finish_reason": None}]}
+        usage = {**base, "choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": 2,
+                 "total_tokens": prompt + 2, "prompt_tokens_details": {"cached_tokens": cached}}}  # fmt: skip
+        for chunk in (delta, usage):
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+
+@pytest.fixture
+def standin() -> Iterator[tuple[str, StandIn]]:
+    state, ready, loop = StandIn(), threading.Event(), asyncio.new_event_loop()
+    holder: dict[str, Any] = {}
+
+    async def start() -> None:
+        app = web.Application()
+        app.router.add_get("/v1/models", state.models)
+        app.router.add_post("/v1/chat/completions", state.chat)
+        app.router.add_post("/hicache/prefetch", state.prefetch)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        holder["runner"], holder["port"] = runner, runner.addresses[0][1]
+        ready.set()
+
+    thread = threading.Thread(
+        target=lambda: (loop.run_until_complete(start()), loop.run_forever()), daemon=True
+    )
+    thread.start()
+    assert ready.wait(10)
+    yield f"http://127.0.0.1:{holder['port']}", state
+    asyncio.run_coroutine_threadsafe(holder["runner"].cleanup(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+
+
+def example(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_multi_user_chat_sends_the_key_and_hints(standin: tuple[str, StandIn], capsys: Any) -> None:
+    url, state = standin
+    args = ["--base-url", url, "--api-key", "s3cret", "--users", "3", "--turns", "3", "--think-s", "0",
+            "--question-words", "10", "--hint"]  # fmt: skip
+    assert example("multi_user_chat").main(args) == 0
+    figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert figures["resumed_turns"] == 3 * 2 and 0 < figures["resumed_cached_share"] <= 0.5
+    assert {auth for _, auth in state.seen} == {"Bearer s3cret"}
+    assert sum(path == "/hicache/prefetch" for path, _ in state.seen) == 3 * 2  # one before each resumed turn
+
+
+def test_agent_loop_grows_its_context_and_sends_the_key(standin: tuple[str, StandIn], capsys: Any) -> None:
+    url, state = standin
+    args = ["--base-url", url, "--api-key", "k", "--steps", "4", "--tool-s", "0", "--tool-chars", "300"]
+    assert example("agent_loop").main(args) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    prompts = [int(line.split()[1]) for line in lines[1:5]]
+    assert prompts == sorted(prompts) and prompts[0] < prompts[-1], "every step's context holds the last"
+    assert 0 < json.loads(lines[-1])["cached_share_after_first"] <= 0.5
+    assert {auth for _, auth in state.seen} == {"Bearer k"}
