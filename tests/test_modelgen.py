@@ -139,3 +139,25 @@ def test_unwritable_output_is_a_one_line_error(garbage_gguf: Path, tmp_path: Pat
     blocker.write_text("")
     with pytest.raises(ModelBuildError, match="cannot write"):
         build_smollm2(blocker / "model")
+
+
+def test_kvheavy_has_the_kv_of_an_8b_model_and_little_compute(tmp_path: Path) -> None:
+    """Issue 25: 128 KiB of KV per token (32 layers x 8 KV heads x 128 head dim, bf16: as
+    Llama-3.1-8B), a small hidden size; the bench sizes the host budget from config.json."""
+    from transformers import AutoModelForCausalLM
+
+    from sgl_hicache.bench.systems import kv_bytes_per_token
+
+    model_dir = generate_model(tmp_path / "kvheavy", "kvheavy", seed=0)
+    assert kv_bytes_per_token(model_dir) == SIZES["kvheavy"].kv_bytes_per_token == 128 * 1024
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert sum(p.numel() for p in model.parameters()) < 60_000_000
+    cfg = model.config
+    assert (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size) == (
+        32,
+        8,
+        128,
+        256,
+    )
+    logits = model(torch.tensor([[5, 6, 7, 8]])).logits
+    assert tuple(logits.shape[:2]) == (1, 4) and torch.isfinite(logits.float()).all()

