@@ -19,17 +19,24 @@
 from __future__ import annotations
 
 import random
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from sgl_hicache.cache import device as device_module
-from sgl_hicache.cache.reads import Readiness
 from tests.cache.conftest import Stack, build_stack, close_stack, fill_kv, read_kv
 from tests.cache.fake_device import RecordingStreams, reuse_freed_slots_first
-from tests.cache.test_ordering import OTHER, A, compute, device, evict_all, forward_first, ours_first
+from tests.cache.test_ordering import (
+    OTHER,
+    A,
+    compute,
+    device,
+    evict_all,
+    forward_first,
+    ours_first,
+    reads_ready,
+)
 
 TOKEN_BYTES = 2 * 2 * 2 * 8 * 2  # conftest's pool: layers x (K, V) x heads x head_dim x bf16
 
@@ -42,19 +49,6 @@ def stack(tmp_path: Path) -> Any:
     close_stack(s)
 
 
-def _reads_ready(s: Stack, tokens: list[int]) -> Any:
-    """The match of `tokens`, once every read its restore needs has landed (no early unpack)."""
-    ctl = s.cache.controller
-    m = s.match(tokens)
-    refs = tuple(n.spill for n in s.cache.tree.path_up(m.best_match_node, m.last_device_node))
-    deadline = time.monotonic() + 10
-    while ctl.readiness(refs)[0] is not Readiness.READY:
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
-        ctl.poll()
-    return m
-
-
 def test_an_unpack_that_raises_midway_is_ordered_before_its_slots_are_reused(
     stack: Stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -64,7 +58,7 @@ def test_an_unpack_that_raises_midway_is_ordered_before_its_slots_are_reused(
     evict_all(stack)
     ours_first(stack)
     stack.cache.controller.wait_writes()  # A is on the tier only
-    m = _reads_ready(stack, A)
+    m = reads_ready(stack, A)
 
     streams = device(stack)
     engine = stack.cache.controller.engine

@@ -80,6 +80,19 @@ def forward_reads(s: Stack, slots: torch.Tensor, seen: list[list[int]]) -> None:
     streams.launch(streams.forward, lambda: seen.append(read_kv(s.pool, slots)))
 
 
+def reads_ready(s: Stack, tokens: list[int]) -> Any:
+    """The match of `tokens`, once every read its restore needs has landed (no early unpack)."""
+    ctl = s.cache.controller
+    m = s.match(tokens)
+    refs = tuple(n.spill for n in s.cache.tree.path_up(m.best_match_node, m.last_device_node))
+    deadline = time.monotonic() + 10
+    while ctl.readiness(refs)[0] is not Readiness.READY:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+        ctl.poll()
+    return m
+
+
 def evict_all(s: Stack) -> None:
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
@@ -197,13 +210,8 @@ def test_6_slots_of_a_restore_given_up_are_reused_only_after_its_unpack(stack: S
     stack.cache.controller.wait_writes()
     poison_free_slots(stack)
     ctl = stack.cache.controller
-    m = stack.match(A)
+    m = reads_ready(stack, A)
     refs = tuple(n.spill for n in stack.cache.tree.path_up(m.best_match_node, m.last_device_node))
-    deadline = time.monotonic() + 10
-    while ctl.readiness(refs)[0] is not Readiness.READY:
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
-        ctl.poll()
     slots = stack.allocator.alloc(len(A))
     ctl.restores.open("r", refs, slots)
     ctl.unpack_landed("r")  # queued on the load stream, not run
