@@ -31,7 +31,12 @@ PACKAGES = {"sgl_hicache": ROOT / "sgl_hicache", "sgl_hicache.kernels": ROOT / "
 LAYERS = {
     "sgl_hicache.tier": ("sgl_hicache.cache", "sgl_hicache.server", "sgl_hicache.bench"),
     "sgl_hicache.kernels": ("sgl_hicache.cache", "sgl_hicache.server"),
-    "sgl_hicache.cache": ("sgl_hicache.server", "sgl_hicache.bench"),
+    "sgl_hicache.cache": ("sgl_hicache.server", "sgl_hicache.bench", "sgl_hicache.modelgen"),
+    # The runtime (what a server runs) never imports the benchmark or the model generator, which
+    # ship for users measuring their own box (`pip install sgl-hicache[bench]`), not for serving.
+    "sgl_hicache.server": ("sgl_hicache.bench", "sgl_hicache.modelgen"),
+    "sgl_hicache.cli": ("sgl_hicache.bench", "sgl_hicache.modelgen", "sgl_hicache.cache", "sgl_hicache.server"),
+    "sgl_hicache.launch_server": ("sgl_hicache.bench", "sgl_hicache.modelgen"),
 }
 
 
