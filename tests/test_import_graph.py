@@ -35,7 +35,12 @@ LAYERS = {
     # The runtime (what a server runs) never imports the benchmark or the model generator, which
     # ship for users measuring their own box (`pip install sgl-hicache[bench]`), not for serving.
     "sgl_hicache.server": ("sgl_hicache.bench", "sgl_hicache.modelgen"),
-    "sgl_hicache.cli": ("sgl_hicache.bench", "sgl_hicache.modelgen", "sgl_hicache.cache", "sgl_hicache.server"),
+    "sgl_hicache.cli": (
+        "sgl_hicache.bench",
+        "sgl_hicache.modelgen",
+        "sgl_hicache.cache",
+        "sgl_hicache.server",
+    ),
     "sgl_hicache.launch_server": ("sgl_hicache.bench", "sgl_hicache.modelgen"),
 }
 
