@@ -506,11 +506,11 @@ class SpillRadixCache(RadixCache):
 
     def lookup_waiting(self, rid: str | None) -> bool:
         """Whether request `rid`'s admission should wait for its cross-server lookup: still running,
-        within the prefetch policy's limit (never with best_effort), on a tier another process has
-        been seen to use (`Tier.shared`; on a private tier the lookup runs, cheaply, on the I/O
-        threads, and is what first sees another writer, but no request waits for it). Never blocks."""
+        within the prefetch policy's limit (never with best_effort). Even on a tier no other process
+        has been seen to use: a server that never wrote has seen no other writer yet, and the turn
+        a router moved to it is exactly the one whose history another server spilled. Never blocks."""
         policy = self.spill_config.prefetch_policy
-        if self.controller is None or policy is PrefetchPolicy.BEST_EFFORT or not self.controller.tier.shared:
+        if self.controller is None or policy is PrefetchPolicy.BEST_EFFORT:
             return False
         waiting = self.controller.lookups.waiting(rid, self.spill_config.prefetch_timeout_s)
         self.spill_metrics.inc("lookups_waited", int(waiting))

@@ -5,7 +5,6 @@ deleted claims are never used."""
 from __future__ import annotations
 
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -249,24 +248,3 @@ def test_off_with_tp_above_one(pair: tuple[Stack, Stack]) -> None:
     b.cache.prefetch(PROMPT, rid="r1")
     assert b.metrics.totals["lookups"] == 0
     assert not b.cache.lookup_waiting("r1")
-
-
-def test_admission_waits_for_a_lookup_only_on_a_tier_others_use(
-    pair: tuple[Stack, Stack], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Issue 25: a private tier still runs lookups (they are what first sees another writer) but
-    no request waits for one there; once another process has been seen, admission waits."""
-    a, b = pair
-    spill_on_a(a, split_at=())
-    tier = b.cache.controller.tier
-    gate = threading.Event()
-    real = tier.lookups_finished
-    monkeypatch.setattr(tier, "lookups_finished", lambda: real() if gate.is_set() else [])
-    monkeypatch.setattr(type(tier), "shared", property(lambda self: False))
-    b.cache.prefetch(PROMPT, None, None, rid="r1")
-    assert b.metrics.totals["lookups"] == 1 and not b.cache.lookup_waiting("r1")
-    monkeypatch.setattr(type(tier), "shared", property(lambda self: True))
-    assert b.cache.lookup_waiting("r1")
-    gate.set()
-    settle(b)
-    assert not b.cache.lookup_waiting("r1") and b.metrics.totals["lookup_attached_tokens"] == len(PROMPT)
