@@ -16,21 +16,25 @@ from pathlib import Path
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 
 
-def drop(dirs: Iterable[Path], write_back: bool = True) -> str:
-    """Evict the files under `dirs` from the page cache; returns the method used. `write_back`
+def drop(dirs: Iterable[Path], write_back: bool = True, whole_cache: bool = True) -> str:
+    """Evict the files under `dirs` from the page cache; returns the method used. `whole_cache`
+    False: only those files (fadvise), leaving the servers' own code and libraries cached, so a
+    request timed next pays no page faults in torch or sglang. `write_back`
     first writes dirty pages back (at a barrier, clock stopped) so that they can be evicted too;
     without it (inside a timed window) only clean pages go, and nothing is written on any system's
     clock: a buffered writer (HiCache's `file` backend) would pay for a sync our O_DIRECT tier never
     needs."""
     if write_back:
         os.sync()
-    try:
-        DROP_CACHES.write_text("1\n")
-        return "drop_caches"
-    except OSError:
-        for d in dirs:
-            _fadvise_tree(d, write_back)
-        return "fadvise"
+    if whole_cache:
+        try:
+            DROP_CACHES.write_text("1\n")
+            return "drop_caches"
+        except OSError:
+            pass
+    for d in dirs:
+        _fadvise_tree(d, write_back)
+    return "fadvise"
 
 
 def _fadvise_tree(root: Path, write_back: bool) -> None:

@@ -100,10 +100,14 @@ def test_a_global_state_without_server_args_is_not_ours(monkeypatch: pytest.Monk
 
 def test_the_names_the_plugin_checks_without_importing_them_are_the_real_ones() -> None:
     from sgl_hicache.cache.metrics import BACKEND_NAME
-    from sgl_hicache.platform import hicache_cpu_compat
+    from sgl_hicache.platform import cpu_prefix_attention, hicache_cpu_compat
 
     assert plugin.BACKEND_NAME == BACKEND_NAME
     assert plugin.COMPAT_ENV == (hicache_cpu_compat.ENV_VAR, hicache_cpu_compat.ENV_VAR_SGLANG_TWIN)
+    assert plugin.PREFIX_ATTENTION_ENV == (
+        cpu_prefix_attention.ENV_VAR,
+        cpu_prefix_attention.ENV_VAR_SGLANG_TWIN,
+    )
 
 
 LOAD_PLUGINS = """
