@@ -12,8 +12,10 @@ demo: setup
 	$(PY) examples/multi_turn_chat.py --launch --workdir .demo
 
 # Two servers on one tier behind the router: a turn restored on the server that never saw it.
+# `make demo-cluster CLUSTER_FLAGS=--mooncake`: the servers share a Mooncake Store instead.
+CLUSTER_FLAGS ?=
 demo-cluster: setup
-	$(PY) examples/cluster.py --workdir .demo-cluster
+	$(PY) examples/cluster.py --workdir .demo-cluster $(CLUSTER_FLAGS)
 
 lint: setup
 	$(PY) -m ruff check .

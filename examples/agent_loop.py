@@ -9,6 +9,12 @@ the prompt and the cached tokens.
 
     python examples/agent_loop.py --base-url http://127.0.0.1:30000 --steps 6 --tool-s 1.0
 
+With `--pin-ttl S` (an sgl_hicache server), the agent pins its fixed context (system prompt and
+task, `--system-file` makes it long) for S seconds before each step (`POST /hicache/pin`): while
+the tool runs, eviction then spills that context rather than dropping it and the tier keeps it
+until the pin ends, so every step finds it. A pin over the server's pin budget is refused (409,
+with the reason), and the agent goes on without it.
+
 Run the server with `--enable-cache-report` (cached tokens are reported only then) and pass its
 `--api-key` here (or set OPENAI_API_KEY).
 """
@@ -19,6 +25,8 @@ import argparse
 import json
 import os
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 from openai import OpenAI
@@ -52,6 +60,18 @@ def step(
     return "".join(parts), prompt, cached, (ttft or time.perf_counter() - t0) * 1e3
 
 
+def pin(base_url: str, messages: list[dict[str, str]], ttl_s: float, api_key: str) -> str:
+    """Pin `messages` (a prefix of every step's prompt) for `ttl_s` seconds; what the server said."""
+    body = json.dumps({"messages": messages, "ttl_s": ttl_s}).encode()
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"}
+    req = urllib.request.Request(base_url + "/hicache/pin", body, headers)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return f"pinned {json.loads(r.read())['prompt_tokens']} tokens for {ttl_s:g} s"
+    except urllib.error.HTTPError as e:  # 409: over the pin budget; 503: hints off or busy
+        return f"not pinned ({e.code}): {json.loads(e.read() or b'{}').get('error', '')}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:30000 (no /v1)")
@@ -63,15 +83,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tool-chars", type=int, default=2000, help="the size of each tool result, characters")
     p.add_argument("--source", type=Path, default=Path(__file__), help="the file the tool reads from")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument(
+        "--pin-ttl", type=float, default=0.0, help="pin the fixed context for this long (0: no pin)"
+    )
+    p.add_argument("--system-file", type=Path, help="a long system prompt (default: a one-line one)")
     args = p.parse_args(argv)
     client = OpenAI(base_url=args.base_url + "/v1", api_key=args.api_key)
     model = client.models.list().data[0].id
     source = args.source.read_text(errors="replace")
-    messages = [{"role": "system", "content": SYSTEM},
+    system = args.system_file.read_text(errors="replace") if args.system_file else SYSTEM
+    messages = [{"role": "system", "content": system},
                 {"role": "user", "content": f"Task: summarise the file {args.source.name}, part by part."}]  # fmt: skip
+    fixed = list(messages)
     print(f"{'step':>4} {'prompt':>7} {'cached':>7} {'TTFT ms':>9}  action", flush=True)
     rows = []
     for k in range(args.steps):
+        if args.pin_ttl > 0:  # renewed at every step, so it lasts while the agent does
+            print(f"     {pin(args.base_url, fixed, args.pin_ttl, args.api_key)}", flush=True)
         action, prompt, cached, ttft = step(client, model, messages, args.max_tokens)
         rows.append((prompt, cached, ttft))
         print(f"{k + 1:>4} {prompt:>7} {cached:>7} {ttft:>9.1f}  {' '.join(action.split())[:60]}", flush=True)

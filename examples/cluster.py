@@ -1,7 +1,7 @@
 """Two servers on one tier directory behind sglang's router: a conversation's next turn lands on the
 other server, which restores the history the first one spilled (cross-server reuse, no restart).
 
-    python examples/cluster.py [--model tiny] [--workdir DIR]      (what `make demo-cluster` runs)
+    python examples/cluster.py [--model tiny] [--workdir DIR] [--mooncake]   (`make demo-cluster`)
 
 Starts servers A and B (the patched server on CPU, spill on, a 1024-token device pool each, one
 shared tier directory) and the router (smg, round robin) in front; turn 1 goes through the router
@@ -10,13 +10,17 @@ directly); other users' prompts then push the conversation out of X's pool (spil
 another user talks to Y (so Y, like any serving server, holds the system prompt all chats share);
 turn 2 goes through the router, which sends it to the other server (Y), which has never seen the
 conversation: Y finds X's extents by lookup, restores them (cached tokens) and gives the same answer.
-Everything is stopped on exit, Ctrl-C or SIGTERM. Exit code 1 if Y restored nothing or answered
+With `--mooncake` (`make demo-cluster CLUSTER_FLAGS=--mooncake`) the servers share a Mooncake Store
+instead (one master on loopback, each server a client). Everything is stopped on exit, Ctrl-C or SIGTERM. Exit code 1 if Y restored nothing or answered
 otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import json
 import shutil
 import sys
 import tempfile
@@ -35,17 +39,35 @@ from multi_turn_chat import (
 from openai import OpenAI
 
 
-def run_cluster(workdir: Path, model_name: str) -> int:
-    from sgl_hicache.bench.router_process import RouterProcess
-    from sgl_hicache.bench.server_process import CPU_FLAGS, ServerProcess
+def run_cluster(workdir: Path, model_name: str, mooncake: bool = False) -> int:
+    from sgl_hicache.bench.mooncake_process import MooncakeMaster
+    from sgl_hicache.bench.server_process import CPU_FLAGS
 
     model = demo_model(model_name, workdir)
     tier = workdir / "tier"
     shutil.rmtree(tier, ignore_errors=True)
     flags = [*CPU_FLAGS, "--enable-cache-report", "--enable-metrics", "--enable-hicache-spill", "--hicache-spill-dir", str(tier),
              "--hicache-spill-capacity", "1G", "--hicache-spill-min-free", "0"]  # fmt: skip
-    print(f"starting servers A and B ({model_name}, {POOL_TOKENS}-token pools, one tier: {tier}) and the "
-          f"router (smg, round robin); logs in {workdir}", flush=True)  # fmt: skip
+    print(f"starting servers A and B ({model_name}, {POOL_TOKENS}-token pools, one tier: "
+          f"{'a Mooncake Store' if mooncake else tier}) and the router (smg, round robin); logs in {workdir}",
+          flush=True)  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        if mooncake:  # one master on loopback; each server joins it as a client with a 256M segment
+            cfg = stack.enter_context(MooncakeMaster(workdir)).config(segment_bytes=256 << 20)
+            settings = {k: v for k, v in dataclasses.asdict(cfg).items() if v}
+            flags += [
+                "--hicache-spill-backend",
+                "mooncake",
+                "--hicache-spill-mooncake-config",
+                json.dumps(settings),
+            ]
+        return serve_cluster(model, flags, workdir)
+
+
+def serve_cluster(model: Path, flags: list[str], workdir: Path) -> int:
+    from sgl_hicache.bench.router_process import RouterProcess
+    from sgl_hicache.bench.server_process import ServerProcess
+
     with (
         ServerProcess(model, POOL_TOKENS, flags, log_path=workdir / "a.log") as a,
         ServerProcess(model, POOL_TOKENS, flags, log_path=workdir / "b.log") as b,
@@ -109,15 +131,17 @@ def main(argv: list[str] | None = None) -> int:
         "--model", choices=("smollm2", "tiny"), default="smollm2",
         help="SmolLM2-135M-Instruct (real answers) or the random-weight tiny model (fast)",
     )  # fmt: skip
+    parser.add_argument("--mooncake", action="store_true",
+                        help="share a Mooncake Store (a master on loopback) instead of the tier directory")  # fmt: skip
     args = parser.parse_args(argv)
     from sgl_hicache.modelgen import ModelBuildError
 
     try:
         if args.workdir:
             args.workdir.mkdir(parents=True, exist_ok=True)
-            return run_cluster(args.workdir.resolve(), args.model)
+            return run_cluster(args.workdir.resolve(), args.model, args.mooncake)
         with tempfile.TemporaryDirectory(prefix="sgl_hicache_cluster_") as d:
-            return run_cluster(Path(d), args.model)
+            return run_cluster(Path(d), args.model, args.mooncake)
     except ModelBuildError as e:
         print(f"demo-cluster: error: {e}", file=sys.stderr)
         return 2

@@ -8,6 +8,9 @@
 # GGUF the demo model is built from (python -m sgl_hicache.modelgen --size smollm2). About 2.5 minutes
 # and 7 GB on a fresh 2-core machine. A second run with unchanged inputs does nothing; a changed lock,
 # pyproject.toml or this script reinstalls (pip skips what is already at the locked version).
+# The Mooncake client in the lock (the `mooncake` tier backend) needs the system library libibverbs1
+# at import time, even over TCP: installed with apt-get when missing (as root), else one line saying
+# how; without it everything but that backend (and its tests, which then skip) works.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,6 +19,21 @@ PYTHON=${PYTHON:-python3.11}
 stamp="$VENV/.sgl_hicache_setup"
 want=$(cat requirements/cpu-lock.txt pyproject.toml scripts/setup_venv.sh | sha256sum | cut -c1-16)
 
+ensure_libibverbs() {
+  if { ldconfig -p || /sbin/ldconfig -p; } 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then
+    return 0
+  fi
+  if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+    echo "setup: installing libibverbs1 (the Mooncake client needs it) with apt-get"
+    if (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1) >/dev/null; then
+      return 0
+    fi
+  fi
+  echo "setup: libibverbs.so.1 is missing and could not be installed here (needs root and apt-get):" \
+    "install libibverbs1 (rdma-core) to use --hicache-spill-backend mooncake; everything else works" >&2
+}
+
+ensure_libibverbs  # a system package: checked on every run (a few ms), not only when the venv is built
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
   exit 0
 fi

@@ -17,7 +17,7 @@ import dataclasses
 import enum
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -38,6 +38,11 @@ class ConfigError(ValueError):
     def __init__(self, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.field = field
+
+
+def _require(cond: bool, field: str | None, message: str) -> None:
+    if not cond:
+        raise ConfigError(message, field)
 
 
 def parse_size(text: str, bare: int | None = 1) -> int:
@@ -148,10 +153,109 @@ def flag_named(cls: type, name: str) -> str:
     return flag_of(next(f for f in dataclasses.fields(cls) if f.name == name))
 
 
+class SpillBackend(enum.StrEnum):
+    """Where extents go. FILE: a directory (`tier/nvme.py`; shared by the servers mounting it).
+    MOONCAKE: a Mooncake Store (`tier/mooncake.py`): one master, every server a client contributing
+    DRAM, the master owning placement and eviction; the directory then holds only `.secret`."""
+
+    FILE = "file"
+    MOONCAKE = "mooncake"
+
+
+_MOONCAKE_ENV = {  # field -> Mooncake's own variable (the names sglang's `mooncake` L3 backend reads)
+    "master": "MOONCAKE_MASTER",
+    "metadata_server": "MOONCAKE_TE_META_DATA_SERVER",
+    "protocol": "MOONCAKE_PROTOCOL",
+    "device_name": "MOONCAKE_DEVICE",
+    "local_hostname": "MOONCAKE_LOCAL_HOSTNAME",
+    "global_segment_size": "MOONCAKE_GLOBAL_SEGMENT_SIZE",
+    "local_buffer_size": "MOONCAKE_LOCAL_BUFFER_SIZE",
+    "ssd_offload_path": "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH",
+}
+_MOONCAKE_DEFAULTS: dict[str, Any] = {
+    "metadata_server": "P2PHANDSHAKE", "protocol": "tcp", "local_hostname": "localhost",
+    "global_segment_size": 4 * GiB, "local_buffer_size": 64 * MiB,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MooncakeConfig:
+    """How this server joins a Mooncake Store as a client (`--hicache-spill-mooncake-config`, one JSON
+    object with these keys; `""` / 0 mean unset). `with_env` fills what is unset from Mooncake's own
+    variables, then from the defaults above."""
+
+    master: str = ""  # host:port of mooncake_master's RPC
+    metadata_server: str = ""  # "http://host:port/metadata" (the master's HTTP one), etcd, or P2PHANDSHAKE
+    protocol: str = ""  # tcp, rdma, ...
+    device_name: str = ""  # RDMA devices, comma-separated ("" lets Mooncake pick)
+    local_hostname: str = ""  # the address other clients reach this one at
+    global_segment_size: int = 0  # bytes of DRAM this client contributes to the store
+    local_buffer_size: int = 0  # bytes of the client's own transfer buffer
+    ssd_offload_path: str = ""  # Mooncake's SSD tier on this host (e.g. an NVMe-oF mount); "" for none
+
+    @classmethod
+    def from_user(cls, data: object) -> MooncakeConfig:
+        """From the flag's JSON object: known keys only, strings, sizes as bytes or with a unit."""
+        _require(isinstance(data, dict), None, "expected a JSON object of Mooncake settings")
+        assert isinstance(data, dict)
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(names))
+        _require(not unknown, None, f"unknown key {', '.join(unknown)} (known: {', '.join(names)})")
+        given: dict[str, Any] = {k: _mooncake_value(k, v) for k, v in data.items()}
+        return cls(**given)
+
+    def with_env(self, environ: Mapping[str, str]) -> MooncakeConfig:
+        """Unset fields from Mooncake's variables (`MOONCAKE_MASTER`, ...), then the defaults."""
+        out = {}
+        for name, var in _MOONCAKE_ENV.items():
+            value = getattr(self, name)
+            if not value and environ.get(var):
+                try:
+                    value = _mooncake_value(name, environ[var])
+                except ConfigError as e:
+                    raise ConfigError(f"{var}: {e}") from None
+            out[name] = value or _MOONCAKE_DEFAULTS.get(name, value)
+        return MooncakeConfig(**out)
+
+    def __post_init__(self) -> None:
+        _require(self.master == "" or ":" in self.master, None,
+                 f"master must be host:port, got {self.master!r}")  # fmt: skip
+        for name in ("global_segment_size", "local_buffer_size"):
+            size = getattr(self, name)
+            _require(
+                size == 0 or size >= 16 * MiB,
+                None,
+                f"{name} must be at least 16M (Mooncake's least), got {size}",
+            )
+
+
+def _mooncake_value(name: str, value: object) -> str | int:
+    if name.endswith("_size"):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        _require(isinstance(value, str), None, f'{name}: expected a size such as "4G", got {value!r}')
+        return parse_size(str(value), 1)  # a bare number is bytes, as Mooncake reads it
+    _require(isinstance(value, str), None, f"{name}: expected a string, got {value!r}")
+    return str(value)
+
+
 @dataclass(frozen=True)
 class TierConfig:
-    """The NVMe / NVMe-oF extent store (`sgl_hicache.tier`)."""
+    """The extent store (`sgl_hicache.tier`): a directory, or a Mooncake Store."""
 
+    backend: SpillBackend = option(
+        SpillBackend.FILE,
+        "where spilled extents go: file (the directory below) or mooncake (a Mooncake Store; "
+        "settings in --hicache-spill-mooncake-config or Mooncake's MOONCAKE_* variables)",
+        "--hicache-spill-backend",
+    )
+    mooncake: MooncakeConfig = option(
+        MooncakeConfig(),
+        'with the mooncake backend, one JSON object: master ("host:port"), metadata_server, protocol, '
+        "device_name, local_hostname, global_segment_size, local_buffer_size, ssd_offload_path; unset keys from "
+        "MOONCAKE_MASTER, MOONCAKE_TE_META_DATA_SERVER, ... as sglang's mooncake backend reads them",
+        "--hicache-spill-mooncake-config",
+    )
     directory: Path = option(
         Path("/var/tmp/sgl_hicache"),
         "directory of the spill tier (a mounted NVMe/NVMe-oF volume)",
@@ -200,6 +304,11 @@ class TierConfig:
         _require(
             -7 <= self.zstd_level <= 22, "zstd_level", f"zstd level must be in -7..22, got {self.zstd_level}"
         )
+        _require(
+            self.backend is SpillBackend.FILE or bool(self.mooncake.master),
+            "mooncake",
+            'the mooncake backend needs the master\'s address: a "master" key or MOONCAKE_MASTER',
+        )
 
 
 MIN_IO_TIMEOUT_S = 10.0
@@ -233,6 +342,9 @@ class SpillConfig:
         2.0, "seconds the timeout policy waits for a restore", "--hicache-spill-prefetch-timeout"
     )
     prefetch_ttl_s: float = tuning(30.0, "seconds after which a prefetched read nobody used is released")
+    pin_share: float = tuning(
+        0.5, "share of the tier budget that pinned conversations may hold (POST /hicache/pin); 0 refuses pins"
+    )
     write_policy: WritePolicy = option(
         WritePolicy.WRITE_BACK,
         "when KV is written to the tier: write_back (on eviction), write_through (also when cached; "
@@ -244,6 +356,7 @@ class SpillConfig:
         _require(
             self.prefetch_ttl_s > 0, "prefetch_ttl_s", f"prefetch ttl must be > 0, got {self.prefetch_ttl_s}"
         )
+        _require(0 <= self.pin_share <= 1, "pin_share", f"pin share must be in [0, 1], got {self.pin_share}")
         _require(
             self.staging_bytes >= MiB,
             "staging_bytes",
@@ -272,11 +385,6 @@ class SpillConfig:
     def from_json(cls, text: str) -> SpillConfig:
         data = json.loads(text)
         return build(cls, data)
-
-
-def _require(cond: bool, field: str | None, message: str) -> None:
-    if not cond:
-        raise ConfigError(message, field)
 
 
 def _to_plain(obj: Any) -> Any:

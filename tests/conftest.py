@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.mooncake_master import MooncakeMaster
 
 
 @pytest.fixture(scope="session")
@@ -23,3 +28,18 @@ def smollm2_model() -> Path:
     from sgl_hicache.modelgen import build_smollm2, default_model_dir
 
     return build_smollm2(default_model_dir("smollm2"))
+
+
+@pytest.fixture(scope="session")
+def mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeMaster]:
+    """A real Mooncake master on loopback for the whole session (tests use namespaces of their own),
+    stopped by its process group; the tests that ask for it skip without the Mooncake client."""
+    from tests.mooncake_master import MooncakeMaster, skip_without_mooncake
+
+    skip_without_mooncake()
+    master = MooncakeMaster(tmp_path_factory.mktemp("mooncake"))
+    master.start()
+    try:
+        yield master
+    finally:
+        master.stop()

@@ -26,7 +26,9 @@ class StandIn:
 
     def __init__(self) -> None:
         self.seen: list[tuple[str, str]] = []
+        self.bodies: list[tuple[str, Any]] = []  # (path, JSON body) of the hints and chats
         self.chats = 0
+        self.refuse_pins = False
 
     async def models(self, request: web.Request) -> web.Response:
         self.seen.append((request.path, request.headers.get("Authorization", "")))
@@ -39,9 +41,28 @@ class StandIn:
         body = await request.json()
         return web.json_response({"accepted": True, "prompt_tokens": len(json.dumps(body["messages"]))})
 
+    async def retention(self, request: web.Request) -> web.Response:
+        """POST /hicache/pin, /drop, /purge: accepted (a pin refused with 409 if `refuse_pins`)."""
+        self.seen.append((request.path, request.headers.get("Authorization", "")))
+        body = await request.json()
+        self.bodies.append((request.path, body))
+        if request.path.endswith("/pin") and self.refuse_pins:
+            return web.json_response({"error": "over the pin budget"}, status=409)
+        if request.path.endswith("/purge"):
+            return web.json_response({"accepted": True})
+        return web.json_response({"accepted": True, "prompt_tokens": len(json.dumps(body["messages"]))})
+
     async def chat(self, request: web.Request) -> web.StreamResponse:
         self.seen.append((request.path, request.headers.get("Authorization", "")))
         body = await request.json()
+        self.bodies.append((request.path, body))
+        if not body.get("stream"):  # a whole answer at once
+            usage = {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11,
+                     "prompt_tokens_details": {"cached_tokens": 4 if self.chats else 0}}  # fmt: skip
+            self.chats += 1
+            message = {"role": "assistant", "content": "seven"}
+            return web.json_response({"id": "c", "object": "chat.completion", "created": 0, "model": "m", "usage": usage,
+                                      "choices": [{"index": 0, "message": message, "finish_reason": "stop"}]})  # fmt: skip
         prompt = sum(len(m["content"].split()) for m in body["messages"])
         cached = prompt // 2 if self.chats else 0
         self.chats += 1
@@ -67,6 +88,8 @@ def standin() -> Iterator[tuple[str, StandIn]]:
         app.router.add_get("/v1/models", state.models)
         app.router.add_post("/v1/chat/completions", state.chat)
         app.router.add_post("/hicache/prefetch", state.prefetch)
+        for route in ("pin", "drop", "purge"):
+            app.router.add_post(f"/hicache/{route}", state.retention)
         runner = web.AppRunner(app)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -111,4 +134,45 @@ def test_agent_loop_grows_its_context_and_sends_the_key(standin: tuple[str, Stan
     prompts = [int(line.split()[1]) for line in lines[1:5]]
     assert prompts == sorted(prompts) and prompts[0] < prompts[-1], "every step's context holds the last"
     assert 0 < json.loads(lines[-1])["cached_share_after_first"] <= 0.5
+    assert {auth for _, auth in state.seen} == {"Bearer k"}
+
+
+def test_agent_pins_its_fixed_context_at_every_step(
+    standin: tuple[str, StandIn], capsys: Any, tmp_path: Path
+) -> None:
+    url, state = standin
+    system = tmp_path / "system.txt"
+    system.write_text("a long system prompt " * 50)
+    args = ["--base-url", url, "--api-key", "k", "--steps", "3", "--tool-s", "0", "--tool-chars", "100",
+            "--pin-ttl", "600", "--system-file", str(system)]  # fmt: skip
+    assert example("agent_loop").main(args) == 0
+    pins = [body for path, body in state.bodies if path == "/hicache/pin"]
+    assert len(pins) == 3 and all(p["ttl_s"] == 600 and len(p["messages"]) == 2 for p in pins)
+    assert pins[0]["messages"][0]["content"] == system.read_text()
+    chats = [body for path, body in state.bodies if path == "/v1/chat/completions"]
+    assert all(c["messages"][:2] == pins[0]["messages"] for c in chats), "the pin is a prefix of every step"
+    assert "pinned" in capsys.readouterr().out
+    state.refuse_pins = True
+    assert example("agent_loop").main(args) == 0  # a refused pin: the agent goes on without it
+    assert "not pinned (409): over the pin budget" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("forget", ["purge", "drop"])
+def test_chat_app_forgets_a_deleted_conversation(
+    standin: tuple[str, StandIn], capsys: Any, forget: str
+) -> None:
+    url, state = standin
+    assert (
+        example("chat_delete").main(["--base-url", url, "--api-key", "k", "--turns", "2", "--forget", forget])
+        == 0
+    )
+    chats = [body for path, body in state.bodies if path == "/v1/chat/completions"]
+    hint_path, hint = state.bodies[-1]
+    assert hint_path == f"/hicache/{forget}"
+    if forget == "purge":  # the conversation's own salt, on every turn, then purged
+        salts = {c["cache_salt"] for c in chats}
+        assert len(salts) == 1 and hint == {"cache_salt": salts.pop()}
+    else:
+        assert hint["messages"][: len(chats[-1]["messages"])] == chats[-1]["messages"]
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["status"] == 200
     assert {auth for _, auth in state.seen} == {"Bearer k"}

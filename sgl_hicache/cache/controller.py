@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -73,6 +74,7 @@ class _Store:
     tokens: np.ndarray
     store_tokens: bool
     aliases: Sequence[tuple[int, bytes]]
+    cache_salt: str | None = None
 
 
 class SpillController:
@@ -106,23 +108,26 @@ class SpillController:
 
     def store(
         self, key: ExtentKey, parent: ExtentKey, tokens: np.ndarray, slots: torch.Tensor, store_tokens: bool,
-        aliases: Sequence[tuple[int, bytes]] = (), background: bool = False,
+        aliases: Sequence[tuple[int, bytes]] = (), background: bool = False, cache_salt: str | None = None,
     ) -> Extent | Refused:  # fmt: skip
         """`store_tokens`: whether the extent file may hold the token ids (the default tenant's only);
         `aliases`: the path keys inside it, so other servers find it (`Tier.submit_store`);
+        `cache_salt`: the request's tenant salt, tagged in the file so a purge finds it;
         `background`: a write-through, bounded by `BACKGROUND_SHARE` of staging."""
         nbytes = packed_nbytes(self.view, len(slots))
         limit = int(self.staging.capacity_bytes * BACKGROUND_SHARE) if background else None
         buf = self.staging.acquire(nbytes, limit)
         if buf is None:
             return self._refused(len(slots), nbytes, limit)
+        t0 = time.perf_counter()
         try:
             copy = self.engine.pack(slots, buf)
         except BaseException:  # whatever was enqueued before the raise may still write into it
             self.retire(buf, self.engine.write_barrier())
             raise
+        self.metrics.inc("spill_pack_seconds", time.perf_counter() - t0)
         extent = Extent(key, len(slots), ExtentState.WRITING, staged=buf, pack=copy)
-        self._packing.append(_Store(extent, parent, tokens, store_tokens, aliases))
+        self._packing.append(_Store(extent, parent, tokens, store_tokens, aliases, cache_salt))
         self.metrics.inc("spilled_bytes", nbytes)
         self._submit_packed()
         return extent
@@ -141,7 +146,8 @@ class SpillController:
         assert extent.staged is not None
         try:
             ticket = self.tier.submit_store(extent.key, extent.staged.numpy(), request.tokens, request.parent,
-                                            store_tokens=request.store_tokens, aliases=request.aliases)  # fmt: skip
+                                            store_tokens=request.store_tokens, aliases=request.aliases,
+                                            cache_salt=request.cache_salt)  # fmt: skip
         except BaseException:  # nothing was queued (a submit raises before queueing): nobody holds it
             self._lose(extent)
             raise
@@ -317,11 +323,13 @@ class SpillController:
         first = sum(r.count for r in progress.refs[:i])
         src = buf[packed_nbytes(self.view, ref.offset + start) : packed_nbytes(self.view, ref.offset + upto)]
         slots = progress.slots[first + start : first + upto]
+        t0 = time.perf_counter()
         try:
             copy = self.engine.unpack(slots, src, after=ref.extent.pack)
         except BaseException:  # chunks enqueued before the raise still write the slots, read `buf`
             self._reading(progress, buf, self.engine.load_barrier())
             raise
+        self.metrics.inc("restore_unpack_seconds", time.perf_counter() - t0)
         self._reading(progress, buf, copy)
         progress.unpacked[i] = upto
 
@@ -335,7 +343,9 @@ class SpillController:
     # ---- lookups ------------------------------------------------------------------------------
 
     def take_lookups(self) -> list[tuple[FoundSegments, LookupResult]]:
-        return self.lookups.finished(self.tier)
+        found, seconds = self.lookups.finished(self.tier)
+        self.metrics.inc("lookup_seconds", seconds)
+        return found
 
     # ---- lifecycle ----------------------------------------------------------------------------
 

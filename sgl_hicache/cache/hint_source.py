@@ -19,9 +19,26 @@ class ResumeHint(NamedTuple):
     cache_salt: str | None
 
 
+class RetentionHint(NamedTuple):
+    """A checked pin, drop or purge (cache/retention.py), travelling like a `ResumeHint`."""
+
+    kind: str  # "pin", "drop" or "purge"
+    token_ids: list[int]  # empty for a purge
+    extra_key: str | None
+    cache_salt: str | None
+    ttl_s: float | None  # a pin's
+
+
+class HintRefused(NamedTuple):
+    """What a hint handler returns to refuse a hint: the sender is answered 409 with `reason`."""
+
+    reason: str
+
+
 class HintSource(Protocol):
-    def drain(self, handle: Callable[[list[int], str | None, str | None], object]) -> int:
-        """Call `handle(token_ids, extra_key, cache_salt)` for each waiting hint, at most a bounded
-        number per call, and return how many were taken. Runs on the scheduler thread: never blocks,
-        and raises nothing for a bad hint (the source answers its sender with the error)."""
+    def drain(self, handle: Callable[..., object]) -> int:
+        """Call `handle(token_ids, extra_key, cache_salt, kind, ttl_s)` for each waiting hint, at
+        most a bounded number per call, and return how many were taken; a `HintRefused` that
+        `handle` returns refuses that hint. Runs on the scheduler thread: never blocks, and raises
+        nothing for a bad hint (the source answers its sender with the error)."""
         ...

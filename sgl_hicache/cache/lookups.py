@@ -59,14 +59,16 @@ class Lookups:
         started = self._pending.get(rid) if rid is not None else None
         return started is not None and time.monotonic() - started < limit_s
 
-    def finished(self, tier: Tier) -> list[tuple[FoundSegments, LookupResult]]:
-        """Every lookup finished since the last call (scheduler thread; never blocks on I/O)."""
-        out = []
+    def finished(self, tier: Tier) -> tuple[list[tuple[FoundSegments, LookupResult]], float]:
+        """Every lookup finished since the last call, and the seconds they ran in all (scheduler
+        thread; never blocks on I/O)."""
+        out, seconds, now = [], 0.0, time.monotonic()
         for result in tier.lookups_finished():
             key, tag = cast(tuple[object, object], result.request.tag)
-            self._pending.pop(key, None)
+            started = self._pending.pop(key, None)
+            seconds += now - started if started is not None else 0.0
             out.append((FoundSegments(tag, result.request.epoch, result.segments), result))
-        return out
+        return out, seconds
 
     def clear(self) -> None:
         self._pending.clear()

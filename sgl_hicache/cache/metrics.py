@@ -96,6 +96,27 @@ COUNTERS = {
     "lookup_stale": "lookup claims whose extent was gone (evicted or deleted by its writer): clean misses",
     "lookups_waited": "admission rounds a request skipped while its cross-server lookup ran",
     "restores_too_late": "restores given up because their reads outlasted the prefetch policy's limit",
+    # Where a resumed turn's time goes (wall seconds on the scheduler's clock; a benchmark takes
+    # their growth over one turn, `python -m benchmarks.long_history`):
+    "restore_wait_seconds": "seconds admitted requests waited (deferred, the rest of the batch running) "
+    "for the reads of their spilled prefix",
+    "restore_read_seconds": "seconds from the first read a restore used starting to the last one "
+    "completing, as the scheduler saw them (verification included: the tier verifies as it reads)",
+    "restore_unpack_seconds": "seconds the scheduler thread spent issuing unpacks (on a GPU, enqueueing "
+    "them on the copy stream; on CPU, the copies themselves)",
+    "lookup_seconds": "seconds cross-server lookups ran (start to result taken by the scheduler)",
+    "spill_pack_seconds": "seconds the scheduler thread spent issuing packs of evicted or written-through "
+    "KV into staging (on a GPU, enqueueing them; on CPU, the copies themselves)",
+    # Retention hints (cache/retention.py):
+    "pins": "pin hints applied (POST /hicache/pin)",
+    "pins_refused": "pin hints refused: over the pin budget (pin_share of the tier budget) or spill off",
+    "pinned_spilled_tokens": "tokens of pinned conversations spilled (and kept by the tier until their TTL)",
+    "pin_over_budget": "pinned extents the tier could not keep within the pin budget (left to its LRU)",
+    "drops": "drop hints applied (POST /hicache/drop)",
+    "purges": "purge hints applied (POST /hicache/purge)",
+    "purges_incomplete": "purge hints whose tier cannot purge a cache_salt (mooncake): device and tree only",
+    "hint_dropped_tokens": "tokens removed from the tree (device or spilled) by drop and purge hints",
+    "drop_kept_tokens": "tokens a drop or purge left on the device: in use by a running request",
 }
 
 

@@ -51,6 +51,7 @@ class PendingRead:
     started: float
     prefetched: bool
     done: Completion | None = None
+    finished: float = 0.0  # when the scheduler took its completion (monotonic)
     usable: bool = True
     deferred: bool = False  # a restore already found it pending
 
@@ -83,6 +84,7 @@ class ExtentReads:
         if read is None:
             return False
         read.done = self._checked(read, done)
+        read.finished = time.monotonic()
         if not read.usable:
             self.release(read.buf)
         return True
@@ -152,7 +154,16 @@ class ExtentReads:
             if buf is None:
                 return None
             sources[eid] = buf
+        self._count_read_span(wanted)
         return sources
+
+    def _count_read_span(self, wanted: dict[int, tuple[Extent, int]]) -> None:
+        """`restore_read_seconds`: the first of the restore's reads starting to the last completing."""
+        used = [r for r in (self._reads.get(eid) for eid in wanted) if r is not None and r.finished]
+        if used:
+            self.metrics.inc(
+                "restore_read_seconds", max(r.finished for r in used) - min(r.started for r in used)
+            )
 
     def _at_hand(self, extent: Extent, need: int) -> torch.Tensor | None:
         if extent.state is ExtentState.WRITING and extent.staged is not None:

@@ -29,6 +29,7 @@ Spilled nodes count in neither evictable nor protected size: they hold no device
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 import os
@@ -52,11 +53,13 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from sgl_hicache.cache.agreement import Agreement, SingleRank
 from sgl_hicache.cache.controller import Refused, SpillController
+from sgl_hicache.cache.events import TierEvents
 from sgl_hicache.cache.guard import contained, internal_error, last_resort, nothing
-from sgl_hicache.cache.hint_source import HintSource, ResumeHint
+from sgl_hicache.cache.hint_source import HintSource, ResumeHint, RetentionHint
 from sgl_hicache.cache.metrics import DropReason, SpillMetrics
 from sgl_hicache.cache.reads import Readiness
 from sgl_hicache.cache.restores import EarlyUnpackStats
+from sgl_hicache.cache.retention import Retention
 from sgl_hicache.cache.spill_state import ExtentState, SpillRef
 from sgl_hicache.cache.tree import SpillTree
 from sgl_hicache.cache.warm_start import WarmStart, tree_digest
@@ -96,11 +99,21 @@ class SpillRadixCache(RadixCache):
         self.epoch: bytes | None = None  # seeds every path key; None until the first reset()
         self.tree = SpillTree(self)
         self.warm = WarmStart(self.tree, namespace_id)
+        self.retention = Retention(self)  # pin, drop, purge hints (retention.py)
         super().__init__(params)  # calls reset(), which attaches the tier's extents (warm start)
 
     @property
     def spilled_tokens(self) -> int:
         return self.tree.spilled_tokens
+
+    @property
+    def kv_events(self) -> TierEvents:
+        """sglang's KV event recorder (its constructor sets it), kept true for spilled nodes (events.py)."""
+        return self._kv_events
+
+    @kv_events.setter
+    def kv_events(self, recorder: Any) -> None:
+        self._kv_events = recorder if isinstance(recorder, TierEvents) else TierEvents(recorder)
 
     @property
     def prune_lost_on_walk(self) -> bool:
@@ -274,16 +287,19 @@ class SpillRadixCache(RadixCache):
     def _spill_node(self, node: TreeNode) -> DropReason | None:
         """Spill resident leaf `node` (None), or say why it is to be dropped instead."""
         n = len(node.value)
+        pin = self.retention.pin_of(node)  # a pinned conversation's node spills whatever its length
         if self._clean(node):  # the exact range it was restored from or written through
             self.tree.mark_spilled(node, node.spill)
+            self.retention.spilled(node, pin)
             return None
         # Short nodes are not worth an extent, unless dropping them would orphan spilled children.
-        if n < self.spill_config.min_spill_tokens and not node.children:
+        if n < self.spill_config.min_spill_tokens and not node.children and pin is None:
             return DropReason.TOO_SHORT
         ref = self._store(node)
         if isinstance(ref, DropReason):
             return ref
         self.tree.mark_spilled(node, ref)
+        self.retention.spilled(node, pin)
         self.spill_metrics.inc("spilled_tokens", n)
         return None
 
@@ -324,7 +340,7 @@ class SpillRadixCache(RadixCache):
             return DropReason.UNNAMEABLE
         default_tenant = tenant_of(node.key.extra_key, node.key.cache_salt) == b""  # others: no ids on disk
         extent = self.controller.store(
-            key, parent_key, tokens, node.value, default_tenant, aliases, background
+            key, parent_key, tokens, node.value, default_tenant, aliases, background, node.key.cache_salt
         )
         if isinstance(extent, Refused):
             return DropReason.TOO_LARGE if extent is Refused.TOO_LARGE else DropReason.STAGING_FULL
@@ -454,6 +470,7 @@ class SpillRadixCache(RadixCache):
         start."""
         if self.controller is None:
             return
+        self._prune_gone()
         m = self.spill_metrics
         for found, result in self.controller.take_lookups():
             m.inc("lookup_fs_calls", result.fs_calls)
@@ -468,6 +485,17 @@ class SpillRadixCache(RadixCache):
             m.inc("lookup_attached_tokens", sum(n.spill.count for n in added))
             if added:
                 self.controller.prefetch([n.spill for n in added])
+
+    def _prune_gone(self) -> None:
+        """Spilled nodes whose extent the tier evicted or could not write leave the tree with their
+        subtree (a restore of them could only miss), and the router hears of it (events.py). Only
+        on a single rank: with TP > 1 that is a rank's own outcome, and such nodes go when a
+        restore agrees they are lost (agreement.py)."""
+        assert self.controller is not None
+        gone = self.tree.events.gone.take(self.controller.tier)
+        for node in gone if self.prune_lost_on_walk else ():
+            if node.evicted and self.tree.attached(node):
+                self.tree.prune(node)
 
     # ---- prefetch at arrival ----------------------------------------------------------------
 
@@ -516,16 +544,15 @@ class SpillRadixCache(RadixCache):
         self.spill_metrics.inc("lookups_waited", int(waiting))
         return waiting
 
-    def take_hints(self) -> list[ResumeHint]:
-        """The checked client resume hints waiting in the inbox, answered "accepted" (a bounded number
-        per call; scheduler thread; never blocks). Only the scheduler of TP rank 0 has an inbox:
-        the hints ride sglang's request broadcast to every rank (`server/hooks.py`), and each rank
-        then `prefetch`es them in the same iteration, as it does for an arriving request."""
-        taken: list[ResumeHint] = []
+    def take_hints(self) -> list[ResumeHint | RetentionHint]:
+        """The checked client hints waiting in the inbox, answered "accepted" or refused (a pin over
+        the pin budget: `Retention.take`), a bounded number per call; scheduler thread; never
+        blocks. Only the scheduler of TP rank 0 has an inbox: the hints ride sglang's request
+        broadcast to every rank (`server/hooks.py`), and each rank then `prefetch`es (or applies:
+        `Retention.apply`) them in the same iteration, as it does for an arriving request."""
+        taken: list[ResumeHint | RetentionHint] = []
         if self.hints is not None:
-            self.hints.drain(
-                lambda ids, extra_key, salt: taken.append(ResumeHint(list(ids), extra_key, salt))
-            )
+            self.hints.drain(functools.partial(self.retention.take, taken))
         return taken
 
     # ---- restore ----------------------------------------------------------------------------
@@ -552,8 +579,9 @@ class SpillRadixCache(RadixCache):
             return None
         if self.controller is not None:  # admitted: a restore in progress not consumed now never will be
             self.controller.restores.drop(_owner(rid))
-        if rid is not None:
-            self._deferred_since.pop(rid, None)
+        since = self._deferred_since.pop(rid, None) if rid is not None else None
+        if since is not None:  # the admission waited for reads: the resumed turn's "wait" phase
+            self.spill_metrics.inc("restore_wait_seconds", time.monotonic() - since)
         return answer
 
     def _load_back(self, params: InitLoadBackParams, rid: str | None) -> tuple[int, Any] | None:
@@ -801,8 +829,11 @@ class SpillRadixCache(RadixCache):
 
     def check_integrity(self, held_tokens: int = 0, with_tier: bool = True) -> None:
         """Tree, pool, staging and (`with_tier`) tier accounting agree; AssertionError with the
-        numbers if not. Call when idle (`held_tokens`: slots running requests hold)."""
+        numbers if not. Call when idle (`held_tokens`: slots running requests hold); waits for the
+        tier's removals of retention hints (a file being unlinked is neither indexed nor gone)."""
         self._poll()
+        if with_tier:
+            self.retention.wait_jobs()
         restoring = self.controller.restores.held_slots() if self.controller is not None else []
         self.tree.check_integrity(restoring, held_tokens)
         if self.controller is not None:
@@ -817,6 +848,8 @@ class SpillRadixCache(RadixCache):
         """Take finished I/O and copies (never changes the tree; lookups attach in `_attach_lookups`)."""
         if self.controller is not None:
             self.controller.poll()
+            self.retention.poll()
+            self.tree.events.gone.collect(self.controller.tier)
             self._forget_old_deferrals()
             self.spill_metrics.set_tier_stats(self.controller.tier.stats())
             staging = self.controller.staging

@@ -45,6 +45,11 @@ class StagingPool:
     def used_bytes(self) -> int:
         return self._used
 
+    @property
+    def arena(self) -> memoryview:
+        """The whole arena (for a tier that maps it once: `Tier.register_host_memory`)."""
+        return self._arena.numpy().data
+
     def pin(self) -> bool:
         """Register the arena with the CUDA driver (page-locked), once; whether it is pinned. A
         failure is logged and copies then run synchronously through the driver's own staging."""

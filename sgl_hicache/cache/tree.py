@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
+from sgl_hicache.cache.events import TreeEvents
 from sgl_hicache.cache.spill_state import Extent, ExtentState, SpillRef
 from sgl_hicache.tier.base import Segment
 from sgl_hicache.tier.keys import ExtentKey
@@ -35,6 +36,7 @@ class SpillTree:
     def __init__(self, base: RadixCache) -> None:
         self.base = base
         self.spilled_tokens = 0
+        self.events = TreeEvents(base)  # what the router is told of each change (events.py)
 
     @property
     def root(self) -> TreeNode:
@@ -47,6 +49,7 @@ class SpillTree:
     def cleared(self) -> None:
         """sglang's reset emptied the tree: no spilled node is left."""
         self.spilled_tokens = 0
+        self.events.gone.clear()
 
     # ---- the one node factory, and the changes of state -------------------------------------
 
@@ -57,6 +60,7 @@ class SpillTree:
         node.parent, node.key, node.value, node.spill = parent, key, None, ref
         parent.children[key.child_key(self.page_size)] = node
         self.spilled_tokens += ref.count
+        self.events.spilled(node)
         return node
 
     def mark_spilled(self, node: TreeNode, ref: SpillRef) -> None:
@@ -68,6 +72,7 @@ class SpillTree:
         self.spilled_tokens += ref.count
         self.base._update_leaf_status(node)
         self.base._update_leaf_status(node.parent)
+        self.events.spilled(node)
         self.base.token_to_kv_pool_allocator.free_segment(slots, start_pos=0)
 
     def mark_resident(self, nodes: Sequence[TreeNode], values: Sequence[torch.Tensor]) -> None:
@@ -88,11 +93,13 @@ class SpillTree:
             self.base.protected_size_ += len(node.key)
         self.base._update_leaf_status(node)
         self.base._update_leaf_status(node.parent)
+        self.events.resident(node)
 
     def drop(self, node: TreeNode) -> int:
         """Remove resident leaf `node` (and the spilled nodes below it) from the tree; its slots are
         freed last. Returns their number."""
         slots = node.value
+        self.events.removed(node)
         self.base._delete_leaf(node)
         self.spilled_tokens -= _spilled_below(node)
         self.base.token_to_kv_pool_allocator.free_segment(slots, start_pos=0)
@@ -101,6 +108,7 @@ class SpillTree:
     def prune(self, node: TreeNode) -> int:
         """Remove spilled `node` (its KV is lost) and its spilled subtree; returns their tokens."""
         removed = node.spill.count + _spilled_below(node)
+        self.events.removed(node)
         self.spilled_tokens -= removed
         node.parent.children.pop(node.key.child_key(self.page_size), None)
         self.base._update_leaf_status(node.parent)
@@ -118,6 +126,7 @@ class SpillTree:
             new_node.value = child.value = None
         if ref is not None:
             new_node.spill, child.spill = ref.split(split_len)
+        self.events.split(new_node, child)
         return new_node
 
     def spilled_on_path(self, node: TreeNode, key: RadixKey) -> tuple[int, list[TreeNode]]:

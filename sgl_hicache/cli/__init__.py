@@ -1,7 +1,9 @@
 """`sgl-hicache`: the operator's view of a tier directory (docs/FORMAT.md), from the files alone.
 
     sgl-hicache inspect DIR [--json]   per namespace: extents, bytes, tokens, ages, temp files
-    sgl-hicache fsck DIR [--repair]    verify every byte of every extent; remove what is broken
+    sgl-hicache fsck DIR [--repair] [--cache-salt SALT]
+                                       verify every byte of every extent; remove what is broken;
+                                       list (remove) every extent of a tenant salt
 
 No model, namespace or server is needed: every 32-hex subdirectory of DIR is a namespace, and each
 extent is read with the tier's own code (`format.decode_fixed`, `load.open_extent`/`read_chunk`),
@@ -47,6 +49,8 @@ def parser() -> argparse.ArgumentParser:
     ins.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     fsck = sub.add_parser("fsck", help="verify every extent; --repair removes broken ones", description=_FSCK)
     fsck.add_argument("--repair", action="store_true", help="remove broken extents and stale temp files")
+    fsck.add_argument("--cache-salt", metavar="SALT",
+                      help="also list every extent of this cache_salt (none after a purge); --repair removes them")  # fmt: skip
     for sp in (ins, fsck):
         sp.add_argument("dir", type=Path, metavar="DIR", help="the tier directory (--hicache-spill-dir)")
     return p
@@ -58,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "inspect":
             return cmd_inspect(args.dir, args.json)
-        return cmd_fsck(args.dir, args.repair)
+        return cmd_fsck(args.dir, args.repair, args.cache_salt)
     except UsageError as e:
         print(f"sgl-hicache {args.command}: {e}", file=sys.stderr)
         return EXIT_USAGE

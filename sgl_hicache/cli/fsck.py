@@ -6,6 +6,11 @@ FormatError or short read: what a load would report CORRUPT), `stale-temp` (a cr
 temp file) or `unreadable` (another OSError such as EIO or EACCES). `--repair` removes the first
 two kinds, as the tier itself would; unreadable files are kept for the operator to look at.
 
+`--cache-salt SALT` also lists every extent of that tenant salt (`salt`: its MAC'd tag is the
+salt's, tier/purge.py) and every older one whose salt cannot be told (`salt?`: format v3/v4 without
+token ids): after a purge there must be none. With `--repair` they are removed too (a purge
+without a server). It needs the directory's secret (the tag is keyed with it).
+
 Temp files follow the tier's rule (`scan.is_stale_temp`): a writer of this host dead, or no write for
 STALE_TEMP_S, never a local pid check of another host's file; re-checked just before removal (a hung
 writer may have resumed). After repairs, the root's shared budget is recounted from the files
@@ -24,13 +29,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
-from sgl_hicache.cli.walk import NsFiles, classify, directory_seal, key_of, namespace_dirs
+from sgl_hicache.cli.walk import NsFiles, UsageError, classify, directory_seal, key_of, namespace_dirs
 from sgl_hicache.tier.directio import O_DIRECT, ShortIO, alloc_aligned
 from sgl_hicache.tier.filelock import NoLocks
 from sgl_hicache.tier.format import FormatError, Seal
 from sgl_hicache.tier.keys import ExtentKey, NamespaceId
 from sgl_hicache.tier.ledger import LEDGER_NAME, close_ledger, open_ledger
 from sgl_hicache.tier.load import open_extent, read_chunk
+from sgl_hicache.tier.purge import salt_mark
 from sgl_hicache.tier.scan import temp_still_stale
 
 VERIFY_THREADS = 4  # each holds one extent's whole payload in memory while verifying it
@@ -38,7 +44,7 @@ _local = threading.local()
 
 
 class Problem(NamedTuple):
-    kind: str  # corrupt | stale-temp | unreadable
+    kind: str  # corrupt | stale-temp | unreadable | salt | salt?
     path: str
     detail: str
 
@@ -91,13 +97,19 @@ def problems_of(files: NsFiles, seal: Seal | None, pool: ThreadPoolExecutor) -> 
     )
 
 
-def cmd_fsck(root: Path, repair: bool) -> int:
+def cmd_fsck(root: Path, repair: bool, cache_salt: str | None = None) -> int:
     """Print one line per problem (`removed` once repaired) and a summary (saying whether MACs
-    were verified); 1 if any remain."""
+    were verified); 1 if any remain. Raises UsageError for a salt without a readable secret."""
     namespaces = [classify(d, time.time()) for d in namespace_dirs(root)]
     seal, macs = directory_seal(root)
+    if cache_salt is not None and seal is None:
+        raise UsageError(
+            f"--cache-salt needs the directory's secret, and {macs.removeprefix('MACs NOT verified: ')}"
+        )
     with ThreadPoolExecutor(VERIFY_THREADS, thread_name_prefix="sgl-hicache-fsck") as pool:
         problems = [p for files in namespaces for p in problems_of(files, seal, pool)]
+    if cache_salt is not None and seal is not None:
+        problems += salt_problems(namespaces, seal, cache_salt)
     remaining = 0
     for p in problems:
         fixed = repair and _repairable(p) and _remove(p.path)
@@ -113,8 +125,20 @@ def cmd_fsck(root: Path, repair: bool) -> int:
     return 1 if remaining else 0
 
 
+def salt_problems(namespaces: list[NsFiles], seal: Seal, cache_salt: str) -> list[Problem]:
+    """The extents of `cache_salt` (and those whose salt cannot be told), as problems."""
+    tag, found = seal.salt(cache_salt), []
+    for de in (de for files in namespaces for de in files.extents):
+        mark = salt_mark(de.path, seal)
+        if mark is not None and mark.tag == tag:
+            found.append(Problem("salt", de.path, "holds KV of that cache_salt"))
+        elif mark is not None and not mark.known:
+            found.append(Problem("salt?", de.path, "format v3/v4 without token ids: its salt cannot be told"))
+    return found
+
+
 def _repairable(p: Problem) -> bool:
-    return p.kind == "corrupt" or (p.kind == "stale-temp" and temp_still_stale(p.path))
+    return p.kind in ("corrupt", "salt", "salt?") or (p.kind == "stale-temp" and temp_still_stale(p.path))
 
 
 def _recount_budget(root: Path) -> None:

@@ -6,7 +6,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from sgl_hicache.cache.identity import namespace_for
-from sgl_hicache.config import ConfigError, SpillConfig
+from sgl_hicache.config import ConfigError, SpillBackend, SpillConfig
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from sgl_hicache.cache.metrics import SpillMetrics
     from sgl_hicache.kernels import KVPoolView
     from sgl_hicache.server.hints import HintInbox
-    from sgl_hicache.tier import Namespace, Tier
+    from sgl_hicache.tier import IndexedTier, Namespace
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ TEST_FAULTS_ENV = "SGL_HICACHE_TEST_FAULTS"
 TEST_FAULTS_RANKS_ENV = "SGL_HICACHE_TEST_FAULTS_RANKS"
 
 
-def with_test_faults(tier: Tier, tp_rank: int = 0) -> Tier:
+def with_test_faults(tier: IndexedTier, tp_rank: int = 0) -> IndexedTier:
     """Fault injection for tests only: `SGL_HICACHE_TEST_FAULTS='{"latency_s": 1.5}'` (FaultSpec fields)
     wraps the tier in a FaultyTier, and says so loudly; `SGL_HICACHE_TEST_FAULTS_RANKS="1"` limits it
     to those TP ranks. Unset in production."""
@@ -118,7 +118,9 @@ def open_controller(
     except OSError as e:
         logger.error(
             "sgl_hicache: cannot open the spill tier in %s (%s); serving without spill",
-            config.tier.directory,
+            config.tier.mooncake.master
+            if config.tier.backend is SpillBackend.MOONCAKE
+            else config.tier.directory,
             e,
         )
         return None
@@ -126,6 +128,7 @@ def open_controller(
     staging = StagingPool(config.staging_bytes)
     if view.device.type == "cuda":
         staging.pin()
+    tier.register_host_memory(staging.arena)  # a Mooncake tier's transfers then go straight from it
     return SpillController(
         tier, view, staging, metrics, config.io_timeout_s, allocator, config.prefetch_ttl_s, streams
     )

@@ -24,7 +24,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sgl_hicache.config import Bare, ConfigError, SpillConfig, TierConfig, flag_of, format_size, key_of
+from sgl_hicache.config import (
+    Bare,
+    ConfigError,
+    MooncakeConfig,
+    SpillBackend,
+    SpillConfig,
+    TierConfig,
+    flag_of,
+    format_size,
+    key_of,
+)
 from sgl_hicache.server import values
 
 EXTRA_CONFIG = "--hicache-spill-extra-config"
@@ -66,13 +76,15 @@ class Setting:
             return "SIZE"
         if self.type is float:
             return "SECONDS" if self.name.endswith("_s") else "NUMBER"
-        named = {int: "N", Path: "DIR", bool: "true|false"}
+        named = {int: "N", Path: "DIR", bool: "true|false", MooncakeConfig: "JSON"}
         return named.get(self.type) or "{" + ",".join(m.value for m in self.type) + "}"
 
     @property
     def shown_default(self) -> str:
         if self.bare is not None:
             return format_size(self.default)
+        if self.type is MooncakeConfig:
+            return "none"
         return str(self.default).lower() if self.type is bool else str(self.default)
 
     def from_text(self, text: str) -> Any:
@@ -164,6 +176,8 @@ def config_from(
             raise ConfigError(f"{source}: {e}") from None
         given["tier" if s.path[0] == "tier" else ""][s.name], sources[s.name] = value, source
     try:
+        if given["tier"].get("backend") is SpillBackend.MOONCAKE:  # unset keys from MOONCAKE_* variables
+            given["tier"]["mooncake"] = given["tier"].get("mooncake", MooncakeConfig()).with_env(environ)
         return SpillConfig(tier=TierConfig(**given["tier"]), **given[""])
     except ConfigError as e:
         labels = {s.name: s.label for s in settings()} | sources

@@ -13,6 +13,10 @@ The answer is only "accepted". It used to carry the number of tokens whose reads
 that number tells any client whether a conversation with a given prefix is spilled, i.e. what
 another tenant talked about (with the same salt, or none), so it is no longer given.
 
+The same path carries the retention hints (`POST /hicache/pin`, `/hicache/drop`, `/hicache/purge`,
+cache/retention.py): a `kind` and, for a pin, `ttl_s`. The scheduler of TP rank 0 may refuse one
+(a pin over the pin budget) with a one-line reason, answered 409; every other answer is "accepted".
+
 Hostile input: every hint is checked twice, in the HTTP process (`http_routes.py`: HTTP 400 before
 anything reaches the scheduler) and again on the scheduler thread (`check_hint`), whose loop must
 never see an exception of ours: `HintInbox.drain` answers each hint, whatever goes wrong with it,
@@ -44,6 +48,8 @@ from typing import Any, NamedTuple
 import msgpack
 import zmq
 
+from sgl_hicache.cache.hint_source import HintRefused
+
 logger = logging.getLogger(__name__)
 
 RUNTIME_DIR_ENV = "SGL_HICACHE_RUNTIME_DIR"
@@ -53,6 +59,8 @@ REPLY_TIMEOUT_MS = 2000
 DRAIN_PER_ITERATION = 16  # hints the scheduler answers per loop iteration; the rest wait
 RECEIVE_HWM = 64  # messages queued per peer at the ROUTER before ZeroMQ stops taking more
 MAX_KEY_CHARS = 256  # cache_salt, extra_key
+KINDS = ("prefetch", "pin", "drop", "purge")
+MAX_TTL_S = 7 * 24 * 3600.0  # a pin's longest time to live (cache/pins.py)
 _MAX_SUN_PATH = 100  # a unix socket path is at most 107 bytes on Linux; keep a margin
 
 
@@ -70,18 +78,40 @@ class HintLimits(NamedTuple):
 
 
 class Hint(NamedTuple):
-    ids: list[int]
+    ids: list[int]  # empty for a purge
     extra_key: str | None
     cache_salt: str | None
+    kind: str = "prefetch"  # one of KINDS
+    ttl_s: float | None = None  # a pin's only
 
 
-def check_hint(ids: Any, extra_key: Any, cache_salt: Any, limits: HintLimits) -> Hint:
-    """The hint, if every field is well-formed; HintError otherwise."""
+def check_hint(ids: Any, extra_key: Any, cache_salt: Any, limits: HintLimits, kind: Any = "prefetch",
+               ttl_s: Any = None) -> Hint:  # fmt: skip
+    """The hint, if every field is well-formed for its kind; HintError otherwise."""
+    if kind not in KINDS:
+        raise HintError(f"unknown hint kind (one of {', '.join(KINDS)})")
+    extra_key, cache_salt = _check_key("extra_key", extra_key), _check_key("cache_salt", cache_salt)
+    if kind == "purge":
+        if ids is not None or extra_key is not None or ttl_s is not None:
+            raise HintError("a purge takes only 'cache_salt' (everything of that salt goes)")
+        if not cache_salt:
+            raise HintError("a purge needs a non-empty 'cache_salt'")
+        return Hint([], None, cache_salt, kind)
     if not isinstance(ids, list) or not 1 <= len(ids) <= limits.max_tokens:
         raise HintError(f"token ids must be a list of 1 to {limits.max_tokens} integers")
     if not all(type(t) is int and 0 <= t < limits.vocab_size for t in ids):  # not bool, not a float
         raise HintError(f"token ids must be integers in [0, {limits.vocab_size})")
-    return Hint(ids, _check_key("extra_key", extra_key), _check_key("cache_salt", cache_salt))
+    return Hint(ids, extra_key, cache_salt, kind, _check_ttl(kind, ttl_s))
+
+
+def _check_ttl(kind: str, ttl_s: Any) -> float | None:
+    if kind != "pin":
+        if ttl_s is not None:
+            raise HintError("only a pin takes 'ttl_s'")
+        return None
+    if type(ttl_s) not in (int, float) or not 0 < ttl_s <= MAX_TTL_S:  # NaN fails too; not bool
+        raise HintError(f"a pin needs 'ttl_s': seconds, a number in (0, {MAX_TTL_S:.0f}]")
+    return float(ttl_s)
 
 
 def _check_key(name: str, value: Any) -> str | None:
@@ -92,15 +122,30 @@ def _check_key(name: str, value: Any) -> str | None:
 
 def unpack_hint(payload: bytes, limits: HintLimits) -> Hint:
     """The scheduler's own check of a message from the socket; HintError or msgpack's errors."""
-    data = msgpack.unpackb(payload, max_array_len=limits.max_tokens, max_map_len=3,
+    data = msgpack.unpackb(payload, max_array_len=limits.max_tokens, max_map_len=5,
                            max_str_len=4 * MAX_KEY_CHARS, max_bin_len=0, max_ext_len=0)  # fmt: skip
-    if not isinstance(data, dict):
-        raise HintError("a hint is a map")
-    return check_hint(data.get("ids"), data.get("extra_key"), data.get("cache_salt"), limits)
+    if not isinstance(data, dict) or not set(data) <= set(Hint._fields):
+        raise HintError("a hint is a map of Hint's fields")
+    get = data.get
+    return check_hint(
+        get("ids"), get("extra_key"), get("cache_salt"), limits, get("kind", "prefetch"), get("ttl_s")
+    )
 
 
 def max_message_bytes(limits: HintLimits) -> int:
     return 9 * limits.max_tokens + 4 * MAX_KEY_CHARS * 2 + 256  # msgpack: at most 9 bytes per int
+
+
+def pack_hint(hint: Hint) -> bytes:
+    """A hint as it travels to the scheduler (a prefetch as before retention hints existed)."""
+    fields = hint._asdict()
+    if hint.kind == "prefetch":
+        del fields["kind"], fields["ttl_s"]
+    elif hint.ttl_s is None:
+        del fields["ttl_s"]
+    if hint.kind == "purge":
+        del fields["ids"], fields["extra_key"]
+    return msgpack.packb(fields)
 
 
 # ---- the private runtime directory ----------------------------------------------------------
@@ -182,10 +227,11 @@ class HintInbox:
             self._socket.close()
             raise HintSocketError(f"cannot bind the resume-hint socket {self.path}: {e}") from e
 
-    def drain(self, handle: Callable[[list[int], str | None, str | None], object]) -> int:
-        """Answer up to `DRAIN_PER_ITERATION` waiting hints with `handle(ids, extra_key, cache_salt)`
-        after checking each; returns how many were taken. Never blocks; raises nothing for a hint:
-        whatever goes wrong with one is its error reply."""
+    def drain(self, handle: Callable[..., object]) -> int:
+        """Answer up to `DRAIN_PER_ITERATION` waiting hints with `handle(ids, extra_key, cache_salt,
+        kind, ttl_s)` after checking each (a `HintRefused` it returns is answered 409 with its reason);
+        returns how many were taken. Never blocks; raises nothing for a hint: whatever goes wrong
+        with one is its error reply."""
         taken = 0
         while taken < DRAIN_PER_ITERATION:
             try:
@@ -203,12 +249,14 @@ class HintInbox:
         except Exception as e:  # a malformed message of any kind is a bad hint
             return {"error": f"bad hint: {e}", "status": 400}
         try:
-            handle(*hint)
+            answer = handle(*hint)
         except Exception as e:
             self.failures += 1
             if self.failures == 1:
                 logger.exception("sgl_hicache: a resume hint failed (logged once; answered with an error)")
             return {"error": f"the hint failed on the scheduler ({type(e).__name__})", "status": 500}
+        if isinstance(answer, HintRefused):
+            return {"error": answer.reason, "status": 409}
         return {"accepted": True}
 
     def _reply(self, peer: bytes, reply: dict[str, Any]) -> None:
@@ -234,7 +282,7 @@ def send_hint(runtime_dir: str, hint: Hint) -> dict[str, Any]:
     socket.setsockopt(zmq.LINGER, 0)
     try:
         socket.connect(address)
-        socket.send(msgpack.packb(hint._asdict()))
+        socket.send(pack_hint(hint))
         if not socket.poll(REPLY_TIMEOUT_MS):
             return {"error": "the scheduler did not answer the hint in time", "status": 503}
         reply: dict[str, Any] = msgpack.unpackb(socket.recv())

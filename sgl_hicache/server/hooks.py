@@ -28,7 +28,8 @@ launcher, the process that makes the hint socket's runtime directory, calls `reg
    Why: hints must run on the scheduler thread of every rank, and sglang's broadcast is the one
    channel that keeps ranks in step at no extra collective; no public input-source API.
 4. `http_server.set_global_state` (the HTTP process, once at start), through plugin.py's check
-   hook: afterwards, adds `POST /hicache/prefetch` to sglang's FastAPI app (`http_routes.py`).
+   hook: afterwards, adds `POST /hicache/prefetch` and the retention hints `/hicache/pin`, `/drop`,
+   `/purge` to sglang's FastAPI app (`http_routes.py`), which travel as resume hints do (3).
 5. `sglang.srt.utils.common.kill_process_tree`, BEFORE, in our launcher's process only: when sglang
    is about to kill its own main process (every shutdown path of 0.5.23 ends with SIGKILL to itself,
    so no `finally` of our launcher runs), first removes the hint socket's private runtime directory
@@ -162,22 +163,32 @@ def send_hints(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
 
 @contained
 def apply_hints(scheduler: Any, recv_reqs: Any = None, *args: Any, **kwargs: Any) -> None:
-    from sgl_hicache.cache.hint_source import ResumeHint
+    from sgl_hicache.cache.hint_source import ResumeHint, RetentionHint
     from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
 
-    if not isinstance(recv_reqs, list) or not any(isinstance(r, ResumeHint) for r in recv_reqs):
+    ours = (ResumeHint, RetentionHint)
+    if not isinstance(recv_reqs, list) or not any(isinstance(r, ours) for r in recv_reqs):
         return
-    hints = [r for r in recv_reqs if isinstance(r, ResumeHint)]
-    recv_reqs[:] = [r for r in recv_reqs if not isinstance(r, ResumeHint)]  # before anything can fail
+    hints = [r for r in recv_reqs if isinstance(r, ours)]
+    recv_reqs[:] = [r for r in recv_reqs if not isinstance(r, ours)]  # before anything can fail
     cache = scheduler.tree_cache
     if isinstance(cache, SpillRadixCache):
         for hint in hints:  # one at a time: a failed hint never skips the walks of those after it
-            prefetch_hint(cache, hint)
+            if isinstance(hint, RetentionHint):
+                retention_hint(cache, hint)
+            else:
+                prefetch_hint(cache, hint)
 
 
 @contained
 def prefetch_hint(cache: Any, hint: Any) -> None:
     cache.prefetch(*hint)
+
+
+@contained
+def retention_hint(cache: Any, hint: Any) -> None:
+    """A pin, drop or purge (cache/retention.py), on every rank in the same iteration."""
+    cache.retention.apply(hint)
 
 
 @contained

@@ -1,13 +1,17 @@
-"""`POST /hicache/prefetch`: the client resume hint (see `hints.py`).
+"""`POST /hicache/prefetch`: the client resume hint (see `hints.py`), and the retention hints
+`POST /hicache/pin` (the same body plus `"ttl_s"`), `/hicache/drop` (the same body) and
+`/hicache/purge` (`{"cache_salt": "..."}` only): cache/retention.py says what each does.
 
 Body: `{"messages": [...]}` (the conversation so far, tokenized with the model's chat template, no
 generation prompt: the next turn's prompt starts with exactly these tokens) or `{"input_ids": [...]}`;
 optional `"cache_salt"` and `"extra_key"` (strings) select the tenant, as on sglang's own endpoints.
-Answer, at once: `{"accepted": true, "prompt_tokens": n}` (why not more: `hints.py`). Errors are one
-JSON line `{"error": "..."}`: 400 for a bad body (not JSON, ids not integers in [0, vocab size),
-empty or longer than the context, keys not short strings, a chat template that refuses the
-messages), 413 for a body over `MAX_BODY_BYTES`, 503 when hints are off, too many are in flight or
-the scheduler did not answer in time.
+Answer, at once: `{"accepted": true, "prompt_tokens": n}` (a purge: `{"accepted": true}`; why not
+more: `hints.py`). Errors are one JSON line `{"error": "..."}`: 400 for a bad body (not JSON, ids
+not integers in [0, vocab size), empty or longer than the context, keys not short strings, a chat
+template that refuses the messages, a pin without a `ttl_s` in (0, 7 days], a purge without a
+salt or with anything else), 409 for a pin the scheduler refuses (over the pin budget, spill
+off), 413 for a body over `MAX_BODY_BYTES`, 503 when hints are off, too many are in flight or the
+scheduler did not answer in time.
 
 Everything that costs CPU (JSON parsing, the chat template) runs off the event loop, and at most
 `MAX_IN_FLIGHT` hints are handled at a time: the others get 503 at once.
@@ -26,6 +30,7 @@ from fastapi.responses import JSONResponse
 from sgl_hicache.server.hints import RUNTIME_DIR_ENV, Hint, HintError, HintLimits, check_hint, send_hint
 
 ROUTE = "/hicache/prefetch"
+ROUTES = {ROUTE: "prefetch", "/hicache/pin": "pin", "/hicache/drop": "drop", "/hicache/purge": "purge"}
 MAX_BODY_BYTES = 4 << 20
 MAX_MESSAGES = 1024
 MAX_IN_FLIGHT = 32
@@ -36,25 +41,30 @@ class BodyTooLarge(Exception):
 
 
 def add_prefetch_route(app: Any) -> None:
-    """Idempotent: registers the route on sglang's FastAPI app once."""
+    """Idempotent: registers the hint routes (`ROUTES`) on sglang's FastAPI app once; they share
+    one bound on hints in flight."""
     if any(getattr(r, "path", None) == ROUTE for r in app.routes):
         return
     slots = asyncio.Semaphore(MAX_IN_FLIGHT)
+    for path, kind in ROUTES.items():
+        app.add_api_route(path, _endpoint(slots, kind), methods=["POST"])
 
-    async def prefetch_endpoint(request: Request) -> JSONResponse:
+
+def _endpoint(slots: asyncio.Semaphore, kind: str) -> Any:
+    async def hint_endpoint(request: Request) -> JSONResponse:
         if slots.locked():
             return error(503, "too many resume hints in flight; try again later")
         async with slots:
-            return await answer_hint(request)
+            return await answer_hint(request, kind)
 
-    app.add_api_route(ROUTE, prefetch_endpoint, methods=["POST"])
+    return hint_endpoint
 
 
 def error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": " ".join(message.split())[:300]}, status_code=status)
 
 
-async def answer_hint(request: Request) -> JSONResponse:
+async def answer_hint(request: Request, kind: str = "prefetch") -> JSONResponse:
     from sglang.srt.entrypoints.http_server import get_global_state
 
     runtime_dir = os.environ.get(RUNTIME_DIR_ENV)
@@ -64,7 +74,7 @@ async def answer_hint(request: Request) -> JSONResponse:
     limits = HintLimits(int(manager.model_config.vocab_size), int(manager.context_len))
     try:
         data = await read_body(request, MAX_BODY_BYTES)
-        hint = await asyncio.to_thread(parse_hint, data, manager.tokenizer, limits)
+        hint = await asyncio.to_thread(parse_hint, data, manager.tokenizer, limits, kind)
     except BodyTooLarge as e:
         return error(413, str(e))
     except HintError as e:
@@ -72,7 +82,9 @@ async def answer_hint(request: Request) -> JSONResponse:
     reply = await asyncio.to_thread(send_hint, runtime_dir, hint)
     if "error" in reply:
         status = reply.get("status")
-        return error(status if status in (400, 500) else 503, str(reply["error"]))
+        return error(status if status in (400, 409, 500) else 503, str(reply["error"]))
+    if kind == "purge":
+        return JSONResponse({"accepted": True})
     return JSONResponse({"accepted": True, "prompt_tokens": len(hint.ids)})
 
 
@@ -89,15 +101,22 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(data)
 
 
-def parse_hint(data: bytes, tokenizer: Any, limits: HintLimits) -> Hint:
-    """The checked hint of a request body (blocking: JSON and chat template); HintError if bad."""
+def parse_hint(data: bytes, tokenizer: Any, limits: HintLimits, kind: str = "prefetch") -> Hint:
+    """The checked `kind` hint of a request body (blocking: JSON and chat template); HintError if bad."""
     try:
         body = json.loads(data)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise HintError(f"the body is not JSON: {e}") from None
     if not isinstance(body, dict):
         raise HintError("the body must be a JSON object")
-    return check_hint(hint_token_ids(body, tokenizer), body.get("extra_key"), body.get("cache_salt"), limits)
+    if kind == "purge":  # no conversation: everything of the salt
+        unknown = set(body) - {"cache_salt"}
+        if unknown:
+            raise HintError(f"a purge takes only 'cache_salt', not {', '.join(sorted(unknown))[:80]}")
+        return check_hint(None, None, body.get("cache_salt"), limits, kind)
+    ids = hint_token_ids(body, tokenizer)
+    ttl = None if kind == "prefetch" else body.get("ttl_s")  # a prefetch ignores it, as before
+    return check_hint(ids, body.get("extra_key"), body.get("cache_salt"), limits, kind, ttl)
 
 
 def hint_token_ids(body: dict[str, Any], tokenizer: Any) -> Any:

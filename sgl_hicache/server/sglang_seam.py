@@ -141,6 +141,15 @@ SEAM = (
     Touch(hooks.RELEASE_TARGET, METHOD, ()),
     Touch(hooks.LOOP_TARGET, METHOD, ()),
     Touch(_SCHED + "run_scheduler_process", FUNCTION, refers=("run_event_loop", "release_host_resources")),
+    # the KV cache events our cache keeps true for spilled nodes (cache/events.py)
+    Touch("sglang.srt.mem_cache.events.KVCacheEventRecorder", CLASS, (), ("enabled", "page_size",
+          "dynamo_format", "lora_names"), members=("enabled", "page_size", "dynamo_format", "lora_names",
+          "enqueue", "take")),
+    Touch("sglang.srt.mem_cache.events.KVCacheEventRecorder.record_store", OVERRIDE, ("node", "medium",
+          "session_id")),
+    Touch("sglang.srt.mem_cache.events.KVCacheEventRecorder.record_remove", OVERRIDE, ("node", "medium")),
+    Touch("sglang.srt.disaggregation.kv_events.StorageMedium", CLASS, members=("GPU", "DISK")),
+    Touch(_BASE + "BasePrefixCache.take_events", METHOD, (), refers=("kv_events", "take")),
     # the cache: SpilledTree(RadixCache), SpillRadixCache, warm_start
     Touch(_RADIX + "RadixCache", CLASS, ("params",), members=("evictable_leaves", "token_to_kv_pool_allocator",
           "evictable_size_", "protected_size_", "root_node", "page_size", "disable", "eviction_strategy",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from sgl_hicache.config import ConfigError, SpillConfig, TierConfig, flag_named
+from sgl_hicache.config import ConfigError, SpillBackend, SpillConfig, TierConfig, flag_named
 from sgl_hicache.tier.trust import UntrustedDirectory, check_trusted
 from sgl_hicache.tier.volume import human, too_small
 
@@ -122,5 +122,6 @@ def check_config(config: SpillConfig) -> None:
     """Everything about `config` that depends on this machine (pure checks ran at construction)."""
     if config.enabled:
         check_tier_directory(config.tier.directory)
-        check_volume(config.tier)
+        if config.tier.backend is SpillBackend.FILE:  # with mooncake the directory holds the secret only
+            check_volume(config.tier)
         check_staging(config.staging_bytes)

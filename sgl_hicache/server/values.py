@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from sgl_hicache.config import Bare, ConfigError, parse_size
+from sgl_hicache.config import Bare, ConfigError, MooncakeConfig, parse_size
 
 _INTEGER = re.compile(r"^\s*[+-]?\d+\s*$")
 _SWITCH = {
@@ -46,7 +46,17 @@ def from_text(tp: Any, bare: Bare | None, text: str) -> Any:
         return int(text)
     if tp is float:
         return _finite(text)
+    if tp is MooncakeConfig:
+        return MooncakeConfig.from_user(_json_object(text))
     return _plain(tp, text)
+
+
+def _json_object(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:
+        why = f"{e.msg} (at character {e.pos})" if isinstance(e, json.JSONDecodeError) else type(e).__name__
+        raise ConfigError(f"not a JSON object: {why}") from None
 
 
 def from_json(tp: Any, bare: Bare | None, value: Any) -> Any:

@@ -6,7 +6,12 @@ format.py       extent header encode/decode (docs/FORMAT.md)
 paths.py        fan-out file layout, free space
 trust.py        the directory must be ours; its secret, which keys every header MAC
 recreate.py     a directory removed while serving: re-created, secret written back
-nvme.py         NvmeTier, the implementation: submit/complete, store and load jobs
+nvme.py         NvmeTier, the implementation on a directory: submit/complete, store and load jobs
+mooncake.py     MooncakeTier, the implementation on a Mooncake Store (--hicache-spill-backend mooncake)
+mooncake_io.py  one extent as Mooncake objects (the file format, cut at its seams), written and verified
+mooncake_client.py  the Mooncake client: setup, object names, result codes
+mooncake_source.py  lookups over the store (lookup.py's walk, aliases as objects)
+recent.py       the bounded index of a tier that cannot list its store
 publish.py      a store's file half: "present" (adopting others' files), write + account outcome
 store.py        write one extent              load.py        read/verify one extent's chunks
 capacity.py     budget, watermark, eviction   index.py       LRU index, pins, byte accounting
@@ -26,14 +31,14 @@ faulty.py       FaultyTier: latency/failure/corruption injection for other compo
 
 from __future__ import annotations
 
-from sgl_hicache.config import TierConfig
-from sgl_hicache.tier.base import Completion, ExtentInfo, Op, Status, Ticket, Tier, TierStats
+from sgl_hicache.config import SpillBackend, TierConfig
+from sgl_hicache.tier.base import Completion, ExtentInfo, IndexedTier, Op, Status, Ticket, Tier, TierStats
 from sgl_hicache.tier.directio import alloc_aligned
 from sgl_hicache.tier.keys import ROOT_KEY, ExtentKey, KVDtype, KVLayout, Namespace, NamespaceId, chain_key
 from sgl_hicache.tier.trust import UntrustedDirectory
 
 
-def open_tier(config: TierConfig, namespace: Namespace) -> Tier:
+def open_tier(config: TierConfig, namespace: Namespace) -> IndexedTier:
     """Open (creating if needed) the tier in `config.directory` for `namespace`.
 
     Scans existing extents of the namespace (rebuilding the index, enforcing the budget, removing
@@ -41,14 +46,22 @@ def open_tier(config: TierConfig, namespace: Namespace) -> Tier:
     `UntrustedDirectory` (an OSError: one line saying how to fix it) if the directory or its
     secret is a symlink, not owned by this uid, or open to group/other (see trust.py), and
     OSError if the directory cannot be created.
+
+    With `config.backend` mooncake: joins the Mooncake Store as a client (mooncake.py); the
+    directory holds only the secret that seals every header. Raises `MooncakeUnavailable` (an
+    OSError) if the client cannot be set up.
     """
+    if config.backend is SpillBackend.MOONCAKE:
+        from sgl_hicache.tier.mooncake import MooncakeTier
+
+        return MooncakeTier(config, namespace)
     from sgl_hicache.tier.nvme import NvmeTier
 
     return NvmeTier(config, namespace)
 
 
 __all__ = [
-    "ROOT_KEY", "Completion", "ExtentInfo", "ExtentKey", "KVDtype", "KVLayout", "Namespace", "NamespaceId",
+    "ROOT_KEY", "Completion", "ExtentInfo", "ExtentKey", "IndexedTier", "KVDtype", "KVLayout", "Namespace", "NamespaceId",
     "Op", "Status", "Ticket", "Tier", "TierStats", "UntrustedDirectory", "alloc_aligned", "chain_key",
     "open_tier",
 ]  # fmt: skip

@@ -98,6 +98,11 @@ def _claim(link: Path) -> tuple[ExtentKey, int] | None:
         target = os.readlink(link)
     except OSError:
         return None
+    return parse_claim(target)
+
+
+def parse_claim(target: str) -> tuple[ExtentKey, int] | None:
+    """An alias's target "<extent key hex>.<offset>" as (key, offset); None for anything else."""
     m = _TARGET.fullmatch(target)
     return None if m is None else (ExtentKey(bytes.fromhex(m[1])), int(m[2]))
 

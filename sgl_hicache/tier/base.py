@@ -1,7 +1,16 @@
 """The spill tier's contract: an asynchronous, checksummed, capacity-bounded extent store.
 
 Everything a caller (the cache) may rely on is written here, once; implementations (`nvme.py`,
-`faulty.py`) add no promises of their own.
+`mooncake.py`, `faulty.py`) add no promises of their own. Two levels:
+
+- `Tier`: what the cache uses (sgl_hicache/cache/): submit store, submit load, poll completions
+  (`get_finished`, `wait`), cross-server lookups (`submit_lookup`, `lookups_finished`), the index
+  (`contains`), `shared`, `stats`, `close`; and four capabilities with a safe default that a
+  backend may lack: `landed` (early verified prefix: none), `extents` and `read_tokens` (a warm
+  start: nothing to attach), `check_integrity` (nothing to check), plus `register_host_memory`
+  (memory a backend may map once for zero-copy transfers: ignored); the retention hints' calls
+  (`take_evicted`, `retain`: nothing; `submit_remove`, `submit_purge`: refused) likewise.
+- `IndexedTier`: adds what tools and tests use on a tier's own index: `lookup` and `discard`.
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ writable one. Any dtype: the tier sees bytes."""
 class Op(enum.Enum):
     STORE = "store"
     LOAD = "load"
+    REMOVE = "remove"  # `submit_remove`; `nbytes` of its completion: files removed
+    PURGE = "purge"  # `submit_purge`; `nbytes` of its completion: files removed
 
 
 class Status(enum.Enum):
@@ -142,10 +153,12 @@ class TierStats:
     removed_bad_files: int
     recreations: int  # the directory was found removed while serving and re-created
     secret_conflicts: int  # ... but another process had re-created it with a new secret (kept)
+    purged_extents: int = 0  # removed by `submit_remove` / `submit_purge` (retention hints)
+    retained_extents: int = 0  # kept from eviction by `retain` now (pinned conversations)
 
 
 class Tier(abc.ABC):
-    """An extent store bound to one `Namespace`.
+    """An extent store bound to one `Namespace`: what the cache needs of one.
 
     Threading: every method is thread-safe. `submit_store`, `submit_load`, `get_finished`,
     `submit_lookup`, `lookups_finished`, `contains`, `lookup`, `extents`, `stats` and `shared`
@@ -162,6 +175,10 @@ class Tier(abc.ABC):
 
     Payloads are page-major (page p of all layers before page p+1), so the first n pages are a byte
     prefix: `submit_load(..., nbytes=n * page_bytes)` reads and verifies only what covers it.
+
+    Where a promise below names files, a directory or its budget, that is the file tier's
+    (`nvme.py`); another backend keeps the same promise on its own objects and says how in its
+    module doc (`mooncake.py`: objects in a Mooncake Store, whose master owns capacity and eviction).
     """
 
     @property
@@ -188,10 +205,13 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def submit_store(
         self, key: ExtentKey, payload: Buffer, tokens: Sequence[int] | np.ndarray, parent: ExtentKey,
-        *, store_tokens: bool = True, aliases: Sequence[tuple[int, bytes]] = (),
+        *, store_tokens: bool = True, aliases: Sequence[tuple[int, bytes]] = (), cache_salt: str | None = None,
     ) -> Ticket:  # fmt: skip
         """Queue writing `payload` as extent `key`, which must be `chain_key(ns, parent, tokens)`
         (ValueError otherwise: the key names exactly what the extent holds, see keys.py).
+
+        `cache_salt`: the tenant salt of the request that computed it, recorded as a keyed tag (never
+        the salt itself), so that `submit_purge` of that salt finds the extent.
 
         `aliases`: (offset, path key) pairs, offsets increasing in 1..len(tokens): the path key of
         the sequence up to that offset of the extent (`lookup.block_tokens` positions and the end).
@@ -235,7 +255,6 @@ class Tier(abc.ABC):
         waiting store is never passed over indefinitely. A load refreshes the extent's LRU age.
         """
 
-    @abc.abstractmethod
     def landed(self, ticket: Ticket) -> int:
         """How many leading bytes of a load's destination are read and verified so far. Never blocks.
 
@@ -244,8 +263,10 @@ class Tier(abc.ABC):
         chunks are still being read). The load may still fail afterwards (a later chunk corrupt, an
         I/O error): only an OK completion makes the whole range good. n grows while the load runs
         and holds until the completion is returned; it is 0 for stores, unknown tickets, loads not
-        started yet, and once the completion has been returned.
+        started yet, and once the completion has been returned. Default: 0 (no early prefix; the
+        caller then waits for the completion).
         """
+        return 0
 
     @abc.abstractmethod
     def get_finished(self) -> list[Completion]:
@@ -276,36 +297,68 @@ class Tier(abc.ABC):
     def contains(self, key: ExtentKey) -> bool:
         """Whether the index holds `key` (a later load may still MISS if another process evicts it)."""
 
-    @abc.abstractmethod
-    def lookup(self, key: ExtentKey) -> ExtentInfo | None:
-        """Index entry for `key`, or None."""
+    def take_evicted(self) -> list[ExtentKey]:
+        """The keys this process's tier evicted from its index since the last call (to make room),
+        oldest first; at most the last 65536 are kept between calls. Never blocks. The cache takes
+        them on the scheduler thread, so that the spilled nodes they held leave its tree and the
+        router hears of it (cache/events.py). Default: none (a backend whose evictions are not its
+        own to report)."""
+        return []
 
-    @abc.abstractmethod
     def extents(self) -> list[ExtentInfo]:
-        """All indexed extents, least recently used first (used to rebuild the cache after restart)."""
+        """All indexed extents, least recently used first (used to rebuild the cache after restart).
+        Default: none (a backend that cannot list its extents; a restarted server then finds them
+        by `submit_lookup`)."""
+        return []
 
-    @abc.abstractmethod
     def read_tokens(self, key: ExtentKey) -> np.ndarray | None:
         """Token ids stored in the header of `key` (uint32), verified like a load's header (MACs,
         key, and the ids against the digest; a bad file is dropped). None if missing, bad, or
-        stored with `store_tokens=False`. Blocks."""
+        stored with `store_tokens=False`. Blocks. Default: None."""
+        return None
 
-    @abc.abstractmethod
-    def discard(self, key: ExtentKey) -> bool:
-        """Remove `key` (unless a load is reading it: then False). Blocks for the unlink."""
+    # -- retention (pin, drop, purge hints); a tier without them refuses, never pretends --------
+
+    def retain(self, keys: Sequence[ExtentKey], until: float) -> None:
+        """Keep `keys` from this process's eviction until `time.monotonic()` reaches `until`
+        (replacing an earlier `until` of the same key); a key not published yet is kept once it
+        is. Other processes sharing the root do not see it. Never blocks. Default: keeps nothing."""
+        return None
+
+    def submit_remove(self, keys: Sequence[ExtentKey]) -> Ticket:
+        """Queue removing the files of `keys` (retained, or being read, or not), with their aliases;
+        completes `Op.REMOVE` OK, `nbytes` the files removed. Never blocks. Raises
+        NotImplementedError where the tier cannot."""
+        raise NotImplementedError(f"{type(self).__name__} cannot remove extents")
+
+    def submit_purge(self, cache_salt: str) -> Ticket:
+        """Queue removing every extent under the root (every namespace) stored with `cache_salt`,
+        and every one that may have been (older formats without a salt tag that hold no token ids),
+        and the aliases of each; stores of that salt in flight now have their file removed once
+        written (and complete REJECTED). Completes `Op.PURGE` OK, `nbytes` the files removed.
+        Never blocks. Raises NotImplementedError where the tier cannot."""
+        raise NotImplementedError(f"{type(self).__name__} cannot purge a cache_salt")
 
     @abc.abstractmethod
     def stats(self) -> TierStats:
         """A snapshot of the counters. Never blocks."""
 
-    @abc.abstractmethod
     def check_integrity(self) -> None:
         """Verify index vs files vs byte accounting; raise AssertionError with the numbers.
 
         Call when idle (no operation in flight); blocks for a directory walk. In a directory
         shared with another live process, extents it published since our scan (and its temp
         files) are reported as unindexed: check a shared directory from one process at a time.
+        Default: nothing to check.
         """
+        return None
+
+    def register_host_memory(self, buf: memoryview) -> None:
+        """`buf` (the caller's staging arena) will hold payloads and destinations for the tier's
+        life: a backend that moves bytes by RDMA registers it once here, so transfers go straight
+        from and into it. Call once, before the first submit; the caller keeps `buf` alive until
+        `close` returned. Default: nothing (files are read and written by the kernel)."""
+        return None
 
     @abc.abstractmethod
     def close(self, timeout_s: float | None = None) -> None:
@@ -324,3 +377,15 @@ class Tier(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class IndexedTier(Tier):
+    """A `Tier` whose own index tools and tests may query and edit (every tier we open is one)."""
+
+    @abc.abstractmethod
+    def lookup(self, key: ExtentKey) -> ExtentInfo | None:
+        """Index entry for `key`, or None."""
+
+    @abc.abstractmethod
+    def discard(self, key: ExtentKey) -> bool:
+        """Remove `key` (unless a load is reading it: then False). Blocks for the unlink."""

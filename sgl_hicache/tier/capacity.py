@@ -176,6 +176,12 @@ class Space:
             self.index.buried(key, entry.file_bytes)
             self._room.notify_all()
 
+    def unlinked(self, key: ExtentKey, nbytes: int) -> None:
+        """`key`, marked dying by a drop or purge (retention.py), is unlinked: no eviction counted."""
+        with self.lock:
+            self.index.buried(key, nbytes)
+            self._room.notify_all()
+
     def counted_eviction(self, nbytes: int) -> None:
         self._counters.add("evictions")
         self._counters.add("evicted_bytes", nbytes)

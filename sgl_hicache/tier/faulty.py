@@ -22,7 +22,7 @@ import itertools
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -31,12 +31,12 @@ from sgl_hicache.tier.base import (
     Buffer,
     Completion,
     ExtentInfo,
+    IndexedTier,
     LookupRequest,
     LookupResult,
     Op,
     Status,
     Ticket,
-    Tier,
     TierStats,
 )
 from sgl_hicache.tier.directio import as_view
@@ -94,8 +94,8 @@ class _Progress:
         return min(self.verified, int(self.total * share))
 
 
-class FaultyTier(Tier):
-    def __init__(self, inner: Tier, spec: FaultSpec) -> None:
+class FaultyTier(IndexedTier):
+    def __init__(self, inner: IndexedTier, spec: FaultSpec) -> None:
         self._inner, self._spec = inner, spec
         self._rng = random.Random(spec.seed)
         self._lock = threading.Lock()
@@ -136,14 +136,14 @@ class FaultyTier(Tier):
 
     def submit_store(
         self, key: ExtentKey, payload: Buffer, tokens: Sequence[int] | np.ndarray, parent: ExtentKey,
-        *, store_tokens: bool = True, aliases: Sequence[tuple[int, bytes]] = (),
+        *, store_tokens: bool = True, aliases: Sequence[tuple[int, bytes]] = (), cache_salt: str | None = None,
     ) -> Ticket:  # fmt: skip
         ticket, release_at, fail, _, _ = self._draw()
         if fail:
             return self._inject_failure(ticket, Op.STORE, key, release_at)
         with self._lock:  # held so that _pump cannot see the inner completion before its plan
             inner = self._inner.submit_store(key, payload, tokens, parent, store_tokens=store_tokens,
-                                             aliases=aliases)  # fmt: skip
+                                             aliases=aliases, cache_salt=cache_salt)  # fmt: skip
             self._plans[inner] = _Plan(ticket, release_at)
         return ticket
 
@@ -244,6 +244,9 @@ class FaultyTier(Tier):
     def contains(self, key: ExtentKey) -> bool:
         return self._inner.contains(key)
 
+    def take_evicted(self) -> list[ExtentKey]:
+        return self._inner.take_evicted()
+
     def lookup(self, key: ExtentKey) -> ExtentInfo | None:
         return self._inner.lookup(key)
 
@@ -261,6 +264,26 @@ class FaultyTier(Tier):
 
     def check_integrity(self) -> None:
         self._inner.check_integrity()
+
+    def register_host_memory(self, buf: memoryview) -> None:
+        self._inner.register_host_memory(buf)
+
+    def retain(self, keys: Sequence[ExtentKey], until: float) -> None:
+        self._inner.retain(keys, until)
+
+    def submit_remove(self, keys: Sequence[ExtentKey]) -> Ticket:
+        return self._passed_on(lambda: self._inner.submit_remove(keys))
+
+    def submit_purge(self, cache_salt: str) -> Ticket:
+        return self._passed_on(lambda: self._inner.submit_purge(cache_salt))
+
+    def _passed_on(self, submit: Callable[[], Ticket]) -> Ticket:
+        """A retention job, passed on without faults (it removes; a failure would only keep data)."""
+        with self._lock:
+            ticket = Ticket(next(self._tickets))
+            self._issued.add(ticket)
+            self._plans[submit()] = _Plan(ticket, time.monotonic())
+        return ticket
 
     def close(self, timeout_s: float | None = None) -> None:
         self._inner.close(timeout_s)

@@ -3,7 +3,9 @@
     [0, FIXED_SIZE)            fixed header (struct `_FIXED`, little-endian), ends with two MACs
     [FIXED_SIZE, +meta_len)    msgpack {"c": [[offset, length, xxh3-64], ...], "t": token ids (<u4
                                bytes; only if the writer allowed it: never for salted tenants),
-                               "a": [[offset, path key], ...] (v4: the aliases, see lookup.py)}
+                               "a": [[offset, path key], ...] (v4: the aliases, see lookup.py),
+                               "s": the salt tag (v5: `Seal.salt` of the writer's cache_salt; absent
+                               for a request without one)}
     [header_len, ...)          payload chunks; header_len and every chunk offset are multiples of 4096
 
 Authenticity (`Seal`): `meta_mac` = blake2b-128 keyed with the directory's secret over the meta;
@@ -30,8 +32,9 @@ from sgl_hicache.config import Compression
 from sgl_hicache.tier.keys import KEY_BYTES, ExtentKey, KVDtype, KVLayout, NamespaceId, token_digest
 
 MAGIC = b"SGLHCEXT"
-VERSION = 4  # 4: path-key aliases in the meta ("a"); 3: keyed header MACs, keys over a token digest
-READABLE_VERSIONS = (3, 4)  # a v3 file is a v4 file without aliases: loaded, never found by lookup
+VERSION = 5  # 5: the salt tag in the meta ("s"); 4: path-key aliases ("a"); 3: keyed header MACs
+READABLE_VERSIONS = (3, 4, 5)  # v3/v4: no salt tag (a purge removes those without token ids); v3: no aliases
+SALT_TAG_VERSION = 5  # the first version whose files say whether (and whose) cache_salt wrote them
 ALIGN = 4096
 EXTENT_SUFFIX = ".ext"
 TEMP_SUFFIX = ".tmp"
@@ -72,6 +75,14 @@ class Seal:
         return hashlib.blake2b(
             meta, digest_size=MAC_BYTES, key=self._secret, person=b"sglhc.meta.v3"
         ).digest()
+
+    def salt(self, cache_salt: str) -> bytes:
+        """The salt tag of `cache_salt`: a keyed digest, never the salt itself, so a purge finds a
+        tenant's extents while the files name no tenant to whoever lacks the secret."""
+        return hashlib.blake2b(
+            cache_salt.encode("utf-8", "surrogatepass"), digest_size=MAC_BYTES, key=self._secret,
+            person=b"sglhc.salt.v5",
+        ).digest()  # fmt: skip
 
 
 def align_up(n: int, align: int = ALIGN) -> int:
@@ -127,19 +138,24 @@ class Header:
 def header_bound(token_bytes: int, n_chunks: int, n_aliases: int = 0) -> int:
     """A header length (multiple of 4096) that fits any meta for these sizes (msgpack ints <= 9 B)."""
     aliases = 8 + n_aliases * _ALIAS_ENTRY_MAX
-    return align_up(FIXED_SIZE + 16 + token_bytes + 5 + n_chunks * _CHUNK_ENTRY_MAX + aliases)
+    salt = 2 + 2 + MAC_BYTES
+    return align_up(FIXED_SIZE + 16 + token_bytes + 5 + n_chunks * _CHUNK_ENTRY_MAX + aliases + salt)
 
 
 def encode_header(
-    header: Header, tokens: bytes | None, chunks: list[Chunk], seal: Seal, aliases: Sequence[Alias] = ()
-) -> bytes:
-    """Fixed header + meta (token ids only if `tokens` is given; `aliases` if any), sealed,
-    zero-padded to `header.header_len` (0: the least multiple of 4096)."""
+    header: Header, tokens: bytes | None, chunks: list[Chunk], seal: Seal, aliases: Sequence[Alias] = (),
+    salt_tag: bytes | None = None,
+) -> bytes:  # fmt: skip
+    """Fixed header + meta (token ids only if `tokens` is given; `aliases` if any; `salt_tag`, of
+    `Seal.salt`, if the writer had a cache_salt), sealed, zero-padded to `header.header_len` (0: the
+    least multiple of 4096)."""
     obj: dict[str, object] = {"c": [[c.offset, c.length, c.xxh] for c in chunks]}
     if tokens is not None:
         obj["t"] = tokens
     if aliases:
         obj["a"] = [[a.offset, a.path_key] for a in aliases]
+    if salt_tag is not None:
+        obj["s"] = salt_tag
     meta = msgpack.packb(obj)
     header_len = header.header_len or align_up(FIXED_SIZE + len(meta))
     if header_len < FIXED_SIZE + len(meta) or header_len % ALIGN:
@@ -273,3 +289,28 @@ def _meta_obj(header: Header, buf: bytes | memoryview, seal: Seal | None) -> dic
     if not isinstance(obj, dict):
         raise FormatError("meta is not a map")
     return obj
+
+
+class SaltMark(NamedTuple):
+    """Whose cache_salt wrote an extent, as far as its (MAC'd) meta says: `tag` (`Seal.salt`), or
+    None with `known` True (v5: written without a cache_salt), or None with `known` False (v3/v4
+    without token ids: some salted or `extra_key` tenant's, which one cannot be told)."""
+
+    tag: bytes | None
+    known: bool
+
+
+def decode_salt(header: Header, buf: bytes | memoryview, version: int, seal: Seal | None) -> SaltMark:
+    """The extent's `SaltMark` from its meta, verified like `decode_meta`; raises FormatError."""
+    obj = _meta_obj(header, buf, seal)
+    tag = obj.get("s")
+    if tag is not None and (not isinstance(tag, bytes) or len(tag) != MAC_BYTES):
+        raise FormatError("bad salt tag")
+    if version >= SALT_TAG_VERSION or tag is not None:
+        return SaltMark(tag, True)
+    return SaltMark(None, "t" in obj)  # older: token ids are stored for the default tenant only
+
+
+def version_of(buf: bytes | memoryview) -> int:
+    """The format version of a fixed header already decoded by `decode_fixed`."""
+    return int(_FIXED.unpack_from(buf)[1])

@@ -16,10 +16,12 @@ Each entry keeps `used_at` (wall clock of its publish or last use), so that the 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 from sgl_hicache.tier.base import ExtentInfo
 from sgl_hicache.tier.keys import ExtentKey
+
+EVICTED_KEPT = 1 << 16  # evicted keys kept for `Tier.take_evicted` between two calls
 
 
 class OverBudget(Exception):
@@ -56,6 +58,7 @@ class Index:
         self.dying_keys: set[ExtentKey] = set()
         self._lru: OrderedDict[ExtentKey, Entry] = OrderedDict()
         self._pins: dict[ExtentKey, int] = {}
+        self.evicted: deque[ExtentKey] = deque(maxlen=EVICTED_KEPT)  # `Tier.take_evicted`
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -122,6 +125,7 @@ class Index:
         """Take `victims` out of the index; their bytes count as dying until `buried`."""
         for key, entry in victims:
             self.remove(key)
+            self.evicted.append(key)
             self.dying += entry.file_bytes
             self.dying_keys.add(key)
 

@@ -65,16 +65,22 @@ def open_extent(
     fd = os.open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
     try:
         header, tokens, chunks, aliases = _read_header(fd, direct, seal)
-        if header.namespace != ns or header.key != key:
-            raise FormatError("extent belongs to another namespace or key")
-        if chain_key_from_digest(ns, header.parent, header.token_count, header.token_digest) != key:
-            raise Mismatch("the extent's parent, token count and token digest do not hash to its key")
+        check_identity(header, ns, key)
         if os.fstat(fd).st_size < header.file_size:
             raise FormatError(f"truncated extent: {os.fstat(fd).st_size} < {header.file_size} bytes")
     except BaseException:
         os.close(fd)
         raise
     return OpenExtent(fd, direct, header, tokens, chunks, aliases)
+
+
+def check_identity(header: Header, ns: NamespaceId, key: ExtentKey) -> None:
+    """The header is of namespace `ns` and key `key` (FormatError), and its parent, token count and
+    token digest hash to `key` (Mismatch)."""
+    if header.namespace != ns or header.key != key:
+        raise FormatError("extent belongs to another namespace or key")
+    if chain_key_from_digest(ns, header.parent, header.token_count, header.token_digest) != key:
+        raise Mismatch("the extent's parent, token count and token digest do not hash to its key")
 
 
 def _read_header(
@@ -102,22 +108,22 @@ def read_chunk(ext: OpenExtent, index: int, dest: memoryview, want: int) -> int:
     in_place = h.compression is Compression.NONE and need == raw_len
     if in_place and (not ext.direct or is_aligned(target)):
         pread_exact(ext.fd, target, file_off)
-        _verify(target, chunk, index)
+        verify_chunk(target, chunk, index)
         return need
     buf = _scratch(align_up(chunk.length) if ext.direct else chunk.length)
     pread_exact(ext.fd, buf, file_off)
     stored = buf[: chunk.length]
-    _verify(stored, chunk, index)
-    dest[raw_off : raw_off + need] = _decode(stored, h.compression, raw_len)[:need]
+    verify_chunk(stored, chunk, index)
+    dest[raw_off : raw_off + need] = decode_chunk(stored, h.compression, raw_len)[:need]
     return need
 
 
-def _verify(data: memoryview, chunk: Chunk, index: int) -> None:
+def verify_chunk(data: memoryview, chunk: Chunk, index: int) -> None:
     if xxhash.xxh3_64_intdigest(data) != chunk.xxh:
         raise FormatError(f"checksum mismatch in chunk {index}")
 
 
-def _decode(stored: memoryview, compression: Compression, raw_len: int) -> memoryview:
+def decode_chunk(stored: memoryview, compression: Compression, raw_len: int) -> memoryview:
     if compression is Compression.NONE:
         return stored
     try:

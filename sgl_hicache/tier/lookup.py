@@ -35,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -60,13 +61,52 @@ def block_tokens(page_size: int) -> int:
     return page_size * -(-BLOCK_TOKENS // page_size)
 
 
+class Claimed(NamedTuple):
+    """An extent's verified header, as a lookup checks a claim against it."""
+
+    parent: bytes
+    token_count: int
+    aliases: tuple[Alias, ...]
+    tokens: bytes | None
+
+
+class ExtentSource(Protocol):
+    """Where a lookup reads aliases and headers: a tier directory (`FileSource`) or a store."""
+
+    def alias(self, path_key: bytes) -> tuple[ExtentKey, int] | None:
+        """The claim published under `path_key` (extent, offset), or None."""
+
+    def header(self, key: ExtentKey) -> Claimed:
+        """`key`'s header verified like a load's (MACs, namespace, key re-derived from its fields);
+        FileNotFoundError if it is gone, FormatError or OSError if it cannot be used."""
+
+    def remove_dangling(self, path_key: bytes, key: ExtentKey) -> None:
+        """`path_key`'s alias named `key`, which is gone: remove it if it still does."""
+
+
+class FileSource:
+    """Aliases as symbolic links and extents as files of a tier directory (aliases.py, load.py)."""
+
+    def __init__(self, paths: ExtentPaths, ns: NamespaceId, seal: Seal) -> None:
+        self.paths, self.ns, self.seal = paths, ns, seal
+
+    def alias(self, path_key: bytes) -> tuple[ExtentKey, int] | None:
+        return read_alias(self.paths, path_key)
+
+    def header(self, key: ExtentKey) -> Claimed:
+        ext = open_extent(self.paths.extent(key), self.ns, key, False, self.seal)
+        os.close(ext.fd)
+        return Claimed(ext.header.parent, ext.header.token_count, ext.aliases, ext.tokens)
+
+    def remove_dangling(self, path_key: bytes, key: ExtentKey) -> None:
+        remove_dangling(self.paths.ns_dir, path_key, key)
+
+
 class _Walk:
     """One lookup's state: the prompt's path keys (computed once each) and the calls made."""
 
-    def __init__(
-        self, req: LookupRequest, paths: ExtentPaths, ns: NamespaceId, seal: Seal, page: int
-    ) -> None:
-        self.req, self.paths, self.ns, self.seal, self.page = req, paths, ns, seal, page
+    def __init__(self, req: LookupRequest, source: ExtentSource, ns: NamespaceId, page: int) -> None:
+        self.req, self.source, self.ns, self.page = req, source, ns, page
         self.calls = self.refused = self.stale = 0
         self.last_stale = False  # the last claim verified named a missing extent
         self._hashers: dict[int, PathHasher] = {}
@@ -85,7 +125,7 @@ class _Walk:
 
     def alias(self, pos: int) -> tuple[ExtentKey, int] | None:
         self.calls += 1
-        return read_alias(self.paths, self.key_at(pos))
+        return self.source.alias(self.key_at(pos))
 
     def verify(self, claim: tuple[ExtentKey, int], pos: int) -> Segment | None:
         key, offset = claim
@@ -96,20 +136,19 @@ class _Walk:
             return None
         self.calls += 4
         try:
-            ext = open_extent(self.paths.extent(key), self.ns, key, False, self.seal)
+            ext = self.source.header(key)
         except FileNotFoundError:
             self.stale, self.last_stale, self.calls = self.stale + 1, True, self.calls + 3
-            remove_dangling(self.paths.ns_dir, self.key_at(pos), key)
+            self.source.remove_dangling(self.key_at(pos), key)
             return None
         except (FormatError, OSError):
             self.refused += 1
             return None
-        os.close(ext.fd)
-        end = self._verified_end(ext.header.parent, ext.aliases, ext.tokens, start, pos, offset)
+        end = self._verified_end(ext.parent, ext.aliases, ext.tokens, start, pos, offset)
         if end is None:
             self.refused += 1
             return None
-        return Segment(key, ext.header.token_count, start, end)
+        return Segment(key, ext.token_count, start, end)
 
     def _verified_end(self, parent: bytes, aliases: tuple[Alias, ...], tokens: bytes | None, start: int, pos: int,
                       offset: int) -> int | None:  # fmt: skip
@@ -132,9 +171,14 @@ class _Walk:
 def run_lookup(
     req: LookupRequest, paths: ExtentPaths, ns: NamespaceId, seal: Seal, page_size: int
 ) -> LookupResult:
-    """The lookup itself (blocking file system calls: run it on an I/O thread)."""
+    """The lookup itself in a tier directory (blocking file system calls: run it on an I/O thread)."""
+    return run_lookup_in(req, FileSource(paths, ns, seal), ns, page_size)
+
+
+def run_lookup_in(req: LookupRequest, source: ExtentSource, ns: NamespaceId, page_size: int) -> LookupResult:
+    """The lookup itself over `source` (blocking: run it on an I/O thread)."""
     t0 = time.perf_counter()
-    walk = _Walk(req, paths, ns, seal, page_size)
+    walk = _Walk(req, source, ns, page_size)
     segments = _segments(walk, block_tokens(page_size))
     return LookupResult(req, segments, walk.calls, walk.refused, walk.stale, time.perf_counter() - t0)
 

@@ -1,4 +1,4 @@
-"""NvmeTier: the extent store on a local or NVMe-oF directory (contract: `base.Tier`).
+"""NvmeTier: the extent store on a local or NVMe-oF directory (contract: `base.IndexedTier`).
 
 Jobs run on `IoScheduler` threads; the lock guards only the index, tickets and completions, never
 I/O. Opening checks the directory is ours and reads its secret (trust.py), which seals every header
@@ -26,7 +26,7 @@ import contextlib
 import errno
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import numpy as np
@@ -36,12 +36,12 @@ from sgl_hicache.tier.base import (
     Buffer,
     Completion,
     ExtentInfo,
+    IndexedTier,
     LookupRequest,
     LookupResult,
     Op,
     Status,
     Ticket,
-    Tier,
     TierStats,
 )
 from sgl_hicache.tier.capacity import Space
@@ -52,20 +52,21 @@ from sgl_hicache.tier.filelock import NoLocks
 from sgl_hicache.tier.format import FormatError, Mismatch, Seal
 from sgl_hicache.tier.index import OverBudget
 from sgl_hicache.tier.integrity import check_files
-from sgl_hicache.tier.keys import ExtentKey, Namespace, chain_key_from_digest, check_key
+from sgl_hicache.tier.keys import ROOT_KEY, ExtentKey, Namespace, chain_key_from_digest, check_key
 from sgl_hicache.tier.ledger import Ledger, close_ledger, open_ledger
 from sgl_hicache.tier.load import LoadState, OpenExtent, open_extent, read_chunk
 from sgl_hicache.tier.lookup import LookupQueue, run_lookup
 from sgl_hicache.tier.paths import ExtentPaths
 from sgl_hicache.tier.publish import Publisher
 from sgl_hicache.tier.recreate import Recreator
+from sgl_hicache.tier.retention import TierRetention
 from sgl_hicache.tier.scan import scan
 from sgl_hicache.tier.scheduler import IoScheduler
 from sgl_hicache.tier.store import StoreRequest, prepare
 from sgl_hicache.tier.volume import warn_if_too_small
 
 
-class NvmeTier(Tier):
+class NvmeTier(IndexedTier):
     def __init__(self, cfg: TierConfig, namespace: Namespace) -> None:
         self._cfg, self._ns, self._ns_id = cfg, namespace, namespace.id
         self._paths = ExtentPaths(cfg.directory, self._ns_id)
@@ -83,6 +84,7 @@ class NvmeTier(Tier):
         self._lookups = LookupQueue()
         self._storing: dict[ExtentKey, Ticket] = {}  # key -> ticket of the store writing it
         self._loading: dict[Ticket, LoadState] = {}  # loads whose completion is not returned yet
+        self._retention = TierRetention(self._space, self._seal, self._storing)  # pin, drop, purge
         self._closed = self._abandoned = False
         self._rebuild_index()
         self._io = IoScheduler(cfg.io_threads)
@@ -135,19 +137,22 @@ class NvmeTier(Tier):
 
     def submit_store(
         self, key: ExtentKey, payload: Buffer, tokens: Sequence[int] | np.ndarray, parent: ExtentKey,
-        *, store_tokens: bool = True, aliases: Sequence[tuple[int, bytes]] = (),
+        *, store_tokens: bool = True, aliases: Sequence[tuple[int, bytes]] = (), cache_salt: str | None = None,
     ) -> Ticket:  # fmt: skip
         view = as_view(payload, writable=False)
-        req = StoreRequest.of(check_key(key), check_key(parent), tokens, view, store_tokens, aliases)
+        tag = None if cache_salt is None else self._seal.salt(cache_salt)
+        req = StoreRequest.of(check_key(key), check_key(parent), tokens, view, store_tokens, aliases, tag)
         if chain_key_from_digest(self._ns_id, parent, req.token_count, req.token_digest) != key:
             raise ValueError("an extent key must be chain_key(namespace, parent, tokens) of what it holds")
         ticket = self._completions.issue()
         with self._lock:  # queue under the lock: close() cannot slip in between
+            self._retention.expire_locked()  # a store is what evicts: pins past their deadline go first
             closed, leader = self._closed, self._storing.get(key)
             if leader is not None:  # the same extent is being written: share its outcome
                 self._completions.follow(leader, ticket)
             elif not closed:  # indexed or not: the job checks the file (another process may remove it)
                 self._storing[key] = ticket
+                self._retention.storing_locked(key, tag)
                 self._io.submit_write(partial(self._store_job, ticket, req))
         if closed:
             self._completions.post(Completion(ticket, Op.STORE, key, Status.REJECTED, 0, "closed"))
@@ -157,6 +162,10 @@ class NvmeTier(Tier):
         done = _abandoned_store(ticket, req.key) if self._abandoned else self._store(ticket, req)
         with self._lock:
             del self._storing[req.key]
+            doomed = self._retention.stored_locked(req.key)
+        if doomed:  # dropped or purged while written: the file goes, the write never happened
+            self._retention.unlink(doomed)
+            done = Completion(ticket, Op.STORE, req.key, Status.REJECTED, 0, "purged while written")
         self._completions.post(done)
 
     def _store(self, ticket: Ticket, req: StoreRequest) -> Completion:
@@ -289,6 +298,12 @@ class NvmeTier(Tier):
         with self._lock:
             return key in self._index
 
+    def take_evicted(self) -> list[ExtentKey]:
+        with self._lock:
+            keys = list(self._index.evicted)
+            self._index.evicted.clear()
+        return keys
+
     def lookup(self, key: ExtentKey) -> ExtentInfo | None:
         with self._lock:
             entry = self._index.get(key)
@@ -316,14 +331,52 @@ class NvmeTier(Tier):
             entry = self._index.remove(key)
         return self._space.remove_file(key) or entry is not None
 
+    # -- retention (retention.py) -------------------------------------------------------------
+
+    def retain(self, keys: Sequence[ExtentKey], until: float) -> None:
+        with self._lock:
+            self._retention.retain_locked([check_key(k) for k in keys], until)
+
+    def submit_remove(self, keys: Sequence[ExtentKey]) -> Ticket:
+        keys = [check_key(k) for k in keys]
+        with self._lock:  # marked now: a store of one of them queued later waits for its unlink
+            marked = self._retention.mark_locked(keys)
+        return self._submit_job(Op.REMOVE, lambda: self._retention.unlink(marked))
+
+    def submit_purge(self, cache_salt: str) -> Ticket:
+        tag = self._seal.salt(cache_salt)
+        with self._lock:
+            self._retention.doom_locked(tag)
+        return self._submit_job(Op.PURGE, lambda: self._retention.purge(tag))
+
+    def _submit_job(self, op: Op, job: Callable[[], int]) -> Ticket:
+        """Queue `job` (returns how many files it removed) with the writes; its completion says."""
+        ticket = self._completions.issue()
+
+        def run() -> None:
+            try:
+                done = Completion(ticket, op, ROOT_KEY, Status.OK, job())
+            except Exception as e:  # I/O errors, and bugs: logged by _fail, never lost
+                done = self._fail(op, ticket, ROOT_KEY, e)
+            self._completions.post(done)
+
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._io.submit_write(run)
+        if closed:
+            self._completions.post(Completion(ticket, op, ROOT_KEY, Status.REJECTED, 0, "closed"))
+        return ticket
+
     def stats(self) -> TierStats:
         c = self._counters.snapshot()
         with self._lock:
             extents, used = len(self._index), self._index.used_bytes
+            retained = self._retention.retained
         names = [f for f in TierStats.__dataclass_fields__ if f not in _DERIVED]
         return TierStats(
             extents=extents, bytes_stored=used, capacity_bytes=self._cfg.capacity_bytes,
-            direct_io=self._direct, **{name: c.get(name, 0) for name in names},
+            direct_io=self._direct, retained_extents=retained, **{name: c.get(name, 0) for name in names},
         )  # fmt: skip
 
     def check_integrity(self) -> None:
@@ -395,4 +448,4 @@ _COUNTER_OF = {
     Status.MISS: "misses", Status.CORRUPT: "checksum_failures", Status.MISMATCH: "mismatches",
     Status.NO_SPACE: "no_space",
 }  # fmt: skip
-_DERIVED = {"extents", "bytes_stored", "capacity_bytes", "direct_io"}
+_DERIVED = {"extents", "bytes_stored", "capacity_bytes", "direct_io", "retained_extents"}

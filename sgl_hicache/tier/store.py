@@ -57,11 +57,12 @@ class StoreRequest:
     tokens: bytes | None  # <u4 token ids to record in the header, or None (a salted tenant's)
     payload: memoryview  # format "B", contiguous
     aliases: tuple[Alias, ...] = ()  # recorded in the meta and published (aliases.py)
+    salt_tag: bytes | None = None  # format.Seal.salt of the writer's cache_salt (purge.py)
 
     @classmethod
     def of(
         cls, key: ExtentKey, parent: ExtentKey, tokens: Sequence[int] | np.ndarray, payload: memoryview,
-        store_tokens: bool = True, aliases: Sequence[tuple[int, bytes]] = (),
+        store_tokens: bool = True, aliases: Sequence[tuple[int, bytes]] = (), salt_tag: bytes | None = None,
     ) -> StoreRequest:  # fmt: skip
         """The request to store `payload` as `key` with header fields for `tokens` (not checked
         against `key`: the tier does that). Raises ValueError for token ids outside u32, and for
@@ -74,7 +75,8 @@ class StoreRequest:
             raise ValueError("alias offsets must increase within 1..token count")
         if any(len(a.path_key) != KEY_BYTES for a in marks):
             raise ValueError("alias path keys are 16 bytes")
-        return cls(key, parent, count, token_digest(tokens), data if store_tokens else None, payload, marks)
+        digest = token_digest(tokens)
+        return cls(key, parent, count, digest, data if store_tokens else None, payload, marks, salt_tag)
 
 
 @dataclass(frozen=True)
@@ -190,7 +192,7 @@ def _header(prep: Prepared, cfg: TierConfig, ns: Namespace, chunks: list[Chunk],
         payload_len=req.payload.nbytes, stored_len=prep.stored_len, created_ns=time.time_ns(),
         header_len=prep.header_len,
     )  # fmt: skip
-    return encode_header(header, req.tokens, chunks, seal, req.aliases)
+    return encode_header(header, req.tokens, chunks, seal, req.aliases, req.salt_tag)
 
 
 def _aligned(data: memoryview | bytes, slot: str) -> memoryview:

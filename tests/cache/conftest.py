@@ -122,9 +122,10 @@ def read_kv(pool: Any, slots: torch.Tensor) -> list[int]:
 
 def build_stack(tier_dir: Path, size: int = 256, spill: bool = True, chunk_bytes: int = 4 << 20,
                 page_size: int = 1, capacity_bytes: int = 1 << 30, streams: Any = None,
-                device: str = "cpu", **overrides: Any) -> Stack:  # fmt: skip
+                device: str = "cpu", kv_events: bool = False, **overrides: Any) -> Stack:  # fmt: skip
     """A real sglang pool and allocator under a SpillRadixCache whose tier lives in `tier_dir`
-    (`streams`: the copy streams' stand-in, see fake_device.py; default the CPU's)."""
+    (`streams`: the copy streams' stand-in, see fake_device.py; default the CPU's; `kv_events`:
+    record sglang's KV cache events, as `--kv-events-config` does)."""
     from sgl_hicache.kernels import from_sglang_pool
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
@@ -145,7 +146,11 @@ def build_stack(tier_dir: Path, size: int = 256, spill: bool = True, chunk_bytes
             size, page_size, torch.bfloat16, device, pool, need_sort=False
         )
     params = CacheInitParams(
-        disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator, page_size=page_size
+        disable=False,
+        req_to_token_pool=None,
+        token_to_kv_pool_allocator=allocator,
+        page_size=page_size,
+        enable_kv_cache_events=kv_events,
     )
     tier = TierConfig(
         directory=tier_dir, capacity_bytes=capacity_bytes, min_free_bytes=0, chunk_bytes=chunk_bytes

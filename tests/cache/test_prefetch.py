@@ -121,3 +121,24 @@ def test_reads_restarted_past_their_ttl_never_defer_a_request_forever(make_stack
         assert time.monotonic() < deadline, "deferred for 5 s with a 0.3 s limit"
         time.sleep(0.02)
     assert answer == (0, m.last_device_node) and s.metrics.totals["restores_too_late"] == 1
+
+
+def test_a_resumed_turns_phases_are_counted(make_stack: Any) -> None:
+    """The benchmark's per-phase breakdown (`restore_*_seconds`): a read of 0.3 s that the admission
+    waited for shows as wait and read time, and the unpack that followed as unpack time."""
+    from sgl_hicache.config import PrefetchPolicy
+
+    s = slow_stack(make_stack, prefetch_policy=PrefetchPolicy.WAIT_COMPLETE)
+    t0 = time.monotonic()
+    loaded, last = s.load_back(s.match(A), rid="resumed")
+    elapsed = time.monotonic() - t0
+    assert loaded == 40 and read_kv(s.pool, last.value) == expected_kv(A)
+    totals = s.metrics.totals
+    assert 0.25 <= totals["restore_wait_seconds"] <= elapsed
+    assert 0.25 <= totals["restore_read_seconds"] <= elapsed
+    assert 0 < totals["restore_unpack_seconds"] <= elapsed
+    assert totals["lookup_seconds"] == 0  # a private tier's own extents: no lookup ran
+    before = dict(totals)
+    again = s.load_back(s.match(A), rid="resident")  # a device hit: no phase grows
+    assert again[0] == 0
+    assert all(totals[k] == before[k] for k in totals if k.endswith("_seconds"))

@@ -90,3 +90,12 @@ def metrics(base_url: str) -> dict[str, float]:
         short = name + ("{" + ",".join(f'{k}="{v}"' for k, v in pairs) + "}" if pairs else "")
         out[short] = out.get(short, 0.0) + value
     return out
+
+
+@pytest.fixture(scope="session")
+def exactness_transcript(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
+    """test_exactness_server.py's workload as a never-evicting plain server served it, once per
+    session (the differential tests of both tier backends replay it)."""
+    from tests.server.test_exactness_server import make_transcript
+
+    return make_transcript(tiny_model, tmp_path_factory.mktemp("reference"))

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,15 +148,20 @@ def plain_reference(model: Path, tmp: Path, page: int) -> ServerProcess:
     )
 
 
-@pytest.fixture(scope="module")
-def transcript(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Sent]]:
-    """The workload as the never-evicting plain sglang server (page size 1) served it."""
-    with plain_reference(tiny_model, tmp_path_factory.mktemp("reference"), 1) as ref:
+def make_transcript(model: Path, tmp: Path) -> list[Sent]:
+    """The workload as the never-evicting plain sglang server (page size 1) served it (made once
+    per session: conftest.py's `exactness_transcript`; test_mooncake_server.py replays it too)."""
+    with plain_reference(model, tmp, 1) as ref:
         sent = Workload(SEED, lambda ids: generate(ref.base_url, ids)["output_ids"]).run(
             max(REQUESTS.values())
         )
     assert sum(len(s.input_ids) + MAX_NEW for s in sent) < REFERENCE_POOL, "the reference could evict"
-    yield sent
+    return sent
+
+
+@pytest.fixture
+def transcript(exactness_transcript: list[Sent]) -> list[Sent]:
+    return exactness_transcript
 
 
 def differences(sent: list[Sent], replies: list[dict[str, Any]]) -> list[str]:

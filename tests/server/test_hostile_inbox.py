@@ -108,7 +108,7 @@ def test_the_scheduler_checks_again(payload: bytes) -> None:
 def test_a_hint_round_trip_says_only_accepted(inbox: HintInbox, private: Path) -> None:
     seen = []
     reply = ask(inbox, private, Hint([1, 2, 3], "k", "s"), lambda *a: seen.append(a) or 123)
-    assert reply == {"accepted": True} and seen == [([1, 2, 3], "k", "s")]
+    assert reply == {"accepted": True} and seen == [([1, 2, 3], "k", "s", "prefetch", None)]
 
 
 def test_a_bad_message_gets_an_error_reply(inbox: HintInbox, private: Path) -> None:

@@ -1,0 +1,272 @@
+"""The retention hints on the cache: pin a conversation's prefix, drop it, purge a cache_salt.
+
+Hints reach every TP rank in the same scheduler iteration, as resume hints do (server/hooks.py, 3):
+the scheduler of rank 0 takes them from its inbox (`take`: a pin over the budget is refused there,
+before the broadcast), and every rank then `apply`s each to its own tree and tier. Tree changes
+are the same on every rank (same walk, same splits, same locks); tier changes are each rank's own
+(its namespace, its files).
+
+- **pin** (`ttl_s`): the prefix is covered by a pin (pins.py) until the deadline. Eviction spills a
+  covered node whatever its length (`min_spill_tokens` does not apply) and the tier keeps the
+  extent holding it (`Tier.retain`) until the deadline; extents of the prefix already on the tier
+  are kept from now. A covered node is still dropped where it cannot be written (staging full,
+  larger than staging, no tier, a TP rank that failed to spill it). Pins live in memory: a
+  restart forgets them (the extents stay on the tier under its LRU).
+- **drop**: the prefix's own branch goes now, with everything cached after it (its later turns):
+  walking the prefix, from where it leaves what other cached sequences share (a system prompt
+  other conversations continue) to its end and below. Spilled nodes are pruned, device nodes freed,
+  their extents removed from the tier (`Tier.submit_remove`; one still being written is removed
+  once written: `poll`), their prefetched reads released, their pins ended. A device node in use
+  by a running request (locked) stays, with its ancestors: that request's KV is cached again when
+  it finishes, like any request's.
+- **purge** (`cache_salt`): every node of that salt is dropped as above, its pins end, and the tier
+  removes every extent of the salt under its root, in every namespace (`Tier.submit_purge`,
+  tier/purge.py), and those of its stores in flight once written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from array import array
+from collections import deque
+from typing import Any, Protocol
+
+from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
+
+from sgl_hicache.cache.agreement import Agreement
+from sgl_hicache.cache.controller import SpillController
+from sgl_hicache.cache.hint_source import HintRefused, ResumeHint, RetentionHint
+from sgl_hicache.cache.metrics import SpillMetrics
+from sgl_hicache.cache.pins import Pin, Pins
+from sgl_hicache.cache.spill_state import Extent, ExtentState, SpillRef
+from sgl_hicache.cache.tree import SpillTree
+from sgl_hicache.config import SpillConfig
+from sgl_hicache.kernels import packed_nbytes
+from sgl_hicache.tier.base import Ticket
+from sgl_hicache.tier.keys import tenant_of
+
+logger = logging.getLogger(__name__)
+
+
+class Host(Protocol):
+    """What retention needs of the cache (`SpillRadixCache` is one)."""
+
+    controller: SpillController | None
+    tree: SpillTree
+    spill_config: SpillConfig
+    spill_metrics: SpillMetrics
+    agreement: Agreement
+    page_size: int
+    root_node: TreeNode
+
+
+class Retention:
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self._pins: Pins | None = None
+        self._doomed: list[Extent] = []  # extents of dropped nodes still being written
+        self.jobs: deque[Ticket] = deque(maxlen=256)  # the tier's latest removals and purges (`wait_jobs`)
+        self._purge_refusal_logged = False
+
+    @property
+    def pins(self) -> Pins | None:
+        """The pins, once there is a tier to keep them (None without one: pins are refused)."""
+        ctl = self.host.controller
+        if self._pins is None and ctl is not None:
+            cfg, ranks, view = self.host.spill_config, self.host.agreement.size, ctl.view
+            budget = int(cfg.pin_share * cfg.tier.capacity_bytes)
+            self._pins = Pins(budget, lambda n: packed_nbytes(view, n) * ranks)
+        return self._pins
+
+    # ---- taking hints (the scheduler of TP rank 0) --------------------------------------------
+
+    def take(self, taken: list[Any], ids: list[int], extra_key: str | None, cache_salt: str | None,
+             kind: str = "prefetch", ttl_s: float | None = None) -> HintRefused | None:  # fmt: skip
+        """The inbox's handler: queue one checked hint for the broadcast, or refuse it (a pin
+        that does not fit the pin budget, or with spill off)."""
+        if kind == "prefetch":
+            taken.append(ResumeHint(list(ids), extra_key, cache_salt))
+            return None
+        if kind == "pin":
+            key = _key(ids, extra_key, cache_salt, self.host.page_size)
+            pins = self.pins
+            if pins is None:
+                return HintRefused("spill is off on this server: there is no tier to pin to")
+            reason = pins.admit(_tenant(key), key.cache_salt, key.raw_token_ids(), float(ttl_s or 0))
+            if reason is not None:
+                self.host.spill_metrics.inc("pins_refused")
+                return HintRefused(reason)
+        taken.append(RetentionHint(kind, list(ids), extra_key, cache_salt, ttl_s))
+        return None
+
+    # ---- applying them (every rank, same iteration) ------------------------------------------
+
+    def apply(self, hint: RetentionHint) -> None:
+        m = self.host.spill_metrics
+        if hint.kind == "purge" and hint.cache_salt:
+            m.inc("purges")
+            self.purge(hint.cache_salt)
+            return
+        key = _key(hint.token_ids, hint.extra_key, hint.cache_salt, self.host.page_size)
+        if hint.kind == "pin" and len(key):
+            m.inc("pins")
+            self.pin(key, float(hint.ttl_s or 0))
+        elif hint.kind == "drop" and len(key):
+            m.inc("drops")
+            self.drop(key)
+
+    def pin(self, key: RadixKey, ttl_s: float) -> None:
+        pins = self.pins
+        if pins is None:
+            return
+        pin = pins.add(_tenant(key), key.cache_salt, key.raw_token_ids(), ttl_s)  # again on rank 0: same pin
+        for node in self._path(key):
+            if node.evicted:
+                self.spilled(node, pin)
+
+    def drop(self, key: RadixKey) -> None:
+        path = self._path(key)
+        if self.pins is not None:
+            self.pins.forget(tenant=_tenant(key), tokens=key.raw_token_ids())
+        if not path:
+            return
+        top = path[-1]
+        while top.parent is not self.host.root_node and len(top.parent.children) == 1:
+            top = top.parent  # the parent is this conversation's alone: it goes too
+        self._drop_subtree(top)
+
+    def purge(self, cache_salt: str) -> None:
+        """Every node and extent of `cache_salt` (see the module doc)."""
+        if self.pins is not None:
+            self.pins.forget(salt=cache_salt)
+        stack, tops = list(self.host.root_node.children.values()), []
+        while stack:
+            node = stack.pop()
+            if node.key.cache_salt == cache_salt:
+                tops.append(node)
+            else:
+                stack.extend(node.children.values())
+        for top in tops:
+            self._drop_subtree(top)
+        if self.host.controller is None:
+            return
+        try:
+            self.jobs.append(self.host.controller.tier.submit_purge(cache_salt))
+        except NotImplementedError as e:  # a backend that cannot list a salt's extents (mooncake)
+            self.host.spill_metrics.inc("purges_incomplete")
+            if not self._purge_refusal_logged:
+                self._purge_refusal_logged = True
+                logger.error("sgl_hicache: a purge removed the salt's KV from this server's device and tree "
+                             "only: %s; its extents stay until the store evicts them (logged once; counted "
+                             "in purges_incomplete)", e)  # fmt: skip
+
+    # ---- eviction of covered nodes (the cache's `_spill_node`) --------------------------------
+
+    def pin_of(self, node: TreeNode) -> Pin | None:
+        """The pin covering resident `node` about to be evicted, if any."""
+        pins = self._pins
+        if pins is None or not len(pins):
+            return None
+        return pins.covering(_tenant(node.key), self.host.tree.tokens_before(node), node.key.raw_token_ids())
+
+    def spilled(self, node: TreeNode, pin: Pin | None) -> None:
+        """`node` (now spilled) is covered by `pin`: the tier keeps its extent until the deadline,
+        within the pin budget."""
+        if pin is None or self._pins is None or self.host.controller is None:
+            return
+        extent = node.spill.extent
+        if self._pins.retain(extent.key, extent.tokens, pin.until):
+            self.host.controller.tier.retain([extent.key], self._pins.deadline(extent.key))
+            self.host.spill_metrics.inc("pinned_spilled_tokens", node.spill.count)
+        else:
+            self.host.spill_metrics.inc("pin_over_budget")
+
+    def poll(self) -> None:
+        """Remove the files of dropped extents whose writes have finished since. Never blocks."""
+        if not self._doomed or self.host.controller is None:
+            return
+        done = [e for e in self._doomed if e.state is not ExtentState.WRITING]
+        self._doomed = [e for e in self._doomed if e.state is ExtentState.WRITING]
+        self._remove([e for e in done if e.state is ExtentState.ON_TIER])
+
+    def wait_jobs(self, timeout_s: float = 30.0) -> None:
+        """Block until the tier has finished the removals and purges submitted so far (tests: a
+        tier's integrity is checked only when nothing is in flight)."""
+        tier = self.host.controller.tier if self.host.controller is not None else None
+        while self.jobs and tier is not None:
+            with contextlib.suppress(KeyError):  # already taken by a poll: finished
+                tier.wait(self.jobs.popleft(), timeout_s)
+
+    # ---- helpers -----------------------------------------------------------------------------
+
+    def _path(self, key: RadixKey) -> list[TreeNode]:
+        """The nodes holding `key`'s tokens, top down (split where it ends inside one, as a match
+        does: the same on every rank)."""
+        tree = self.host.tree
+        values, last = tree.match_resident(self.host.root_node, key)
+        end, _ = tree.match_spilled(last, key[sum(len(v) for v in values) :], prune_lost=False)
+        return tree.path_up(end, self.host.root_node) or []
+
+    def _drop_subtree(self, top: TreeNode) -> None:
+        """Remove `top` and every node below it but those in use by a running request (and their
+        ancestors); their extents leave the tier."""
+        tree, order = self.host.tree, []
+        stack = [top]
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            if not node.evicted:  # below a spilled node everything is spilled: pruned with it
+                stack.extend(node.children.values())
+        gone: set[int] = set()
+        extents: list[Extent] = []
+        released: list[SpillRef] = []
+        dropped = 0
+        for node in reversed(order):  # every node after its descendants
+            ref: SpillRef | None = getattr(node, "spill", None)
+            if node.evicted:
+                released += _spilled_refs(node)
+                extents += [r.extent for r in _spilled_refs(node)]
+                dropped += tree.prune(node)
+            elif node.lock_ref > 0 or any(id(c) not in gone for c in node.children.values()):
+                self.host.spill_metrics.inc("drop_kept_tokens", len(node.key))
+                continue
+            else:
+                extents += [ref.extent] if ref is not None else []
+                dropped += tree.drop(node)
+            gone.add(id(node))
+        self.host.spill_metrics.inc("hint_dropped_tokens", dropped)
+        if self.host.controller is not None:
+            self.host.controller.finish_reads(released)
+        self._forget(extents)
+
+    def _forget(self, extents: list[Extent]) -> None:
+        unique = list({id(e): e for e in extents}.values())
+        self._doomed += [e for e in unique if e.state is ExtentState.WRITING]
+        self._remove([e for e in unique if e.state is ExtentState.ON_TIER])
+
+    def _remove(self, extents: list[Extent]) -> None:
+        if not extents or self.host.controller is None:
+            return
+        keys = [e.key for e in extents]
+        if self._pins is not None:
+            self._pins.forget_extents(keys)
+        self.jobs.append(self.host.controller.tier.submit_remove(keys))
+
+
+def _key(ids: list[int], extra_key: str | None, cache_salt: str | None, page_size: int) -> RadixKey:
+    return RadixKey(array("q", ids), extra_key, cache_salt=cache_salt).page_aligned(page_size)
+
+
+def _tenant(key: RadixKey) -> bytes:
+    return tenant_of(key.extra_key, key.cache_salt)
+
+
+def _spilled_refs(node: TreeNode) -> list[SpillRef]:
+    """The refs of spilled `node` and its (spilled) descendants."""
+    refs, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        refs.append(n.spill)
+        stack.extend(n.children.values())
+    return refs

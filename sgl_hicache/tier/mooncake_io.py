@@ -1,0 +1,194 @@
+"""One extent as Mooncake objects: written chunks first and header last, read and verified like a file.
+
+The bytes are an extent file's (docs/FORMAT.md), cut at its seams: the header object is the file's
+first `header_len` bytes (fixed header, MAC'd meta, padding), chunk object i is the file's chunk i as
+stored. So a load checks exactly what a file load checks, with the same code (format.py, load.py):
+header MAC and meta MAC (sealed with the tier directory's secret), namespace, key re-derived from
+the header's parent, token count and digest, exact lengths (the header object is `header_len`
+bytes, each chunk object its recorded length) and every chunk's xxh3-64 before its bytes count.
+
+Publishing is the header's write, after every chunk's: a reader that finds the header and not a
+chunk (evicted since by the master, removed by another client) reports a clean miss. A store finds
+its key present only if a header that verifies and all its chunks are there; else it writes them
+all again (each write replaces its object: mooncake_client.py).
+
+Zero copy: an uncompressed chunk goes to the store straight from the caller's payload (`upsert_from`)
+and a whole chunk comes back straight into the caller's destination (`get_into`), verified in
+place; only a compressed chunk, or the part of a chunk a prefix load needs, passes through a
+per-thread scratch buffer (registered with the store, as RDMA needs).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import xxhash
+
+from sgl_hicache.config import Compression, TierConfig
+from sgl_hicache.tier.format import (
+    Alias,
+    Chunk,
+    FormatError,
+    Header,
+    Mismatch,
+    Seal,
+    align_up,
+    decode_aliases,
+    decode_fixed,
+    decode_meta,
+    encode_header,
+)
+from sgl_hicache.tier.keys import ExtentKey, Namespace, NamespaceId
+from sgl_hicache.tier.load import check_identity, decode_chunk, verify_chunk
+from sgl_hicache.tier.mooncake_client import Names, Reply, StoreClient
+from sgl_hicache.tier.store import Prepared, StoreRequest
+
+
+class Gone(FileNotFoundError):
+    """An object of the extent is not in the store: a clean miss."""
+
+
+class StoreFailed(OSError):
+    """The store refused or did not answer (`reply.code`)."""
+
+    def __init__(self, what: str, reply: Reply) -> None:
+        super().__init__(f"mooncake {what}: code {reply.code}")
+        self.reply = reply
+
+
+def _checked(reply: Reply, what: str) -> Reply:
+    if reply.gone:
+        raise Gone(f"mooncake {what}: not in the store")
+    if not reply.ok:
+        raise StoreFailed(what, reply)
+    return reply
+
+
+class Scratch:
+    """Per-thread byte buffers, each registered with the store once (`register`) when made."""
+
+    def __init__(self, register: Callable[[memoryview], object]) -> None:
+        self._local = threading.local()
+        self._register = register
+
+    def get(self, nbytes: int) -> memoryview:
+        from sgl_hicache.tier.directio import alloc_aligned
+
+        buf: memoryview | None = getattr(self._local, "buf", None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._local.buf = alloc_aligned(align_up(max(nbytes, 1)))
+            self._register(buf)
+        return buf[:nbytes]
+
+
+def write_objects(client: StoreClient, names: Names, prep: Prepared, cfg: TierConfig, ns: Namespace,
+                  seal: Seal) -> None:  # fmt: skip
+    """Put every chunk, then the sealed header (the publish). Raises StoreFailed."""
+    req, chunks = prep.req, []
+    for i, data in enumerate(prep.stored):
+        view = memoryview(data).cast("B")
+        chunks.append(Chunk(prep.offsets[i], view.nbytes, xxhash.xxh3_64_intdigest(view)))
+        _checked(client.write_from(names.chunk(req.key, i), view), "chunk write")
+    header = Header(
+        namespace=ns.id, key=req.key, parent=req.parent, layout=ns.layout, compression=cfg.compression,
+        token_count=req.token_count, token_digest=req.token_digest, chunk_bytes=cfg.chunk_bytes,
+        payload_len=req.payload.nbytes, stored_len=prep.stored_len, created_ns=time.time_ns(),
+        header_len=prep.header_len,
+    )  # fmt: skip
+    sealed = encode_header(header, req.tokens, chunks, seal, req.aliases, req.salt_tag)
+    _checked(client.write(names.header(req.key), sealed), "header write")
+
+
+def publish_aliases(client: StoreClient, names: Names, req: StoreRequest) -> None:
+    """Best effort, like alias links: a failed one only makes the extent unfindable there."""
+    for a in req.aliases:
+        client.write(names.alias(a.path_key), f"{req.key.hex()}.{a.offset}".encode())
+
+
+def remove_extent(client: StoreClient, names: Names, ns: NamespaceId, key: ExtentKey, seal: Seal,
+                  scratch: Scratch) -> bool:  # fmt: skip
+    """Remove `key`'s header (a reader then misses), then the chunks it names; whether the header
+    was there."""
+    try:
+        n_chunks = len(open_header(client, names, ns, key, seal, scratch).chunks)
+    except (Gone, FormatError, StoreFailed):
+        n_chunks = 0
+    removed = client.remove(names.header(key)).ok
+    for i in range(n_chunks):
+        client.remove(names.chunk(key, i))
+    return removed
+
+
+def present(client: StoreClient, names: Names, ns: NamespaceId, key: ExtentKey, seal: Seal,
+            scratch: Scratch) -> bool:  # fmt: skip
+    """Whether a header of `key` that verifies (ours) and every chunk it names are in the store.
+    Raises StoreFailed."""
+    try:
+        ext = open_header(client, names, ns, key, seal, scratch)
+    except (Gone, FormatError):
+        return False
+    found = client.exist([names.chunk(key, i) for i in range(len(ext.chunks))])
+    return all(x == 1 for x in found)
+
+
+class Opened:
+    """An extent's header read from the store and verified (not its chunks yet)."""
+
+    def __init__(self, header: Header, tokens: bytes | None, chunks: list[Chunk], aliases: tuple[Alias, ...]):
+        self.header, self.tokens, self.chunks, self.aliases = header, tokens, chunks, aliases
+
+
+def open_header(client: StoreClient, names: Names, ns: NamespaceId, key: ExtentKey, seal: Seal,
+                scratch: Scratch) -> Opened:  # fmt: skip
+    """Read and verify `key`'s header object. Raises Gone, StoreFailed, FormatError (Mismatch)."""
+    name = names.header(key)
+    size = _checked(client.size(name), "header size").n
+    buf = scratch.get(size)
+    got = _checked(client.get_into(name, buf), "header get").n
+    if got != size:
+        raise Gone(f"mooncake header get: {got} of {size} bytes (replaced meanwhile)")
+    header = decode_fixed(buf, seal)
+    tokens, chunks = decode_meta(header, buf, seal)
+    aliases = decode_aliases(header, buf, seal)
+    check_identity(header, ns, key)
+    if size != header.header_len:
+        raise FormatError(f"header object of {size} bytes, its header says {header.header_len}")
+    return Opened(header, tokens, chunks, aliases)
+
+
+def read_chunks(client: StoreClient, names: Names, ext: Opened, dest: memoryview, want: int, scratch: Scratch,
+                landed: Callable[[int], None]) -> None:  # fmt: skip
+    """Read and verify the chunks covering the first `want` payload bytes into `dest`, in order,
+    reporting each verified prefix to `landed`. Raises Gone, StoreFailed, FormatError."""
+    h = ext.header
+    if want > h.payload_len:
+        raise Mismatch(f"extent holds {h.payload_len} payload bytes, {want} requested")
+    for index in range(h.chunk_count(want)):
+        landed(_read_chunk(client, names.chunk(h.key, index), ext, index, dest, want, scratch))
+
+
+def _read_chunk(client: StoreClient, name: str, ext: Opened, index: int, dest: memoryview, want: int,
+                scratch: Scratch) -> int:  # fmt: skip
+    """Chunk `index`'s part of the first `want` bytes into `dest`; returns the bytes landed so far."""
+    h, chunk = ext.header, ext.chunks[index]
+    raw_off = index * h.chunk_bytes
+    raw_len = min(h.chunk_bytes, h.payload_len - raw_off)
+    need = min(raw_len, want - raw_off)
+    whole = h.compression is Compression.NONE and need == raw_len
+    target = dest[raw_off : raw_off + chunk.length] if whole else scratch.get(chunk.length)
+    got = _get_exact(client, name, target, chunk.length)
+    verify_chunk(got, chunk, index)
+    if not whole:
+        dest[raw_off : raw_off + need] = decode_chunk(got, h.compression, raw_len)[:need]
+    return raw_off + need
+
+
+def _get_exact(client: StoreClient, name: str, target: memoryview, length: int) -> memoryview:
+    reply = client.get_into(name, target)
+    if reply.code == -600:  # INVALID_PARAMS: the object is larger than its recorded length
+        raise FormatError(f"chunk object {name} is larger than its recorded {length} bytes")
+    if _checked(reply, "chunk get").n != length:
+        raise FormatError(f"chunk object {name} has {reply.n} bytes, its header says {length}")
+    return target

@@ -1,0 +1,83 @@
+"""Finding a cache_salt's extents under a tier root (a purge, and `sgl-hicache fsck --cache-salt`).
+
+The salt is never on disk: since format v5 every extent's MAC'd meta records `Seal.salt(cache_salt)`
+(a digest keyed with the directory's secret) when the request that computed it had a salt
+(docs/FORMAT.md). An extent *belongs* to a salt when that tag is its tag. Older files (v3, v4) carry
+no tag: one without token ids is some salted or `extra_key` tenant's, which one cannot be told, so
+it *may* belong to any salt and a purge removes it (recomputed when needed; never wrong KV). A file
+whose header or meta does not verify belongs to nobody: no load, lookup or warm start ever uses it,
+and `fsck` reports it as corrupt.
+
+Every namespace under the root is searched (other models, other TP ranks, older weights): a purge
+is of the root, not of one server's namespace.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from sgl_hicache.tier.format import (
+    EXTENT_SUFFIX,
+    FIXED_SIZE,
+    FormatError,
+    SaltMark,
+    Seal,
+    decode_fixed,
+    decode_salt,
+    version_of,
+)
+from sgl_hicache.tier.keys import KEY_BYTES, NamespaceId
+from sgl_hicache.tier.paths import ExtentPaths
+
+
+def salt_mark(path: str, seal: Seal) -> SaltMark | None:
+    """The `SaltMark` of extent file `path`, verified with `seal`; None if it is gone, unreadable or
+    does not verify (then nothing ever uses it). Never raises."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fixed = os.pread(fd, FIXED_SIZE, 0)
+        header = decode_fixed(fixed, seal)
+        meta = os.pread(fd, FIXED_SIZE + header.meta_len, 0)
+        return decode_salt(header, meta, version_of(fixed), seal)
+    except (OSError, FormatError):
+        return None
+    finally:
+        os.close(fd)
+
+
+def belongs(mark: SaltMark | None, tag: bytes) -> bool:
+    """Whether an extent of `mark` holds (or may hold) KV of the salt whose tag is `tag`."""
+    return mark is not None and (mark.tag == tag or not mark.known)
+
+
+def namespace_dirs(root: Path) -> list[Path]:
+    """The namespace directories under `root` (32 hex digits); none if it is gone."""
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return []
+    return [Path(de.path) for de in entries if de.is_dir(follow_symlinks=False) and _is_ns(de.name)]
+
+
+def salt_extents(root: Path, tag: bytes, seal: Seal) -> Iterator[str]:
+    """Paths of every extent file under `root` that belongs to the salt of `tag` (`belongs`)."""
+    for ns_dir in namespace_dirs(root):
+        paths = ExtentPaths(root, NamespaceId(bytes.fromhex(ns_dir.name)))
+        for de in paths.walk():
+            if de.name.endswith(EXTENT_SUFFIX) and belongs(salt_mark(de.path, seal), tag):
+                yield de.path
+
+
+def _is_ns(name: str) -> bool:
+    if len(name) != 2 * KEY_BYTES:
+        return False
+    try:
+        bytes.fromhex(name)
+    except ValueError:
+        return False
+    return True

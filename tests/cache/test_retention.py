@@ -1,0 +1,226 @@
+"""Retention hints on a real sglang stack (issue 27): a pinned conversation is spilled where it
+would be dropped and kept by the tier until its TTL; a drop removes a conversation from device,
+staging and tier (but not what others share, nor what a running request uses); a purge leaves
+nothing of a cache_salt for fsck, a lookup or a restart; pins are refused over their budget."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+from sgl_hicache.cache.hint_source import HintRefused, RetentionHint
+from sgl_hicache.cli import main as cli_main
+from sgl_hicache.tier.base import LookupRequest
+from sgl_hicache.tier.keys import tenant_of
+from tests.cache.conftest import Stack, read_kv
+
+SYS = list(range(2000, 2032))
+A = SYS + list(range(3000, 3032))
+B = SYS + list(range(4000, 4032))
+
+
+def pin(s: Stack, tokens: list[int], ttl_s: float, salt: str | None = None) -> None:
+    s.cache.retention.apply(RetentionHint("pin", tokens, None, salt, ttl_s))
+
+
+def drop(s: Stack, tokens: list[int], salt: str | None = None) -> None:
+    s.cache.retention.apply(RetentionHint("drop", tokens, None, salt, None))
+
+
+def purge(s: Stack, salt: str) -> None:
+    s.cache.retention.apply(RetentionHint("purge", [], None, salt, None))
+
+
+def restored(s: Stack, tokens: list[int], salt: str | None = None) -> int:
+    """Tokens matched (device + restored), after checking the restored KV is exactly theirs."""
+    m = s.match(tokens, salt)
+    n, node = s.load_back(m)
+    held = m.device_prefix_len + n
+    assert read_kv(s.pool, s.cache.path_device_indices(node)) == tokens[:held]
+    return held
+
+
+def extent_key(s: Stack, tokens: list[int], salt: str | None = None) -> bytes:
+    node = s.match(tokens, salt).best_match_node
+    return bytes(node.spill.extent.key)
+
+
+def on_disk(s: Stack) -> set[bytes]:
+    return {bytes.fromhex(p.name.split(".")[0]) for p in s.tier_dir.rglob("*.ext")}
+
+
+def eventually(cond: Callable[[], bool], s: Stack | None = None) -> None:
+    deadline = time.monotonic() + 20
+    while not cond():
+        assert time.monotonic() < deadline, "not within 20 s"
+        if s is not None:
+            s.cache.poll()
+        time.sleep(0.01)
+
+
+def looked_up(s: Stack, tokens: list[int], salt: str) -> int:
+    """Tokens a cross-server lookup of `tokens` (of `salt`) finds on the tier, from the start."""
+    tier = s.cache.controller.tier
+    ids = np.asarray(tokens, dtype="<u4")
+    tier.submit_lookup(LookupRequest(ids, 0, tenant_of(None, salt), s.cache.epoch or b""))
+    deadline = time.monotonic() + 20
+    while not (results := tier.lookups_finished()):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    return results[0].end
+
+
+def test_a_pinned_short_conversation_is_spilled_where_it_would_be_dropped(make_stack: Any) -> None:
+    s = make_stack()  # min_spill_tokens 4
+    short, other = [7, 8, 9], [17, 18, 19]
+    s.insert(short)
+    s.insert(other)
+    pin(s, short, 60)
+    s.evict_all()
+    assert restored(s, short) == 3
+    assert restored(s, other) == 0  # unpinned: dropped, as before
+    assert s.metrics.totals["pinned_spilled_tokens"] == 3
+    s.cache.check_integrity()
+
+
+def test_the_tier_keeps_a_pinned_conversation_until_its_ttl(make_stack: Any) -> None:
+    s = make_stack(capacity_bytes=80_000)  # ~6 extents of 64 tokens (8 KiB of KV + a 4 KiB header)
+    pinned, unpinned = list(range(1000, 1064)), list(range(5000, 5064))
+    for tokens in (pinned, unpinned):
+        s.insert(tokens)
+    pin(s, pinned, 1.5)
+    s.evict_all()
+    keys = extent_key(s, pinned), extent_key(s, unpinned)
+    tier = s.cache.controller.tier
+
+    def fill(first: int) -> None:
+        for i in range(first, first + 8):  # more than the budget holds: LRU would take both first
+            s.insert(list(range(10_000 + 100 * i, 10_064 + 100 * i)))
+            s.evict_all()
+
+    fill(0)
+    assert tier.contains(keys[0]) and not tier.contains(keys[1])
+    assert restored(s, pinned) == 64
+    s.evict_all()
+    time.sleep(1.6)
+    fill(10)
+    assert not tier.contains(keys[0]), "kept past its TTL"
+
+
+def test_a_pin_over_its_budget_is_refused_with_the_numbers(make_stack: Any) -> None:
+    s = make_stack(capacity_bytes=100_000, pin_share=0.1)  # 10,000 B: 78 tokens of 128 B
+    taken: list[Any] = []
+    assert s.cache.retention.take(taken, list(range(64)), None, None, "pin", 30.0) is None
+    refused = s.cache.retention.take(taken, list(range(100, 164)), None, None, "pin", 30.0)
+    assert (
+        isinstance(refused, HintRefused)
+        and "(8192 B of KV) would exceed the pin budget of 10000 B" in refused.reason
+    )
+    assert [h.kind for h in taken] == ["pin"]
+    assert s.cache.retention.take(taken, list(range(64)), None, None, "pin", 60.0) is None  # a re-pin fits
+    assert make_stack(spill=False).cache.retention.take([], [1], None, None, "pin", 1.0) is not None
+
+
+def test_drop_removes_a_conversation_from_device_and_tier_but_not_what_others_share(
+    make_stack: Any,
+) -> None:
+    s = make_stack()
+    s.insert(A)
+    s.insert(B)
+    s.evict_all()
+    a_tail, b_tail, sys = extent_key(s, A), extent_key(s, B), extent_key(s, SYS)
+    assert {a_tail, b_tail, sys} <= on_disk(s)
+    drop(s, A)
+    eventually(lambda: a_tail not in on_disk(s))
+    assert {b_tail, sys} <= on_disk(s)
+    assert restored(s, A) == len(SYS)
+    assert restored(s, B) == len(B)
+    resident = list(range(6000, 6040))
+    s.insert(resident)
+    free = s.allocator.available_size()
+    drop(s, resident)
+    assert s.match(resident).device_prefix_len == 0 and s.allocator.available_size() == free + 40
+    s.cache.check_integrity()
+
+
+def test_drop_of_a_conversation_still_being_written_removes_it_once_written(make_stack: Any) -> None:
+    s = make_stack()
+    s.insert(A)
+    s.cache.evict(EvictParams(num_tokens=10**9))  # writes submitted, completions not taken yet
+    key = extent_key(s, A)
+    drop(s, A)
+    s.cache.controller.wait_writes()
+    eventually(lambda: key not in on_disk(s), s)
+    assert restored(s, A) == 0
+
+
+def test_drop_leaves_what_a_running_request_uses(make_stack: Any) -> None:
+    s = make_stack()
+    s.insert(A)
+    node = s.match(A).last_device_node
+    s.cache.inc_lock_ref(node)  # a running request holds it
+    drop(s, A)
+    assert s.match(A).device_prefix_len == len(A)
+    assert s.metrics.totals["drop_kept_tokens"] == len(A)
+    s.cache.dec_lock_ref(node)
+    s.cache.check_integrity()
+
+
+def test_purge_leaves_nothing_of_the_salt_for_fsck_lookup_or_restart(make_stack: Any, tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    s, other = make_stack(shared), make_stack(shared)  # another server on the same tier directory
+    for salt in ("s1", "s2"):
+        s.insert(A, salt)
+        s.insert(B, salt)
+    s.insert(A)  # the default tenant
+    s.evict_all()
+    s.insert(SYS + [1, 2, 3, 4], "s1")  # resident too
+    c = list(range(7000, 7040))
+    other.insert(c, "s1")
+    other.evict_all()
+    before = len(on_disk(s))
+    pin(s, A, 60, "s1")
+    purge(s, "s1")
+    eventually(lambda: s.cache.controller.tier.stats().purged_extents == 4, s)  # sys, A, B and other's c
+    assert len(on_disk(s)) == before - 4
+    assert restored(other, c, "s1") == 0  # the other server's tree still names it: a clean miss
+    assert cli_main(["fsck", str(shared), "--cache-salt", "s1"]) == 0
+    assert cli_main(["fsck", str(shared), "--cache-salt", "s2"]) == 1
+    assert s.match(A, "s1").host_hit_length == 0 and s.match(A, "s1").device_prefix_len == 0
+    assert s.match(SYS, "s1").device_prefix_len == 0
+    assert len(s.cache.retention.pins) == 0
+    s.cache.check_integrity()
+    assert looked_up(s, A, "s1") == 0 and looked_up(s, B, "s2") == len(B)  # the lookup finds none of it
+    s.cache.controller.tier.close()
+    again = make_stack(shared)  # a restart: salted extents attach when a request brings its tokens
+    assert restored(again, A, "s1") == 0
+    assert restored(again, B, "s2") == len(B)
+    assert restored(again, A) == len(A)
+
+
+def test_a_purge_the_tier_cannot_do_clears_the_tree_and_says_so(
+    make_stack: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A backend that cannot list a salt (mooncake) refuses `submit_purge`: the purge still leaves
+    nothing of the salt on this server, and is counted and logged as incomplete, never raised."""
+    s = make_stack()
+    s.insert(A, "s1")
+    s.evict_all()
+    s.insert(B, "s1")
+
+    def cannot(salt: str) -> Any:
+        raise NotImplementedError("MooncakeTier cannot purge a cache_salt")
+
+    monkeypatch.setattr(s.cache.controller.tier, "submit_purge", cannot)
+    purge(s, "s1")
+    purge(s, "s1")
+    assert s.match(A, "s1").host_hit_length == 0 and s.match(B, "s1").device_prefix_len == 0
+    assert s.metrics.totals["purges_incomplete"] == 2
+    assert sum("purges_incomplete" in r.getMessage() for r in caplog.records) == 1
+    s.cache.check_integrity()

@@ -1,0 +1,142 @@
+"""The model-based cache test (test_stateful.py) with both caches on one Mooncake Store (issue 26).
+
+`TwoCachesOneDirectory`'s rules (requests, evictions, prefetches, flushes, restarts, cross-server
+lookups) drive two caches whose tier is a `MooncakeTier` on the session's real master; after every
+step every resident slot must hold exactly its reference KV. Tampering acts on the store's objects
+instead of files: another client removes an extent's header or a chunk, flips a byte of a chunk,
+or puts another extent's (sealed) header under a key.
+
+Each hypothesis example gets a tier directory, hence a secret, of its own: objects an earlier
+example left in the store (same namespace, same keys) are foreign to it, refused on load and
+replaced on store. Clients are reused across examples (`ReusedClientNoClose`: a Mooncake client
+takes ~2 s to leave the store, which would dominate the run); at most two tiers use them at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import precondition, rule
+
+from sgl_hicache.config import SpillBackend, TierConfig
+from sgl_hicache.tier import mooncake as mooncake_tier
+from sgl_hicache.tier.mooncake_client import Names, StoreClient, connect
+from tests.cache.conftest import Stack, build_stack
+from tests.cache.test_stateful import RARE, TwoCachesOneDirectory
+from tests.mooncake_master import MooncakeMaster
+
+EXAMPLES = max(2, int(os.environ.get("SGL_HICACHE_FUZZ_EXAMPLES", "20")) // 2)
+STEPS = 100
+CLIENTS: list[StoreClient] = []
+MASTER: list[MooncakeMaster] = []
+
+
+class ReusedClientNoClose(StoreClient):
+    """A client a test hands to tier after tier: `close` leaves it open (the module closes it)."""
+
+    def close(self) -> None:
+        pass
+
+    def really_close(self) -> None:
+        super().close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def mooncake_clients(mooncake_master: MooncakeMaster) -> Iterator[None]:
+    clients = [connect(mooncake_master.config(segment_bytes=32 << 20)) for _ in range(2)]
+    reused = [ReusedClientNoClose(c._store) for c in clients]
+    turn = itertools.cycle(reused)
+    patch = pytest.MonkeyPatch()
+    patch.setattr(mooncake_tier, "connect", lambda cfg: next(turn))
+    CLIENTS[:], MASTER[:] = reused, [mooncake_master]
+    try:
+        yield
+    finally:
+        patch.undo()
+        for client in reused:
+            client.really_close()
+        CLIENTS.clear()
+
+
+class TwoCachesOnMooncake(TwoCachesOneDirectory):
+    def _stack(self) -> Stack:
+        tier = TierConfig(backend=SpillBackend.MOONCAKE, mooncake=MASTER[0].config(), directory=self.dir / "tier",
+                          chunk_bytes=4096, io_threads=2)  # fmt: skip
+        return build_stack(
+            self.dir / "tier", size=self.pool_tokens, page_size=self.page_size, write_policy=self.write_policy,
+            kv_events=True, tier=tier,
+        )  # fmt: skip
+
+    def _spilled_keys(self) -> list[bytes]:
+        from sgl_hicache.cache.spill_state import ExtentState
+
+        keys = set()
+        for server in self.servers:
+            stack = list(server.stack.cache.root_node.children.values())
+            while stack:
+                node = stack.pop()
+                ref = getattr(node, "spill", None)
+                if ref is not None and ref.extent.state is ExtentState.ON_TIER:
+                    keys.add(bytes(ref.extent.key))
+                stack.extend(node.children.values())
+        return sorted(keys)
+
+    @rule(pick=st.integers(0, 10**6), how=st.sampled_from(["header", "chunk", "flip", "borrow"]), roll=RARE)
+    def another_process_tampers(self, pick: int, how: str, roll: int) -> None:  # type: ignore[override]
+        keys = self._spilled_keys()
+        if not keys or roll:
+            return
+        self.tampered = True
+        client, key = CLIENTS[pick % 2], keys[pick % len(keys)]
+        names = Names(self.servers[0].stack.cache.controller.tier.namespace.id)
+        if how == "header":
+            client.remove(names.header(key))
+        elif how == "chunk":
+            client.remove(names.chunk(key, 0))
+        elif how == "flip":
+            data = client.get(names.chunk(key, 0))
+            if data:
+                flipped = bytearray(data)
+                flipped[pick % len(flipped)] ^= 0x5A
+                client.write(names.chunk(key, 0), bytes(flipped))
+        else:
+            other = keys[(pick + 1) % len(keys)]
+            header = client.get(names.header(other))
+            if header and other != key:
+                client.write(names.header(key), header)
+
+    @precondition(lambda self: bool(self.convs))
+    @rule(data=st.data(), which=st.integers(0, 1), kind=st.sampled_from(["pin", "drop"]))
+    def retention_hint(self, data: Any, which: int, kind: str) -> None:
+        """Pins and drops as on files; no purge (a Mooncake tier refuses it: the store cannot be
+        listed by cache_salt, mooncake.py)."""
+        super().retention_hint(data, which, kind)
+
+    @rule(which=st.integers(0, 1))
+    def a_foreign_evictor_then_this_cache_evicts(self, which: int) -> None:
+        """Not on Mooncake: the master's eviction and another client's removal are the tampering above."""
+
+
+_SETTINGS = settings(
+    max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)  # fmt: skip
+TestTwoCachesOnMooncake = TwoCachesOnMooncake.TestCase
+TestTwoCachesOnMooncake.settings = _SETTINGS
+
+
+def test_the_machine_runs_on_mooncake() -> None:
+    """The clients the machine's tiers use are the store's (not a file tier by mistake)."""
+    from sgl_hicache.tier.mooncake import MooncakeTier
+
+    machine: Any = TwoCachesOnMooncake()
+    try:
+        assert all(isinstance(s.stack.cache.controller.tier, MooncakeTier) for s in machine.servers)
+    finally:
+        machine.teardown()

@@ -1,0 +1,71 @@
+"""Server differential test on the Mooncake backend (issue 26): a server spilling to a real
+Mooncake Store (master on loopback) gives exactly the never-evicting server's greedy outputs.
+
+The workload is test_exactness_server.py's, served once per session by the reference (branching
+conversations: forks inside earlier turns, revisits of conversations pushed out long ago), shorter:
+its first `REQUESTS` requests, page size 1, our server with a 1,024-token pool and `--hicache-spill-backend mooncake`. The tier must really
+be used (tokens spilled and restored through the store) and nothing refused as corrupt. After
+`RESTART_AT` requests the master is killed and restarted (everything in the store is lost): the
+server goes on serving the rest, with the same outputs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sgl_hicache.bench.server_process import ServerProcess
+from tests.mooncake_master import MooncakeMaster
+from tests.server.conftest import SPILL_FLAGS
+from tests.server.test_exactness_server import (
+    POOL,
+    Sent,
+    counter,
+    differences,
+    replay,
+    restored,
+)
+
+pytestmark = pytest.mark.server
+
+REQUESTS = 40
+RESTART_AT = 30  # the master is restarted (killed) after this many requests
+
+
+@pytest.fixture
+def transcript(exactness_transcript: list[Sent]) -> list[Sent]:
+    return exactness_transcript[:REQUESTS]
+
+
+def mooncake_server(model: Path, tmp: Path, master: MooncakeMaster) -> ServerProcess:
+    cfg = master.config(segment_bytes=64 << 20)
+    settings = {"master": cfg.master, "metadata_server": cfg.metadata_server, "protocol": "tcp",
+                "local_hostname": "127.0.0.1", "global_segment_size": "64M", "local_buffer_size": "16M"}  # fmt: skip
+    args = (*SPILL_FLAGS, "--page-size", "1", "--enable-hicache-spill", "--hicache-spill-dir", str(tmp / "tier"),
+            "--hicache-spill-backend", "mooncake", "--hicache-spill-mooncake-config", json.dumps(settings))  # fmt: skip
+    return ServerProcess(model, POOL, args, log_path=tmp / "server.log")
+
+
+def test_a_server_on_mooncake_matches_the_never_evicting_reference(
+    transcript: list[Sent], tiny_model: Path, tmp_path: Path, mooncake_master: MooncakeMaster
+) -> None:
+    with mooncake_server(tiny_model, tmp_path, mooncake_master) as ours:
+        replies = replay(ours.base_url, transcript[:RESTART_AT])
+        counters = {n: counter(ours.base_url, n) for n in ("spilled_tokens", "restored_tokens",
+                                                          "mismatch_extents", "corrupt_extents")}  # fmt: skip
+        mooncake_master.restart()  # the store's contents are gone; the server goes on (recomputing)
+        replies += replay(ours.base_url, transcript[RESTART_AT:])
+        after = {
+            n: counter(ours.base_url, n) for n in ("restore_failures", "spill_failures", "spilled_tokens")
+        }
+    assert not differences(transcript, replies), "\n".join(differences(transcript, replies))
+    assert counters["spilled_tokens"] > 0 and counters["restored_tokens"] > 0, counters
+    assert counters["mismatch_extents"] == 0 and counters["corrupt_extents"] == 0, counters
+    assert any(restored(r) for s, r in zip(transcript, replies, strict=True) if s.kind in ("fork", "revisit"))
+    assert not list((tmp_path / "tier").rglob("*.ext")), "extents went to files, not to the store"
+    # the restart was felt (restores of lost extents recomputed, or spills refused while it was away)
+    # and the tier worked again after it (spills went on)
+    assert after["restore_failures"] + after["spill_failures"] > 0, after
+    assert after["spilled_tokens"] > counters["spilled_tokens"], after

@@ -1,0 +1,68 @@
+"""`--hicache-spill-backend mooncake` and its settings (issue 26): one JSON object, Mooncake's own
+variables for what it leaves unset, one-line errors before sglang starts, and the trip to the
+scheduler intact."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from sgl_hicache.config import ConfigError, MiB, MooncakeConfig, SpillBackend, SpillConfig
+from sgl_hicache.server import flags
+
+
+def config(argv: list[str], env: dict[str, str] | None = None) -> SpillConfig:
+    parser = argparse.ArgumentParser()
+    flags.add_flags(parser)
+    return flags.config_from(parser.parse_args(argv), env or {})
+
+
+MOONCAKE = ["--hicache-spill-backend", "mooncake"]
+
+
+def test_file_is_the_default_and_carries_no_mooncake_settings() -> None:
+    c = config([], {"MOONCAKE_MASTER": "10.0.0.1:50051"})
+    assert c.tier.backend is SpillBackend.FILE and c.tier.mooncake == MooncakeConfig()
+
+
+def test_the_flag_beats_mooncakes_variables_which_beat_the_defaults() -> None:
+    env = {
+        "MOONCAKE_MASTER": "10.0.0.1:50051",
+        "MOONCAKE_PROTOCOL": "rdma",
+        "MOONCAKE_GLOBAL_SEGMENT_SIZE": "1gb",
+    }
+    c = config(
+        [*MOONCAKE, "--hicache-spill-mooncake-config", '{"protocol": "tcp", "local_buffer_size": "32M"}'], env
+    )
+    assert c.tier.mooncake == MooncakeConfig(
+        master="10.0.0.1:50051", metadata_server="P2PHANDSHAKE", protocol="tcp", device_name="",
+        local_hostname="localhost", global_segment_size=1024 * MiB, local_buffer_size=32 * MiB,
+    )  # fmt: skip
+    assert SpillConfig.from_json(c.to_json()) == c  # the scheduler gets the same settings
+    assert config([], {"SGL_HICACHE_SPILL_BACKEND": "mooncake", **env}).tier.mooncake.protocol == "rdma"
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "says"),
+    [
+        (MOONCAKE, {}, "needs the master's address"),
+        ([*MOONCAKE, "--hicache-spill-mooncake-config", '{"mastr": "h:1"}'], {}, "unknown key mastr"),
+        ([*MOONCAKE, "--hicache-spill-mooncake-config", '{"master": "h:1",'], {}, "not a JSON object"),
+        ([*MOONCAKE, "--hicache-spill-mooncake-config", '{"master": "h"}'], {}, "host:port"),
+        ([*MOONCAKE, "--hicache-spill-mooncake-config", '{"master": 5}'], {}, "expected a string"),
+        ([*MOONCAKE], {"MOONCAKE_MASTER": "h:1", "MOONCAKE_GLOBAL_SEGMENT_SIZE": "4M"}, "at least 16M"),
+        (
+            [*MOONCAKE],
+            {"MOONCAKE_MASTER": "h:1", "MOONCAKE_LOCAL_BUFFER_SIZE": "lots"},
+            "MOONCAKE_LOCAL_BUFFER_SIZE",
+        ),
+        (["--hicache-spill-backend", "redis"], {}, "invalid choice"),
+    ],
+)
+def test_bad_settings_are_one_line_naming_the_culprit(
+    argv: list[str], env: dict[str, str], says: str
+) -> None:
+    with pytest.raises(ConfigError) as e:
+        config(argv, env)
+    assert says in str(e.value) and "\n" not in str(e.value)

@@ -1,0 +1,171 @@
+"""The `Tier` contract the cache relies on, run against both backends (issue 26): a directory
+(`NvmeTier`) and a Mooncake Store (`MooncakeTier`, a real master on loopback).
+
+Two tiers of one namespace stand for two servers: one writes, the other reads and looks up. Every
+load is bit-exact or a status; each completion is returned once; a closed tier rejects.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sgl_hicache.config import Compression, SpillBackend, TierConfig
+from sgl_hicache.tier import ROOT_KEY, ExtentKey, IndexedTier, Namespace, Status, chain_key, open_tier
+from sgl_hicache.tier.base import LookupRequest, LookupResult
+from sgl_hicache.tier.keys import PathHasher
+from sgl_hicache.tier.lookup import alias_marks
+from tests.tier.common import CHUNK, NS, payload_for
+
+MakeTier = Callable[..., IndexedTier]
+
+
+@pytest.fixture(params=[SpillBackend.FILE, SpillBackend.MOONCAKE])
+def make_tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[MakeTier]:
+    """Tiers of one backend on one store (a directory, or the session's Mooncake master)."""
+    backend: SpillBackend = request.param
+    extra = {}
+    if backend is SpillBackend.MOONCAKE:
+        extra["mooncake"] = request.getfixturevalue("mooncake_master").config()
+    ns = Namespace(f"contract-{time.monotonic_ns()}", NS.layout)  # the master is the session's
+    opened: list[IndexedTier] = []
+
+    def make(**kw: object) -> IndexedTier:
+        cfg = TierConfig(backend=backend, directory=tmp_path / "tier", capacity_bytes=64 << 20, min_free_bytes=0,
+                         chunk_bytes=CHUNK, io_threads=4, **extra, **kw)  # type: ignore[arg-type]  # fmt: skip
+        opened.append(open_tier(cfg, ns))
+        return opened[-1]
+
+    yield make
+    close_all(opened)
+
+
+def close_all(tiers: list[IndexedTier]) -> None:
+    """Close in parallel: a Mooncake client takes about 2 s to leave the store."""
+    threads = [threading.Thread(target=tier.close, args=(5,)) for tier in tiers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def key_of(tier: IndexedTier, i: int) -> ExtentKey:
+    return chain_key(tier.namespace.id, ROOT_KEY, [i, i + 1])
+
+
+def store(tier: IndexedTier, i: int, nbytes: int) -> ExtentKey:
+    key = key_of(tier, i)
+    done = tier.wait(tier.submit_store(key, payload_for(i, nbytes), [i, i + 1], ROOT_KEY), 30)
+    assert done.ok and done.nbytes == nbytes, done
+    return key
+
+
+def load(tier: IndexedTier, key: ExtentKey, size: int, want: int | None = None) -> tuple[Status, np.ndarray]:
+    dest = np.zeros(size, dtype=np.uint8)
+    done = tier.wait(tier.submit_load(key, dest, want), 30)
+    assert not done.ok or done.nbytes == (size if want is None else want), done
+    assert tier.landed(done.ticket) == 0  # nothing reported once the completion is returned
+    return done.status, dest
+
+
+@pytest.mark.parametrize("compression", [Compression.NONE, Compression.ZSTD])
+@pytest.mark.parametrize("nbytes", [1, 3 * CHUNK + 4097])
+def test_round_trip_whole_and_prefix_is_bit_exact(
+    make_tier: MakeTier, compression: Compression, nbytes: int
+) -> None:
+    writer, reader = make_tier(compression=compression), make_tier()
+    key = store(writer, 7, nbytes)
+    status, got = load(reader, key, nbytes)
+    assert status is Status.OK and np.array_equal(got, payload_for(7, nbytes))
+    want = min(nbytes, CHUNK + 100)
+    status, got = load(reader, key, nbytes, want)
+    assert status is Status.OK and np.array_equal(got[:want], payload_for(7, nbytes)[:want])
+    assert writer.contains(key) and reader.stats().loads == 2 and writer.stats().stores == 1
+
+
+def test_misses_rejections_and_caller_bugs(make_tier: MakeTier) -> None:
+    tier = make_tier()
+    assert load(tier, key_of(tier, 99), 100)[0] is Status.MISS
+    assert tier.stats().misses == 1
+    key = store(tier, 1, 10_000)
+    assert load(tier, key, 5_000)[0] is Status.REJECTED  # the destination cannot hold the extent
+    assert load(tier, key, 100, 5_000)[0] is Status.REJECTED
+    with pytest.raises(ValueError):
+        tier.submit_store(key, payload_for(1, 10), [5, 6], ROOT_KEY)  # the key names other tokens
+    with pytest.raises(KeyError):
+        tier.wait(tier.submit_store(key, payload_for(1, 10_000), [1, 2], ROOT_KEY) + 1000, 1)
+
+
+def test_duplicate_stores_and_each_completion_once(make_tier: MakeTier) -> None:
+    tier = make_tier()
+    key = key_of(tier, 4)
+    tickets = {tier.submit_store(key, payload_for(4, 3 * CHUNK), [4, 5], ROOT_KEY) for _ in range(3)}
+    done: list = []
+    deadline = time.monotonic() + 30
+    while len(done) < 3 and time.monotonic() < deadline:
+        done += tier.get_finished()
+        time.sleep(0.005)
+    assert {c.ticket for c in done} == tickets and all(c.ok for c in done), done
+    assert tier.get_finished() == []
+    assert np.array_equal(load(tier, key, 3 * CHUNK)[1], payload_for(4, 3 * CHUNK))
+
+
+PROMPT = np.array([(i * 7) % 50 + 1 for i in range(160)], dtype=np.uint32)
+
+
+def test_another_tier_finds_verifies_and_loads_by_lookup(
+    make_tier: MakeTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sgl_hicache.tier import lookup as lookup_mod
+
+    monkeypatch.setattr(lookup_mod, "BLOCK_TOKENS", 16)
+    writer, reader = make_tier(), make_tier()
+    ns = writer.namespace.id
+
+    def path_key(n: int) -> ExtentKey:
+        return PathHasher(ns).update(PROMPT[:n]).key()
+
+    cuts, keys = (0, 48, 112, 160), []
+    for start, end in itertools.pairwise(cuts):
+        marks = alias_marks(
+            PathHasher(ns).update(PROMPT[:start]), start, PROMPT[start:end], NS.layout.page_size
+        )
+        key = chain_key(ns, path_key(start), PROMPT[start:end])
+        done = writer.wait(writer.submit_store(key, payload_for(start, 20_000), PROMPT[start:end], path_key(start),
+                                               aliases=marks), 30)  # fmt: skip
+        assert done.ok, done
+        keys.append(key)
+    found = lookup(reader, 0)
+    assert [(s.key, s.start, s.end) for s in found.segments] == list(zip(keys, cuts, cuts[1:], strict=False))
+    assert found.refused == 0
+    for seg in found.segments:
+        status, got = load(reader, seg.key, 20_000)
+        assert status is Status.OK and np.array_equal(got, payload_for(seg.start, 20_000))
+    assert lookup(reader, 0, PROMPT[::-1].copy()).segments == ()  # other tokens: nothing
+    assert lookup(reader, 0, PROMPT, tenant=b"salt").segments == ()  # another tenant: nothing
+
+
+def lookup(tier: IndexedTier, start: int, tokens: np.ndarray = PROMPT, tenant: bytes = b"") -> LookupResult:
+    tier.submit_lookup(LookupRequest(tokens, start, tenant))
+    deadline = time.monotonic() + 20
+    while not (done := tier.lookups_finished()):
+        assert time.monotonic() < deadline, "lookup did not finish"
+        time.sleep(0.005)
+    return done[0]
+
+
+def test_a_closed_tier_rejects_and_close_is_idempotent(make_tier: MakeTier) -> None:
+    tier = make_tier()
+    key = store(tier, 1, 5000)
+    tier.close()
+    tier.close()
+    assert tier.wait(tier.submit_load(key, np.zeros(5000, dtype=np.uint8)), 5).status is Status.REJECTED
+    done = tier.wait(tier.submit_store(key_of(tier, 2), payload_for(2, 10), [2, 3], ROOT_KEY), 5)
+    assert done.status is Status.REJECTED
+    assert lookup(tier, 0).segments == ()
