@@ -1,0 +1,284 @@
+"""A long conversation pushed out of device *and* host memory, then resumed: where a tier must win.
+
+    python -m benchmarks.long_history [--model kvheavy] [--lengths 8192,16384] [--systems ...]
+                                      [--rounds 2] [--repeats 2] [--dir out/bench-long]
+
+For each system (recompute: sglang's default cache; every HiCache configuration of
+`sgl_hicache.bench.spec.HICACHE_CONFIGS`, `file` L3 on the same disk; ours) and each history length L:
+
+  1. history: a prompt of L tokens is served (the conversation so far);
+  2. resident: a short question on it while it is still in the device pool (`resident_ms`: the
+     floor any cache is compared with, measured on every server after every resume too);
+  3. other work: unrelated short prompts of more tokens than the device pool and HiCache's host
+     pool together, so the history is in neither; once their writes are done, the tier's files
+     are dropped from the page cache (fadvise: the servers' own code stays cached, else the
+     timed request would pay page faults in torch);
+  4. resume: the history + a new question; TTFT (`resume_ms`, one output token) and cached tokens.
+
+Steps 3-4 run `--repeats` times per server; each system runs once per round, systems in a new
+order every round (forward, then reversed): `--rounds` rounds. Figures are medians with their
+min-max spread. For ours, the growth of our counters over each resume gives the phases of its TTFT
+(`restore_wait_seconds`: admission waiting for reads; `restore_read_seconds`: first read starting
+to last completing, verification included; `restore_unpack_seconds`; `lookup_seconds`), and after
+each round the tier's raw parallel read bandwidth is measured on the same files (O_DIRECT, the
+tier's I/O threads, page cache dropped), so restore time can be set against what the disk can do.
+
+On CPU every server runs with `SGL_HICACHE_CPU_PREFIX_ATTENTION=1`
+(`sgl_hicache.platform.cpu_prefix_attention`): a turn's attention costs new tokens x history, as
+on a GPU, instead of sglang's CPU backend recomputing the whole sequence. The default model is the
+generated `kvheavy` (128 KiB of KV per token, like an 8B model; little compute): it stands for the
+tier's work on an 8B model, not for its answers or its prefill time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness import emit, gbps, log
+from benchmarks.resume import seq, spill_counters, ttft
+from sgl_hicache.bench import pagecache
+from sgl_hicache.bench.probe import dir_bytes, spill_state
+from sgl_hicache.bench.run import resolve_model
+from sgl_hicache.bench.spec import HICACHE, HICACHE_CONFIGS, HostPool, Shape, SpecError
+from sgl_hicache.bench.systems import System, build, kv_bytes_per_token
+from sgl_hicache.config import TierConfig
+from sgl_hicache.platform.cpu_prefix_attention import ENV_VAR as PREFIX_ATTENTION_ENV
+from sgl_hicache.tier.directio import O_DIRECT, alloc_aligned
+
+QUESTION = 96  # a new user message of 1.5 pages at page 64: the turn runs past the tree (a lookup)
+FILLER = 512  # tokens per unrelated prompt: cheap to prefill, many of them fill the pools
+PHASES = (
+    "restore_wait_seconds",
+    "restore_read_seconds",
+    "restore_unpack_seconds",
+    "lookup_seconds",
+    "spill_pack_seconds",
+)
+SYSTEMS = ("recompute", *HICACHE, "ours")
+
+
+def filler_tokens(system: System, shape: Shape, model: Path) -> int:
+    """Unrelated tokens that push a history out of the device pool and HiCache's host pool."""
+    host = 0
+    if system.name in HICACHE:
+        config = HICACHE[system.name]
+        ratio_tokens = int(config.default_ratio * shape.pool_tokens)
+        budget_tokens = shape.host_budget_mb * 2**20 // kv_bytes_per_token(model)
+        host = ratio_tokens if config.host is HostPool.DEFAULT else budget_tokens
+    return shape.pool_tokens + host + shape.pool_tokens // 2
+
+
+def other_work(base: str, tokens: int, seed: int) -> None:
+    prompts = [seq(seed * 1000 + i, FILLER) for i in range(-(-tokens // FILLER))]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda ids: ttft(base, ids), prompts))
+
+
+def phases(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {p: after.get(f"{p}_total", 0.0) - before.get(f"{p}_total", 0.0) for p in PHASES} | {
+        "restored_bytes": after.get("restored_bytes_total", 0.0) - before.get("restored_bytes_total", 0.0)
+    }
+
+
+def run_server(system: System, shape: Shape, model: Path, lengths: list[int], repeats: int,
+               round_: int, workdir: Path) -> list[dict[str, Any]]:  # fmt: skip
+    """Every measurement of one system in one round, as rows."""
+    rows: list[dict[str, Any]] = []
+    log_path = workdir / f"{system.name}-r{round_}.log"
+    with system.server(model, log_path).start(timeout_s=600) as server:
+        base = server.base_url
+        for length in lengths:
+            history = seq(round_ * 100 + length, length)
+            ttft(base, history)
+            resident_ms, _ = ttft(base, history + seq(7, QUESTION))
+            for rep in range(repeats):
+                other_work(base, filler_tokens(system, shape, model), seed=round_ * 1000 + rep + length)
+                settle(system, base)
+                pagecache.drop([d for d in [system.tier_dir] if d is not None], whole_cache=False)
+                before = spill_counters(base) if system.name == "ours" else {}
+                ms, cached = ttft(base, history + seq(1000 + rep, QUESTION))
+                after = spill_counters(base) if system.name == "ours" else {}
+                resident_ms, _ = ttft(base, history + seq(2000 + rep, QUESTION))
+                row = dict(system=system.name, round=round_, rep=rep, length=length, resume_ms=ms,
+                           cached=cached, resident_ms=resident_ms, **phases(before, after))  # fmt: skip
+                rows.append(row)
+                log(f"r{round_} {system.name:>22} L={length:>6}: resume {ms:9.1f} ms (cached {cached}), "
+                    f"resident {resident_ms:8.1f} ms" + (f", phases {_fmt(row)}" if before else ""))  # fmt: skip
+    return rows
+
+
+def _short(phase: str) -> str:
+    """`restore_wait_seconds` -> `wait`, `spill_pack_seconds` -> `pack`, `lookup_seconds` -> `lookup`."""
+    return phase.removesuffix("_seconds").removeprefix("restore_").removeprefix("spill_")
+
+
+def _fmt(row: dict[str, Any]) -> str:
+    return " ".join(f"{_short(p)}={row[p] * 1e3:.0f}ms" for p in PHASES)
+
+
+def settle(system: System, base: str, timeout_s: float = 300.0) -> None:
+    """Wait until the other work's writes are done (ours: none in flight; any system: its tier
+    directory stopped growing for 2 s), so a resume is timed beside no background write."""
+    deadline, last, still = time.monotonic() + timeout_s, -1, 0
+    while time.monotonic() < deadline and still < 2:
+        time.sleep(1.0)
+        busy = system.name == "ours" and spill_state(base).get("writes_in_flight", 0) > 0
+        size = dir_bytes(system.tier_dir)
+        still = 0 if busy or size != last else still + 1
+        last = size
+
+
+def raw_read_gbps(root: Path, threads: int, request: int = 4 << 20) -> tuple[float, int]:
+    """Cold parallel O_DIRECT reads of every extent file under `root` (GB/s, bytes)."""
+    files = [p for p in root.rglob("*") if p.is_file() and p.stat().st_size >= 1 << 20]
+    pagecache.drop([root], whole_cache=False)
+    bufs = [alloc_aligned(request) for _ in range(threads)]
+
+    def read(i: int) -> int:
+        total, buf = 0, bufs[i]
+        for path in files[i::threads]:
+            fd = os.open(path, os.O_RDONLY | O_DIRECT)
+            try:
+                off = 0
+                while (n := os.preadv(fd, [buf], off)) > 0:
+                    off += n
+                total += off
+            finally:
+                os.close(fd)
+        return total
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        nbytes = sum(pool.map(read, range(threads)))
+    return gbps(nbytes, time.perf_counter() - t0), nbytes
+
+
+def summarize(rows: list[dict[str, Any]], raw: list[float]) -> dict[str, Any]:
+    """Medians and spreads per system and length; ours against the best HiCache and the targets."""
+    figures: dict[str, Any] = {}
+    for length in sorted({r["length"] for r in rows}):
+        best: tuple[float, str] | None = None
+        for name in dict.fromkeys(r["system"] for r in rows):
+            mine = [r for r in rows if r["system"] == name and r["length"] == length]
+            for field in ("resume_ms", "resident_ms"):
+                values = [r[field] for r in mine]
+                figures[f"{name}_{field}_{length}"] = statistics.median(values)
+                figures[f"{name}_{field}_spread_{length}"] = [min(values), max(values)]
+            figures[f"{name}_cached_{length}"] = min(r["cached"] for r in mine)
+            if name in HICACHE and (best is None or figures[f"{name}_resume_ms_{length}"] < best[0]):
+                best = (figures[f"{name}_resume_ms_{length}"], name)
+        ours = [r for r in rows if r["system"] == "ours" and r["length"] == length]
+        if ours:
+            figures |= _ours(ours, length, raw)
+            if best is not None:
+                figures[f"best_hicache_{length}"] = best[1]
+                figures[f"ours_vs_best_hicache_{length}"] = figures[f"ours_resume_ms_{length}"] / best[0]
+    if raw:
+        figures["raw_read_gbps"] = statistics.median(raw)
+        figures["raw_read_gbps_spread"] = [min(raw), max(raw)]
+    return figures
+
+
+def _ours(rows: list[dict[str, Any]], length: int, raw: list[float]) -> dict[str, Any]:
+    """Ours' phases (medians, ms), restore overhead (resume - resident) and the issue-25 bound:
+    overhead <= 1.25 x restored bytes / raw read GB/s + unpack time."""
+    out: dict[str, Any] = {}
+    for p in PHASES:
+        out[f"ours_{_short(p)}_ms_{length}"] = statistics.median(r[p] for r in rows) * 1e3
+    overheads = [r["resume_ms"] - r["resident_ms"] for r in rows]
+    out[f"ours_overhead_ms_{length}"] = statistics.median(overheads)
+    restored = statistics.median(r["restored_bytes"] for r in rows)
+    out[f"ours_restored_mb_{length}"] = restored / 2**20
+    if raw:
+        read_ms = restored / (statistics.median(raw) * 1e9) * 1e3
+        bound = 1.25 * read_ms + out[f"ours_unpack_ms_{length}"]
+        out[f"ours_overhead_bound_ms_{length}"] = bound
+        out[f"ours_overhead_within_bound_{length}"] = out[f"ours_overhead_ms_{length}"] <= bound
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--model", default="kvheavy", help="kvheavy, small, smollm2 or a model dir (default %(default)s)"
+    )
+    p.add_argument("--lengths", default="8192,16384", help="history lengths, tokens (default %(default)s)")
+    p.add_argument(
+        "--systems", default=",".join(SYSTEMS), help="subset of %(default)s; hicache = all its configurations"
+    )
+    p.add_argument(
+        "--rounds", type=int, default=2, help="each system once per round, order reversed every other round"
+    )
+    p.add_argument("--repeats", type=int, default=2, help="evict + resume cycles per server and length")
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument(
+        "--host-budget-mb",
+        type=int,
+        default=None,
+        help="our staging and the *-budget HiCache host pool (default: 1.5 x the longest history)",
+    )
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--dir", type=Path, default=Path("out/bench-long"), help="work dir on the disk to measure")
+    args = p.parse_args(argv)  # fmt: skip
+    try:
+        lengths = sorted(int(x) for x in args.lengths.split(","))
+        names = _systems(args.systems)
+        if min(lengths) < 256 or args.rounds < 1 or args.repeats < 1:
+            raise ValueError("lengths must be >= 256, rounds and repeats >= 1")
+    except ValueError as e:
+        print(f"long_history: {e}", file=sys.stderr)
+        return 2
+    args.dir.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="long-", dir=args.dir)).resolve()
+    try:
+        model = resolve_model(args.model, args.dir.resolve())
+    except SpecError as e:
+        print(f"long_history: {e}", file=sys.stderr)
+        return 2
+    pool = max(lengths) + 4096
+    host_mb = args.host_budget_mb or int(1.5 * max(lengths) * kv_bytes_per_token(model) / 2**20) + 1
+    shape = Shape(model=str(model), pool_tokens=pool, host_budget_mb=host_mb, page_size=args.page_size,
+                  chunked_prefill=4096, device=args.device)  # fmt: skip
+    env = ((PREFIX_ATTENTION_ENV, "1"),) if args.device == "cpu" else ()
+    systems = [replace(s, env=(*s.env, *env)) for s in (build(n, shape, model, workdir) for n in names)]
+    rows: list[dict[str, Any]] = []
+    raw: list[float] = []
+    for round_ in range(args.rounds):
+        for system in systems if round_ % 2 == 0 else systems[::-1]:
+            rows += run_server(system, shape, model, lengths, args.repeats, round_, workdir)
+            if system.name == "ours" and system.tier_dir is not None:
+                speed, nbytes = raw_read_gbps(system.tier_dir, TierConfig().io_threads)
+                raw.append(speed)
+                log(
+                    f"r{round_} raw parallel read of ours' tier: {speed:.2f} GB/s over {nbytes / 2**20:.0f} MiB"
+                )
+    (workdir / "rows.json").write_text(json.dumps(rows, indent=1))
+    figures = {"model": args.model, "device": args.device, "pool_tokens": pool, "host_budget_mb": host_mb,
+               "page_size": args.page_size, "rounds": args.rounds, "repeats": args.repeats,
+               "rows": str(workdir / "rows.json"), **summarize(rows, raw)}  # fmt: skip
+    emit(figures)
+    return 0
+
+
+def _systems(names: str) -> list[str]:
+    wanted = {n.strip() for n in names.split(",") if n.strip()}
+    if "hicache" in wanted:
+        wanted = (wanted - {"hicache"}) | {c.name for c in HICACHE_CONFIGS}
+    unknown = sorted(wanted - set(SYSTEMS))
+    if unknown or not wanted:
+        raise ValueError(f"unknown or no systems {unknown}; choose from hicache, {', '.join(SYSTEMS)}")
+    return [s for s in SYSTEMS if s in wanted]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""`python -m benchmarks.long_history`: its arguments, and the figures it derives from rows."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import long_history as lh
+
+
+def row(system: str, length: int, resume: float, resident: float, **phases: float) -> dict:
+    return dict(system=system, round=0, rep=0, length=length, resume_ms=resume, cached=length,
+                resident_ms=resident, restored_bytes=phases.pop("restored_bytes", 0.0),
+                **{p: phases.get(lh._short(p), 0.0) for p in lh.PHASES})  # fmt: skip
+
+
+def test_ours_is_set_against_the_best_hicache_and_the_read_bound() -> None:
+    rows = [
+        row("hicache-wait-r2", 4096, 900.0, 100.0),
+        row("hicache-timeout-r2", 4096, 600.0, 100.0),
+        row("ours", 4096, 400.0, 100.0, unpack=0.05, restored_bytes=1e9),
+        row("ours", 4096, 500.0, 120.0, unpack=0.07, restored_bytes=1e9),
+    ]
+    f = lh.summarize(rows, raw=[2.0, 1.0, 4.0])
+    assert f["best_hicache_4096"] == "hicache-timeout-r2"
+    assert f["ours_resume_ms_4096"] == 450.0 and f["ours_resume_ms_spread_4096"] == [400.0, 500.0]
+    assert f["ours_vs_best_hicache_4096"] == pytest.approx(0.75)
+    assert f["ours_overhead_ms_4096"] == pytest.approx(340.0)  # median of 300 and 380
+    assert f["raw_read_gbps"] == 2.0
+    # 1e9 B at 2 GB/s = 500 ms, x 1.25 = 625 ms, + the median unpack 60 ms
+    assert f["ours_overhead_bound_ms_4096"] == pytest.approx(685.0)
+    assert f["ours_overhead_within_bound_4096"] is True
+    slow = lh.summarize([row("ours", 4096, 2000.0, 100.0, restored_bytes=1e9)], raw=[2.0])
+    assert slow["ours_overhead_within_bound_4096"] is False
+
+
+def test_systems_are_checked_and_ordered() -> None:
+    assert lh._systems("ours,recompute") == ["recompute", "ours"]
+    assert len(lh._systems("hicache")) == len(lh.SYSTEMS) - 2
+    with pytest.raises(ValueError, match="resident"):
+        lh._systems("ours,resident")
+
+
+@pytest.mark.parametrize("argv", [["--lengths", "100"], ["--rounds", "0"], ["--systems", "nope"]])
+def test_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert lh.main(argv) == 2
+    assert capsys.readouterr().err.startswith("long_history: ")
