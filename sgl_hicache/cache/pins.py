@@ -13,8 +13,10 @@ bytes of every TP rank together (the budget is the directory's, shared by the ra
 - **retention** (`retain`): an extent is kept only while the extents kept so far plus it fit (an
   extent may hold more than the pinned tokens, when a node runs past the pin's end); one that does
   not fit is spilled all the same and left to the tier's LRU (counted: `pin_over_budget`).
-Re-pinning the same prefix replaces its deadline (extends or shortens it). Not thread-safe: the
-scheduler thread only.
+Re-pinning the same prefix can only extend its deadline (a client that guessed another's prefix
+must not end that pin), and is charged in full at admission: whether the budget admits a pin never
+depends on what exactly others pinned. At most `MAX_PINS` pins are in force (eviction checks them
+all). Not thread-safe: the scheduler thread only.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import numpy as np
 from sgl_hicache.tier.keys import ExtentKey, token_digest
 
 MAX_TTL_S = 7 * 24 * 3600.0
+MAX_PINS = 1024
 
 
 @dataclass
@@ -64,9 +67,12 @@ class Pins:
     def admit(self, tenant: bytes, salt: str | None, tokens: Sequence[int], ttl_s: float) -> str | None:
         """Why a pin of `tokens` for `ttl_s` would exceed the budget (one line, without what others
         pinned), or None (then it is added, as `add` does)."""
+        if not len(tokens):
+            return "a pin must cover at least one whole page of tokens"
+        if len(self) >= MAX_PINS:
+            return f"{MAX_PINS} pins are in force on this server: no more until some end"
         need = self._bytes_of(len(tokens))
-        others = self.pinned_bytes - self._held(tenant, tokens)
-        if others + need > self.budget_bytes:
+        if self.pinned_bytes + need > self.budget_bytes:
             return (  # how much others pinned is not said: hints never tell what is cached
                 f"pinning {len(tokens)} tokens ({need} B of KV) would exceed the pin budget of "
                 f"{self.budget_bytes} B (pin_share of the tier budget) with the pins in force"
@@ -77,13 +83,12 @@ class Pins:
     def add(self, tenant: bytes, salt: str | None, tokens: Sequence[int], ttl_s: float) -> Pin:
         """Pin `tokens` of `tenant` for `ttl_s` seconds from now (replacing a pin of the same prefix)."""
         arr = np.asarray(tokens, dtype=np.int64)
-        pin = Pin(tenant, salt, arr, time.monotonic() + ttl_s, self._bytes_of(len(arr)))
-        self._pins[(tenant, token_digest(arr))] = pin
+        name = (tenant, token_digest(arr))
+        old = self._pins.get(name)
+        until = max(time.monotonic() + ttl_s, old.until if old is not None else 0.0)
+        pin = Pin(tenant, salt, arr, until, self._bytes_of(len(arr)))
+        self._pins[name] = pin
         return pin
-
-    def _held(self, tenant: bytes, tokens: Sequence[int]) -> int:
-        pin = self._pins.get((tenant, token_digest(np.asarray(tokens, dtype=np.int64))))
-        return 0 if pin is None else pin.nbytes
 
     def expire(self) -> None:
         now = time.monotonic()

@@ -132,6 +132,8 @@ class Retention:
         if not path:
             return
         top = path[-1]
+        if sum(len(n.key) for n in path) < len(key) and top.children:
+            return  # the conversation runs off the tree here: what is cached is shared with others
         while top.parent is not self.host.root_node and len(top.parent.children) == 1:
             top = top.parent  # the parent is this conversation's alone: it goes too
         self._drop_subtree(top)

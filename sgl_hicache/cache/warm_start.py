@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from array import array
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import xxhash
@@ -36,6 +37,7 @@ class WarmStart:
         self.tree = tree
         self.namespace_id = namespace_id
         self.orphans: dict[ExtentKey, list[ExtentInfo]] = {}
+        self._present: Callable[[ExtentKey], bool] = lambda key: True  # the tier's index (`attach_all`)
 
     def forget(self) -> None:
         """A flush or a new epoch: no orphan can be named any more."""
@@ -44,6 +46,7 @@ class WarmStart:
     def attach_all(self, tier: Tier, epoch: bytes) -> int:
         """Attach every extent reachable from the root as a spilled node (the default tenant);
         keep the rest as orphans. Returns the tokens attached. Blocks (reads headers)."""
+        self._present = tier.contains  # an orphan purged or evicted since is never attached
         children: dict[ExtentKey, list[ExtentInfo]] = defaultdict(list)
         for info in tier.extents():
             children[info.parent].append(info)
@@ -87,6 +90,7 @@ class WarmStart:
             0 < n <= len(tokens) - pos
             and n % self.tree.page_size == 0
             and chain_key(self.namespace_id, hasher.key(), tokens[pos : pos + n]) == info.key
+            and self._present(info.key)
         )
 
     def _attach(

@@ -14,6 +14,7 @@ is of the root, not of one server's namespace.
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,21 +32,27 @@ from sgl_hicache.tier.format import (
 from sgl_hicache.tier.keys import KEY_BYTES, NamespaceId
 from sgl_hicache.tier.paths import ExtentPaths
 
+UNREADABLE = SaltMark(None, known=False)
+"""An extent file that is there but cannot be read (EIO, EACCES, ...): it may hold any salt's KV."""
+
 
 def salt_mark(path: str, seal: Seal) -> SaltMark | None:
-    """The `SaltMark` of extent file `path`, verified with `seal`; None if it is gone, unreadable or
-    does not verify (then nothing ever uses it). Never raises."""
+    """The `SaltMark` of extent file `path`, verified with `seal`; None if it is gone or does not
+    verify (then nothing ever uses it as KV); `UNREADABLE` if it is there but cannot be read, so a
+    purge removes it and fsck reports it rather than call the salt gone. Never raises."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
+    except OSError as e:
+        return None if e.errno == errno.ENOENT else UNREADABLE
     try:
         fixed = os.pread(fd, FIXED_SIZE, 0)
         header = decode_fixed(fixed, seal)
         meta = os.pread(fd, FIXED_SIZE + header.meta_len, 0)
         return decode_salt(header, meta, version_of(fixed), seal)
-    except (OSError, FormatError):
+    except FormatError:
         return None
+    except OSError:
+        return UNREADABLE
     finally:
         os.close(fd)
 

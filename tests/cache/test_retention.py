@@ -123,7 +123,10 @@ def test_a_pin_over_its_budget_is_refused_with_the_numbers(make_stack: Any) -> N
         and "(8192 B of KV) would exceed the pin budget of 10000 B" in refused.reason
     )
     assert [h.kind for h in taken] == ["pin"]
-    assert s.cache.retention.take(taken, list(range(64)), None, None, "pin", 60.0) is None  # a re-pin fits
+    # The answer never depends on what exactly is pinned (an oracle): a re-pin of the same tokens is
+    # charged in full, as another prefix of the same size is.
+    again = s.cache.retention.take(taken, list(range(64)), None, None, "pin", 60.0)
+    assert isinstance(again, HintRefused) and again.reason == refused.reason
     assert make_stack(spill=False).cache.retention.take([], [1], None, None, "pin", 1.0) is not None
 
 
@@ -224,3 +227,58 @@ def test_a_purge_the_tier_cannot_do_clears_the_tree_and_says_so(
     assert s.metrics.totals["purges_incomplete"] == 2
     assert sum("purges_incomplete" in r.getMessage() for r in caplog.records) == 1
     s.cache.check_integrity()
+
+
+def test_a_pin_covers_a_page_and_pins_are_bounded(make_stack: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sgl_hicache.cache import pins
+
+    s = make_stack(page_size=16)
+    empty = s.cache.retention.take([], [1, 2, 3], None, "salt", "pin", 60.0)  # less than a page: no tokens
+    assert isinstance(empty, HintRefused) and "at least one whole page" in empty.reason
+    monkeypatch.setattr(pins, "MAX_PINS", 3)
+    for i in range(3):
+        assert s.cache.retention.take([], list(range(16 * i, 16 * i + 16)), None, None, "pin", 60.0) is None
+    full = s.cache.retention.take([], list(range(100, 116)), None, None, "pin", 60.0)
+    assert isinstance(full, HintRefused) and "3 pins are in force" in full.reason
+
+
+def test_a_re_pin_never_shortens_a_pin(make_stack: Any) -> None:
+    s = make_stack()
+    pin(s, A, 600.0)
+    pin(s, A, 1e-6)  # another client guessing the prefix cannot end it
+    time.sleep(0.01)
+    assert len(s.cache.retention.pins) == 1
+
+
+def test_drop_of_a_conversation_not_cached_or_dropped_twice_keeps_the_others(make_stack: Any) -> None:
+    """A drop whose conversation runs off the tree inside what others share drops nothing."""
+    s = make_stack()
+    x = SYS + list(range(9000, 9032))
+    s.insert(A)
+    drop(s, x)  # never cached: its match ends inside A's node
+    assert s.match(A).device_prefix_len == len(A)
+    s.evict_all()
+    drop(s, x)
+    s.cache.retention.wait_jobs()
+    assert restored(s, A) == len(A)
+    s.insert(B)
+    drop(s, A)
+    drop(s, A)  # again (a client retrying after a timeout): B and the shared prompt stay
+    s.cache.retention.wait_jobs()
+    assert s.match(A).device_prefix_len + s.match(A).host_hit_length == len(SYS)
+    assert restored(s, B) == len(B)
+    s.cache.check_integrity()
+
+
+def test_a_purge_after_a_restart_leaves_no_orphan_to_attach(make_stack: Any, tmp_path: Path) -> None:
+    d = tmp_path / "restart"
+    s = make_stack(d)
+    s.insert(A, "s1")
+    s.evict_all()
+    s.cache.controller.tier.close()
+    again = make_stack(d)  # salted extents wait as orphans until a request brings their tokens
+    assert sum(map(len, again.cache.warm.orphans.values())) == 1
+    purge(again, "s1")
+    again.cache.retention.wait_jobs()
+    m = again.match(A, "s1")
+    assert m.host_hit_length == 0, "a purged extent was attached from the warm start's orphans"

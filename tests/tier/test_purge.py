@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -123,3 +124,26 @@ def test_retained_extents_outlive_eviction_until_their_deadline(make_tier: Calla
     for i in range(12, 18):
         assert store(tier, i, None) is Status.OK
     assert not tier.contains(key_for(0)) and tier.stats().retained_extents == 0
+
+
+def test_a_file_that_cannot_be_read_is_never_called_free_of_the_salt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EIO or EACCES on an extent: a purge removes it and fsck reports it; only a file that is gone
+    (ENOENT) holds nothing."""
+    import errno
+    import os
+
+    from sgl_hicache.tier import purge
+
+    def failing(code: int) -> Any:
+        def open_(path: str, flags: int, *args: Any) -> int:
+            raise OSError(code, os.strerror(code), path)
+
+        return open_
+
+    for code, want in ((errno.EIO, purge.UNREADABLE), (errno.EACCES, purge.UNREADABLE), (errno.ENOENT, None)):
+        monkeypatch.setattr(purge.os, "open", failing(code))
+        mark = purge.salt_mark(str(tmp_path / "x.ext"), seal=None)  # type: ignore[arg-type]
+        assert mark == want
+        assert purge.belongs(mark, b"tag") is (want is not None)
