@@ -21,7 +21,6 @@ per-thread scratch buffer (registered with the store, as RDMA needs).
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 
 import xxhash
@@ -38,12 +37,11 @@ from sgl_hicache.tier.format import (
     decode_aliases,
     decode_fixed,
     decode_meta,
-    encode_header,
 )
 from sgl_hicache.tier.keys import ExtentKey, Namespace, NamespaceId
 from sgl_hicache.tier.load import check_identity, decode_chunk, verify_chunk
 from sgl_hicache.tier.mooncake_client import Names, Reply, StoreClient
-from sgl_hicache.tier.store import Prepared, StoreRequest
+from sgl_hicache.tier.store import Prepared, StoreRequest, sealed_header
 
 
 class Gone(FileNotFoundError):
@@ -91,13 +89,7 @@ def write_objects(client: StoreClient, names: Names, prep: Prepared, cfg: TierCo
         view = memoryview(data).cast("B")
         chunks.append(Chunk(prep.offsets[i], view.nbytes, xxhash.xxh3_64_intdigest(view)))
         _checked(client.write_from(names.chunk(req.key, i), view), "chunk write")
-    header = Header(
-        namespace=ns.id, key=req.key, parent=req.parent, layout=ns.layout, compression=cfg.compression,
-        token_count=req.token_count, token_digest=req.token_digest, chunk_bytes=cfg.chunk_bytes,
-        payload_len=req.payload.nbytes, stored_len=prep.stored_len, created_ns=time.time_ns(),
-        header_len=prep.header_len,
-    )  # fmt: skip
-    sealed = encode_header(header, req.tokens, chunks, seal, req.aliases, req.salt_tag)
+    sealed = sealed_header(prep, cfg, ns, chunks, seal)
     _checked(client.write(names.header(req.key), sealed), "header write")
 
 

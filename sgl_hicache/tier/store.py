@@ -124,7 +124,7 @@ def write_extent(
             if created is not None:
                 created()
             chunks = _write_chunks(fd, prep)
-            pwritev_exact(fd, [_aligned(_header(prep, cfg, ns, chunks, seal), "header")], 0)
+            pwritev_exact(fd, [_aligned(sealed_header(prep, cfg, ns, chunks, seal), "header")], 0)
             if cfg.fsync is not Fsync.NONE:
                 os.fdatasync(fd)
         finally:
@@ -184,7 +184,8 @@ def _direct_ok(data: memoryview | bytes) -> bool:
     return not view.readonly and is_aligned(view)
 
 
-def _header(prep: Prepared, cfg: TierConfig, ns: Namespace, chunks: list[Chunk], seal: Seal) -> bytes:
+def sealed_header(prep: Prepared, cfg: TierConfig, ns: Namespace, chunks: list[Chunk], seal: Seal) -> bytes:
+    """The extent's header, sealed, for the chunks as stored (files and Mooncake objects alike)."""
     req = prep.req
     header = Header(
         namespace=ns.id, key=req.key, parent=req.parent, layout=ns.layout, compression=cfg.compression,
