@@ -4,7 +4,7 @@
                                       [--rounds 2] [--repeats 2] [--dir out/bench-long]
 
 For each system (recompute: sglang's default cache; every HiCache configuration of
-`sgl_hicache.bench.spec.HICACHE_CONFIGS`, `file` L3 on the same disk; ours) and each history length L:
+`benchmarks.bench.spec.HICACHE_CONFIGS`, `file` L3 on the same disk; ours) and each history length L:
 
   1. history: a prompt of L tokens is served (the conversation so far);
   2. resident: a short question on it while it is still in the device pool (`resident_ms`: the
@@ -24,7 +24,7 @@ each round the tier's raw parallel read bandwidth is measured on the same files 
 tier's I/O threads, page cache dropped), so restore time can be set against what the disk can do.
 
 On CPU every server runs with `SGL_HICACHE_CPU_PREFIX_ATTENTION=1`
-(`sgl_hicache.platform.cpu_prefix_attention`): a turn's attention costs new tokens x history, as
+(`sgl_hicache_cpu.cpu_prefix_attention`): a turn's attention costs new tokens x history, as
 on a GPU, instead of sglang's CPU backend recomputing the whole sequence. The default model is the
 generated `kvheavy` (128 KiB of KV per token, like an 8B model; little compute): it stands for the
 tier's work on an 8B model, not for its answers or its prefill time.
@@ -44,15 +44,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks.bench import pagecache
+from benchmarks.bench.probe import dir_bytes, spill_state
+from benchmarks.bench.run import resolve_model
+from benchmarks.bench.spec import HICACHE, HICACHE_CONFIGS, HostPool, Shape, SpecError
+from benchmarks.bench.systems import System, build, kv_bytes_per_token
 from benchmarks.harness import emit, gbps, log
 from benchmarks.resume import seq, spill_counters, ttft
-from sgl_hicache.bench import pagecache
-from sgl_hicache.bench.probe import dir_bytes, spill_state
-from sgl_hicache.bench.run import resolve_model
-from sgl_hicache.bench.spec import HICACHE, HICACHE_CONFIGS, HostPool, Shape, SpecError
-from sgl_hicache.bench.systems import System, build, kv_bytes_per_token
 from sgl_hicache.config import TierConfig
-from sgl_hicache.platform.cpu_prefix_attention import ENV_VAR as PREFIX_ATTENTION_ENV
 from sgl_hicache.tier.directio import O_DIRECT, alloc_aligned
 
 QUESTION = 96  # a new user message of 1.5 pages at page 64: the turn runs past the tree (a lookup)
@@ -249,7 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     host_mb = args.host_budget_mb or int(1.5 * max(lengths) * kv_bytes_per_token(model) / 2**20) + 1
     shape = Shape(model=str(model), pool_tokens=pool, host_budget_mb=host_mb, page_size=args.page_size,
                   chunked_prefill=4096, device=args.device)  # fmt: skip
-    env = ((PREFIX_ATTENTION_ENV, "1"),) if args.device == "cpu" else ()
+    env: tuple[tuple[str, str], ...] = ()
+    if args.device == "cpu":  # the CPU profile's extend attention over new rows only, for every system
+        from sgl_hicache_cpu.cpu_prefix_attention import ENV_VAR as PREFIX_ATTENTION_ENV
+
+        env = ((PREFIX_ATTENTION_ENV, "1"),)
     systems = [replace(s, env=(*s.env, *env)) for s in (build(n, shape, model, workdir) for n in names)]
     rows: list[dict[str, Any]] = []
     raw: list[float] = []

@@ -38,10 +38,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.bench import pagecache
+from benchmarks.bench.probe import spill_state
+from benchmarks.bench.server_process import CPU_FLAGS, ServerProcess
 from benchmarks.harness import emit, log
-from sgl_hicache.bench import pagecache
-from sgl_hicache.bench.probe import spill_state
-from sgl_hicache.bench.server_process import CPU_FLAGS, ServerProcess
 
 POLICIES = ("wait", "timeout", "best_effort")
 
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="prefetch-", dir=args.dir)).resolve()
     results: dict[str, Any] = {}
     try:
-        from sgl_hicache.modelgen import generate_model
+        from benchmarks.modelgen import generate_model
 
         model = generate_model(workdir / "model-small", "small", seed=0)
         for policy in policies:

@@ -31,9 +31,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from benchmarks.bench.probe import scrape, spill_state, tree_rss_mb
+from benchmarks.bench.server_process import ServerProcess, device_flags
 from benchmarks.harness import emit, log
-from sgl_hicache.bench.probe import scrape, spill_state, tree_rss_mb
-from sgl_hicache.bench.server_process import ServerProcess, device_flags
 from sgl_hicache.config import SpillConfig
 
 NEW_QUESTION = 32
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     args.dir.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="resume-", dir=args.dir)).resolve()
     try:
-        from sgl_hicache.modelgen import generate_model
+        from benchmarks.modelgen import generate_model
 
         model = args.model_path or generate_model(workdir / "model-small", "small", seed=0)
         base = run_system(model, pool, lengths, None, workdir, args.device)

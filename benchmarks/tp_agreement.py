@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks.bench.server_process import CPU_FLAGS, ServerProcess
 from benchmarks.harness import emit, log
-from sgl_hicache.bench.server_process import CPU_FLAGS, ServerProcess
-from sgl_hicache.modelgen import generate_model
+from benchmarks.modelgen import generate_model
 
 POOL = 1024
 PROMPT = 300

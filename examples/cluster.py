@@ -35,13 +35,14 @@ from multi_turn_chat import (
     demo_model,
     other_prompt,
     spill_stats,
+    use_checkout,
 )
 from openai import OpenAI
 
 
 def run_cluster(workdir: Path, model_name: str, mooncake: bool = False) -> int:
-    from sgl_hicache.bench.mooncake_process import MooncakeMaster
-    from sgl_hicache.bench.server_process import CPU_FLAGS
+    from benchmarks.bench.mooncake_process import MooncakeMaster
+    from benchmarks.bench.server_process import CPU_FLAGS
 
     model = demo_model(model_name, workdir)
     tier = workdir / "tier"
@@ -65,8 +66,8 @@ def run_cluster(workdir: Path, model_name: str, mooncake: bool = False) -> int:
 
 
 def serve_cluster(model: Path, flags: list[str], workdir: Path) -> int:
-    from sgl_hicache.bench.router_process import RouterProcess
-    from sgl_hicache.bench.server_process import ServerProcess
+    from benchmarks.bench.router_process import RouterProcess
+    from benchmarks.bench.server_process import ServerProcess
 
     with (
         ServerProcess(model, POOL_TOKENS, flags, log_path=workdir / "a.log") as a,
@@ -134,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mooncake", action="store_true",
                         help="share a Mooncake Store (a master on loopback) instead of the tier directory")  # fmt: skip
     args = parser.parse_args(argv)
-    from sgl_hicache.modelgen import ModelBuildError
+    use_checkout()  # the servers, the router and the master are run by the checkout's benchmarks/
+    from benchmarks.modelgen import ModelBuildError
 
     try:
         if args.workdir:

@@ -152,9 +152,21 @@ def spill_stats(server_url: str) -> dict[str, float]:
     return counters
 
 
+CHECKOUT = Path(__file__).resolve().parents[1]
+
+
+def use_checkout() -> None:
+    """`--launch` builds the model and starts the server with helpers of the source checkout
+    (`benchmarks/`: the model generator and the server runner), which the installed package does
+    not hold: put the checkout on the import path."""
+    if str(CHECKOUT) not in sys.path:
+        sys.path.insert(0, str(CHECKOUT))
+
+
 def demo_model(name: str, workdir: Path) -> Path:
     """The model directory for `--model`: SmolLM2 built once into the shared cache, or tiny in `workdir`."""
-    from sgl_hicache.modelgen import build_smollm2, default_model_dir, generate_model
+    use_checkout()
+    from benchmarks.modelgen import build_smollm2, default_model_dir, generate_model
 
     if name == "tiny":
         model = workdir / "model-tiny"
@@ -170,7 +182,8 @@ def demo_model(name: str, workdir: Path) -> Path:
 
 
 def launch_and_chat(workdir: Path, model_name: str = "smollm2") -> list[TurnResult]:
-    from sgl_hicache.bench.server_process import CPU_FLAGS, ServerProcess
+    use_checkout()
+    from benchmarks.bench.server_process import CPU_FLAGS, ServerProcess
 
     model = demo_model(model_name, workdir)
     tier = workdir / "tier"
@@ -220,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.base_url:
         run_chat(args.base_url, api_key=args.api_key)
         return 0
-    from sgl_hicache.modelgen import ModelBuildError
+    use_checkout()
+    from benchmarks.modelgen import ModelBuildError
 
     try:
         if args.workdir:

@@ -9,7 +9,9 @@ ours only, without importing sglang; `--help-sglang` prints sglang's.
 With `--enable-hicache-spill`, `--radix-cache-backend hicache_spill` is added for sglang, and the
 config travels to the scheduler processes in `SGL_HICACHE_CONFIG`. `--device cpu` also sets
 `SGLANG_USE_CPU_ENGINE=1`, which sglang's CPU engine needs, and with `--tp-size N>1` the defaults of
-`sgl_hicache.platform.cpu_tp_env` (our CPU platform and a thread binding), unless already set.
+`sgl_hicache_cpu.cpu_tp_env` (the CPU profile's platform and a thread binding), unless already set:
+the one module of the CPU profile (`cpu/`, not in this package) the runtime names; without that
+profile, CPU tensor parallelism is refused.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from typing import NoReturn
 from sgl_hicache.cache.identity import UNISOLATED
 from sgl_hicache.cache.metrics import BACKEND_NAME
 from sgl_hicache.config import ConfigError, SpillConfig
-from sgl_hicache.platform.cpu_tp_env import cpu_tp_env
 from sgl_hicache.server.flags import add_flags, config_from, refuse_unknown_ours
 from sgl_hicache.server.handoff import export_config
 from sgl_hicache.server.sglang_args import check_sglang_args
@@ -121,10 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     # sglang rewrites every SGL_* variable to SGLANG_* with a "deprecated" warning; ours are not its.
     os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), _QUIET_SGL_ENV]))
     warnings.filterwarnings("ignore", message="Environment variable SGL_HICACHE")
-    if _flag_value(sglang_argv, "--device") == "cpu":
-        os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-        os.environ.update(cpu_tp_env(sglang_argv))  # only for --tp-size > 1; never overrides
     try:
+        if _flag_value(sglang_argv, "--device") == "cpu":
+            os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+            os.environ.update(cpu_tp_defaults(sglang_argv))  # only for --tp-size > 1; never overrides
         check_sglang_args(sglang_argv, PROG)  # imports sglang's server_args, which reads the env above
         check_seam()  # imports sglang
     except (ConfigError, SeamError) as e:
@@ -136,6 +137,24 @@ def main(argv: list[str] | None = None) -> int:
             return run_sglang(sglang_argv)
     except HintSocketError as e:
         return fail(e)
+
+
+def cpu_tp_defaults(argv: list[str]) -> dict[str, str]:
+    """The CPU profile's environment for `--device cpu --tp-size N` (`sgl_hicache_cpu.cpu_tp_env`);
+    ConfigError when N > 1 and that profile is not installed."""
+    try:
+        from sgl_hicache_cpu.cpu_tp_env import cpu_tp_env
+    except ModuleNotFoundError as e:
+        if e.name not in ("sgl_hicache_cpu", "sgl_hicache_cpu.cpu_tp_env"):
+            raise
+        width = _flag_value(argv, "--tp-size") or _flag_value(argv, "--tensor-parallel-size") or "1"
+        if width.isdigit() and int(width) > 1:
+            raise ConfigError(
+                "--device cpu with --tp-size above 1 needs the CPU profile: pip install ./cpu "
+                "from a source checkout (docs/DEVELOPMENT.md)"
+            ) from None
+        return {}
+    return cpu_tp_env(argv)
 
 
 _LINE_BREAKS = "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"  # what str.splitlines() splits at

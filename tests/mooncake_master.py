@@ -1,4 +1,4 @@
-"""A real Mooncake master on loopback for tests (`sgl_hicache.bench.mooncake_process`: free ports, its
+"""A real Mooncake master on loopback for tests (`benchmarks.bench.mooncake_process`: free ports, its
 own process group, stopped by it), and `skip_without_mooncake()`, which skips a test module where
 the client cannot be imported (no libibverbs.so.1: scripts/setup_venv.sh says how)."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_hicache.bench.mooncake_process import MooncakeMaster
-from sgl_hicache.bench.server_process import free_port
+from benchmarks.bench.mooncake_process import MooncakeMaster
+from benchmarks.bench.server_process import free_port
 
 
 def skip_without_mooncake() -> None:

@@ -27,22 +27,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"sgl_hicache": ROOT / "sgl_hicache", "sgl_hicache.kernels": ROOT / "kernels"}
-LAYERS = {
-    "sgl_hicache.tier": ("sgl_hicache.cache", "sgl_hicache.server", "sgl_hicache.bench"),
-    "sgl_hicache.kernels": ("sgl_hicache.cache", "sgl_hicache.server"),
-    "sgl_hicache.cache": ("sgl_hicache.server", "sgl_hicache.bench", "sgl_hicache.modelgen"),
-    # The runtime (what a server runs) never imports the benchmark or the model generator, which
-    # ship for users measuring their own box (`pip install sgl-hicache[bench]`), not for serving.
-    "sgl_hicache.server": ("sgl_hicache.bench", "sgl_hicache.modelgen"),
-    "sgl_hicache.cli": (
-        "sgl_hicache.bench",
-        "sgl_hicache.modelgen",
-        "sgl_hicache.cache",
-        "sgl_hicache.server",
-    ),
-    "sgl_hicache.launch_server": ("sgl_hicache.bench", "sgl_hicache.modelgen"),
-}
 
 
 @dataclass(frozen=True)
@@ -50,6 +34,34 @@ class Edge:
     source: str
     target: str
     typing_only: bool
+
+PACKAGES = {
+    "sgl_hicache": ROOT / "sgl_hicache",
+    "sgl_hicache.kernels": ROOT / "kernels",
+    # Not in the runtime wheel: the benchmarks and the model generator (run from a checkout) and the
+    # CPU profile (distribution sgl-hicache-cpu). Read so that edges into them are seen.
+    "benchmarks.bench": ROOT / "benchmarks" / "bench",
+    "benchmarks.modelgen": ROOT / "benchmarks" / "modelgen",
+    "sgl_hicache_cpu": ROOT / "cpu" / "sgl_hicache_cpu",
+}
+DEV = ("benchmarks.bench", "benchmarks.modelgen", "sgl_hicache_cpu")
+LAYERS = {
+    "sgl_hicache.tier": ("sgl_hicache.cache", "sgl_hicache.server", *DEV),
+    "sgl_hicache.kernels": ("sgl_hicache.cache", "sgl_hicache.server", *DEV),
+    "sgl_hicache.cache": ("sgl_hicache.server", *DEV),
+    "sgl_hicache.server": DEV,
+    "sgl_hicache.cli": ("sgl_hicache.cache", "sgl_hicache.server", *DEV),
+    "sgl_hicache.config": DEV,
+    # The CPU profile's platform, its plugin and its patches never import the runtime's cache.
+    "sgl_hicache_cpu": ("sgl_hicache.cache", "sgl_hicache.server", "benchmarks.bench"),
+}
+# The only edges from the runtime into what the wheel does not hold, each a function-level import
+# that fails with a one-line message where that piece is missing: the benchmark's forwarder, and
+# the CPU profile's defaults for `--device cpu --tp-size N` in the launcher.
+RUNTIME_TO_DEV = {
+    Edge("sgl_hicache.bench", "benchmarks.bench.cli", False),
+    Edge("sgl_hicache.launch_server", "sgl_hicache_cpu.cpu_tp_env", False),
+}
 
 
 @cache
@@ -168,6 +180,15 @@ def test_layering(layer: str, forbidden: tuple[str, ...]) -> None:
         if in_package(e.source, layer) and any(in_package(e.target, f) for f in forbidden)
     )
     assert not bad, f"{layer} must not import {forbidden}: {bad}"
+
+
+def test_the_runtime_reaches_outside_the_wheel_only_where_it_says() -> None:
+    outside = {
+        edge
+        for edge in edges()
+        if in_package(edge.source, "sgl_hicache") and any(in_package(edge.target, dev) for dev in DEV)
+    }
+    assert outside == RUNTIME_TO_DEV
 
 
 @pytest.mark.parametrize("package", ["sgl_hicache.tier", "sgl_hicache.cache"])

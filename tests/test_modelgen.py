@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sgl_hicache.modelgen import SIZES, ModelBuildError, build_smollm2, generate_model, smollm2
-from sgl_hicache.modelgen.__main__ import main as modelgen_main
+from benchmarks.modelgen import SIZES, ModelBuildError, build_smollm2, generate_model, smollm2
+from benchmarks.modelgen.__main__ import main as modelgen_main
 
 
 def test_tiny_is_deterministic_and_loads_as_an_hf_model(tiny_model: Path, tmp_path: Path) -> None:
@@ -42,7 +42,7 @@ def test_greedy_output_depends_on_the_context(tiny_model: Path) -> None:
 def test_small_has_about_100m_parameters() -> None:
     from transformers import LlamaForCausalLM
 
-    from sgl_hicache.modelgen.generate import llama_config
+    from benchmarks.modelgen.generate import llama_config
 
     with torch.device("meta"):
         n = sum(p.numel() for p in LlamaForCausalLM(llama_config(SIZES["small"])).parameters())
@@ -146,7 +146,7 @@ def test_kvheavy_has_the_kv_of_an_8b_model_and_little_compute(tmp_path: Path) ->
     Llama-3.1-8B), a small hidden size; the bench sizes the host budget from config.json."""
     from transformers import AutoModelForCausalLM
 
-    from sgl_hicache.bench.systems import kv_bytes_per_token
+    from benchmarks.bench.systems import kv_bytes_per_token
 
     model_dir = generate_model(tmp_path / "kvheavy", "kvheavy", seed=0)
     assert kv_bytes_per_token(model_dir) == SIZES["kvheavy"].kv_bytes_per_token == 128 * 1024

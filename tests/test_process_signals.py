@@ -30,7 +30,7 @@ STANDIN = standin_source(
 DRIVER = """
 import sys, time
 from pathlib import Path
-from sgl_hicache.bench.server_process import ServerProcess
+from benchmarks.bench.server_process import ServerProcess
 
 server = ServerProcess(Path("unused"), 1, module="standin_server", env={"PYTHONPATH": sys.argv[1]})
 server.start(timeout_s=60)

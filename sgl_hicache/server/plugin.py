@@ -16,10 +16,8 @@ not the server selected our backend. So `register()` registers nothing of ours, 
   - `http_server.set_global_state`, AFTER: in the HTTP process of such a server, adds
     `POST /hicache/prefetch` (`hooks.add_routes`). sglang calls it once every scheduler is built,
     i.e. has passed the seam check;
-- with `SGL_HICACHE_CPU_HICACHE_COMPAT=1` (or sglang's `SGLANG_` copy), the patches that let
-  sglang's own HiCache run on CPU (`sgl_hicache.platform.hicache_cpu_compat`, the benchmark's peer);
-- with `SGL_HICACHE_CPU_PREFIX_ATTENTION=1` (or its `SGLANG_` copy), the CPU benchmarks' extend
-  attention over new rows only (`sgl_hicache.platform.cpu_prefix_attention`), for every system alike.
+
+The CPU profile (`cpu/`, distribution `sgl-hicache-cpu`) has a plugin of its own for its patches.
 
 Our launcher registers the one hook left (`hooks.register_exit_hook`, removal of the hint socket's
 runtime directory): it is the process that makes that directory. Importing this module imports no
@@ -28,26 +26,18 @@ other module of ours (tests/test_import_graph.py).
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 BACKEND_NAME = "hicache_spill"  # sgl_hicache.cache.metrics.BACKEND_NAME (a test keeps them equal)
 SCHEDULER_TARGET = "sglang.srt.managers.scheduler.Scheduler.__init__"
 ROUTES_TARGET = "sglang.srt.entrypoints.http_server.set_global_state"
 CHECK_TARGETS = (SCHEDULER_TARGET, ROUTES_TARGET)
-COMPAT_ENV = ("SGL_HICACHE_CPU_HICACHE_COMPAT", "SGLANG_HICACHE_CPU_HICACHE_COMPAT")  # hicache_cpu_compat's
-PREFIX_ATTENTION_ENV = (
-    "SGL_HICACHE_CPU_PREFIX_ATTENTION",
-    "SGLANG_HICACHE_CPU_PREFIX_ATTENTION",
-)  # cpu_prefix_attention's
 
 
 def register() -> None:
     from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    _apply_cpu_hicache_compat()
-    _apply_cpu_prefix_attention()
     if get_radix_cache_factory(BACKEND_NAME) is None:
         register_radix_cache_backend(BACKEND_NAME, build_spill_cache)
         HookRegistry.register(SCHEDULER_TARGET, hook_scheduler_if_selected, HookType.BEFORE)
@@ -78,21 +68,3 @@ def add_routes_if_selected(result: Any, global_state: Any = None, *args: Any, **
         from sgl_hicache.server import hooks
 
         hooks.add_routes(result, global_state, *args, **kwargs)
-
-
-def _apply_cpu_hicache_compat() -> None:
-    if not any(name in os.environ for name in COMPAT_ENV):
-        return
-    from sgl_hicache.platform import hicache_cpu_compat
-
-    if hicache_cpu_compat.enabled_by_env():
-        hicache_cpu_compat.apply()
-
-
-def _apply_cpu_prefix_attention() -> None:
-    if not any(name in os.environ for name in PREFIX_ATTENTION_ENV):
-        return
-    from sgl_hicache.platform import cpu_prefix_attention
-
-    if cpu_prefix_attention.enabled_by_env():
-        cpu_prefix_attention.apply()

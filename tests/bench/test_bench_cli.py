@@ -36,9 +36,9 @@ def test_device_cuda_runs_every_system_with_sglangs_gpu_defaults(tmp_path: Path)
     """Issue 28: a user measures their own GPU box. `--device cuda` drops every CPU flag, the CPU
     engine's environment and our HiCache CPU patches; HiCache runs with its GPU defaults (kernel
     I/O, page_first layout: no --hicache-io-backend / --hicache-mem-layout)."""
-    from sgl_hicache.bench import systems
-    from sgl_hicache.bench.cli import parser, spec_from
-    from sgl_hicache.bench.spec import HICACHE
+    from benchmarks.bench import systems
+    from benchmarks.bench.cli import parser, spec_from
+    from benchmarks.bench.spec import HICACHE
 
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(

@@ -9,8 +9,8 @@ from typing import Any
 
 from aiohttp import web
 
-from sgl_hicache.bench.client import Result, generate, new_session
-from sgl_hicache.bench.workload import Request
+from benchmarks.bench.client import Result, generate, new_session
+from benchmarks.bench.workload import Request
 from tests.bench.standin_http import serving
 
 REQ = Request("k", group=0, round=1, input_ids=(5, 6, 7), output_tokens=3, resumed=True)

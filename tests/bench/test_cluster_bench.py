@@ -18,11 +18,11 @@ import pytest
 from aiohttp import web
 from tqdm import tqdm
 
-from sgl_hicache.bench import cluster, drive, systems
-from sgl_hicache.bench.cli import cluster_run, main, parser, spec_from
-from sgl_hicache.bench.client import ROUTED_HEADER, Result
-from sgl_hicache.bench.spec import HICACHE, HostPool, MultiTurn, Shape
-from sgl_hicache.bench.summary import Figures, summarize
+from benchmarks.bench import cluster, drive, systems
+from benchmarks.bench.cli import cluster_run, main, parser, spec_from
+from benchmarks.bench.client import ROUTED_HEADER, Result
+from benchmarks.bench.spec import HICACHE, HostPool, MultiTurn, Shape
+from benchmarks.bench.summary import Figures, summarize
 from tests.bench.standin_http import serving
 
 

@@ -17,11 +17,11 @@ import pytest
 from aiohttp import web
 from tqdm import tqdm
 
-from sgl_hicache.bench import aggregate, drive, gate, report, run, systems
-from sgl_hicache.bench.aggregate import Measured
-from sgl_hicache.bench.cli import parser, spec_from
-from sgl_hicache.bench.client import Result
-from sgl_hicache.bench.spec import (
+from benchmarks.bench import aggregate, drive, gate, report, run, systems
+from benchmarks.bench.aggregate import Measured
+from benchmarks.bench.cli import parser, spec_from
+from benchmarks.bench.client import Result
+from benchmarks.bench.spec import (
     HICACHE,
     SYSTEMS,
     Gate,
@@ -32,8 +32,8 @@ from sgl_hicache.bench.spec import (
     SpecError,
     expand_systems,
 )
-from sgl_hicache.bench.summary import Figures, ratios, summarize
-from sgl_hicache.bench.workload import Request
+from benchmarks.bench.summary import Figures, ratios, summarize
+from benchmarks.bench.workload import Request
 
 NAN = math.nan
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sgl_hicache.bench.server_process import ServerProcess, check_cpus, spawn_group, stop_group
+from benchmarks.bench.server_process import ServerProcess, check_cpus, spawn_group, stop_group
 from tests.standin_server import standin_source
 
 REPORT = "import os; print(sorted(os.sched_getaffinity(0)), os.environ.get('OMP_NUM_THREADS'), flush=True)"

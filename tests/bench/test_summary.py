@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from sgl_hicache.bench import gate, report
-from sgl_hicache.bench.client import Result
-from sgl_hicache.bench.spec import Gate
-from sgl_hicache.bench.summary import Figures, best_hicache, ratios, summarize
+from benchmarks.bench import gate, report
+from benchmarks.bench.client import Result
+from benchmarks.bench.spec import Gate
+from benchmarks.bench.summary import Figures, best_hicache, ratios, summarize
 
 METRICS = {
     'sglang:hicache_spill_restored_bytes_total{tp_rank="0"}': 4e9,
@@ -121,8 +121,8 @@ def test_report_files_and_final_line(tmp_path: Path) -> None:
 
 
 def test_soak_verdicts() -> None:
-    from sgl_hicache.bench.soak import SoakOutcome
-    from sgl_hicache.bench.spec import Soak
+    from benchmarks.bench.soak import SoakOutcome
+    from benchmarks.bench.spec import Soak
 
     soak = Soak(minutes=1, rss_growth_mb=100, tier_capacity_mb=1)
     steady = SoakOutcome(requests=10, samples=[(0, 900, 0), (20, 1000, 2**19), (60, 1090, 2**20)])

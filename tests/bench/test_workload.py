@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from sgl_hicache.bench import trace
-from sgl_hicache.bench.spec import SpecError, Trace
-from sgl_hicache.bench.workload import FIRST_TOKEN_ID, Conversation, token_ids
+from benchmarks.bench import trace
+from benchmarks.bench.spec import SpecError, Trace
+from benchmarks.bench.workload import FIRST_TOKEN_ID, Conversation, token_ids
 
 VOCAB = 1024
 

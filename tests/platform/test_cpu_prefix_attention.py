@@ -1,13 +1,12 @@
-"""The CPU benchmarks' extend attention (`sgl_hicache.platform.cpu_prefix_attention`) against
+"""The CPU benchmarks' extend attention (`sgl_hicache_cpu.cpu_prefix_attention`) against
 sglang's own `_run_sdpa_forward_extend`, which pads each query to the whole sequence."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from sgl_hicache_cpu import cpu_prefix_attention as patch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-
-from sgl_hicache.platform import cpu_prefix_attention as patch
 
 ORIGINAL = TorchNativeAttnBackend._run_sdpa_forward_extend
 

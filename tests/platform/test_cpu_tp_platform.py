@@ -1,4 +1,4 @@
-"""Our out-of-tree CPU platform (`sgl_hicache.platform.cpu_tp_platform`) and its launch defaults
+"""Our out-of-tree CPU platform (`sgl_hicache_cpu.cpu_tp_platform`) and its launch defaults
 (`cpu_tp_env`), in process: discovery, selection, targets, and that it answers as sglang's CPU
 platform does everywhere but PyNccl. Tests that select a platform restore sglang's afterwards."""
 
@@ -11,13 +11,8 @@ from typing import Any
 import pytest
 import sglang.srt.platforms as platforms
 import torch
-from sglang.srt.distributed import parallel_state
-from sglang.srt.platforms.cpu import CpuSRTPlatform
-from sglang.srt.platforms.interface import SRTPlatform
-from sglang.srt.plugins import PLATFORM_PLUGINS_GROUP
-
-from sgl_hicache.platform import cpu_tp_env, cpu_tp_platform
-from sgl_hicache.platform.cpu_tp_platform import (
+from sgl_hicache_cpu import cpu_tp_env, cpu_tp_platform
+from sgl_hicache_cpu.cpu_tp_platform import (
     PLATFORM_NAME,
     QUALNAME,
     CpuTPPlatform,
@@ -25,6 +20,10 @@ from sgl_hicache.platform.cpu_tp_platform import (
     activate,
     check_targets,
 )
+from sglang.srt.distributed import parallel_state
+from sglang.srt.platforms.cpu import CpuSRTPlatform
+from sglang.srt.platforms.interface import SRTPlatform
+from sglang.srt.plugins import PLATFORM_PLUGINS_GROUP
 
 
 @pytest.fixture
@@ -50,7 +49,7 @@ def as_platform(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 def test_the_entry_point_is_installed_and_is_activate() -> None:
     eps = importlib.metadata.entry_points(group=PLATFORM_PLUGINS_GROUP)
-    assert [ep.name for ep in eps if ep.value.startswith("sgl_hicache.")] == [PLATFORM_NAME]
+    assert [ep.name for ep in eps if ep.value.startswith(("sgl_hicache.", "sgl_hicache_cpu."))] == [PLATFORM_NAME]
     assert eps[PLATFORM_NAME].load() is activate
 
 

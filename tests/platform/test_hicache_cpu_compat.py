@@ -1,4 +1,4 @@
-"""The CPU patches for sglang's own HiCache (`sgl_hicache.platform.hicache_cpu_compat`), in process.
+"""The CPU patches for sglang's own HiCache (`sgl_hicache_cpu.hicache_cpu_compat`), in process.
 
 Every test that applies the patches restores sglang and torch afterwards (`restore_targets`), so the
 rest of the session sees the unpatched libraries.
@@ -15,9 +15,8 @@ from typing import Any
 
 import pytest
 import torch
-
-from sgl_hicache.platform import hicache_cpu_compat as compat
-from sgl_hicache.platform.hicache_cpu_compat import CompatTargetMissing, transfer_kv_direct
+from sgl_hicache_cpu import hicache_cpu_compat as compat
+from sgl_hicache_cpu.hicache_cpu_compat import CompatTargetMissing, transfer_kv_direct
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 16
 
@@ -309,7 +308,7 @@ def test_a_garbled_env_value_is_an_error() -> None:
 @pytest.mark.usefixtures("restore_targets")
 @pytest.mark.parametrize("value", ["1", None])
 def test_plugin_applies_only_when_asked(monkeypatch: pytest.MonkeyPatch, value: str | None) -> None:
-    from sgl_hicache.server.plugin import register
+    from sgl_hicache_cpu.plugin import register
 
     for name in (compat.ENV_VAR, compat.ENV_VAR_SGLANG_TWIN):
         monkeypatch.delenv(name, raising=False)
@@ -323,14 +322,14 @@ ACTIVATION_PROBE = """
 import sglang.srt.environ  # copies SGL_* variables to SGLANG_* with a warning
 from sglang.srt.plugins import load_plugins
 load_plugins()
-from sgl_hicache.platform.hicache_cpu_compat import is_applied
+from sgl_hicache_cpu.hicache_cpu_compat import is_applied
 print("applied", is_applied())
 """
 
 
 def test_sglang_plugin_loading_applies_the_patches_from_the_env_var() -> None:
     """The path sglang's own processes take: the entry point, after sglang's SGL_ → SGLANG_ rewrite."""
-    env = {**os.environ, compat.ENV_VAR: "1", "SGLANG_PLUGINS": "sgl_hicache"}
+    env = {**os.environ, compat.ENV_VAR: "1", "SGLANG_PLUGINS": "sgl_hicache_cpu"}
     env.pop(compat.ENV_VAR_SGLANG_TWIN, None)
     out = subprocess.run(
         [sys.executable, "-c", ACTIVATION_PROBE], env=env, capture_output=True, text=True, timeout=240

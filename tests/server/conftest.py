@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from sgl_hicache.bench.server_process import CPU_FLAGS, ServerProcess
+from benchmarks.bench.server_process import CPU_FLAGS, ServerProcess
 
 SPILL_FLAGS = (*CPU_FLAGS, "--enable-metrics", "--enable-cache-report")
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from sgl_hicache.bench.server_process import ServerProcess
+from benchmarks.bench.server_process import ServerProcess
 from tests.server.conftest import SPILL_FLAGS
 from tests.server.test_spill_resume import POOL, counter, generate, tokens
 

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from sgl_hicache.platform import cpu_shim_hook, sgl_kernel_cpu_shim
+from sgl_hicache_cpu import cpu_shim_hook, sgl_kernel_cpu_shim
 
 
 def run_python(code: str, **env: str) -> str:
@@ -59,7 +58,7 @@ def test_pinned_sglang_calls_the_shim_with_its_argument_order() -> None:
     )
     assert (
         out
-        == "[-1, 7, 8, -1, -1, -1, -1, -1] [9, 10, -1, -1, -1, -1, -1, -1] sgl_hicache.platform.sgl_kernel_cpu_shim"
+        == "[-1, 7, 8, -1, -1, -1, -1, -1] [9, 10, -1, -1, -1, -1, -1, -1] sgl_hicache_cpu.sgl_kernel_cpu_shim"
     )
 
 
@@ -73,8 +72,7 @@ def test_unimplemented_names_raise_on_call() -> None:
 
 def test_shim_is_served_as_sgl_kernel_in_a_fresh_interpreter() -> None:
     assert (
-        run_python("import sgl_kernel; print(sgl_kernel.__name__)")
-        == "sgl_hicache.platform.sgl_kernel_cpu_shim"
+        run_python("import sgl_kernel; print(sgl_kernel.__name__)") == "sgl_hicache_cpu.sgl_kernel_cpu_shim"
     )
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from sgl_hicache.bench.server_process import ServerStartError
+from benchmarks.bench.server_process import ServerStartError
 from tests.server.conftest import lines_of_ours, metrics, post_json
 
 pytestmark = pytest.mark.server

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from sgl_hicache.bench.server_process import ServerProcess
+from benchmarks.bench.server_process import ServerProcess
 from tests.server.conftest import SPILL_FLAGS, post_json
 from tests.server.test_spill_resume import POOL, counter, generate, push_out, tokens
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.server
 @pytest.fixture(scope="module")
 def other_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The `tiny` architecture with other weights (seed 1)."""
-    from sgl_hicache.modelgen import generate_model
+    from benchmarks.modelgen import generate_model
 
     return generate_model(tmp_path_factory.mktemp("models") / "tiny-seed1", "tiny", seed=1)
 

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sgl_hicache_cpu.hicache_cpu_compat import ENV_VAR
 
-from sgl_hicache.bench.server_process import CPU_FLAGS, ServerProcess
-from sgl_hicache.platform.hicache_cpu_compat import ENV_VAR
+from benchmarks.bench.server_process import CPU_FLAGS, ServerProcess
 from tests.server.conftest import lines_of_ours, post_json
 
 pytestmark = pytest.mark.server

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from sgl_hicache.bench.server_process import ServerProcess
+from benchmarks.bench.server_process import ServerProcess
 from tests.server.conftest import SPILL_FLAGS, post_json
 
 pytestmark = pytest.mark.server

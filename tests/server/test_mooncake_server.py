@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from sgl_hicache.bench.server_process import ServerProcess
+from benchmarks.bench.server_process import ServerProcess
 from tests.mooncake_master import MooncakeMaster
 from tests.server.conftest import SPILL_FLAGS
 from tests.server.test_exactness_server import (

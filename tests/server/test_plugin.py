@@ -30,8 +30,6 @@ def registries(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list))
     monkeypatch.setattr(HookRegistry, "_patched", set())
     monkeypatch.setattr(registry, "_RADIX_CACHE_REGISTRY", {})
-    for name in plugin.COMPAT_ENV:
-        monkeypatch.delenv(name, raising=False)
     yield HookRegistry
 
 
@@ -98,13 +96,15 @@ def test_a_global_state_without_server_args_is_not_ours(monkeypatch: pytest.Monk
     assert plugin.add_routes_if_selected(None, SimpleNamespace(tokenizer_manager=None)) is None
 
 
-def test_the_names_the_plugin_checks_without_importing_them_are_the_real_ones() -> None:
+def test_the_names_the_plugins_check_without_importing_them_are_the_real_ones() -> None:
+    from sgl_hicache_cpu import cpu_prefix_attention, hicache_cpu_compat
+    from sgl_hicache_cpu import plugin as cpu_plugin
+
     from sgl_hicache.cache.metrics import BACKEND_NAME
-    from sgl_hicache.platform import cpu_prefix_attention, hicache_cpu_compat
 
     assert plugin.BACKEND_NAME == BACKEND_NAME
-    assert plugin.COMPAT_ENV == (hicache_cpu_compat.ENV_VAR, hicache_cpu_compat.ENV_VAR_SGLANG_TWIN)
-    assert plugin.PREFIX_ATTENTION_ENV == (
+    assert cpu_plugin.COMPAT_ENV == (hicache_cpu_compat.ENV_VAR, hicache_cpu_compat.ENV_VAR_SGLANG_TWIN)
+    assert cpu_plugin.PREFIX_ATTENTION_ENV == (
         cpu_prefix_attention.ENV_VAR,
         cpu_prefix_attention.ENV_VAR_SGLANG_TWIN,
     )
@@ -126,8 +126,6 @@ def test_every_sglang_process_gets_only_the_checks() -> None:
     """What `load_plugins()` leaves in any process of a server (main, scheduler, detokenizer) before it
     knows the server's flags: our check hooks applied, nothing of ours imported but the plugin."""
     env = {**os.environ, "SGLANG_PLUGINS": "sgl_hicache"}
-    for name in plugin.COMPAT_ENV:
-        env.pop(name, None)
     out = subprocess.run(
         [sys.executable, "-c", LOAD_PLUGINS], env=env, capture_output=True, text=True, timeout=240
     )
@@ -136,3 +134,28 @@ def test_every_sglang_process_gets_only_the_checks() -> None:
     assert found["patched"] == sorted(plugin.CHECK_TARGETS)
     assert found["backends"] == [plugin.BACKEND_NAME]
     assert set(found["imported"]) <= {"sgl_hicache", "sgl_hicache.server", "sgl_hicache.server.plugin"}
+
+
+def test_the_cpu_profile_plugin_imports_nothing_unasked() -> None:
+    """Both plugins of ours in this environment (the runtime's and the CPU profile's, `cpu/`), loaded as
+    sglang loads them in every process: without the CPU profile's variables, its plugin imports nothing
+    but itself and patches nothing."""
+    from sgl_hicache_cpu import plugin as cpu_plugin
+
+    env = {**os.environ, "SGLANG_PLUGINS": "sgl_hicache,sgl_hicache_cpu"}  # not smg's, which patch too
+    for name in (*cpu_plugin.COMPAT_ENV, *cpu_plugin.PREFIX_ATTENTION_ENV):
+        env.pop(name, None)
+    out = subprocess.run(
+        [sys.executable, "-c", LOAD_PLUGINS], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["patched"] == sorted(plugin.CHECK_TARGETS)
+    assert set(found["imported"]) <= {
+        "sgl_hicache",
+        "sgl_hicache.server",
+        "sgl_hicache.server.plugin",
+        "sgl_hicache_cpu",
+        "sgl_hicache_cpu.plugin",
+    }
+    assert "sgl_hicache_cpu.plugin" in found["imported"]  # the profile's plugin did load

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from sgl_hicache.bench.server_process import ServerProcess
+from benchmarks.bench.server_process import ServerProcess
 from tests.server.conftest import SPILL_FLAGS, post_json
 from tests.server.test_spill_resume import POOL, counter, generate, push_out, tokens, two_turns
 

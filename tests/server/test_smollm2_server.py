@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from sgl_hicache.bench.server_process import CPU_FLAGS, ServerProcess
+from benchmarks.bench.server_process import CPU_FLAGS, ServerProcess
 from tests.server.conftest import SPILL_FLAGS, metrics, post_json
 
 pytestmark = pytest.mark.server

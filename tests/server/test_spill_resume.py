@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from sgl_hicache.bench.server_process import ServerProcess
+from benchmarks.bench.server_process import ServerProcess
 from sgl_hicache.tier.trust import SECRET_NAME
 from tests.server.conftest import SPILL_FLAGS, eventually, metrics, post_json, raw_metrics
 

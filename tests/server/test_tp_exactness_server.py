@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from sgl_hicache.bench.server_process import CPU_FLAGS, ServerProcess
+from benchmarks.bench.server_process import CPU_FLAGS, ServerProcess
 from tests.server.conftest import SPILL_FLAGS, eventually, metrics, post_json
 from tests.server.test_exactness_server import (
     MAX_NEW,

@@ -1,5 +1,5 @@
 """`--tp-size 2` on CPU (smoke): plain sglang and our server start through our CPU platform
-(`sgl_hicache.platform.cpu_tp_platform`, asked for by `ServerProcess`) and give a `--tp-size 1`
+(`sgl_hicache_cpu.cpu_tp_platform`, asked for by `ServerProcess`) and give a `--tp-size 1`
 plain server's greedy outputs. Our server's pool holds every token, so nothing is spilled here.
 Servers start one after another (a TP=2 server is three sglang processes)."""
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from sgl_hicache.bench.server_process import ServerProcess
+from benchmarks.bench.server_process import ServerProcess
 from tests.server.conftest import SPILL_FLAGS, metrics, post_json
 
 pytestmark = pytest.mark.server

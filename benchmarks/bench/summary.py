@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from sgl_hicache.bench.client import TIERS, Result
-from sgl_hicache.bench.probe import total
-from sgl_hicache.bench.spec import HICACHE
+from benchmarks.bench.client import TIERS, Result
+from benchmarks.bench.probe import total
+from benchmarks.bench.spec import HICACHE
 
 NAN = float("nan")
 

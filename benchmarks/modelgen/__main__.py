@@ -1,4 +1,4 @@
-"""`python -m sgl_hicache.modelgen --size tiny|small|smollm2 --out DIR [--seed 0]`
+"""`python -m benchmarks.modelgen --size tiny|small|smollm2 --out DIR [--seed 0]`
 
 tiny, small and kvheavy: random weights from the seed (tests, benchmarks; kvheavy has the KV bytes
 per token of an 8B model and little compute, for measuring the tier). smollm2: SmolLM2-135M-Instruct
@@ -12,13 +12,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from sgl_hicache.modelgen.generate import SIZES, generate_model
-from sgl_hicache.modelgen.smollm2 import ModelBuildError, build_smollm2
+from benchmarks.modelgen.generate import SIZES, generate_model
+from benchmarks.modelgen.smollm2 import ModelBuildError, build_smollm2
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m sgl_hicache.modelgen",
+        prog="python -m benchmarks.modelgen",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

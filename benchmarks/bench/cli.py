@@ -23,9 +23,9 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from sgl_hicache.bench import aggregate, cluster, gate, report, run, soak
-from sgl_hicache.bench.server_process import ServerStartError
-from sgl_hicache.bench.spec import (
+from benchmarks.bench import aggregate, cluster, gate, report, run, soak
+from benchmarks.bench.server_process import ServerStartError
+from benchmarks.bench.spec import (
     DEVICES,
     SYSTEMS,
     BenchSpec,
@@ -38,7 +38,7 @@ from sgl_hicache.bench.spec import (
     expand_systems,
     quick,
 )
-from sgl_hicache.bench.summary import ratios
+from benchmarks.bench.summary import ratios
 
 
 def parser() -> argparse.ArgumentParser:

@@ -78,7 +78,7 @@ def _train_tokenizer(vocab: int):  # type: ignore[no-untyped-def]
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    corpus = resources.files("sgl_hicache.modelgen").joinpath("corpus.txt").read_text().splitlines()
+    corpus = resources.files("benchmarks.modelgen").joinpath("corpus.txt").read_text().splitlines()
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

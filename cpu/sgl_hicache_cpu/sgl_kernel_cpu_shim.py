@@ -8,7 +8,7 @@ imports succeed. It implements, in plain torch, exactly the functions a dense Ll
 `--device cpu --attention-backend torch_native` calls; every other name resolves to a function that
 raises NotImplementedError when called, naming itself, so a missing piece fails loudly, never silently.
 
-It is only ever imported as `sgl_kernel` through `sgl_hicache.platform.cpu_shim_hook`, which serves it
+It is only ever imported as `sgl_kernel` through `sgl_hicache_cpu.cpu_shim_hook`, which serves it
 when no real `sgl_kernel` is installed and no GPU is present.
 """
 
@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 import torch
 
-SHIM_NAME = "sgl_hicache.platform.sgl_kernel_cpu_shim"
+SHIM_NAME = "sgl_hicache_cpu.sgl_kernel_cpu_shim"
 IMPLEMENTED = ("assign_req_to_token_pool_cpu",)
 
 

@@ -1,6 +1,6 @@
 """The environment a `--device cpu --tp-size N` (N > 1) sglang server needs, as defaults.
 
-- `SGLANG_PLATFORM=sgl_hicache_cpu` selects `sgl_hicache.platform.cpu_tp_platform`, without which
+- `SGLANG_PLATFORM=sgl_hicache_cpu` selects `sgl_hicache_cpu.cpu_tp_platform`, without which
   start-up stops in PyNccl set-up (see that module).
 - `SGLANG_CPU_OMP_THREADS_BIND`: sglang asserts, for N ranks, at least N NUMA nodes or this variable
   (`numa_utils.init_threads_binding`). The default splits the server's CPUs (those it is pinned to,

@@ -6,7 +6,7 @@
     `spec.HICACHE_CONFIGS` (prefetch policy `wait_complete` or `timeout`; host pool at sglang's
     default ratio or at the run's host budget; `buffer_only` host memory). On CPU it needs
     `--hicache-io-backend direct --hicache-mem-layout layer_first` and our compatibility patches
-    (`sgl_hicache.platform.hicache_cpu_compat`, switched on in sglang's processes by an env var).
+    (`sgl_hicache_cpu.hicache_cpu_compat`, switched on in sglang's processes by an env var).
 (c) `ours`: `python -m sgl_hicache.launch_server --enable-hicache-spill` with the tier in a
     directory on the same disk and its host staging bounded by the same host budget.
 (d) `resident`: a reference, not a competitor: sglang's default cache with a device pool large
@@ -20,8 +20,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from sgl_hicache.bench.server_process import ServerProcess, device_flags
-from sgl_hicache.bench.spec import HICACHE, HiCacheConfig, HostPool, Shape
+from benchmarks.bench.server_process import ServerProcess, device_flags
+from benchmarks.bench.spec import HICACHE, HiCacheConfig, HostPool, Shape
 
 COMMON_FLAGS = ("--enable-metrics", "--enable-cache-report")
 HICACHE_COMPAT_ENV = {"SGL_HICACHE_CPU_HICACHE_COMPAT": "1"}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from sgl_hicache.bench.spec import Gate
-from sgl_hicache.bench.summary import NAN, Figures, best_hicache, ratio
+from benchmarks.bench.spec import Gate
+from benchmarks.bench.summary import NAN, Figures, best_hicache, ratio
 
 
 def check(gate: Gate, workloads: dict[str, dict[str, Figures]]) -> list[str]:

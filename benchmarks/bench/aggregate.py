@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
-from sgl_hicache.bench.summary import NAN, Figures, best_hicache, ratio
+from benchmarks.bench.summary import NAN, Figures, best_hicache, ratio
 
 COUNTS = ("requests", "errors", "resumed")
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 
-from sgl_hicache.bench.workload import Request
+from benchmarks.bench.workload import Request
 
 TIERS = ("device", "host", "storage")
 ROUTED_HEADER = "x-smg-routed-worker-id"  # smg 1.13 names the worker's URL in every response

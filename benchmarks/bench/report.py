@@ -10,9 +10,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from sgl_hicache.bench.aggregate import COUNTS, Measured, VersusBest
-from sgl_hicache.bench.client import Result
-from sgl_hicache.bench.summary import Figures, pct
+from benchmarks.bench.aggregate import COUNTS, Measured, VersusBest
+from benchmarks.bench.client import Result
+from benchmarks.bench.summary import Figures, pct
 
 REQUEST_FIELDS = ("system", "repeat", "workload", "key", "round", "resumed", "prompt_tokens", "sent_s", "ttft_ms",
                   "latency_ms", "output_tokens", "cached_tokens", "cached_device", "cached_host",

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from sgl_hicache.bench.server_process import ServerStartError, free_port, spawn_group, stop_group
+from benchmarks.bench.server_process import ServerStartError, free_port, spawn_group, stop_group
 
 
 @dataclass

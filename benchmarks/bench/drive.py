@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import aiohttp
 from tqdm import tqdm
 
-from sgl_hicache.bench.client import Result, generate, new_session
-from sgl_hicache.bench.spec import MultiTurn
-from sgl_hicache.bench.workload import Conversation, Request
+from benchmarks.bench.client import Result, generate, new_session
+from benchmarks.bench.spec import MultiTurn
+from benchmarks.bench.workload import Conversation, Request
 
 DROP_EVERY_S = 2.0
 

@@ -48,16 +48,16 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from sgl_hicache_cpu.cpu_tp_env import cpu_shares
 from tqdm import tqdm
 
-from sgl_hicache.bench import aggregate, drive, pagecache, report, run, systems
-from sgl_hicache.bench.client import Result
-from sgl_hicache.bench.probe import delta, dir_bytes, scrape, total
-from sgl_hicache.bench.router_process import RouterProcess
-from sgl_hicache.bench.server_process import ServerProcess
-from sgl_hicache.bench.spec import BenchSpec
-from sgl_hicache.bench.summary import NAN, Figures, ratio
-from sgl_hicache.platform.cpu_tp_env import cpu_shares
+from benchmarks.bench import aggregate, drive, pagecache, report, run, systems
+from benchmarks.bench.client import Result
+from benchmarks.bench.probe import delta, dir_bytes, scrape, total
+from benchmarks.bench.router_process import RouterProcess
+from benchmarks.bench.server_process import ServerProcess
+from benchmarks.bench.spec import BenchSpec
+from benchmarks.bench.summary import NAN, Figures, ratio
 
 SERVERS = 2
 STRONGEST_HICACHE = "hicache-wait-r2"

@@ -20,13 +20,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from sgl_hicache.bench import drive, pagecache, systems, trace
-from sgl_hicache.bench.aggregate import Measured
-from sgl_hicache.bench.client import Result
-from sgl_hicache.bench.probe import Sampler, delta, dir_bytes, scrape
-from sgl_hicache.bench.spec import BenchSpec, SpecError
-from sgl_hicache.bench.summary import summarize
-from sgl_hicache.bench.workload import Request
+from benchmarks.bench import drive, pagecache, systems, trace
+from benchmarks.bench.aggregate import Measured
+from benchmarks.bench.client import Result
+from benchmarks.bench.probe import Sampler, delta, dir_bytes, scrape
+from benchmarks.bench.spec import BenchSpec, SpecError
+from benchmarks.bench.summary import summarize
+from benchmarks.bench.workload import Request
 
 
 @dataclass
@@ -52,8 +52,8 @@ def schedule(systems: Sequence[str], repeats: int) -> list[tuple[int, str]]:
 def resolve_model(name: str, cache_dir: Path) -> Path:
     """`smollm2` (built once into the shared model cache), a generated size (built once into
     `cache_dir`) or an existing model directory."""
-    from sgl_hicache.modelgen import ModelBuildError, build_smollm2, default_model_dir
-    from sgl_hicache.modelgen.generate import SIZES, generate_model
+    from benchmarks.modelgen import ModelBuildError, build_smollm2, default_model_dir
+    from benchmarks.modelgen.generate import SIZES, generate_model
 
     if name == "smollm2":
         try:

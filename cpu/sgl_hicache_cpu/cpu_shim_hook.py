@@ -1,4 +1,4 @@
-"""Serves `sgl_hicache.platform.sgl_kernel_cpu_shim` as `sgl_kernel` when no real build can be had.
+"""Serves `sgl_hicache_cpu.sgl_kernel_cpu_shim` as `sgl_kernel` when no real build can be had.
 
 `install()` appends a finder to the *end* of `sys.meta_path`, so it is consulted only after every
 normal finder failed to find `sgl_kernel`: an installed sgl-kernel build always wins. The finder also
@@ -7,7 +7,7 @@ declines when torch sees a CUDA/ROCm device (a GPU machine must use the real ker
 sglang imports `sgl_kernel` while its scheduler modules are imported, before its plugin hook
 (`load_plugins()`) runs, in processes it spawns. So the finder is installed at interpreter start by
 a one-line `sgl_hicache_cpu_shim.pth` in site-packages, which the CPU profile's setup writes with
-`python -m sgl_hicache.platform.install_cpu_shim` (GPU installs never write it). Installing it costs
+`python -m sgl_hicache_cpu.install_cpu_shim` (GPU installs never write it). Installing it costs
 no import of torch: torch is only consulted when `sgl_kernel` is actually looked for.
 """
 
@@ -20,7 +20,7 @@ import sys
 from types import ModuleType
 
 SHIMMED = "sgl_kernel"
-SHIM_MODULE = "sgl_hicache.platform.sgl_kernel_cpu_shim"
+SHIM_MODULE = "sgl_hicache_cpu.sgl_kernel_cpu_shim"
 
 
 def gpu_present() -> bool:

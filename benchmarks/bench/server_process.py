@@ -36,8 +36,6 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
-from sgl_hicache.platform.cpu_tp_env import cpu_tp_env
-
 CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--skip-server-warmup")
 CUDA_FLAGS = ("--device", "cuda")  # sglang's own defaults for everything else on a GPU
 
@@ -96,7 +94,10 @@ class ServerProcess:
 
     def start(self, timeout_s: float = 180.0) -> ServerProcess:
         env = {**os.environ, **({"SGLANG_USE_CPU_ENGINE": "1"} if self.on_cpu else {}), **self.env}
-        env.update(cpu_tp_env(self.command(), env, self.cpus))  # --device cpu --tp-size N: platform, bind
+        if self.on_cpu:  # --device cpu --tp-size N: the CPU profile's platform and thread binding
+            from sgl_hicache_cpu.cpu_tp_env import cpu_tp_env
+
+            env.update(cpu_tp_env(self.command(), env, self.cpus))
         self.proc = spawn_group(self.command(), self.log_path, env, self.cpus)
         try:
             self._wait_healthy(timeout_s)

@@ -19,10 +19,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from sgl_hicache.bench import drive, pagecache, systems
-from sgl_hicache.bench.probe import Sampler
-from sgl_hicache.bench.server_process import ServerProcess
-from sgl_hicache.bench.spec import BenchSpec, Soak
+from benchmarks.bench import drive, pagecache, systems
+from benchmarks.bench.probe import Sampler
+from benchmarks.bench.server_process import ServerProcess
+from benchmarks.bench.spec import BenchSpec, Soak
 
 SALT_BASE = 1000
 

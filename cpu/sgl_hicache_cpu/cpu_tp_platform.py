@@ -39,7 +39,7 @@ every platform plugin and uses the one that activates, or a built-in platform wh
 (platforms/__init__.py `_resolve_platform`). This one activates only when asked by name
 (`SGLANG_PLATFORM=sgl_hicache_cpu`, which sglang also uses to load no other platform plugin), with
 `SGLANG_USE_CPU_ENGINE=1` and no GPU; otherwise it declines and sglang is unaffected. Our launcher and
-`ServerProcess` ask for it for `--device cpu --tp-size N>1` (`sgl_hicache.platform.cpu_tp_env`).
+`ServerProcess` ask for it for `--device cpu --tp-size N>1` (`sgl_hicache_cpu.cpu_tp_env`).
 `check_targets` runs at the two load points sglang gives a platform, argument resolution in the
 launcher and `init_backend` in each worker, not in `activate` (see there).
 """

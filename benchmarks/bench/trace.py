@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from sgl_hicache.bench.spec import SpecError, Trace
-from sgl_hicache.bench.workload import Request, token_ids
+from benchmarks.bench.spec import SpecError, Trace
+from benchmarks.bench.workload import Request, token_ids
 
 BLOCK_TOKENS = 512
 SEED_BLOCK = 7_000_003

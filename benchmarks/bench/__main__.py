@@ -1,0 +1,5 @@
+import sys
+
+from benchmarks.bench.cli import main
+
+sys.exit(main())

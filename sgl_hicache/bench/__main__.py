@@ -1,5 +1,0 @@
-import sys
-
-from sgl_hicache.bench.cli import main
-
-sys.exit(main())

@@ -1,0 +1,117 @@
+"""What the wheels hold (issue 28): the runtime wheel (`sgl-hicache`, the repository root) holds the
+runtime only, every module of it, and names in its entry points only what it holds; the CPU profile's
+wheel (`sgl-hicache-cpu`, `cpu/`) holds the CPU pieces and its entry points. The benchmarks and the
+model generator (`benchmarks/`) are in neither: they run from a checkout, and the runtime says so."""
+
+from __future__ import annotations
+
+import configparser
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from sgl_hicache import launch_server
+from sgl_hicache.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def build_wheel(project: Path, out: Path) -> zipfile.ZipFile:
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+         "--disable-pip-version-check", "-w", str(out), str(project)],
+        check=True, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    (wheel,) = out.glob("*.whl")
+    return zipfile.ZipFile(wheel)
+
+
+def entry_points(wheel: zipfile.ZipFile) -> dict[str, dict[str, str]]:
+    (name,) = [n for n in wheel.namelist() if n.endswith(".dist-info/entry_points.txt")]
+    parser = configparser.ConfigParser(delimiters=("=",))
+    parser.optionxform = str  # type: ignore[assignment,method-assign]
+    parser.read_string(wheel.read(name).decode())
+    return {section: dict(parser[section]) for section in parser.sections()}
+
+
+def module_file(target: str) -> str:
+    """`pkg.mod:attr` -> `pkg/mod.py`."""
+    return target.partition(":")[0].replace(".", "/") + ".py"
+
+
+@pytest.fixture(scope="module")
+def runtime(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
+    return build_wheel(ROOT, tmp_path_factory.mktemp("runtime"))
+
+
+@pytest.fixture(scope="module")
+def cpu_profile(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
+    return build_wheel(ROOT / "cpu", tmp_path_factory.mktemp("cpu"))
+
+
+def test_the_runtime_wheel_holds_every_runtime_module_and_nothing_else(runtime: zipfile.ZipFile) -> None:
+    held = {n for n in runtime.namelist() if n.endswith(".py")}
+    expected = {
+        f"sgl_hicache/{p.relative_to(ROOT / 'sgl_hicache')}" for p in (ROOT / "sgl_hicache").rglob("*.py")
+    }
+    expected |= {
+        f"sgl_hicache/kernels/{p.relative_to(ROOT / 'kernels')}" for p in (ROOT / "kernels").rglob("*.py")
+    }
+    assert held == expected
+    assert not [n for n in runtime.namelist() if n.startswith(("benchmarks/", "sgl_hicache_cpu/", "tests/"))]
+    assert not [n for n in held if "modelgen" in n or "/platform/" in n or "/bench/" in n]
+
+
+def test_the_runtime_wheel_names_only_what_it_holds(runtime: zipfile.ZipFile) -> None:
+    points = entry_points(runtime)
+    assert points["sglang.srt.plugins"] == {"sgl_hicache": "sgl_hicache.server.plugin:register"}
+    assert "sglang.srt.platforms" not in points  # the CPU platform is the CPU profile's
+    for group in points.values():
+        for target in group.values():
+            assert (
+                module_file(target) in runtime.namelist()
+                or target.partition(":")[0].replace(".", "/") + "/__init__.py" in runtime.namelist()
+            ), target
+
+
+def test_the_cpu_profile_wheel_holds_the_cpu_pieces(cpu_profile: zipfile.ZipFile) -> None:
+    held = {n for n in cpu_profile.namelist() if n.endswith(".py")}
+    expected = {f"sgl_hicache_cpu/{p.name}" for p in (ROOT / "cpu" / "sgl_hicache_cpu").glob("*.py")}
+    assert held == expected
+    points = entry_points(cpu_profile)
+    assert points["sglang.srt.platforms"] == {"sgl_hicache_cpu": "sgl_hicache_cpu.cpu_tp_platform:activate"}
+    assert points["sglang.srt.plugins"] == {"sgl_hicache_cpu": "sgl_hicache_cpu.plugin:register"}
+    for group in points.values():
+        for target in group.values():
+            assert module_file(target) in held, target
+
+
+def test_the_benchmark_outside_a_checkout_says_where_it_runs(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "sgl_hicache.bench", "--help"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "python -m sgl_hicache.bench: the benchmark runs from a source checkout of sgl-hicache "
+        "(it is not in the installed package): run it from the checkout's root"
+    ]
+
+
+def test_the_benchmark_in_a_checkout_runs() -> None:
+    out = subprocess.run([sys.executable, "-m", "sgl_hicache.bench", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "--servers" in out.stdout
+
+
+def test_cpu_tensor_parallelism_without_the_cpu_profile_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "sgl_hicache_cpu", None)  # as where `cpu/` is not installed
+    monkeypatch.delitem(sys.modules, "sgl_hicache_cpu.cpu_tp_env", raising=False)
+    assert launch_server.cpu_tp_defaults(["--device", "cpu"]) == {}
+    assert launch_server.cpu_tp_defaults(["--device", "cpu", "--tp-size", "1"]) == {}
+    with pytest.raises(ConfigError, match="needs the CPU profile"):
+        launch_server.cpu_tp_defaults(["--device", "cpu", "--tp-size", "2"])
+    with pytest.raises(ConfigError, match="needs the CPU profile"):
+        launch_server.cpu_tp_defaults(["--device", "cpu", "--tensor-parallel-size=4"])
