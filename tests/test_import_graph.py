@@ -35,6 +35,7 @@ class Edge:
     target: str
     typing_only: bool
 
+
 PACKAGES = {
     "sgl_hicache": ROOT / "sgl_hicache",
     "sgl_hicache.kernels": ROOT / "kernels",

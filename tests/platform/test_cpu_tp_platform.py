@@ -49,7 +49,9 @@ def as_platform(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 def test_the_entry_point_is_installed_and_is_activate() -> None:
     eps = importlib.metadata.entry_points(group=PLATFORM_PLUGINS_GROUP)
-    assert [ep.name for ep in eps if ep.value.startswith(("sgl_hicache.", "sgl_hicache_cpu."))] == [PLATFORM_NAME]
+    assert [ep.name for ep in eps if ep.value.startswith(("sgl_hicache.", "sgl_hicache_cpu."))] == [
+        PLATFORM_NAME
+    ]
     assert eps[PLATFORM_NAME].load() is activate
 
 
