@@ -160,7 +160,7 @@ def use_checkout() -> None:
     (`benchmarks/`: the model generator and the server runner), which the installed package does
     not hold: put the checkout on the import path."""
     if str(CHECKOUT) not in sys.path:
-        sys.path.insert(0, str(CHECKOUT))
+        sys.path.append(str(CHECKOUT))  # last: an installed sgl_hicache wins over the checkout's
 
 
 def demo_model(name: str, workdir: Path) -> Path:

@@ -9,9 +9,14 @@ is not needed: see docs/DEVELOPMENT.md).
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+
+CHECKOUT = Path(__file__).resolve().parents[1]  # the checkout's root, where this is an editable install
 
 
 def main() -> int:
+    if (CHECKOUT / "benchmarks" / "bench" / "cli.py").is_file() and str(CHECKOUT) not in sys.path:
+        sys.path.append(str(CHECKOUT))
     try:
         from benchmarks.bench.cli import main as bench_main
     except ModuleNotFoundError as e:

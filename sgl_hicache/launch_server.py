@@ -76,13 +76,15 @@ def _turns_on(argv: list[str], flag: str, boolean: bool) -> bool:
     return value is not None and value.isdigit() and int(value) > 1
 
 
-def _flag_value(argv: list[str], name: str) -> str | None:
+def _flag_value(argv: list[str], *names: str) -> str | None:
+    """The value of the last `NAME VALUE` or `NAME=VALUE` in `argv` for any of `names` (argparse
+    keeps the last)."""
+    value = None
     for i, arg in enumerate(argv):
-        if arg == name and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith(name + "="):
-            return arg.split("=", 1)[1]
-    return None
+        name, eq, inline = arg.partition("=")
+        if name in names and (eq or i + 1 < len(argv)):
+            value = inline if eq else argv[i + 1]
+    return value
 
 
 HELP = """sglang's HTTP server with its radix cache spilling to an NVMe tier: takes every sglang flag
@@ -147,7 +149,7 @@ def cpu_tp_defaults(argv: list[str]) -> dict[str, str]:
     except ModuleNotFoundError as e:
         if e.name not in ("sgl_hicache_cpu", "sgl_hicache_cpu.cpu_tp_env"):
             raise
-        width = _flag_value(argv, "--tp-size") or _flag_value(argv, "--tensor-parallel-size") or "1"
+        width = _flag_value(argv, "--tp-size", "--tensor-parallel-size") or "1"
         if width.isdigit() and int(width) > 1:
             raise ConfigError(
                 "--device cpu with --tp-size above 1 needs the CPU profile: pip install ./cpu "

@@ -6,6 +6,7 @@ model generator (`benchmarks/`) are in neither: they run from a checkout, and th
 from __future__ import annotations
 
 import configparser
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -19,13 +20,24 @@ from sgl_hicache.config import ConfigError
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def build_wheel(project: Path, out: Path) -> zipfile.ZipFile:
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-         "--disable-pip-version-check", "-w", str(out), str(project)],
-        check=True, capture_output=True, text=True, timeout=300,
+def build_wheel(project: Path, parts: tuple[str, ...], tmp: Path) -> zipfile.ZipFile:
+    """Build `project`'s wheel from a copy of its `parts`: an in-place build would leave build/ and
+    egg-info in the checkout (stale modules in later wheels, stale entry points for sglang)."""
+    source = tmp / "source"
+    for part in parts:
+        if (project / part).is_dir():
+            ignore = shutil.ignore_patterns("__pycache__", "build", "*.egg-info")
+            shutil.copytree(project / part, source / part, ignore=ignore)
+        else:
+            source.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(project / part, source / part)
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--disable-pip-version-check",
+         "-w", str(tmp / "dist"), str(source)],
+        capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    (wheel,) = out.glob("*.whl")
+    assert out.returncode == 0, out.stderr[-3000:]
+    (wheel,) = (tmp / "dist").glob("*.whl")
     return zipfile.ZipFile(wheel)
 
 
@@ -44,12 +56,14 @@ def module_file(target: str) -> str:
 
 @pytest.fixture(scope="module")
 def runtime(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
-    return build_wheel(ROOT, tmp_path_factory.mktemp("runtime"))
+    return build_wheel(
+        ROOT, ("pyproject.toml", "README.md", "sgl_hicache", "kernels"), tmp_path_factory.mktemp("runtime")
+    )
 
 
 @pytest.fixture(scope="module")
 def cpu_profile(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
-    return build_wheel(ROOT / "cpu", tmp_path_factory.mktemp("cpu"))
+    return build_wheel(ROOT / "cpu", ("pyproject.toml", "sgl_hicache_cpu"), tmp_path_factory.mktemp("cpu"))
 
 
 def test_the_runtime_wheel_holds_every_runtime_module_and_nothing_else(runtime: zipfile.ZipFile) -> None:
@@ -89,8 +103,18 @@ def test_the_cpu_profile_wheel_holds_the_cpu_pieces(cpu_profile: zipfile.ZipFile
             assert module_file(target) in held, target
 
 
+NO_CHECKOUT = """
+import sys
+from pathlib import Path
+import sgl_hicache.bench as forwarder
+forwarder.CHECKOUT = Path("/nonexistent")  # as an installed wheel, far from any checkout
+sys.argv[1:] = ["--help"]
+sys.exit(forwarder.main())
+"""
+
+
 def test_the_benchmark_outside_a_checkout_says_where_it_runs(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "sgl_hicache.bench", "--help"], cwd=tmp_path,
+    out = subprocess.run([sys.executable, "-c", NO_CHECKOUT], cwd=tmp_path,
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
@@ -99,11 +123,31 @@ def test_the_benchmark_outside_a_checkout_says_where_it_runs(tmp_path: Path) -> 
     ]
 
 
-def test_the_benchmark_in_a_checkout_runs() -> None:
-    out = subprocess.run([sys.executable, "-m", "sgl_hicache.bench", "--help"], cwd=ROOT,
+WITHOUT_CPU_PROFILE = """
+import runpy, sys
+sys.modules["sgl_hicache_cpu"] = None  # a GPU box: the CPU profile is not installed
+sys.argv[1:] = ["--help"]
+runpy.run_module("sgl_hicache.bench", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("where", ["root", "elsewhere"])
+def test_the_benchmark_of_a_checkout_runs_without_the_cpu_profile(where: str, tmp_path: Path) -> None:
+    """From the checkout's root, or from anywhere through the editable install's checkout."""
+    cwd = ROOT if where == "root" else tmp_path
+    out = subprocess.run([sys.executable, "-c", WITHOUT_CPU_PROFILE], cwd=cwd,
                          capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    assert "--servers" in out.stdout
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "--servers" in out.stdout and "--device" in out.stdout
+
+
+def test_two_servers_are_not_pinned_without_the_cpu_profile(monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks.bench import cluster
+
+    assert all(share for share in cluster.server_cpus())  # here: each server its own CPUs
+    monkeypatch.setitem(sys.modules, "sgl_hicache_cpu", None)
+    monkeypatch.delitem(sys.modules, "sgl_hicache_cpu.cpu_tp_env", raising=False)
+    assert cluster.server_cpus() == (None,) * cluster.SERVERS
 
 
 def test_cpu_tensor_parallelism_without_the_cpu_profile_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -115,3 +159,6 @@ def test_cpu_tensor_parallelism_without_the_cpu_profile_is_refused(monkeypatch: 
         launch_server.cpu_tp_defaults(["--device", "cpu", "--tp-size", "2"])
     with pytest.raises(ConfigError, match="needs the CPU profile"):
         launch_server.cpu_tp_defaults(["--device", "cpu", "--tensor-parallel-size=4"])
+    with pytest.raises(ConfigError, match="needs the CPU profile"):  # argparse keeps the last
+        launch_server.cpu_tp_defaults(["--device", "cpu", "--tp-size", "1", "--tensor-parallel-size", "2"])
+    assert launch_server.cpu_tp_defaults(["--device", "cpu", "--tp-size=2", "--tp-size", "1"]) == {}

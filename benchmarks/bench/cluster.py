@@ -16,7 +16,7 @@ use every CPU and two servers fight over them: on 2 CPUs, one repeat of the mult
 plain sglang's two servers 215 s unpinned and 14 s with one CPU each (a one-off diagnosis: README), and the systems suffered
 unequally (sglang's idle scheduler spins, HiCache's yields the CPU), so the comparison measured the
 oversubscription, not the caches. With a single CPU both servers share it. The final line names each
-server's CPUs (`server_cpus`).
+server's CPUs (`server_cpus`; null where the CPU profile is not installed: a GPU box, not pinned).
 
 - `ours-shared`: two of our servers on one tier directory, writing through
   (`--hicache-spill-write-policy write_through`, what servers sharing a tier behind a router should
@@ -48,7 +48,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from sgl_hicache_cpu.cpu_tp_env import cpu_shares
 from tqdm import tqdm
 
 from benchmarks.bench import aggregate, drive, pagecache, report, run, systems
@@ -94,14 +93,21 @@ class ClusterOutcome(NamedTuple):
     by_server: tuple[dict[str, float], ...]  # each server's lookup counters, summed over workloads
 
 
-def server_cpus() -> tuple[tuple[int, ...], ...]:
+def server_cpus() -> tuple[tuple[int, ...] | None, ...]:
     """Each server's CPUs: `cpu_shares` of those this process may use (with fewer CPUs than
-    servers, servers share them)."""
+    servers, servers share them); None each (not pinned) where the CPU profile, which splits them,
+    is not installed (a GPU box: the servers' work is on their devices)."""
+    try:
+        from sgl_hicache_cpu.cpu_tp_env import cpu_shares
+    except ModuleNotFoundError as e:
+        if e.name not in ("sgl_hicache_cpu", "sgl_hicache_cpu.cpu_tp_env"):
+            raise
+        return (None,) * SERVERS
     return cpu_shares(os.sched_getaffinity(0), SERVERS)
 
 
 def run_config(config: ClusterConfig, spec: BenchSpec, model: Path, out: Path, repeat: int,
-               cpus: tuple[tuple[int, ...], ...]) -> ClusterOutcome:  # fmt: skip
+               cpus: tuple[tuple[int, ...] | None, ...]) -> ClusterOutcome:  # fmt: skip
     """One run of one configuration: two fresh servers (server k on `cpus[k]`) and a router, every
     multi-turn workload; the page cache of the tier directories is dropped at the rounds' barriers
     (clock stopped)."""
@@ -190,7 +196,7 @@ def execute(spec: BenchSpec) -> int:
     figures = aggregate.medians(measured)
     extra = {"out_dir": str(spec.out_dir), "model": spec.shape.model, "repeats": spec.repeats,
              "order": [f"{n}/r{r}" for r, n in order], "shape": asdict(spec.shape),
-             "server_cpus": [list(c) for c in cpus],
+             "server_cpus": [None if c is None else list(c) for c in cpus],
              "tier_mb": {n: max(o.tier_bytes for o in os_) / 2**20 for n, os_ in runs.items()}}  # fmt: skip
     requests = {n: [r for rs in by.values() for r in rs] for n, by in run.results(runs).items()}
     line = final_line(figures, _lookup_totals(lookups), extra, requests)

@@ -204,7 +204,7 @@ SEAM = (
     Touch("sglang.srt.server_args.prepare_server_args", FUNCTION, ("argv",)),
     Touch("sglang.srt.plugins.load_plugins", FUNCTION, ()),
     Touch("sglang.srt.utils.kill_process_tree", FUNCTION, ("parent_pid",), ("include_parent",)),
-    # the sgl_kernel CPU shim (platform/sgl_kernel_cpu_shim.py)
+    # the sgl_kernel CPU shim (the CPU profile's cpu/sgl_hicache_cpu/sgl_kernel_cpu_shim.py)
     Touch("sglang.srt.mem_cache.allocation.assign_req_to_token_pool_func", FUNCTION,
           refers=("assign_req_to_token_pool_cpu",)),
 )

@@ -1,4 +1,4 @@
-"""`--servers 2` (bench/cluster.py) without servers: the CLI's checks, the configurations, each
+"""`--servers 2` (benchmarks/bench/cluster.py) without servers: the CLI's checks, the configurations, each
 server's own CPUs, the order that moves every turn to the other server, and the final line."""
 
 from __future__ import annotations
