@@ -11,8 +11,11 @@ round, before matching, never while a restore or an eviction is under way.
 
 Admission: a request whose lookup is still running is skipped for the round (`waiting`, through
 the admission hook) for at most `limit_s`; admitted before its lookup finished, it simply does not
-use it. Lookups are off on a tier no other process has been seen to use (`Tier.shared`), and with
-TP > 1 (their outcome depends on each rank's own file system calls and is not agreed).
+use it. Lookups, and so their waits, are off on a root no other server uses: until the tier has
+seen another process there (`Tier.shared`; an I/O thread looks every `tier.shared.REFRESH_S`, so a
+server that never stores sees a live peer within about that of either's start), unless the write
+policy is write-through (which assumes a shared root); and with TP > 1 (their outcome depends on
+each rank's own file system calls and is not agreed). The cache decides (`_start_lookup`).
 """
 
 from __future__ import annotations

@@ -312,11 +312,13 @@ class SpillRadixCache(RadixCache):
         ref: SpillRef | None = getattr(node, "spill", None)
         if ref is None or ref.count != len(node.value) or self.controller is None:
             return False
-        if ref.extent.state is ExtentState.ON_TIER and self._others_may_evict():
+        if ref.extent.state is ExtentState.ON_TIER and self._root_shared():
             return False
         return self.controller.still_stored(ref.extent)
 
-    def _others_may_evict(self) -> bool:
+    def _root_shared(self) -> bool:
+        """Whether other servers may use the tier's root (evict our files, hold extents a lookup
+        can find): write-through assumes so; otherwise once the tier has seen one (`Tier.shared`)."""
         assert self.controller is not None
         shared = self.spill_config.write_policy is WritePolicy.WRITE_THROUGH
         return shared or bool(getattr(self.controller.tier, "shared", False))
@@ -503,8 +505,8 @@ class SpillRadixCache(RadixCache):
                  rid: str | None = None) -> int:  # fmt: skip
         """Start reading the spilled continuation of this prompt's cached prefix (never blocks on
         I/O); its restore will find the reads under way or done. Where the tree ends before the
-        prompt does, also start a lookup of other servers' extents (lookups.py). Returns the
-        tokens on their way."""
+        prompt does, on a root other servers use, also start a lookup of their extents (lookups.py,
+        `_start_lookup`). Returns the tokens on their way."""
         if self.disable or self.controller is None:
             return 0
         self._poll()
@@ -521,7 +523,9 @@ class SpillRadixCache(RadixCache):
     # nodes, has run on every rank, so TP ranks keep identical trees whatever these do.
     @contained("prefetch (lookup)", nothing)
     def _start_lookup(self, key: RadixKey, held: int, rid: str | None) -> None:
-        if self.controller is None or self.agreement.size > 1 or self.is_eagle:
+        """Off with TP > 1 (lookups.py), and on a root no other server uses (`_root_shared`): there a
+        lookup could find only our own extents, which the tree or the warm start already holds."""
+        if self.controller is None or self.agreement.size > 1 or self.is_eagle or not self._root_shared():
             return
         tenant = tenant_of(key.extra_key, key.cache_salt)
         if self.controller.lookups.start(self.controller.tier, key.raw_token_ids(), held, tenant,
@@ -534,9 +538,8 @@ class SpillRadixCache(RadixCache):
 
     def lookup_waiting(self, rid: str | None) -> bool:
         """Whether request `rid`'s admission should wait for its cross-server lookup: still running,
-        within the prefetch policy's limit (never with best_effort). Even on a tier no other process
-        has been seen to use: a server that never wrote has seen no other writer yet, and the turn
-        a router moved to it is exactly the one whose history another server spilled. Never blocks."""
+        within the prefetch policy's limit (never with best_effort). Off where none is started (on a
+        root no other server uses: `_start_lookup`). Never blocks."""
         policy = self.spill_config.prefetch_policy
         if self.controller is None or policy is PrefetchPolicy.BEST_EFFORT:
             return False

@@ -191,16 +191,17 @@ class Tier(abc.ABC):
     def shared(self) -> bool:
         """Whether another process may be using this tier's root (so its lookups may find other
         writers' extents, and any extent may be evicted by someone else: `contains` and `lookup`
-        then prove nothing). False until this process has seen a sign of one: another writer's
-        lease or write in the root's ledger, a file under the root that this tier does not index
-        (another namespace's included), another writer's temp file, a file of its index removed by
-        someone else, a key stored or loaded that another process published, or a lookup that found
-        another writer's extent (or a stale or refused claim); then True for good. Extents of this
-        namespace found at open are indexed and count as this tier's (no file records its writer).
-        Another process's open or store is seen at this tier's next store (a ledger transaction).
-        Without working locks (a per-process budget) the root is listed at open and, until something
-        foreign is found, at most every 30 s by a store: True once anything foreign was seen. Never
-        blocks."""
+        then prove nothing). False until this tier has seen a sign of one: another process with a
+        tier open on the root (its mark), or its lease or write in the root's ledger; a second tier
+        of this process on the root; a file under the root that this tier does not index (another
+        namespace's included), another writer's temp file, a file of its index removed by someone
+        else, a key stored or loaded that another process published, or a lookup that found another
+        writer's extent (or a stale or refused claim); then True for good. Extents of this namespace
+        found at open are indexed and count as this tier's (no file records its writer). The tier
+        looks on its I/O threads at open and about every second, store or no store, so another
+        process is seen within about that of either's open or of its ledger write. Without working
+        locks (a per-process budget) the root is listed at open and, until something foreign is
+        found, at most every 30 s: True once anything foreign was seen. Never blocks."""
 
     @abc.abstractmethod
     def submit_store(

@@ -47,8 +47,25 @@ def lockf_until(fd: int, deadline: float, path: Path, wait_s: float) -> None:
         pause = min(2 * pause, 0.02)
 
 
+def read_unless_locked(fd: int, limit: int) -> tuple[bytes, int] | None:
+    """The file's first `limit` bytes and its mtime (ns), read under a shared lock taken without
+    waiting; None if another process holds the lock now. Call with no lock of this process on the
+    file (it is released whole afterwards). Raises OSError."""
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EAGAIN, errno.EACCES):
+            raise
+        return None
+    try:
+        return os.pread(fd, limit, 0), os.fstat(fd).st_mtime_ns
+    finally:
+        fcntl.lockf(fd, fcntl.LOCK_UN)
+
+
 def open_private(path: Path) -> int:
-    """Open (creating, 0600) the ledger; it must be a regular file of ours, closed to others."""
+    """Open (creating, 0600) the ledger or the presence file (presence.py); it must be a regular
+    file of ours, closed to others."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:

@@ -31,8 +31,13 @@ The lock, and what happens where it does not work (a per-process budget): filelo
 opens the ledger once per root (`open_ledger`): closing any descriptor of the file would drop the
 process's POSIX lock.
 
-Other processes: a transaction that finds the file changed since our own last one (another
-process wrote it), or a lease that is not ours, sets `others_seen` (for `Tier.shared`).
+Other processes (`others_seen`, for `Tier.shared`): a transaction that finds the file changed
+since our own last one (another process wrote it), or a lease that is not ours; and `look`, which
+sees the same without writing, and more, at open and every `shared.REFRESH_S` on an I/O thread, so
+that a process that never stores learns of the others too: another process's mark (presence.py),
+the ledger locked by another process, or the file rewritten since our last look (its mtime: an
+identical rewrite, such as another process's open). A second tier of this process on the root
+(`attach`) counts too: its evictions are another writer's, whose transactions are ours.
 """
 
 from __future__ import annotations
@@ -47,9 +52,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from sgl_hicache.tier.budget import MAX_LEDGER_BYTES, Janitor, Lease, Reserved, State, leased
-from sgl_hicache.tier.filelock import lockf_until, open_private, probe_locks
+from sgl_hicache.tier.filelock import lockf_until, open_private, probe_locks, read_unless_locked
 from sgl_hicache.tier.index import OverBudget
 from sgl_hicache.tier.owner import Liveness, Writer, liveness, me
+from sgl_hicache.tier.presence import Presence
 from sgl_hicache.tier.scan import STALE_TEMP_S
 from sgl_hicache.tier.sweep import FileStat, remove_stale_temp, unlink_sized, walk_root
 from sgl_hicache.tier.trust import check_trusted
@@ -74,10 +80,14 @@ class Ledger:
         self._generation = 0  # bumped whenever the leases in the file are not the ones we wrote
         self._mine = 0  # what our lease in the file holds, as far as we know (this generation)
         self._written: bytes | None = None  # what our last transaction left in the file
-        self.others_seen = False  # another process wrote the file, or holds a lease in it
+        self._looked_mtime: int | None = None  # the file's mtime at our first look since then
+        self.others_seen = False  # another process wrote the file, holds a lease in it, or a mark
+        self._presence = Presence(self.root)
         try:
             probe_locks(self._fd, self.root)
+            self.others_seen = self._presence.mark()
         except BaseException:
+            self._presence.forget()
             os.close(self._fd)
             raise
 
@@ -103,6 +113,7 @@ class Ledger:
                 yield None
                 return
             try:
+                self._keep_mark()
                 state = self._read()
                 yield state
                 self._write(state)
@@ -110,6 +121,12 @@ class Ledger:
                 fcntl.lockf(self._fd, fcntl.LOCK_UN)
         finally:
             self._mutex.release()
+
+    def _keep_mark(self) -> None:
+        """Mark the root whose ledger we hold locked, if we lack the mark (after a reopen, below):
+        its file is made here, beside the ledger's, never by a `look` of a root being removed."""
+        if not self._presence.marked:
+            self.others_seen = self._presence.mark() or self.others_seen
 
     def _read(self) -> State:
         data = os.pread(self._fd, MAX_LEDGER_BYTES, 0)
@@ -136,7 +153,7 @@ class Ledger:
         data = state.encode()
         os.pwrite(self._fd, data, 0)
         os.ftruncate(self._fd, len(data))
-        self._written = data
+        self._written, self._looked_mtime = data, None
 
     def _lock_current(self, deadline: float) -> bool:
         """Lock the ledger that is at `path` now: one removed with the root (recreate.py) or
@@ -162,7 +179,8 @@ class Ledger:
             except FileNotFoundError:
                 return False
             self._new_generation()  # another file: the leases of the one before are not in it
-            self._inode, self._written = os.fstat(self._fd).st_ino, None
+            self._inode, self._written, self._looked_mtime = os.fstat(self._fd).st_ino, None, None
+            self._presence.forget()  # marked in the file at the path again (`_keep_mark`)
 
     def _same_root(self) -> bool:
         try:
@@ -170,6 +188,39 @@ class Ledger:
             return os.stat(self.root).st_dev == self._device
         except OSError:
             return False
+
+    def look(self, ask: bool) -> None:
+        """Take our mark where we lack it and, with `ask`, look for another process without writing
+        (see the module doc; an I/O thread's refresh). Never waits: while a transaction of ours
+        runs it does nothing (that transaction looks). Raises OSError, EBADMSG for a torn ledger
+        (rebuilt by the next transaction)."""
+        if not self._mutex.acquire(blocking=False):
+            return
+        try:
+            if self._closed:
+                return
+            if not self._presence.marked and self._presence.opened:  # kept from us by one asking
+                self.others_seen = self._presence.mark() or self.others_seen
+            if ask and not self.others_seen:
+                self.others_seen = (self._presence.marked and self._presence.others()) or self._changed()
+        finally:
+            self._mutex.release()
+
+    def _changed(self) -> bool:
+        """Whether the ledger shows another process now: locked, rewritten or leased by one."""
+        if self._fd < 0:  # the root is gone: nothing to look at until a transaction reopens it
+            return False
+        read = read_unless_locked(self._fd, MAX_LEDGER_BYTES)
+        if read is None:  # in another process's transaction now
+            return True
+        data, mtime = read
+        state = State.decode(data)
+        if state is None:  # as for a transaction (`_read`): not a sign, and rebuilt by the next one
+            raise OSError(errno.EBADMSG, f"{self.path}: torn or foreign; rebuilt at the next store")
+        if self._looked_mtime is None:
+            self._looked_mtime = mtime
+        rewritten = (self._written is not None and data != self._written) or mtime != self._looked_mtime
+        return rewritten or any(token != me().token for token in state.leases)
 
     def reserve(self, nbytes: int, capacity: int, janitor: Janitor) -> Reserved:
         """Lease `nbytes` within `capacity` (this process's configured one), calling
@@ -302,6 +353,7 @@ class Ledger:
 
     def attach(self) -> None:
         self._users += 1
+        self.others_seen = self.others_seen or self._users > 1
 
     def detach(self) -> bool:
         """One tier fewer; at the last, drop this process's lease and close. True if closed."""
@@ -313,6 +365,7 @@ class Ledger:
             self._mine = 0
         with self._mutex:
             self._closed = True
+            self._presence.forget()
             if self._fd >= 0:
                 os.close(self._fd)
             self._fd = -1

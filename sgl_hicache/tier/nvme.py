@@ -12,7 +12,8 @@ root's (ledger.py, shared.py); the index is never trusted as proof that a file e
 checks the file before answering "present" (and writes it again if it is gone; a file there that
 we do not index, another process's, is adopted: indexed from the request), and a load of a removed
 file is a clean MISS (ENOENT, or ESTALE on NFS) that forgets the key. Those, and lookups that find
-others' extents, are signs of another process for `shared` (besides the ledger's, shared.py).
+others' extents, are signs of another process for `shared` (besides the ledger's, shared.py);
+one I/O thread looks for the ledger's at open and every `shared.REFRESH_S` (`SharedBudget.refresh`).
 
 Shutdown: `close(timeout_s)` gives queued and running stores that long, then abandons them and
 removes their temp files. A process killed before (SIGKILL) leaves the temp files of its running
@@ -62,6 +63,7 @@ from sgl_hicache.tier.recreate import Recreator
 from sgl_hicache.tier.retention import TierRetention
 from sgl_hicache.tier.scan import scan
 from sgl_hicache.tier.scheduler import IoScheduler
+from sgl_hicache.tier.shared import REFRESH_S
 from sgl_hicache.tier.store import StoreRequest, prepare
 from sgl_hicache.tier.volume import warn_if_too_small
 
@@ -88,6 +90,7 @@ class NvmeTier(IndexedTier):
         self._closed = self._abandoned = False
         self._rebuild_index()
         self._io = IoScheduler(cfg.io_threads)
+        self._io.every(REFRESH_S, self._space.shared.refresh)  # `shared` without a store; stops at close
 
     @property
     def namespace(self) -> Namespace:

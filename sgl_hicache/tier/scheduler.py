@@ -11,19 +11,34 @@ up to ROOM_WAIT_S) or for a slow disk; if every thread held such a store, a rest
 queue behind them for that long. With `threads >= 2` at most `threads - 1` stores run at once, so a
 load always finds a thread within one load's time. With one thread stores and loads take turns on
 it; a store can then never wait for room (no other store holds bytes in flight), only for its write.
+
+Periodic jobs (`every`: the refresh of `Tier.shared`) run on the same threads, ahead of queued
+jobs when due; an idle worker waits on the condition with a timeout until the next one is due,
+so they need no thread of their own, and `close` stops them with the workers.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 
 WRITE_EVERY = 4
 logger = logging.getLogger("sgl_hicache.tier")
 
 Job = Callable[[], None]
+
+
+@dataclass
+class _Periodic:
+    job: Job
+    period_s: float
+    due: float  # time.monotonic(); inf while it runs
 
 
 class IoScheduler:
@@ -36,6 +51,7 @@ class IoScheduler:
         self._active = 0
         self._writing = 0  # stores running now
         self.max_writers = max(1, threads - 1)
+        self._periodic: list[_Periodic] = []
         self._threads = [
             threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(threads)
         ]
@@ -48,6 +64,14 @@ class IoScheduler:
     def submit_write(self, job: Job) -> None:
         self._push(self._writes, job)
 
+    def every(self, period_s: float, job: Job) -> None:
+        """Run `job` on a worker now and then `period_s` after each run ends, ahead of queued jobs,
+        one run at a time, until `close` (no run starts once it is called). For short jobs that
+        never wait; one that raises is logged and runs again all the same."""
+        with self._cond:
+            self._periodic.append(_Periodic(job, period_s, time.monotonic()))
+            self._cond.notify_all()
+
     def _push(self, queue: deque[Job], job: Job) -> None:
         with self._cond:
             queue.append(job)
@@ -56,8 +80,13 @@ class IoScheduler:
     def _next(self) -> tuple[Job, bool] | None:
         """The next job and whether it is a store; None when closed and drained."""
         with self._cond:
-            while not (self._reads or self._write_allowed() or (self._closed and not self._active)):
-                self._cond.wait()
+            while (due := self._due()) is None:
+                if self._reads or self._write_allowed() or (self._closed and not self._active):
+                    break
+                self._cond.wait(self._until_due())
+            if due is not None:
+                self._active += 1
+                return due, False
             if self._write_allowed() and (not self._reads or self._reads_since_write >= WRITE_EVERY):
                 self._reads_since_write = 0
                 self._active += 1
@@ -69,6 +98,27 @@ class IoScheduler:
                 return self._reads.popleft(), False
             self._cond.notify_all()
             return None
+
+    def _due(self) -> Job | None:
+        """A periodic job whose time has come (marked running), if any and not closed."""
+        now = time.monotonic()
+        for p in () if self._closed else self._periodic:
+            if p.due <= now:
+                p.due = math.inf
+                return partial(self._run_periodic, p)
+        return None
+
+    def _until_due(self) -> float | None:
+        """Seconds until the next periodic job is due; None (wait for a notify) if none is."""
+        due = min((p.due for p in self._periodic), default=math.inf)
+        return None if self._closed or due == math.inf else max(0.0, due - time.monotonic())
+
+    def _run_periodic(self, p: _Periodic) -> None:
+        try:
+            p.job()
+        finally:
+            with self._cond:
+                p.due = time.monotonic() + p.period_s
 
     def _write_allowed(self) -> bool:
         return bool(self._writes) and self._writing < self.max_writers

@@ -11,12 +11,14 @@ before answering "present", publish.py). Every extent unlinked here takes its al
 outside the lock).
 
 Other processes (`Tier.shared`): `others_seen` turns True for good at the first sign that another
-process uses the root: the ledger changed by someone else or holding another writer's lease
-(ledger.py), or a listing of the root that finds an extent we do not index or another writer's temp
-file (at open, and whenever others' extents are listed again). The tier adds the signs only it
-sees (nvme.py). Without a ledger (`NoLocks` at open) budget calls are no-ops and only the
-per-process budget holds; the root is then listed at open and at most every PRIVATE_RELIST_S by a
-store, until something foreign is found.
+process uses the root: the ledger's (another process's mark, lease or write, ledger.py), or a
+listing of the root that finds an extent we do not index or another writer's temp file (at open,
+and whenever others' extents are listed again). The tier adds the signs only it sees (nvme.py).
+`refresh` looks for them without a store: an I/O thread runs it at open and every REFRESH_S
+(nvme.py), so a process that never stores learns of another within about that. Without a ledger
+(`NoLocks` at open) budget calls are no-ops and only the per-process budget holds; the root is
+then listed at open and at most every PRIVATE_RELIST_S by a store or a refresh, until something
+foreign is found.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Protocol
 
 from sgl_hicache.tier.aliases import recorded, unlink_aliases
 from sgl_hicache.tier.base import Op
-from sgl_hicache.tier.faults import Counters, FaultLog
+from sgl_hicache.tier.faults import Counters, FaultLog, logger
 from sgl_hicache.tier.index import Entry, Index, OverBudget
 from sgl_hicache.tier.keys import ExtentKey
 from sgl_hicache.tier.ledger import Ledger
@@ -40,6 +42,7 @@ from sgl_hicache.tier.paths import ExtentPaths, temp_writer
 from sgl_hicache.tier.sweep import FOREIGN_RETRY_S, FileStat, Foreign, unlink_sized, walk_root
 
 PRIVATE_RELIST_S = 30.0
+REFRESH_S = 1.0  # how often an I/O thread looks for other processes (`refresh`)
 NO_GENERATION = -1  # what `reserve` returns without a ledger
 
 
@@ -67,6 +70,7 @@ class SharedBudget:
         self._listed_at = time.monotonic()
         self._doomed: list[tuple[str, tuple[bytes, ...]]] = []  # unlinked under the lock: their aliases
         self._doomed_lock = threading.Lock()
+        self._refresh_failing = False  # the last refresh failed: counted and logged already
 
     @property
     def others_seen(self) -> bool:
@@ -75,6 +79,26 @@ class SharedBudget:
 
     def saw_others(self) -> None:
         self._others = True
+
+    def refresh(self) -> None:
+        """Look for other processes without a store (see the module doc): the ledger's marks and
+        changes (`Ledger.look`, which also keeps our own mark), or without a ledger a listing when
+        one is due. Runs on an I/O thread; never waits on another process. Never raises: a failure
+        (EIO, EACCES, a torn ledger) is counted in `io_errors` and logged once until one succeeds."""
+        try:
+            if self.ledger is not None:
+                self.ledger.look(ask=not self.others_seen)
+            elif not self._others and time.monotonic() - self._listed_at >= PRIVATE_RELIST_S:
+                self._listed(walk_root(self._space.paths.root))
+        except Exception as e:  # OSErrors, and bugs: counted, logged once; the next refresh retries
+            if not self._refresh_failing:
+                self._space.counters.add("io_errors")
+                bug = None if isinstance(e, OSError) else e
+                logger.warning("spill tier: looking for other processes on %s failed: %s",
+                               self._space.paths.root, e, exc_info=bug)  # fmt: skip
+            self._refresh_failing = True
+        else:
+            self._refresh_failing = False
 
     def open(self) -> None:
         """Remove stale temp files of every namespace and recount the root (one stat per file,

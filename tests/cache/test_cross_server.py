@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -248,3 +249,62 @@ def test_off_with_tp_above_one(pair: tuple[Stack, Stack]) -> None:
     b.cache.prefetch(PROMPT, rid="r1")
     assert b.metrics.totals["lookups"] == 0
     assert not b.cache.lookup_waiting("r1")
+
+
+@pytest.fixture
+def peer() -> Iterator[Callable[[Path], None]]:
+    """Start another process with a tier open on a directory (a second server, idle); killed after."""
+    from tests.tier import share_proc
+
+    started: list[Any] = []
+
+    def start(directory: Path) -> None:
+        opened = share_proc.SPAWN.Event()
+        share_proc.start(started, share_proc.idle, str(directory), 1 << 30, opened)
+        assert opened.wait(60), "the peer never opened its tier"
+
+    yield start
+    for proc in started:
+        proc.kill()
+        proc.join(10)
+
+
+def prompt_past_a_spilled_prefix(make_stack: Any, **overrides: Any) -> Stack:
+    """A cache alone on its directory, holding PROMPT[:48] spilled: a prompt runs past its tree."""
+    s = make_stack(size=512, **overrides)
+    s.insert(PROMPT[:48])
+    s.evict_all()
+    return s
+
+
+def test_off_on_a_root_no_other_process_uses(make_stack: Any) -> None:
+    s = prompt_past_a_spilled_prefix(make_stack)
+    s.cache.prefetch(PROMPT, None, None, rid="r1")
+    assert not s.cache.controller.tier.shared and not s.cache.lookup_waiting("r1")
+    assert s.metrics.totals["lookups"] == 0 and s.metrics.totals["lookup_seconds"] == 0
+    assert s.metrics.totals["prefetch_requests"] == 1  # its own spilled prefix is still read
+
+
+def test_on_once_another_process_is_seen(make_stack: Any, peer: Callable[[Path], None]) -> None:
+    """A server that never stored since the other came sees it within about `REFRESH_S` (the tier's
+    refresh), and looks up from then on."""
+    from sgl_hicache.tier.shared import REFRESH_S
+
+    s = prompt_past_a_spilled_prefix(make_stack)
+    peer(s.tier_dir)
+    deadline = time.monotonic() + 3 * REFRESH_S
+    while not s.cache.controller.tier.shared:
+        assert time.monotonic() < deadline, "the other process was not seen"
+        time.sleep(0.01)
+    s.cache.prefetch(PROMPT, None, None, rid="r1")
+    settle(s)
+    assert s.metrics.totals["lookups"] == 1 and s.metrics.totals["lookup_seconds"] > 0
+
+
+def test_write_through_assumes_a_shared_root(make_stack: Any) -> None:
+    from sgl_hicache.config import WritePolicy
+
+    s = prompt_past_a_spilled_prefix(make_stack, write_policy=WritePolicy.WRITE_THROUGH)
+    s.cache.prefetch(PROMPT, None, None, rid="r1")
+    settle(s)
+    assert not s.cache.controller.tier.shared and s.metrics.totals["lookups"] == 1

@@ -530,10 +530,11 @@ class TwoCachesOneDirectory(SpillCacheMachine):
         if server.pending or self.tampered:
             return
         cache = server.stack.cache
-        if not cache._others_may_evict():
-            # A foreign evictor leases from the ledger first; until this cache has seen another
-            # process there (`Tier.shared`) it trusts its index (write-back on a private root). The
-            # window between the two is a known limit (a clean miss, never wrong KV): DESIGN.md.
+        if not cache._root_shared():
+            # Until this cache has seen another writer on the root (`Tier.shared`: here the other
+            # cache, a second tier of this process, at once) it trusts its index (write-back on a
+            # private root). The window a foreign process's first moments leave is a known limit
+            # (a clean miss, never wrong KV): DESIGN.md.
             return
         resident, spilled = set(), set()
         stack = list(cache.root_node.children.values())

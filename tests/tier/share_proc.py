@@ -94,6 +94,32 @@ def stuck_writer(directory: str, capacity: int, index: int, started: Any) -> Non
     time.sleep(3600)
 
 
+def idle(directory: str, capacity: int, opened: Any) -> None:
+    """Open a tier on the root and do nothing with it (a server that has had no request yet)."""
+    open_shared(directory, capacity)
+    opened.set()
+    time.sleep(3600)
+
+
+def open_and_close(directory: str, capacity: int, done: Any) -> None:
+    """Open a tier on the root and close it at once: the ledger is rewritten with what it held."""
+    open_shared(directory, capacity).close()
+    done.put(True)
+
+
+def spill_prompt(directory: str, capacity: int, extents: list[int], done: Any) -> None:
+    """Store extents of `test_aliases.PROMPT` with their aliases (16-token blocks, as those tests)."""
+    from sgl_hicache.tier import lookup
+    from tests.tier import test_aliases
+
+    lookup.BLOCK_TOKENS = 16
+    tier = open_shared(directory, capacity)
+    for i in extents:
+        test_aliases.spill(tier, i)
+    tier.close()
+    done.put(True)
+
+
 def store_then_load(
     directory: str, capacity: int, indices: list[int], results: Any, ns: Namespace = NS
 ) -> None:

@@ -17,7 +17,10 @@ from sgl_hicache.tier.base import LookupRequest, LookupResult
 from sgl_hicache.tier.keys import PathHasher
 from sgl_hicache.tier.lookup import alias_marks
 from sgl_hicache.tier.paths import ExtentPaths
+from sgl_hicache.tier.shared import SharedBudget
+from tests.tier import share_proc
 from tests.tier.common import NS, payload_for
+from tests.tier.share_proc import SPAWN, start
 from tests.tier.test_capacity import file_bytes
 
 PROMPT = np.array([(i * 7) % 50 + 1 for i in range(160)], dtype=np.uint32)
@@ -168,11 +171,15 @@ def test_removing_a_dangling_alias_never_drops_a_newer_claim(make_tier, monkeypa
     assert not list(link(tier, positions[0]).parent.glob(".*")), "a link moved aside was left"
 
 
-def test_a_lookup_that_finds_another_writers_extents_makes_the_tier_shared(make_tier) -> None:
-    b = make_tier()  # opened first: a's extents are not in its index
-    a = make_tier()
-    for i in range(3):
-        spill(a, i)
-    assert len(lookup(a).segments) == 3 and not a.shared  # its own extents
-    assert not b.shared
-    assert len(lookup(b).segments) == 3 and b.shared
+def test_a_lookup_that_finds_another_writers_extents_makes_the_tier_shared(
+    make_tier, tmp_path: Path, children: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lookup's own sign: the ledger's (looked for by the refresh, which is off here) aside."""
+    monkeypatch.setattr(SharedBudget, "refresh", lambda self: None)
+    tier = make_tier()
+    spill(tier, 0)
+    assert len(lookup(tier).segments) == 1 and not tier.shared  # its own extent
+    done = SPAWN.Queue()
+    start(children, share_proc.spill_prompt, str(tmp_path / "tier"), 64 << 20, [1, 2], done).join(60)
+    assert done.get(timeout=10) and not tier.shared  # the writer came and went unseen
+    assert len(lookup(tier).segments) == 3 and tier.shared

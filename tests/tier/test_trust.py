@@ -12,6 +12,7 @@ import pytest
 
 from sgl_hicache.tier import UntrustedDirectory
 from sgl_hicache.tier.ledger import LEDGER_NAME
+from sgl_hicache.tier.presence import PRESENCE_NAME
 from sgl_hicache.tier.trust import SECRET_BYTES, SECRET_NAME
 from tests.tier.common import NS
 
@@ -42,8 +43,8 @@ def test_a_missing_directory_is_created_private_with_a_secret(make_tier, tmp_pat
     make_tier(directory=root).close()
     assert secret.read_bytes() == before, "a second open keeps the secret"
     assert sorted(p.name for p in root.iterdir()) == sorted(
-        [SECRET_NAME, LEDGER_NAME, NS.id.hex()]
-    )  # no temp left
+        [SECRET_NAME, LEDGER_NAME, PRESENCE_NAME, NS.id.hex()]
+    )  # no temp left; the presence file stays (a lock, never content)
 
 
 def test_a_world_writable_sticky_parent_is_fine(make_tier, tmp_path):
