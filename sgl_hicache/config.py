@@ -119,6 +119,18 @@ class WritePolicy(enum.StrEnum):
     WRITE_THROUGH = "write_through"
 
 
+class KvEventsMedium(enum.StrEnum):
+    """The medium a spilled node's pages are announced under in KV cache events (cache/events.py).
+
+    DISK: the truthful name (our tier is a directory or a store, not host memory). CPU_PINNED: for a
+    router that indexes only the device and host tiers (smg 1.13 routes on `GPU` and `CPU_PINNED`
+    blocks and leaves `DISK` ones out), so that it routes a conversation to the server holding its
+    spilled history; as for sglang's host tier, a hit there restores without recompute."""
+
+    DISK = "disk"
+    CPU_PINNED = "cpu_pinned"
+
+
 class Bare(enum.Enum):
     """What a size setting makes of a number given without a unit."""
 
@@ -350,6 +362,14 @@ class SpillConfig:
         "when KV is written to the tier: write_back (on eviction), write_through (also when cached; "
         "for servers sharing a tier behind a router)",
         "--hicache-spill-write-policy",
+    )
+
+    kv_events_medium: KvEventsMedium = option(
+        KvEventsMedium.DISK,
+        "the medium spilled pages are announced under in KV events (--kv-events-config): disk (the "
+        "truthful name), or cpu_pinned for a router that indexes only device and host tiers (smg 1.13's "
+        "cache_aware), so that it routes a resumed conversation to the server holding it spilled",
+        "--hicache-spill-kv-events-medium",
     )
 
     def __post_init__(self) -> None:

@@ -8,8 +8,11 @@ router), and it routes OpenAI requests by the `model` they name (a wrong name is
 another model's answer), which the old package does not check. Locked in requirements/cpu-lock.txt.
 
 `round_robin` makes a conversation's consecutive turns land on different servers, which is what a
-shared tier must survive. The router binds 127.0.0.1 on a free port (its Prometheus listener too:
-by default it would take 0.0.0.0:29000) and is stopped, with its process group, like a server.
+shared tier must survive. `cache_aware` over `grpc://` workers (servers in sglang's `--grpc-mode`)
+routes by the KV events each worker streams (`extra_args`: `--block-size`, `--model-path`; see
+docs/OPERATIONS.md, "Tier-aware routing"). The router binds 127.0.0.1 on a free port (its
+Prometheus listener too, `metrics_url`: by default it would take 0.0.0.0:29000) and is stopped,
+with its process group, like a server.
 """
 
 from __future__ import annotations
@@ -33,18 +36,26 @@ class RouterProcess:
     worker_urls: Sequence[str]
     policy: str = "round_robin"
     log_path: Path | None = None
+    extra_args: Sequence[str] = ()  # more of smg's flags
     port: int = field(default_factory=free_port)
+    prometheus_port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def metrics_url(self) -> str:
+        """smg's Prometheus metrics (`smg_worker_requests_total`, `smg_kv_index_blocks`, ...)."""
+        return f"http://127.0.0.1:{self.prometheus_port}/metrics"
+
     def command(self) -> list[str]:
         return [
             sys.executable, "-m", "smg.launch_router", "--worker-urls", *self.worker_urls,
             "--policy", self.policy, "--host", "127.0.0.1", "--port", str(self.port),
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.prometheus_port),
+            *self.extra_args,
         ]  # fmt: skip
 
     def start(self, timeout_s: float = 60.0) -> RouterProcess:

@@ -7,13 +7,16 @@ relay keeps one record per hash and tier). sglang's plain cache removes an evict
 it on the tier, so:
 
 - every node's pages are announced under exactly one medium, the node's state: `GPU` while
-  resident, `DISK` while spilled (`node.kv_medium`: what the router was last told; None: nothing);
-- a spill stores DISK, then removes GPU; a restore or an insert adopting a spilled node stores GPU,
-  then removes DISK (a store before its removal: the router never sees the pages nowhere);
+  resident, the tier's medium while spilled (`node.kv_medium`: what the router was last told; None:
+  nothing). The tier's medium is `DISK`, or `CPU_PINNED` with `--hicache-spill-kv-events-medium
+  cpu_pinned`, for a router that indexes only device and host blocks (smg 1.13);
+- a spill stores the tier's medium, then removes GPU; a restore or an insert adopting a spilled
+  node stores GPU, then removes the tier's (a store before its removal: the router never sees the
+  pages nowhere);
 - a node that leaves the tree (dropped, pruned: lost, evicted from the tier, a TP disagreement)
   is removed under its medium, with its spilled subtree;
 - a reset (a flush: a new key epoch) is sglang's `AllBlocksCleared`; the extents a warm start
-  attaches after it are stored as DISK.
+  attaches after it are stored under the tier's medium.
 
 Hashes are sglang's own: its recorder computes each page's hash from the node's tokens and its
 parent's last page hash, as for its plain tree (tests/cache/test_events.py checks they are equal).
@@ -34,10 +37,13 @@ from sglang.srt.mem_cache.events import KVCacheEventRecorder
 from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 
 from sgl_hicache.cache.spill_state import Extent, ExtentState
+from sgl_hicache.config import KvEventsMedium
 from sgl_hicache.tier import ExtentKey, Tier
 
 DEVICE = StorageMedium.GPU
 TIER = StorageMedium.DISK  # the file tier: an NVMe / NVMe-oF directory
+# the medium of spilled nodes, by `kv_events_medium` (`StorageMedium.CPU` is `CPU_PINNED` on the wire)
+TIER_MEDIA = {KvEventsMedium.DISK: TIER, KvEventsMedium.CPU_PINNED: StorageMedium.CPU}
 
 
 def medium_of(node: TreeNode) -> str | None:
@@ -51,10 +57,9 @@ class TierEvents(KVCacheEventRecorder):
     medium removes the old one after. So sglang's own calls (its insert's store, its eviction's
     removal) and ours compose, whatever the order. Disabled: nothing is recorded or tracked."""
 
-    def __init__(self, base: KVCacheEventRecorder, tier_medium: str = TIER) -> None:
+    def __init__(self, base: KVCacheEventRecorder) -> None:
         super().__init__(enabled=base.enabled, page_size=base.page_size,
                          dynamo_format=base.dynamo_format, lora_names=base.lora_names)  # fmt: skip
-        self.tier_medium = tier_medium
         for event in base.take():
             self.enqueue(event)
 
@@ -151,11 +156,13 @@ def _gone(extent: Extent, tier: Tier) -> bool:
 
 
 class TreeEvents:
-    """What `SpillTree` tells the router and `GoneExtents` of each change it makes."""
+    """What `SpillTree` tells the router and `GoneExtents` of each change it makes. Spilled nodes are
+    announced under `tier_medium`, the `kv_events_medium` of the cache's config."""
 
-    def __init__(self, base: RadixCache) -> None:
+    def __init__(self, base: RadixCache, medium: KvEventsMedium = KvEventsMedium.DISK) -> None:
         self.base = base
         self.gone = GoneExtents()
+        self.tier_medium = TIER_MEDIA[medium]
 
     @property
     def recorder(self) -> TierEvents | None:
@@ -165,7 +172,7 @@ class TreeEvents:
     def spilled(self, node: TreeNode) -> None:
         self.gone.spilled(node)
         if self.recorder is not None:
-            self.recorder.record_store(node, self.recorder.tier_medium)
+            self.recorder.record_store(node, self.tier_medium)
 
     def resident(self, node: TreeNode) -> None:
         if self.recorder is not None:

@@ -97,7 +97,7 @@ class SpillRadixCache(RadixCache):
         self._deferred_since: dict[str, float] = {}  # rid -> when its admission was first deferred
         self._admission: Admission | None = None
         self.epoch: bytes | None = None  # seeds every path key; None until the first reset()
-        self.tree = SpillTree(self)
+        self.tree = SpillTree(self, config.kv_events_medium)
         self.warm = WarmStart(self.tree, namespace_id)
         self.retention = Retention(self)  # pin, drop, purge hints (retention.py)
         super().__init__(params)  # calls reset(), which attaches the tier's extents (warm start)

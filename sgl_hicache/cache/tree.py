@@ -28,15 +28,16 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from sgl_hicache.cache.events import TreeEvents
 from sgl_hicache.cache.spill_state import Extent, ExtentState, SpillRef
+from sgl_hicache.config import KvEventsMedium
 from sgl_hicache.tier.base import Segment
 from sgl_hicache.tier.keys import ExtentKey
 
 
 class SpillTree:
-    def __init__(self, base: RadixCache) -> None:
+    def __init__(self, base: RadixCache, events_medium: KvEventsMedium = KvEventsMedium.DISK) -> None:
         self.base = base
         self.spilled_tokens = 0
-        self.events = TreeEvents(base)  # what the router is told of each change (events.py)
+        self.events = TreeEvents(base, events_medium)  # what the router is told of each change (events.py)
 
     @property
     def root(self) -> TreeNode:

@@ -1,6 +1,7 @@
 """KV cache events of the spill cache (issue 27): the same hashes as sglang's plain radix cache, a
 spilled block stays stored under DISK, a dropped or tier-evicted one is removed, a restore moves it
-back to GPU, a flush clears; events of tier evictions reach the queue on the scheduler thread."""
+back to GPU, a flush clears; events of tier evictions reach the queue on the scheduler thread; with
+`kv_events_medium` cpu_pinned, spilled blocks are announced under CPU_PINNED instead (smg's host tier)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from sglang.srt.disaggregation.kv_events import AllBlocksCleared, BlockRemoved, 
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
+from sgl_hicache.config import KvEventsMedium
 from tests.cache.router_view import RouterView, medium_name, page_hashes, tree_view
 
 A = list(range(100, 132))  # 32 tokens
@@ -95,6 +97,37 @@ def test_restore_moves_blocks_back_to_gpu(make_stack: Any) -> None:
     assert _kinds(events) == [("BlockStored", "GPU", len(A)), ("BlockRemoved", "DISK", len(A))]
     view.apply(events)
     assert view.view() == {"GPU": set(page_hashes(A, None, 1))} == tree_view(s.cache)
+
+
+def _pinned_tree_view(cache: Any) -> dict[str, set[int]]:
+    """`tree_view` with spilled blocks under CPU_PINNED, as `kv_events_medium` cpu_pinned announces them."""
+    return {"CPU_PINNED" if m == "DISK" else m: held for m, held in tree_view(cache).items()}
+
+
+def test_cpu_pinned_announces_spilled_blocks_as_host_blocks(make_stack: Any) -> None:
+    """A spill stores CPU_PINNED then removes GPU, a restore the reverse, a drop removes CPU_PINNED:
+    the router's view stays the tree's, spilled blocks under the host medium."""
+    s = _events_stack(make_stack, page_size=4, kv_events_medium=KvEventsMedium.CPU_PINNED)
+    view = RouterView()
+    s.insert(A)
+    s.insert(B)
+    view.apply(s.cache.take_events())
+    s.evict_all()
+    events = s.cache.take_events()
+    assert _kinds(events) == [("BlockStored", "CPU_PINNED", 8), ("BlockRemoved", "GPU", 8)] * 2
+    view.apply(events)
+    assert view.view() == _pinned_tree_view(s.cache) and set(view.view()) == {"CPU_PINNED"}
+    assert s.load_back(s.match(A + [1]))[0] == len(A)
+    events = s.cache.take_events()
+    assert _kinds(events) == [("BlockStored", "GPU", 8), ("BlockRemoved", "CPU_PINNED", 8)]
+    view.apply(events)
+    assert view.view() == _pinned_tree_view(s.cache) == {
+        "GPU": set(page_hashes(A, None, 4)), "CPU_PINNED": set(page_hashes(B, None, 4))
+    }  # fmt: skip
+    s.cache.controller = None  # no tier any more: A is dropped at its eviction, B's spilled node stays
+    s.evict_all()
+    view.apply(s.cache.take_events())
+    assert view.view() == _pinned_tree_view(s.cache) == {"CPU_PINNED": set(page_hashes(B, None, 4))}
 
 
 def test_a_node_dropped_instead_of_spilled_is_removed(make_stack: Any) -> None:
@@ -207,17 +240,23 @@ def _record_threads(recorder: Any) -> set[int]:
     return seen
 
 
-@pytest.mark.parametrize("salt", [None, "alice"])
-def test_smgs_relay_takes_our_stream_and_checks_its_hashes(make_stack: Any, salt: str | None) -> None:
+@pytest.mark.parametrize(
+    ("salt", "medium"),
+    [(None, KvEventsMedium.DISK), ("alice", KvEventsMedium.DISK), (None, KvEventsMedium.CPU_PINNED)],
+)
+def test_smgs_relay_takes_our_stream_and_checks_its_hashes(
+    make_stack: Any, salt: str | None, medium: KvEventsMedium
+) -> None:
     """Our events, encoded as sglang's publisher sends them, through the relay of smg's gRPC
-    servicer (the one `--grpc-mode` runs): nothing dropped, spilled pages on smg's DISK tier, and
-    its own rehash of sglang's page hashing finds no mismatch."""
+    servicer (the one `--grpc-mode` runs): nothing dropped, spilled pages on smg's DISK tier (its
+    HOST tier with cpu_pinned, the one its index routes on), and its own rehash of sglang's page
+    hashing finds no mismatch."""
     relay = pytest.importorskip("smg_grpc_servicer.kv_relay")
     import msgspec
     from sglang.srt.disaggregation.kv_events import KVEventBatch
     from smg_grpc_proto.generated import common_pb2
 
-    s = _events_stack(make_stack, page_size=4)
+    s = _events_stack(make_stack, page_size=4, kv_events_medium=medium)
     s.insert(A, salt=salt)
     s.insert(BRANCH, salt=salt)
     s.evict_all()
@@ -228,5 +267,6 @@ def test_smgs_relay_takes_our_stream_and_checks_its_hashes(make_stack: Any, salt
     counts = normalizer.counts
     assert counts.dropped == {} and counts.hash_mismatch == 0 and counts.hash_checked > 0
     tiers = {(e.WhichOneof("data"), getattr(e, e.WhichOneof("data")).tier) for e in proto.events[1:]}
-    disk, device = common_pb2.KV_CACHE_TIER_DISK, common_pb2.KV_CACHE_TIER_DEVICE
+    disk = common_pb2.KV_CACHE_TIER_DISK if medium is KvEventsMedium.DISK else common_pb2.KV_CACHE_TIER_HOST
+    device = common_pb2.KV_CACHE_TIER_DEVICE
     assert tiers == {("stored", disk), ("stored", device), ("removed", disk), ("removed", device)}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sgl_hicache.config import ConfigError, Fsync, GiB, MiB, PrefetchPolicy
+from sgl_hicache.config import ConfigError, Fsync, GiB, KvEventsMedium, MiB, PrefetchPolicy
 from sgl_hicache.launch_server import parse
 from sgl_hicache.server.flags import EXTRA_CONFIG, config_from, flag_names, settings
 from sgl_hicache.server.handoff import ENV_CONFIG, export_config, import_config
@@ -38,7 +38,7 @@ def test_every_setting_has_one_flag_or_key_and_an_env() -> None:
         "--enable-hicache-spill", "--hicache-spill-dir", "--hicache-spill-capacity", "--hicache-spill-min-free",
         "--hicache-spill-staging", "--hicache-spill-prefetch-policy", "--hicache-spill-prefetch-timeout",
         "--hicache-spill-write-policy", "--hicache-spill-backend", "--hicache-spill-mooncake-config",
-        EXTRA_CONFIG,
+        "--hicache-spill-kv-events-medium", EXTRA_CONFIG,
     }  # fmt: skip
     assert {s.key for s in settings() if s.key} == KNOBS
     assert all((s.flag is None) != (s.key is None) for s in settings())
@@ -93,6 +93,16 @@ def test_a_bare_size_is_in_gb_as_sglangs_hicache_size(
 def test_sglangs_prefetch_policy_names_and_our_old_alias(name: str, member: PrefetchPolicy) -> None:
     assert parse(["--hicache-spill-prefetch-policy", name])[0].prefetch_policy is member
     assert config_from(None, {"SGL_HICACHE_SPILL_PREFETCH_POLICY": name}).prefetch_policy is member
+
+
+def test_kv_events_medium_by_flag_or_environment() -> None:
+    flag, env = "--hicache-spill-kv-events-medium", "SGL_HICACHE_SPILL_KV_EVENTS_MEDIUM"
+    assert parse([])[0].kv_events_medium is KvEventsMedium.DISK
+    assert parse([flag, "cpu_pinned"])[0].kv_events_medium is KvEventsMedium.CPU_PINNED
+    assert config_from(None, {env: "cpu_pinned"}).kv_events_medium is KvEventsMedium.CPU_PINNED
+    with pytest.raises(ConfigError) as refused:
+        parse([flag, "gpu"])
+    assert str(refused.value) == f"{flag}: invalid choice 'gpu' (choose from disk, cpu_pinned)"
 
 
 def test_tuning_knobs_come_in_one_json_flag() -> None:
@@ -217,6 +227,7 @@ def test_help_is_ours_only_short_and_does_not_import_sglang() -> None:
     assert all(flag in out for flag in flag_names()) and "--help-sglang" in out
     assert all(f"{key} " in out for key in KNOBS) and "SGL_HICACHE_SPILL_IO_THREADS" in out
     assert "{wait_complete,timeout,best_effort}" in out and "--hicache-spill-capacity SIZE" in out
+    assert "--hicache-spill-kv-events-medium {disk,cpu_pinned}" in out
     assert "--hicache-spill-dir DIR" in out and "--hicache-spill-prefetch-timeout SECONDS" in out
     assert "HICACHE_SPILL__" not in out and "--tp-size" not in out, "sglang's flags are not ours"
     assert len(out.splitlines()) < 120
