@@ -11,8 +11,9 @@ another user talks to Y (so Y, like any serving server, holds the system prompt 
 turn 2 goes through the router, which sends it to the other server (Y), which has never seen the
 conversation: Y finds X's extents by lookup, restores them (cached tokens) and gives the same answer.
 With `--mooncake` (`make demo-cluster CLUSTER_FLAGS=--mooncake`) the servers share a Mooncake Store
-instead (one master on loopback, each server a client). Everything is stopped on exit, Ctrl-C or SIGTERM. Exit code 1 if Y restored nothing or answered
-otherwise.
+instead (one master on loopback, each server a client; the tier directory holds only the secret they
+share). Everything is stopped on exit, Ctrl-C or SIGTERM. Exit code 1 if Y restored nothing or
+answered otherwise.
 """
 
 from __future__ import annotations
