@@ -1,9 +1,9 @@
 # The two README commands: `make demo` and `make test`. Both set up .venv/ first (idempotent).
 VENV := .venv
 PY := $(VENV)/bin/python
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= -m "not slow"
 
-.PHONY: setup demo demo-cluster test lint typecheck pytest fuzz bench clean
+.PHONY: setup demo demo-cluster test test-slow lint typecheck pytest fuzz bench clean
 
 setup:
 	@bash scripts/setup_venv.sh
@@ -30,6 +30,10 @@ pytest: setup
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 test: lint typecheck pytest
+
+# The tests `make test` leaves out to keep CI within its time (pyproject.toml, marker `slow`).
+test-slow: setup
+	$(PY) -m pytest -m slow
 
 # The model-based cache test at nightly size (make test runs it at CI size): ~20x the examples.
 FUZZ_EXAMPLES ?= 400

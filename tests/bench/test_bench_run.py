@@ -15,6 +15,7 @@ pytestmark = pytest.mark.server
 HICACHE = "hicache-buffer"
 
 
+@pytest.mark.slow  # the bench's parts have their own tests; the soak below runs it end to end
 def test_all_systems_side_by_side(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "sgl_hicache.bench", "--model", "tiny", "--pool-tokens", "1024",
            "--host-budget-mb", "1", "--concurrency", "4", "--rounds", "3", "--first-tokens", "300",

@@ -16,7 +16,7 @@ from benchmarks.bench.server_process import ServerProcess
 from tests.server.conftest import SPILL_FLAGS
 from tests.server.test_spill_resume import POOL, counter, generate, tokens
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.slow]  # test_cluster.py covers the write-back pair
 
 
 @pytest.fixture(scope="module")

@@ -169,6 +169,7 @@ def differences(sent: list[Sent], replies: list[dict[str, Any]]) -> list[str]:
             for i, (s, r) in enumerate(zip(sent, replies, strict=False)) if r["output_ids"] != s.output_ids]  # fmt: skip
 
 
+@pytest.mark.slow  # a control: the reference's own independence of the page size
 def test_reference_ignores_page_size(transcript: list[Sent], tiny_model: Path, tmp_path: Path) -> None:
     """The page-1 reference stands for the page-16 one: a never-evicting server's greedy outputs do
     not depend on its page size."""

@@ -62,6 +62,7 @@ def transcript(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     yield sent
 
 
+@pytest.mark.slow  # a control of sglang's own TP2 eviction, no code of ours
 def test_control_sglangs_own_evicting_tp2_server_reproduces_the_reference(
     transcript: list[Sent], tiny_model: Path, tmp_path: Path
 ) -> None:
