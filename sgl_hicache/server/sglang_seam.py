@@ -148,7 +148,7 @@ SEAM = (
     Touch("sglang.srt.mem_cache.events.KVCacheEventRecorder.record_store", OVERRIDE, ("node", "medium",
           "session_id")),
     Touch("sglang.srt.mem_cache.events.KVCacheEventRecorder.record_remove", OVERRIDE, ("node", "medium")),
-    Touch("sglang.srt.disaggregation.kv_events.StorageMedium", CLASS, members=("GPU", "DISK")),
+    Touch("sglang.srt.disaggregation.kv_events.StorageMedium", CLASS, members=("GPU", "CPU", "DISK")),
     Touch(_BASE + "BasePrefixCache.take_events", METHOD, (), refers=("kv_events", "take")),
     # the cache: SpilledTree(RadixCache), SpillRadixCache, warm_start
     Touch(_RADIX + "RadixCache", CLASS, ("params",), members=("evictable_leaves", "token_to_kv_pool_allocator",

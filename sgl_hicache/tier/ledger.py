@@ -85,7 +85,10 @@ class Ledger:
         self._presence = Presence(self.root)
         try:
             probe_locks(self._fd, self.root)
-            self.others_seen = self._presence.mark()
+            try:
+                self.others_seen = self._presence.mark()
+            except OSError:  # unmarked (a transaction retries): nobody can be ruled out
+                self.others_seen = True
         except BaseException:
             self._presence.forget()
             os.close(self._fd)
@@ -126,12 +129,18 @@ class Ledger:
         """Mark the root whose ledger we hold locked, if we lack the mark (after a reopen, below):
         its file is made here, beside the ledger's, never by a `look` of a root being removed."""
         if not self._presence.marked:
-            self.others_seen = self._presence.mark() or self.others_seen
+            try:
+                if self._presence.mark():
+                    self.others_seen = True
+            except OSError:  # no mark, so nobody can be ruled out; the budget is kept all the same
+                self.others_seen = True
 
     def _read(self) -> State:
         data = os.pread(self._fd, MAX_LEDGER_BYTES, 0)
         state = State.decode(data)
         if state is None:  # new, torn or foreign: rebuilt from the files, without the leases it held
+            if self._written is not None:  # not what we left: another process wrote it
+                self.others_seen = True
             state = State()
             self._new_generation()
             self._resync(state)
@@ -200,9 +209,14 @@ class Ledger:
             if self._closed:
                 return
             if not self._presence.marked and self._presence.opened:  # kept from us by one asking
-                self.others_seen = self._presence.mark() or self.others_seen
-            if ask and not self.others_seen:
-                self.others_seen = (self._presence.marked and self._presence.others()) or self._changed()
+                if self._presence.mark():
+                    self.others_seen = True
+            if (
+                ask
+                and not self.others_seen
+                and ((self._presence.marked and self._presence.others()) or self._changed())
+            ):
+                self.others_seen = True  # only ever set: `attach` and a transaction set it too
         finally:
             self._mutex.release()
 
@@ -352,8 +366,10 @@ class Ledger:
         return files
 
     def attach(self) -> None:
-        self._users += 1
-        self.others_seen = self.others_seen or self._users > 1
+        with self._mutex:  # a refresh's look may run now (it only ever sets `others_seen` too)
+            self._users += 1
+            if self._users > 1:
+                self.others_seen = True
 
     def detach(self) -> bool:
         """One tier fewer; at the last, drop this process's lease and close. True if closed."""

@@ -114,8 +114,8 @@ class SharedBudget:
         """A fresh listing of the root: the candidates for eviction, and signs of other processes."""
         self._foreign.load(files)
         self._listed_at = time.monotonic()
-        if not self._others:
-            self._others = any(self._not_ours(f) for f in files)
+        if not self._others and any(self._not_ours(f) for f in files):
+            self._others = True  # only ever set: a store or load may set it meanwhile
 
     def _not_ours(self, f: FileStat) -> bool:
         if f.is_temp:

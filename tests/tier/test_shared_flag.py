@@ -240,7 +240,23 @@ def test_a_torn_ledger_is_a_refresh_fault_until_a_store_rebuilds_it(
         assert not within(QUIET_S, lambda: tier.stats().io_errors > 1)
     assert caplog.text.count("torn or foreign") == 1 and not tier.shared
     assert store(tier, 1) is Status.OK  # its transaction rebuilds the ledger from the files
-    assert not within(QUIET_S, lambda: tier.shared) and tier.stats().io_errors == 1
+    assert tier.shared  # not what this tier left in it: someone else wrote it
+    assert tier.stats().io_errors == 1
+
+
+def test_a_root_that_cannot_be_marked_is_not_private_and_still_serves(
+    make_tier, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without our mark on `.present` (EIO, EACCES) nobody can be ruled out: the tier is shared, and
+    its open and every ledger transaction (stores, evictions) go on regardless."""
+
+    def fail(self: Presence) -> bool:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(Presence, "mark", fail)
+    tier = make_tier(directory=tmp_path / "tier", capacity_bytes=CAP)
+    assert tier.shared
+    assert [store(tier, 1), load(tier, 1)] == [Status.OK] * 2
 
 
 def test_close_stops_the_refresh_and_its_threads(
