@@ -208,9 +208,9 @@ class Ledger:
         try:
             if self._closed:
                 return
-            if not self._presence.marked and self._presence.opened:  # kept from us by one asking
-                if self._presence.mark():
-                    self.others_seen = True
+            # kept from us by one asking: mark again (a held lock in the way is a sign too)
+            if not self._presence.marked and self._presence.opened and self._presence.mark():
+                self.others_seen = True
             if (
                 ask
                 and not self.others_seen
