@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import threading
 import time
@@ -63,6 +64,8 @@ from sgl_hicache.tier.trust import check_trusted
 LEDGER_NAME = ".budget"
 RESYNC_MIN_S = 30.0
 LOCK_WAIT_S = 5.0  # longer, and the operation fails (a store: IO_ERROR) rather than wait on
+
+logger = logging.getLogger(__name__)
 
 
 class Ledger:
@@ -87,8 +90,8 @@ class Ledger:
             probe_locks(self._fd, self.root)
             try:
                 self.others_seen = self._presence.mark()
-            except OSError:  # unmarked (a transaction retries): nobody can be ruled out
-                self.others_seen = True
+            except OSError as e:  # unmarked (a transaction retries): nobody can be ruled out
+                self._unmarked(e)
         except BaseException:
             self._presence.forget()
             os.close(self._fd)
@@ -132,8 +135,16 @@ class Ledger:
             try:
                 if self._presence.mark():
                     self.others_seen = True
-            except OSError:  # no mark, so nobody can be ruled out; the budget is kept all the same
-                self.others_seen = True
+            except OSError as e:  # no mark, so nobody can be ruled out; the budget is kept all the same
+                self._unmarked(e)
+
+    def _unmarked(self, error: OSError) -> None:
+        """Our mark could not be taken: the root counts as shared (logged once per Ledger)."""
+        if not self.others_seen:
+            logger.warning(
+                "spill tier: cannot mark %s (%s): the root is treated as shared", self._presence.path, error
+            )
+        self.others_seen = True
 
     def _read(self) -> State:
         data = os.pread(self._fd, MAX_LEDGER_BYTES, 0)

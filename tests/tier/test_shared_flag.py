@@ -245,7 +245,7 @@ def test_a_torn_ledger_is_a_refresh_fault_until_a_store_rebuilds_it(
 
 
 def test_a_root_that_cannot_be_marked_is_not_private_and_still_serves(
-    make_tier, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    make_tier, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog
 ) -> None:
     """Without our mark on `.present` (EIO, EACCES) nobody can be ruled out: the tier is shared, and
     its open and every ledger transaction (stores, evictions) go on regardless."""
@@ -254,9 +254,11 @@ def test_a_root_that_cannot_be_marked_is_not_private_and_still_serves(
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(Presence, "mark", fail)
-    tier = make_tier(directory=tmp_path / "tier", capacity_bytes=CAP)
-    assert tier.shared
-    assert [store(tier, 1), load(tier, 1)] == [Status.OK] * 2
+    with caplog.at_level(logging.WARNING, "sgl_hicache.tier"):
+        tier = make_tier(directory=tmp_path / "tier", capacity_bytes=CAP)
+        assert tier.shared
+        assert [store(tier, 1), load(tier, 1)] == [Status.OK] * 2
+    assert caplog.text.count("cannot mark") == 1  # logged once, not at every transaction
 
 
 def test_close_stops_the_refresh_and_its_threads(
