@@ -8,9 +8,11 @@ configuration of `spec.HICACHE_CONFIGS`; the gate judges ours against the best o
 as results.json, requests.csv, summary.csv and ttft_per_round.png; the last stdout line is one JSON
 object. Exit status: 0, or 1 when `--gate`/`--soak` fail, 2 on bad arguments.
 
-`--servers 2` runs instead two servers behind sglang's router (round robin), in the configurations
-of `bench/cluster.py` (ours on one shared tier directory, writing through or back; ours on separate
-ones; HiCache's `file` L3 in one shared directory), on the multi-turn workloads.
+`--servers 2` runs instead two servers behind sglang's router (smg), in the configurations of
+`bench/cluster.py` (`--configs` picks some): sharing a tier (ours on one tier directory, writing
+through or back; ours on separate ones; ours on a Mooncake Store; HiCache's `file` L3 in one shared
+directory, and its `mooncake` L3 where it runs) and routing (ours behind round robin, smg's
+approximate tree, or smg's index of the servers' KV events), on the multi-turn workloads.
 """
 
 from __future__ import annotations
@@ -99,10 +101,16 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--servers", type=int, default=1,
-        help="1: the systems side by side (default); 2: two servers behind the router (smg, round robin), "
-        "ours on one shared tier vs ours on separate tiers vs HiCache's file L3 in one shared directory, "
-        "multi-turn workloads only (bench/cluster.py)",
+        help="1: the systems side by side (default); 2: two servers behind the router (smg) in each "
+        "configuration of bench/cluster.py: sharing a tier (a directory, a Mooncake Store) and routing "
+        "(round robin, approximate tree, KV events), multi-turn workloads only",
     )  # fmt: skip
+    p.add_argument(
+        "--configs",
+        default=None,
+        metavar="A,B",
+        help="with --servers 2: only these configurations (default: all that can run here)",
+    )
     p.add_argument("--keep-page-cache", action="store_true", help="do not drop the page cache between phases")
     return p
 
@@ -139,6 +147,8 @@ def cluster_run(args: argparse.Namespace, spec: BenchSpec) -> bool:
     if args.servers not in (1, 2):
         raise SpecError(f"--servers must be 1 or 2, got {args.servers}")
     if args.servers == 1:
+        if args.configs is not None:
+            raise SpecError("--configs names configurations of --servers 2")
         return False
     if not spec.multiturn:
         raise SpecError("--servers 2 runs the multi-turn workloads: give --concurrency")
@@ -155,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = spec_from(args)
         if cluster_run(args, spec):
-            return cluster.execute(spec)
+            return cluster.execute(spec, cluster.select(args.configs))
         return execute(spec)
     except SpecError as e:
         print(f"error: {e}", file=sys.stderr)

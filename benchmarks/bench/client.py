@@ -44,21 +44,24 @@ class Result:
 
 
 async def generate(session: aiohttp.ClientSession, base_url: str, request: Request, workload: str, t0: float,
-                   dispatched: asyncio.Event | None = None) -> Result:  # fmt: skip
+                   dispatched: asyncio.Event | None = None, model: str | None = None) -> Result:  # fmt: skip
     """Send `request`, stream the answer, and time it. Never raises for server or network faults:
     they are recorded in `Result.error`. `dispatched` is set once the response headers arrived (a
-    router has picked the server and the server took the request) or the request failed before."""
+    router has picked the server and the server took the request) or the request failed before.
+    `model`: the model the request names (smg over gRPC workers needs it; sglang's own `/generate`
+    takes none)."""
     try:
-        return await _generate(session, base_url, request, workload, t0, dispatched)
+        return await _generate(session, base_url, request, workload, t0, dispatched, model)
     finally:
         if dispatched is not None:
             dispatched.set()
 
 
 async def _generate(session: aiohttp.ClientSession, base_url: str, request: Request, workload: str, t0: float,
-                    dispatched: asyncio.Event | None) -> Result:  # fmt: skip
+                    dispatched: asyncio.Event | None, model: str | None) -> Result:  # fmt: skip
     result = Result(request.key, workload, request.round, request.resumed, len(request.input_ids))
-    body = {
+    body: dict[str, Any] = {} if model is None else {"model": model}
+    body |= {
         "input_ids": list(request.input_ids),
         "stream": True,
         "sampling_params": {"max_new_tokens": request.output_tokens, "temperature": 0, "ignore_eos": True},
@@ -92,22 +95,45 @@ async def _consume(response: aiohttp.ClientResponse, result: Result, start: floa
             result.error = str(chunk["error"])[:200]
             return
         now = time.perf_counter()
-        ids = chunk.get("output_ids") or []
-        new = len(ids) - len(result.output_ids)
+        meta = chunk.get("meta_info") or {}
+        got = len(result.output_ids)
+        if not _take_ids(chunk.get("output_ids") or [], meta.get("completion_tokens"), result):
+            return
+        new = len(result.output_ids) - got
         if new > 0:
-            if not result.output_ids:
+            if got == 0:
                 result.ttft_ms = (now - start) * 1e3
             else:
                 result.itl_ms += [(now - last) * 1e3 / new] * new
             last = now
-            result.output_ids = list(ids)
-        meta = chunk.get("meta_info") or {}
         _cached(meta, result)
         finish = meta.get("finish_reason") or {}
         if isinstance(finish, dict) and finish.get("type") == "abort":
             result.error = f"aborted: {str(finish.get('message'))[:200]}"
             return
     result.latency_ms = (time.perf_counter() - start) * 1e3
+
+
+def _take_ids(ids: list[int], count: object, result: Result) -> bool:
+    """Take a chunk's `output_ids` into `result`: every id so far (sglang's HTTP stream), or only
+    the new ones (smg's stream over gRPC workers, whose last chunk repeats the last id), told apart
+    by `completion_tokens` (ids so far) where the chunk has it. False (and `result.error`) for a
+    chunk that is neither."""
+    if not isinstance(count, int) or isinstance(count, bool):
+        if len(ids) > len(result.output_ids):  # no count: cumulative, as sglang streams
+            result.output_ids = list(ids)
+        return True
+    new = count - len(result.output_ids)
+    if new <= 0:
+        return True  # nothing new (a closing chunk)
+    if len(ids) == count:
+        result.output_ids = list(ids)
+    elif len(ids) == new:
+        result.output_ids += ids
+    else:
+        result.error = f"a stream chunk of {len(ids)} ids at {count} tokens after {len(result.output_ids)}"
+        return False
+    return True
 
 
 def _cached(meta: dict[str, Any], result: Result) -> None:

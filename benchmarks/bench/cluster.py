@@ -1,22 +1,15 @@
-"""`--servers 2`: two servers behind sglang's router, four ways of giving them a disk tier.
+"""`--servers 2`: two servers behind sglang's router (smg), in two families of configurations.
 
 Each configuration runs two servers of one system (the run's `Shape`, so each has the device pool
-and host budget a single server of `--servers 1` has) behind `smg` with `--policy round_robin`, on
-the multi-turn workloads only (a trace's sessions would not move between servers in a known way).
-The driver dispatches each round's turns one after another in `drive.send_order` (the next one
-once the router has picked a server for the last: sent at once, they would reach its round robin in
-any order; a smoke run kept half the turns where they were), so the router puts every resumed turn
-on the other server than the conversation's previous turn: the history it needs is on the other
-server, or on the tier. The per-tier hit rates and the lookup counters show what was reused from where.
+and host budget a single server of `--servers 1` has) behind `smg`, on the multi-turn workloads
+only (a trace's sessions would not move between servers in a known way).
 
-Each server runs, from its start, on its own share of the CPUs this process may use (`server_cpus`:
-half of them each, contiguous; `OMP_NUM_THREADS` the share's size), as each instance of a deployment
-has its own GPUs; the router and the driver are not pinned. Unpinned, each server's OpenMP threads
-use every CPU and two servers fight over them: on 2 CPUs, one repeat of the multi-turn workload took
-plain sglang's two servers 215 s unpinned and 14 s with one CPU each (a one-off diagnosis: README), and the systems suffered
-unequally (sglang's idle scheduler spins, HiCache's yields the CPU), so the comparison measured the
-oversubscription, not the caches. With a single CPU both servers share it. The final line names each
-server's CPUs (`server_cpus`; null where the CPU profile is not installed: a GPU box, not pinned).
+**Sharing** (`Dispatch.ALTERNATE`): smg's `round_robin`, and the driver dispatches each round's
+turns one after another in `drive.send_order` (the next one once the router has picked a server for
+the last: sent at once, they would reach its round robin in any order; a smoke run kept half the
+turns where they were), so the router puts every resumed turn on the other server than the
+conversation's previous turn: the history it needs is on the other server, or on the tier. The
+per-tier hit rates and the lookup counters show what was reused from where.
 
 - `ours-shared`: two of our servers on one tier directory, writing through
   (`--hicache-spill-write-policy write_through`, what servers sharing a tier behind a router should
@@ -29,9 +22,40 @@ server's CPUs (`server_cpus`; null where the CPU profile is not installed: a GPU
 - `hicache-shared`: two sglang HiCache servers with the `file` L3 backend in one directory
   (HiCache's way to share), in its strongest configuration of the single-server benchmark
   (`STRONGEST_HICACHE`: `wait_complete`, sglang's default host ratio).
+- `ours-mooncake`: `ours-shared` with the tier on a Mooncake Store (`--hicache-spill-backend
+  mooncake`): a master on loopback started for the run, each server a client contributing
+  `MOONCAKE_SEGMENT` of DRAM (`bench/mooncake_process.py`).
+- `hicache-mooncake`: `hicache-shared` with sglang's own `mooncake` L3 backend on such a store. It
+  cannot run on CPU (`UNAVAILABLE`): the run skips it there and says why in the final line.
 
-Configurations run one after another, `repeats` times in interleaved order (`run.schedule`), each
-run on fresh servers, a fresh router and empty tier directories.
+**Routing** (`Dispatch.SHUFFLED`: each round's turns sent one after another in a random order drawn
+from the workload and the round, the same for the three, as clients' turns would arrive): two of
+our servers, each on its own tier directory with our default policy, behind three routers:
+
+- `route-round-robin`: smg's `round_robin`;
+- `route-approx-tree`: smg's `cache_aware` over HTTP workers: its approximate radix tree of the
+  requests it routed (the token ids as text), blind to what a server evicted or spilled;
+- `route-kv-events`: smg's `cache_aware` over servers in sglang's gRPC mode (`GrpcServer`), routing by
+  the index it builds from the KV events each server publishes; ours announces spilled pages as
+  host blocks (`--hicache-spill-kv-events-medium cpu_pinned`), so a resumed turn goes to the server
+  that holds its history, resident or spilled (docs/OPERATIONS.md, "Tier-aware routing").
+
+Both `cache_aware` routers run with smg's worker overload protection off (`CACHE_AWARE_FLAGS`): its
+KV-usage ceiling reads sglang's token usage, which counts a pool full of cached prefixes as used,
+and would veto the matched server on every warm pool.
+
+Each server runs, from its start, on its own share of the CPUs this process may use (`server_cpus`:
+half of them each, contiguous; `OMP_NUM_THREADS` the share's size), as each instance of a deployment
+has its own GPUs; the router and the driver are not pinned. Unpinned, each server's OpenMP threads
+use every CPU and two servers fight over them: on 2 CPUs, one repeat of the multi-turn workload took
+plain sglang's two servers 215 s unpinned and 14 s with one CPU each (a one-off diagnosis: README), and the systems suffered
+unequally (sglang's idle scheduler spins, HiCache's yields the CPU), so the comparison measured the
+oversubscription, not the caches. With a single CPU both servers share it. The final line names each
+server's CPUs (`server_cpus`; null where the CPU profile is not installed: a GPU box, not pinned).
+
+Configurations (all, or those `--configs` names) run one after another, `repeats` times in
+interleaved order (`run.schedule`), each run on fresh servers, a fresh router, empty tier
+directories and a fresh Mooncake master.
 """
 
 from __future__ import annotations
@@ -43,40 +67,61 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
+from enum import Enum
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from tqdm import tqdm
 
 from benchmarks.bench import aggregate, drive, pagecache, report, run, systems
-from benchmarks.bench.client import Result
-from benchmarks.bench.probe import delta, dir_bytes, scrape, total
+from benchmarks.bench.cluster_line import LOOKUP_COUNTERS, final_line, lookup_counters
+from benchmarks.bench.drive import Dispatch
+from benchmarks.bench.grpc_server import GrpcServer
+from benchmarks.bench.mooncake_process import MooncakeMaster
+from benchmarks.bench.probe import delta, dir_bytes, scrape
 from benchmarks.bench.router_process import RouterProcess
 from benchmarks.bench.server_process import ServerProcess
-from benchmarks.bench.spec import BenchSpec
-from benchmarks.bench.summary import NAN, Figures, ratio
+from benchmarks.bench.spec import BenchSpec, Shape, SpecError
+from sgl_hicache.config import MiB
 
 SERVERS = 2
 STRONGEST_HICACHE = "hicache-wait-r2"
 """The HiCache configuration of `spec.HICACHE_CONFIGS` that `hicache-shared` runs: `wait_complete`
 with sglang's default host ratio (the lowest resumed-turn TTFT of the single-server benchmark)."""
 
-LOOKUP_COUNTERS = ("lookups", "lookup_fs_calls", "lookup_found_tokens", "lookup_attached_tokens",
-                   "lookup_refused", "lookup_stale", "lookups_waited")  # fmt: skip
-"""Our cross-server lookup counters (`sglang:hicache_spill_<name>_total` on `/metrics`)."""
+MOONCAKE_SEGMENT = 1024 * MiB
+"""The DRAM each server contributes to the Mooncake Store of the `mooncake` configurations: more
+than a run writes, as the tier directories of the others are unbounded."""
+
+
+class Router(Enum):
+    ROUND_ROBIN = "smg round_robin"
+    APPROX_TREE = "smg cache_aware (approximate tree, HTTP workers)"
+    KV_EVENTS = "smg cache_aware (KV events, gRPC workers)"
+
+
+class Store(Enum):
+    DIRECTORY = "directory"  # a tier directory per server, or one shared
+    MOONCAKE = "mooncake"  # a Mooncake Store: one master, each server a client
 
 
 @dataclass(frozen=True)
 class ClusterConfig:
     name: str
     system: str  # a system of `systems.build`, run on each server
-    shared: bool  # both servers on one tier directory (else one each)
+    shared: bool  # both servers on one tier directory (else one each); on Mooncake: one store
     flags: tuple[str, ...] = ()  # added to the system's command line
+    store: Store = Store.DIRECTORY
+    router: Router = Router.ROUND_ROBIN
+    dispatch: Dispatch = Dispatch.ALTERNATE  # how a round's turns are sent (`drive.send_order`)
 
 
 WRITE_THROUGH = ("--hicache-spill-write-policy", "write_through")
+EVENTS_MEDIUM = ("--hicache-spill-kv-events-medium", "cpu_pinned")
+CACHE_AWARE_FLAGS = ("--disable-worker-overload-protection",)
 
 
 CONFIGS = (
@@ -84,8 +129,49 @@ CONFIGS = (
     ClusterConfig("ours-shared-write-back", "ours", shared=True),
     ClusterConfig("ours-separate", "ours", shared=False, flags=WRITE_THROUGH),
     ClusterConfig("hicache-shared", STRONGEST_HICACHE, shared=True),
+    ClusterConfig("ours-mooncake", "ours", shared=True, flags=WRITE_THROUGH, store=Store.MOONCAKE),
+    ClusterConfig("hicache-mooncake", STRONGEST_HICACHE, shared=True, store=Store.MOONCAKE),
+    ClusterConfig("route-round-robin", "ours", shared=False, dispatch=Dispatch.SHUFFLED),
+    ClusterConfig(
+        "route-approx-tree", "ours", shared=False, router=Router.APPROX_TREE, dispatch=Dispatch.SHUFFLED
+    ),
+    ClusterConfig(
+        "route-kv-events",
+        "ours",
+        shared=False,
+        flags=EVENTS_MEDIUM,
+        router=Router.KV_EVENTS,
+        dispatch=Dispatch.SHUFFLED,
+    ),
 )
 BY_NAME = {c.name: c for c in CONFIGS}
+
+UNAVAILABLE_ON_CPU = {
+    "hicache-mooncake": "sglang puts a mooncake L3 on the page_first_direct host layout, whose copies "
+    "(sgl_kernel's transfer_kv_all_layer_direct_lf_pf) do not exist on CPU: the server dies at its first "
+    "backup with NameError: name 'transfer_kv_all_layer_direct_lf_pf' is not defined (sglang 0.5.23, "
+    "tried 2026-12-03)",
+}
+"""Configurations that cannot run with `--device cpu`, and why."""
+
+
+def unavailable(config: ClusterConfig, shape: Shape) -> str | None:
+    """Why `config` cannot run in this shape, or None."""
+    return UNAVAILABLE_ON_CPU.get(config.name) if shape.device == "cpu" else None
+
+
+def select(names: str | None) -> tuple[ClusterConfig, ...]:
+    """The configurations `--configs` names (comma-separated; None: all), in `CONFIGS` order;
+    SpecError naming the known ones for an unknown or empty list."""
+    if names is None:
+        return CONFIGS
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in BY_NAME]
+    if unknown or not wanted:
+        raise SpecError(
+            f"--configs: unknown {', '.join(unknown) or '(none given)'} (known: {', '.join(BY_NAME)})"
+        )
+    return tuple(c for c in CONFIGS if c.name in wanted)
 
 
 class ClusterOutcome(NamedTuple):
@@ -108,31 +194,44 @@ def server_cpus() -> tuple[tuple[int, ...] | None, ...]:
 
 def run_config(config: ClusterConfig, spec: BenchSpec, model: Path, out: Path, repeat: int,
                cpus: tuple[tuple[int, ...] | None, ...]) -> ClusterOutcome:  # fmt: skip
-    """One run of one configuration: two fresh servers (server k on `cpus[k]`) and a router, every
-    multi-turn workload; the page cache of the tier directories is dropped at the rounds' barriers
-    (clock stopped)."""
-    servers = [systems.build(config.system, spec.shape, model, _root(out, config, k)) for k in range(SERVERS)]
-    servers = [replace(s, flags=(*s.flags, *config.flags)) for s in servers]
-    tiers = sorted({s.tier_dir for s in servers if s.tier_dir is not None})
+    """One run of one configuration: two fresh servers (server k on `cpus[k]`, started side by side),
+    a router (and a Mooncake master), every multi-turn workload; the page cache of the tier
+    directories is dropped at the rounds' barriers (clock stopped)."""
     outcome, vocab = run.SystemOutcome(), run.vocab_size(model)
-    by_server: list[dict[str, float]] = [{} for _ in servers]
-
-    def drop() -> None:
-        if spec.drop_page_cache:
-            outcome.page_cache.add(pagecache.drop(tiers))
-
+    by_server: list[dict[str, float]] = [{} for _ in range(SERVERS)]
+    grpc = config.router is Router.KV_EVENTS
     n = sum(m.concurrency * m.rounds for m in spec.multiturn)
     with contextlib.ExitStack() as stack:
+        mooncake = None
+        if config.store is Store.MOONCAKE:
+            master = MooncakeMaster(
+                out / run.log_name(f"{config.name}-mooncake", repeat).removesuffix(".log")
+            )
+            master.log_dir.mkdir(parents=True, exist_ok=True)
+            mooncake = stack.enter_context(master).config(segment_bytes=MOONCAKE_SEGMENT)
+        servers = [systems.build(config.system, spec.shape, model, _root(out, config, k), mooncake=mooncake)
+                   for k in range(SERVERS)]  # fmt: skip
+        servers = [replace(s, flags=(*s.flags, *config.flags)) for s in servers]
+        tiers = sorted({s.tier_dir for s in servers if s.tier_dir is not None})
+
+        def drop() -> None:
+            if spec.drop_page_cache:
+                outcome.page_cache.add(pagecache.drop(tiers))
+
         logs = [out / run.log_name(f"{config.name}-s{k}", repeat) for k in range(SERVERS)]
-        procs = [stack.enter_context(s.server(model, log, share))
-                 for s, log, share in zip(servers, logs, cpus, strict=True)]  # fmt: skip
+        procs = [
+            s.server(model, log, share, grpc=grpc) for s, log, share in zip(servers, logs, cpus, strict=True)
+        ]
+        stack.callback(_each, procs, lambda p: p.stop())  # whatever happens below
+        _each(procs, lambda p: p.start())  # side by side, each on its own CPUs
         log = out / run.log_name(f"{config.name}-router", repeat)
-        router = stack.enter_context(RouterProcess([p.base_url for p in procs], log_path=log))
+        router = stack.enter_context(_router(config, procs, spec.shape, model, log))
         bar = stack.enter_context(
             tqdm(total=n, desc=f"{config.name:>22} r{repeat}", file=sys.stderr, unit="req")
         )
+        named = str(model) if grpc else None  # smg routes a gRPC worker's requests by the model they name
         for salt, mt in enumerate(spec.multiturn, 1):
-            work = drive.multiturn(router.base_url, mt, vocab, salt, drop, bar, alternate=True)
+            work = drive.multiturn(router.base_url, mt, vocab, salt, drop, bar, config.dispatch, named)
             _record(outcome, by_server, procs, work)
         outcome.tier_bytes = sum(dir_bytes(t) for t in tiers)
     for t in tiers:
@@ -141,6 +240,20 @@ def run_config(config: ClusterConfig, spec: BenchSpec, model: Path, out: Path, r
         for r in results:
             r.repeat = repeat
     return ClusterOutcome(outcome, tuple(by_server))
+
+
+def _router(config: ClusterConfig, procs: list[ServerProcess], shape: Shape, model: Path,
+            log: Path) -> RouterProcess:  # fmt: skip
+    """The router of `config` over `procs` (not started)."""
+    if config.router is Router.ROUND_ROBIN:
+        return RouterProcess([p.base_url for p in procs], log_path=log)
+    if config.router is Router.APPROX_TREE:
+        return RouterProcess(
+            [p.base_url for p in procs], "cache_aware", log_path=log, extra_args=CACHE_AWARE_FLAGS
+        )
+    events = ("--block-size", str(shape.page_size), "--model-path", str(model))  # blocks are pages
+    urls = [p.grpc_url for p in procs if isinstance(p, GrpcServer)]
+    return RouterProcess(urls, "cache_aware", log_path=log, extra_args=(*events, *CACHE_AWARE_FLAGS))
 
 
 def _root(out: Path, config: ClusterConfig, server: int) -> Path:
@@ -152,9 +265,9 @@ def _root(out: Path, config: ClusterConfig, server: int) -> Path:
 
 def _record(outcome: run.SystemOutcome, by_server: list[dict[str, float]], procs: list[ServerProcess],
             work: Coroutine[Any, Any, drive.Driven]) -> None:  # fmt: skip
-    before = [scrape(p.base_url) for p in procs]  # `work` starts only below
+    before = [_scrape(p) for p in procs]  # `work` starts only below
     driven = asyncio.run(work)
-    moved = [delta(scrape(p.base_url), b) for p, b in zip(procs, before, strict=True)]
+    moved = [delta(_scrape(p), b) for p, b in zip(procs, before, strict=True)]
     summed: dict[str, float] = {}
     for m, counters in zip(moved, by_server, strict=True):
         for k, v in m.items():
@@ -166,25 +279,27 @@ def _record(outcome: run.SystemOutcome, by_server: list[dict[str, float]], procs
     outcome.wall_s[driven.workload] = driven.wall_s
 
 
-def lookup_counters(metrics: dict[str, float]) -> dict[str, float]:
-    """Our cross-server lookup counters in `/metrics` samples (0 for a server without them)."""
-    return {name: total(metrics, f"sglang:hicache_spill_{name}_total") for name in LOOKUP_COUNTERS}
+def _each(procs: list[ServerProcess], do: Callable[[ServerProcess], object]) -> None:
+    """`do` to every server at once (starts and stops take seconds each); the first error raised
+    once all are done."""
+    with ThreadPoolExecutor(len(procs)) as pool:
+        list(pool.map(do, procs))
 
 
-PAIRS = {"separate": "ours-separate", "write_back": "ours-shared-write-back", "hicache": "hicache-shared"}
-"""The final line's ratios: `ours-shared` over each of these (resumed-turn TTFT p50, throughput)."""
-RATIO_KEYS = tuple(f"{fig}_shared_vs_{base}" for base in PAIRS for fig in ("ttft", "throughput"))
-TIER_FIGURES = {"total": "hit_rate", "device": "hit_rate_device", "host": "hit_rate_host",
-                "storage": "hit_rate_storage"}  # fmt: skip
+def _scrape(proc: ServerProcess) -> dict[str, float]:
+    """A server's `/metrics` (a gRPC-mode server's sidecar, under an HTTP server's names)."""
+    return proc.metrics() if isinstance(proc, GrpcServer) else scrape(proc.base_url)
 
 
-def execute(spec: BenchSpec) -> int:
-    """Every configuration, `spec.repeats` times interleaved; writes the run's files like the
+def execute(spec: BenchSpec, configs: tuple[ClusterConfig, ...] = CONFIGS) -> int:
+    """Each of `configs` that can run in `spec.shape` (the others are named in the final line's
+    `skipped`, with why), `spec.repeats` times interleaved; writes the run's files like the
     single-server benchmark and prints the final JSON line. Exit status 0."""
     out = (spec.out_dir / time.strftime("run-%Y%m%d-%H%M%S")).resolve()  # servers get absolute paths
     out.mkdir(parents=True, exist_ok=True)
     model = run.resolve_model(spec.shape.model, spec.out_dir)
-    order = run.schedule([c.name for c in CONFIGS], spec.repeats)
+    skipped = {c.name: why for c in configs if (why := unavailable(c, spec.shape)) is not None}
+    order = run.schedule([c.name for c in configs if c.name not in skipped], spec.repeats)
     cpus = server_cpus()
     runs: dict[str, list[run.SystemOutcome]] = {}
     lookups: dict[str, list[tuple[dict[str, float], ...]]] = {}
@@ -194,12 +309,15 @@ def execute(spec: BenchSpec) -> int:
         lookups.setdefault(name, []).append(done.by_server)
     measured = run.measured(runs)
     figures = aggregate.medians(measured)
-    extra = {"out_dir": str(spec.out_dir), "model": spec.shape.model, "repeats": spec.repeats,
-             "order": [f"{n}/r{r}" for r, n in order], "shape": asdict(spec.shape),
-             "server_cpus": [None if c is None else list(c) for c in cpus],
-             "tier_mb": {n: max(o.tier_bytes for o in os_) / 2**20 for n, os_ in runs.items()}}  # fmt: skip
+    extra = {"servers": SERVERS, "hicache_config": STRONGEST_HICACHE, "out_dir": str(spec.out_dir),
+             "model": spec.shape.model, "repeats": spec.repeats, "order": [f"{n}/r{r}" for r, n in order],
+             "shape": asdict(spec.shape), "server_cpus": [None if c is None else list(c) for c in cpus],
+             "router": {n: BY_NAME[n].router.value for n in runs}, "skipped": skipped,
+             "tier_mb": {n: max(o.tier_bytes for o in os_) / 2**20 for n, os_ in runs.items()
+                         if BY_NAME[n].store is Store.DIRECTORY}}  # fmt: skip
     requests = {n: [r for rs in by.values() for r in rs] for n, by in run.results(runs).items()}
-    line = final_line(figures, _lookup_totals(lookups), extra, requests)
+    grpc = frozenset(c.name for c in configs if c.router is Router.KV_EVENTS)
+    line = final_line(figures, _lookup_totals(lookups), extra, requests, grpc)
     report.write(out, run.results(runs), figures, line, run.metrics(runs), measured)
     print(json.dumps(line, sort_keys=True), flush=True)
     return 0
@@ -208,75 +326,11 @@ def execute(spec: BenchSpec) -> int:
 def _lookup_totals(
     lookups: dict[str, list[tuple[dict[str, float], ...]]],
 ) -> dict[str, list[dict[str, float]]]:
-    """Per configuration of ours, each server's lookup counters summed over repeats."""
+    """Per configuration of ours, each server's counters (`LOOKUP_COUNTERS`) summed over repeats."""
     out: dict[str, list[dict[str, float]]] = {}
     for name, repeats in lookups.items():
         if BY_NAME[name].system == "ours":
             out[name] = [
                 {c: sum(r[k].get(c, 0.0) for r in repeats) for c in LOOKUP_COUNTERS} for k in range(SERVERS)
             ]
-    return out
-
-
-def final_line(workloads: dict[str, dict[str, Figures]], lookups: dict[str, list[dict[str, float]]],
-               extra: dict[str, Any], moved: dict[str, list[Result]] | None = None) -> dict[str, Any]:  # fmt: skip
-    """The headline is the first workload: each configuration's figures (medians over repeats),
-    `ours-shared` over the others (`RATIO_KEYS`), every workload's ratios, our lookup counters
-    (summed over the servers, repeats and workloads; and per server) and, from `moved` (each
-    configuration's requests), the share of resumed turns the router moved to the other server, over
-    all repeats and per repeat."""
-    moved = moved or {}
-    head = next(iter(workloads), None)
-    figures = workloads.get(head, {}) if head else {}
-    line: dict[str, Any] = {
-        "servers": SERVERS,
-        "router": "smg round_robin",
-        "hicache_config": STRONGEST_HICACHE,
-        "headline_workload": head,
-        "ttft_resume_p50_ms": {c: f.ttft_resume_p50_ms for c, f in figures.items()},
-        "throughput_tok_s": {c: f.throughput_tok_s for c, f in figures.items()},
-        "hit_rate": {c: {t: getattr(f, k) for t, k in TIER_FIGURES.items()} for c, f in figures.items()},
-        **ratios(figures),
-        "workloads": {w: ratios(fs) for w, fs in workloads.items()},
-        "lookup_counters_total": {c: {k: sum(s[k] for s in by) for k in LOOKUP_COUNTERS} for c, by in lookups.items()},
-        "lookup_counters_by_server": {c: {k: [s[k] for s in by] for k in LOOKUP_COUNTERS} for c, by in lookups.items()},
-        "errors": sum(f.errors for fs in workloads.values() for f in fs.values()),
-        "moved_rate": {c: moved_rate(rs) for c, rs in moved.items()},
-        "moved_rate_by_repeat": {c: moved_rate_by_repeat(rs) for c, rs in moved.items()},
-        **extra,
-    }  # fmt: skip
-    return report.clean(line)  # type: ignore[no-any-return]
-
-
-def moved_rate(results: list[Result]) -> float:
-    """Of the resumed turns whose server and previous turn's server are known (`Result.server`),
-    the share served by the other server; NaN if none is known."""
-    last: dict[tuple[int, str], str | None] = {}
-    moved = known = 0
-    for r in sorted(results, key=lambda r: (r.repeat, r.round)):
-        conversation = (r.repeat, r.key.rsplit("r", 1)[0])  # keys are c<conversation>r<round>
-        before = last.get(conversation)
-        if r.resumed and r.server and before:
-            known += 1
-            moved += r.server != before
-        last[conversation] = r.server
-    return moved / known if known else NAN
-
-
-def moved_rate_by_repeat(results: list[Result]) -> list[float]:
-    """`moved_rate` of each repeat, in repeat order (a repeat whose router did not alternate shows)."""
-    repeats = sorted({r.repeat for r in results})
-    return [moved_rate([r for r in results if r.repeat == k]) for k in repeats]
-
-
-def ratios(figures: dict[str, Figures]) -> dict[str, float]:
-    """`ours-shared` over `PAIRS`: resumed-turn TTFT p50 and throughput; NaN where unmeasured."""
-    shared = figures.get("ours-shared")
-    out = {}
-    for base, name in PAIRS.items():
-        other = figures.get(name)
-        for fig, attr in (("ttft", "ttft_resume_p50_ms"), ("throughput", "throughput_tok_s")):
-            out[f"{fig}_shared_vs_{base}"] = (
-                NAN if shared is None or other is None else ratio(getattr(shared, attr), getattr(other, attr))
-            )
     return out

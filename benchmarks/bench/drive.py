@@ -12,9 +12,11 @@ window, alike for every system.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 
 import aiohttp
 from tqdm import tqdm
@@ -26,6 +28,14 @@ from benchmarks.bench.workload import Conversation, Request
 DROP_EVERY_S = 2.0
 
 
+class Dispatch(Enum):
+    """How a round's turns of the multi-turn workload are sent."""
+
+    TOGETHER = "together"  # all at once (one server: the order does not matter)
+    ALTERNATE = "alternate"  # one after another, so that a round robin over two servers moves each turn
+    SHUFFLED = "shuffled"  # one after another in a seeded random order (the same for every system)
+
+
 @dataclass(frozen=True)
 class Driven:
     workload: str
@@ -34,9 +44,9 @@ class Driven:
 
 
 async def multiturn(base_url: str, spec: MultiTurn, vocab: int, salt: int, drop: Callable[[], object],
-                    bar: tqdm, alternate: bool = False) -> Driven:  # fmt: skip
-    """`alternate` (behind a round robin over two servers): each round's turns are dispatched one
-    after another in `send_order` (`_in_order`), so each lands on the other server than its last."""
+                    bar: tqdm, dispatch: Dispatch = Dispatch.TOGETHER, model: str | None = None) -> Driven:  # fmt: skip
+    """Behind a router (`dispatch` ALTERNATE or SHUFFLED), each round's turns are dispatched one
+    after another in `send_order` (`_in_order`). `model`: named in every request (`client.generate`)."""
     convs = [Conversation.open(salt * 10_000 + i, spec.first_tokens, vocab) for i in range(spec.concurrency)]
     results: list[Result] = []
     wall = 0.0
@@ -44,12 +54,15 @@ async def multiturn(base_url: str, spec: MultiTurn, vocab: int, salt: int, drop:
         for k in range(spec.rounds):
             await asyncio.to_thread(drop)  # the barrier: nothing in flight, clock stopped
             turns = [c.next_turn(spec.question_tokens, spec.output_tokens) for c in convs]
-            order = send_order(len(turns), k, alternate)
+            order = send_order(len(turns), k, dispatch, salt)
             t0 = time.perf_counter()
-            if alternate:
-                sent = await _in_order(session, base_url, [turns[i] for i in order], spec.name, t0, bar)
+            if dispatch is not Dispatch.TOGETHER:
+                sent = await _in_order(
+                    session, base_url, [turns[i] for i in order], spec.name, t0, bar, model
+                )
             else:
-                sent = await asyncio.gather(*(_one(session, base_url, t, spec.name, t0, bar) for t in turns))
+                sent = await asyncio.gather(*(_one(session, base_url, t, spec.name, t0, bar, model=model)
+                                              for t in turns))  # fmt: skip
             done = [r for _, r in sorted(zip(order, sent, strict=True), key=lambda p: p[0])]
             wall += time.perf_counter() - t0
             for conv, turn, result in zip(convs, turns, done, strict=True):
@@ -58,17 +71,24 @@ async def multiturn(base_url: str, spec: MultiTurn, vocab: int, salt: int, drop:
     return Driven(spec.name, results, wall)
 
 
-def send_order(n: int, round_: int, alternate: bool) -> list[int]:
-    """The conversations' indices in the order their turns of round `round_` are sent. `alternate`:
-    the order in which a round robin over two servers, taking requests in this order, puts every
-    turn on the other server than the conversation's previous turn: as is for odd `n` (each round
-    shifts the router's parity by one), rotated by the round for even `n` (where it would not)."""
-    k = round_ % n if alternate and n % 2 == 0 else 0
+def send_order(n: int, round_: int, dispatch: Dispatch, seed: int = 0) -> list[int]:
+    """The conversations' indices in the order their turns of round `round_` are sent.
+    ALTERNATE: the order in which a round robin over two servers, taking requests in this order,
+    puts every turn on the other server than the conversation's previous turn: as is for odd `n`
+    (each round shifts the router's parity by one), rotated by the round for even `n` (where it
+    would not). SHUFFLED: a random order drawn from `seed` and the round, as clients' turns arrive
+    (sent in index order every round, a round robin would keep each conversation on one server
+    for even `n`). TOGETHER: index order."""
+    if dispatch is Dispatch.SHUFFLED:
+        order = list(range(n))
+        random.Random(seed * 1_000_003 + round_).shuffle(order)
+        return order
+    k = round_ % n if dispatch is Dispatch.ALTERNATE and n % 2 == 0 else 0
     return [*range(k, n), *range(k)]
 
 
 async def _in_order(session: aiohttp.ClientSession, base_url: str, turns: list[Request], workload: str,
-                    t0: float, bar: tqdm) -> list[Result]:  # fmt: skip
+                    t0: float, bar: tqdm, model: str | None) -> list[Result]:  # fmt: skip
     """Each turn sent once the previous one is dispatched (its response headers arrived: the router
     has picked its server), so a router takes them in this order: sent at once, near-simultaneous
     requests reach its round robin in any order. They still run side by side; each TTFT is timed
@@ -76,7 +96,7 @@ async def _in_order(session: aiohttp.ClientSession, base_url: str, turns: list[R
     tasks = []
     for turn in turns:
         dispatched = asyncio.Event()
-        tasks.append(asyncio.create_task(_one(session, base_url, turn, workload, t0, bar, dispatched)))
+        tasks.append(asyncio.create_task(_one(session, base_url, turn, workload, t0, bar, dispatched, model)))
         await dispatched.wait()
     return list(await asyncio.gather(*tasks))
 
@@ -106,8 +126,8 @@ async def _at(
 
 
 async def _one(session: aiohttp.ClientSession, base_url: str, request: Request, workload: str, t0: float,
-               bar: tqdm, dispatched: asyncio.Event | None = None) -> Result:  # fmt: skip
-    result = await generate(session, base_url, request, workload, t0, dispatched)
+               bar: tqdm, dispatched: asyncio.Event | None = None, model: str | None = None) -> Result:  # fmt: skip
+    result = await generate(session, base_url, request, workload, t0, dispatched, model)
     bar.update(1)
     return result
 

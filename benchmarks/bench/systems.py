@@ -16,12 +16,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.bench.grpc_server import GrpcServer
 from benchmarks.bench.server_process import ServerProcess, device_flags
 from benchmarks.bench.spec import HICACHE, HiCacheConfig, HostPool, Shape
+from sgl_hicache.config import MooncakeConfig
 
 COMMON_FLAGS = ("--enable-metrics", "--enable-cache-report")
 HICACHE_COMPAT_ENV = {"SGL_HICACHE_CPU_HICACHE_COMPAT": "1"}
@@ -36,10 +39,13 @@ class System:
     tier_dir: Path | None  # where it keeps KV on disk, if anywhere
     pool_tokens: int  # its device KV pool (--max-total-tokens)
 
-    def server(self, model: Path, log_path: Path, cpus: tuple[int, ...] | None = None) -> ServerProcess:
-        """A server of this system, not started; on `cpus` only if given (`ServerProcess`)."""
-        return ServerProcess(model, self.pool_tokens, self.flags, module=self.module, log_path=log_path,
-                             env=dict(self.env), cpus=cpus)  # fmt: skip
+    def server(self, model: Path, log_path: Path, cpus: tuple[int, ...] | None = None,
+               grpc: bool = False) -> ServerProcess:  # fmt: skip
+        """A server of this system, not started; on `cpus` only if given (`ServerProcess`); in
+        sglang's gRPC mode with its KV events published if `grpc` (`GrpcServer`)."""
+        kind = GrpcServer if grpc else ServerProcess
+        return kind(model, self.pool_tokens, self.flags, module=self.module, log_path=log_path,
+                    env=dict(self.env), cpus=cpus)  # fmt: skip
 
 
 def kv_bytes_per_token(model: Path) -> int:
@@ -51,9 +57,11 @@ def kv_bytes_per_token(model: Path) -> int:
 
 
 def build(name: str, shape: Shape, model: Path, workdir: Path, *, tier_capacity_mb: int | None = None,
-          workload_tokens: int = 0) -> System:  # fmt: skip
+          workload_tokens: int = 0, mooncake: MooncakeConfig | None = None) -> System:  # fmt: skip
     """`tier_capacity_mb` bounds ours' tier (default: the tier's own default budget);
-    `workload_tokens` (every prompt and output token of the run) sizes the resident pool."""
+    `workload_tokens` (every prompt and output token of the run) sizes the resident pool;
+    `mooncake` puts ours' tier on that Mooncake Store (the directory then holds only the secret
+    that seals its headers) instead of in the directory."""
     base = (*device_flags(shape.device), *COMMON_FLAGS, "--page-size", str(shape.page_size),
             "--chunked-prefill-size", str(shape.chunked_prefill))  # fmt: skip
     if name == "recompute":
@@ -65,20 +73,29 @@ def build(name: str, shape: Shape, model: Path, workdir: Path, *, tier_capacity_
     if name in HICACHE:
         compat = HICACHE_COMPAT_ENV.items() if shape.device == "cpu" else ()
         env = (*compat, ("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tier)))
-        hicache = (*base, *hicache_flags(HICACHE[name], shape, model))
+        hicache = (*base, *hicache_flags(HICACHE[name], shape, model, mooncake))
         return System(name, "sglang.launch_server", hicache, env, tier, shape.pool_tokens)
     if name == "ours":
         flags: tuple[str, ...] = (*base, "--enable-hicache-spill", "--hicache-spill-dir", str(tier),
                  "--hicache-spill-staging", f"{shape.host_budget_mb}M")  # fmt: skip
         if tier_capacity_mb is not None:
             flags += ("--hicache-spill-capacity", f"{tier_capacity_mb}M")
+        if mooncake is not None:
+            settings = {k: v for k, v in dataclasses.asdict(mooncake).items() if v}
+            flags += (
+                "--hicache-spill-backend",
+                "mooncake",
+                "--hicache-spill-mooncake-config",
+                json.dumps(settings),
+            )
         return System(name, "sgl_hicache.launch_server", flags, (), tier, shape.pool_tokens)
     raise ValueError(f"unknown system {name!r}")
 
 
-def hicache_flags(config: HiCacheConfig, shape: Shape, model: Path) -> tuple[str, ...]:
+def hicache_flags(config: HiCacheConfig, shape: Shape, model: Path,
+                  mooncake: MooncakeConfig | None = None) -> tuple[str, ...]:  # fmt: skip
     """The `--hicache-*` flags of one HiCache configuration (write policy: sglang's default,
-    `write_through`)."""
+    `write_through`), its L3 the `file` backend, or sglang's `mooncake` backend on that store."""
     ratio = config.default_ratio if config.host is HostPool.DEFAULT else _host_ratio(shape, model)
     # On a GPU, sglang's defaults (`kernel` I/O, `page_first` layout): HiCache at its strongest there.
     cpu_only = (
@@ -87,9 +104,29 @@ def hicache_flags(config: HiCacheConfig, shape: Shape, model: Path) -> tuple[str
         else ()
     )
     return ("--enable-hierarchical-cache", "--hicache-ratio", f"{ratio:.6f}", *cpu_only,
-            "--hicache-storage-backend", "file",
+            *_storage_flags(mooncake),
             "--hicache-storage-prefetch-policy", config.prefetch_policy,
             "--hicache-host-memory-mode", config.memory_mode)  # fmt: skip
+
+
+MOONCAKE_EXTRA_CONFIG = {"master": "master_server_address", "metadata_server": "metadata_server",
+                         "protocol": "protocol", "device_name": "device_name", "local_hostname": "local_hostname",
+                         "global_segment_size": "global_segment_size", "local_buffer_size": "local_buffer_size"}  # fmt: skip
+"""`MooncakeConfig` field -> the key of sglang's `--hicache-storage-backend-extra-config` for its
+`mooncake` backend (`MooncakeStoreConfig.load_from_extra_config`)."""
+
+
+def _storage_flags(mooncake: MooncakeConfig | None) -> tuple[str, ...]:
+    if mooncake is None:
+        return ("--hicache-storage-backend", "file")
+    given = dataclasses.asdict(mooncake)
+    extra = {key: given[name] for name, key in MOONCAKE_EXTRA_CONFIG.items() if given[name]}
+    return (
+        "--hicache-storage-backend",
+        "mooncake",
+        "--hicache-storage-backend-extra-config",
+        json.dumps(extra),
+    )
 
 
 def _host_ratio(shape: Shape, model: Path) -> float:

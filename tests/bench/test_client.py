@@ -1,5 +1,6 @@
 """The streaming client against a stand-in `/generate` (aiohttp.web): timing, cumulative output
-ids, cached tokens by tier, and every failure recorded instead of raised."""
+ids (sglang's stream) and new ones only (smg's over gRPC workers), cached tokens by tier, the model
+named, and every failure recorded instead of raised."""
 
 from __future__ import annotations
 
@@ -16,15 +17,17 @@ from tests.bench.standin_http import serving
 REQ = Request("k", group=0, round=1, input_ids=(5, 6, 7), output_tokens=3, resumed=True)
 
 
-def _chunk(ids: list[int], finish: Any = None, details: Any = None) -> bytes:
+def _chunk(ids: list[int], finish: Any = None, details: Any = None, count: int | None = None) -> bytes:
     meta = {"cached_tokens": 2, "cached_tokens_details": details, "finish_reason": finish}
+    meta |= {} if count is None else {"completion_tokens": count}
     return b"data: " + json.dumps({"output_ids": ids, "meta_info": meta}).encode() + b"\n\n"
 
 
-async def _serve(chunks: list[bytes], status: int = 200) -> Result:
+async def _serve(chunks: list[bytes], status: int = 200, model: str | None = None) -> Result:
     async def handler(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         assert body["input_ids"] == [5, 6, 7] and body["stream"] is True
+        assert body.get("model") == model
         if status != 200:
             return web.Response(status=status, text="boom")
         resp = web.StreamResponse()
@@ -35,7 +38,7 @@ async def _serve(chunks: list[bytes], status: int = 200) -> Result:
         return resp
 
     async with serving(handler) as url, new_session() as session:
-        return await generate(session, url, REQ, "w", 0.0)
+        return await generate(session, url, REQ, "w", 0.0, model=model)
 
 
 def test_streamed_answer_is_timed_and_counted() -> None:
@@ -57,3 +60,22 @@ def test_failures_are_recorded() -> None:
     assert asyncio.run(_serve([], status=500)).error == "HTTP 500: boom"
     broken = asyncio.run(_serve([b'data: {"error": "scheduler died"}\n\n']))
     assert broken.error == "scheduler died"
+
+
+def test_cumulative_and_incremental_streams_give_the_same_ids() -> None:
+    """sglang streams every id so far; smg over gRPC workers only the new ones, its closing chunk
+    repeating the last; `completion_tokens` tells them apart."""
+    cumulative = [
+        _chunk([9], count=1),
+        _chunk([9, 8], count=2),
+        _chunk([9, 8, 7], {"type": "length"}, count=3),
+    ]
+    new_only = [_chunk([9], count=1), _chunk([8], count=2), _chunk([7], count=3),
+                _chunk([7], {"type": "length"}, count=3), b"data: [DONE]\n\n"]  # fmt: skip
+    for chunks in (cumulative, new_only):
+        r = asyncio.run(_serve(chunks, model="m"))
+        assert r.error is None and r.output_ids == [9, 8, 7] and len(r.itl_ms) == 2
+    two_at_once = asyncio.run(_serve([_chunk([9], count=1), _chunk([8, 7], count=3)]))
+    assert two_at_once.output_ids == [9, 8, 7] and len(two_at_once.itl_ms) == 2
+    neither = asyncio.run(_serve([_chunk([9], count=1), _chunk([8, 7, 6, 5], count=3)]))
+    assert neither.error == "a stream chunk of 4 ids at 3 tokens after 1"

@@ -9,7 +9,7 @@ import itertools
 import json
 import math
 import random
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -18,11 +18,13 @@ import pytest
 from aiohttp import web
 from tqdm import tqdm
 
-from benchmarks.bench import cluster, drive, systems
+from benchmarks.bench import cluster, cluster_line, drive, systems
 from benchmarks.bench.cli import cluster_run, main, parser, spec_from
 from benchmarks.bench.client import ROUTED_HEADER, Result
-from benchmarks.bench.spec import HICACHE, HostPool, MultiTurn, Shape
+from benchmarks.bench.server_process import ServerStartError
+from benchmarks.bench.spec import HICACHE, HostPool, MultiTurn, Shape, SpecError
 from benchmarks.bench.summary import Figures, summarize
+from sgl_hicache.config import MooncakeConfig
 from tests.bench.standin_http import serving
 
 
@@ -54,13 +56,31 @@ def test_servers_1_is_the_default_run() -> None:
 
 
 def test_the_configurations(tmp_path: Path) -> None:
-    assert [(c.name, c.system, c.shared) for c in cluster.CONFIGS] == [
-        ("ours-shared", "ours", True), ("ours-shared-write-back", "ours", True),
-        ("ours-separate", "ours", False), ("hicache-shared", "hicache-wait-r2", True),
+    rr, approx, events = cluster.Router.ROUND_ROBIN, cluster.Router.APPROX_TREE, cluster.Router.KV_EVENTS
+    dir_, mooncake = cluster.Store.DIRECTORY, cluster.Store.MOONCAKE
+    alt, shuf = drive.Dispatch.ALTERNATE, drive.Dispatch.SHUFFLED
+    assert [(c.name, c.system, c.shared, c.store, c.router, c.dispatch) for c in cluster.CONFIGS] == [
+        ("ours-shared", "ours", True, dir_, rr, alt), ("ours-shared-write-back", "ours", True, dir_, rr, alt),
+        ("ours-separate", "ours", False, dir_, rr, alt), ("hicache-shared", "hicache-wait-r2", True, dir_, rr, alt),
+        ("ours-mooncake", "ours", True, mooncake, rr, alt),
+        ("hicache-mooncake", "hicache-wait-r2", True, mooncake, rr, alt),
+        ("route-round-robin", "ours", False, dir_, rr, shuf), ("route-approx-tree", "ours", False, dir_, approx, shuf),
+        ("route-kv-events", "ours", False, dir_, events, shuf),
     ]  # fmt: skip
     policies = {c.name: c.flags for c in cluster.CONFIGS}
-    assert policies["ours-shared"] == policies["ours-separate"] == cluster.WRITE_THROUGH
-    assert policies["ours-shared-write-back"] == policies["hicache-shared"] == ()
+    assert (
+        policies["ours-shared"]
+        == policies["ours-separate"]
+        == policies["ours-mooncake"]
+        == cluster.WRITE_THROUGH
+    )
+    assert (
+        policies["ours-shared-write-back"]
+        == policies["hicache-shared"]
+        == policies["route-round-robin"]
+        == ()
+    )
+    assert policies["route-approx-tree"] == () and policies["route-kv-events"] == cluster.EVENTS_MEDIUM
     strongest = HICACHE[cluster.STRONGEST_HICACHE]
     assert strongest.prefetch_policy == "wait_complete" and strongest.host is HostPool.DEFAULT
     for config in cluster.CONFIGS:
@@ -74,31 +94,71 @@ def test_the_configurations(tmp_path: Path) -> None:
             assert {dict(s.env)["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] for s in built} == {str(*tiers)}
 
 
+@dataclass
+class FakeCluster:
+    """What `run_config` asked of the stand-ins."""
+
+    servers: list[tuple[str, tuple[int, ...] | None, bool, tuple[str, ...]]] = field(default_factory=list)
+    routers: list[tuple[list[str], str, tuple[str, ...]]] = field(default_factory=list)
+    drives: list[tuple[drive.Dispatch, str | None]] = field(default_factory=list)  # (dispatch, model)
+    masters: list[Path] = field(default_factory=list)
+    events: list[str] = field(default_factory=list)  # servers started and stopped
+
+    def clear(self) -> None:
+        for part in (self.servers, self.routers, self.drives, self.masters, self.events):
+            part.clear()
+
+
+class FakeMaster:
+    def __init__(self, log_dir: Path, fake: FakeCluster) -> None:
+        self.log_dir = log_dir
+        fake.masters.append(log_dir)
+
+    def __enter__(self) -> Any:
+        return SimpleNamespace(config=lambda segment_bytes: MooncakeConfig(
+            master="127.0.0.1:1", metadata_server="http://127.0.0.1:2/metadata", protocol="tcp",
+            global_segment_size=segment_bytes))  # fmt: skip
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
 @pytest.fixture
-def fake_cluster(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple[int, ...] | None]]:
-    """`run_config` with stand-ins for the servers, the router, the driver and `/metrics`, on a
-    machine of 4 CPUs; returns the (system, cpus) each `System.server` call was given."""
-    given: list[tuple[str, tuple[int, ...] | None]] = []
+def fake_cluster(monkeypatch: pytest.MonkeyPatch) -> FakeCluster:
+    """`run_config` with stand-ins for the servers, the router, the Mooncake master, the driver and
+    `/metrics`, on a machine of 4 CPUs; returns what each was asked."""
+    fake = FakeCluster()
 
-    def server(self: systems.System, model: Path, log: Path, cpus: tuple[int, ...] | None = None) -> Any:
-        given.append((self.name, cpus))
-        return contextlib.nullcontext(SimpleNamespace(base_url=f"http://s{len(given)}"))
+    def server(self: systems.System, model: Path, log: Path, cpus: tuple[int, ...] | None = None,
+               grpc: bool = False) -> Any:  # fmt: skip
+        fake.servers.append((self.name, cpus, grpc, self.flags))
+        k = len(fake.servers)
+        return SimpleNamespace(base_url=f"http://s{k}", grpc_url=f"grpc://s{k}", metrics=dict,
+                               start=lambda: fake.events.append(f"start s{k}"),
+                               stop=lambda: fake.events.append(f"stop s{k}"))  # fmt: skip
 
-    async def multiturn(*args: Any, **kwargs: Any) -> drive.Driven:
+    def router(urls: list[str], policy: str = "round_robin", log_path: Path | None = None,
+               extra_args: tuple[str, ...] = ()) -> Any:  # fmt: skip
+        fake.routers.append((list(urls), policy, tuple(extra_args)))
+        return contextlib.nullcontext(SimpleNamespace(base_url="http://router"))
+
+    async def multiturn(*args: Any) -> drive.Driven:
+        fake.drives.append((args[6], args[7]))
         return drive.Driven("multiturn_c2", [], 0.0)
 
     monkeypatch.setattr(systems.System, "server", server)
-    monkeypatch.setattr(cluster, "RouterProcess", lambda urls, log_path: contextlib.nullcontext(
-        SimpleNamespace(base_url="http://router")))  # fmt: skip
+    monkeypatch.setattr(cluster, "RouterProcess", router)
+    monkeypatch.setattr(cluster, "MooncakeMaster", lambda log_dir: FakeMaster(log_dir, fake))
+    monkeypatch.setattr(cluster, "GrpcServer", SimpleNamespace)  # the stand-in servers are gRPC ones
     monkeypatch.setattr(cluster, "scrape", lambda url: {})
     monkeypatch.setattr(cluster.run, "vocab_size", lambda model: 1000)
     monkeypatch.setattr(cluster.drive, "multiturn", multiturn)
     monkeypatch.setattr(cluster.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    return given
+    return fake
 
 
 def test_each_configuration_runs_its_two_servers_on_distinct_cpus(
-    tmp_path: Path, fake_cluster: list[tuple[str, tuple[int, ...] | None]]
+    tmp_path: Path, fake_cluster: FakeCluster
 ) -> None:
     cpus = cluster.server_cpus()
     assert cpus == ((0, 1), (2, 3))
@@ -106,19 +166,96 @@ def test_each_configuration_runs_its_two_servers_on_distinct_cpus(
     for config in cluster.CONFIGS:
         fake_cluster.clear()
         cluster.run_config(config, spec, tmp_path, tmp_path, 0, cpus)
-        assert fake_cluster == [(config.system, (0, 1)), (config.system, (2, 3))], config.name
+        assert [(s[0], s[1]) for s in fake_cluster.servers] == [
+            (config.system, (0, 1)),
+            (config.system, (2, 3)),
+        ]
 
 
-def test_the_final_line_names_each_servers_cpus(
-    tmp_path: Path, fake_cluster: list[tuple[str, tuple[int, ...] | None]], monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
+def test_each_configuration_has_its_router_store_and_dispatch(
+    tmp_path: Path, fake_cluster: FakeCluster
+) -> None:
+    spec = spec_from(parser().parse_args(["--servers", "2", "--concurrency", "2", "--out", str(tmp_path)]))
+    model = tmp_path / "model"
+    seen = {}
+    for config in cluster.CONFIGS:
+        fake_cluster.clear()
+        cluster.run_config(config, spec, model, tmp_path, 0, ((0,), (1,)))
+        [(urls, policy, extra)] = fake_cluster.routers
+        grpc = {s[2] for s in fake_cluster.servers}
+        mooncake = [flag_value(s[3], "--hicache-spill-mooncake-config") or flag_value(
+            s[3], "--hicache-storage-backend-extra-config") for s in fake_cluster.servers]  # fmt: skip
+        seen[config.name] = (policy, urls, grpc, len(fake_cluster.masters), list(fake_cluster.drives))
+        assert extra == () if policy == "round_robin" else "--disable-worker-overload-protection" in extra
+        if config.store is cluster.Store.MOONCAKE:  # one master, both servers its clients
+            assert len(fake_cluster.masters) == 1 and mooncake[0] == mooncake[1] is not None
+            assert "127.0.0.1:1" in str(mooncake[0]) and str(1024 * 2**20) in str(mooncake[0])
+        else:
+            assert fake_cluster.masters == [] and mooncake == [None, None]
+    alt, shuf = drive.Dispatch.ALTERNATE, drive.Dispatch.SHUFFLED
+    assert seen["ours-shared"] == ("round_robin", ["http://s1", "http://s2"], {False}, 0, [(alt, None)])
+    assert seen["ours-mooncake"][:4] == ("round_robin", ["http://s1", "http://s2"], {False}, 1)
+    assert seen["route-round-robin"] == (
+        "round_robin",
+        ["http://s1", "http://s2"],
+        {False},
+        0,
+        [(shuf, None)],
+    )
+    assert seen["route-approx-tree"] == (
+        "cache_aware",
+        ["http://s1", "http://s2"],
+        {False},
+        0,
+        [(shuf, None)],
+    )
+    policy, urls, grpc, _, drives = seen["route-kv-events"]
+    assert (policy, urls, grpc, drives) == (
+        "cache_aware",
+        ["grpc://s1", "grpc://s2"],
+        {True},
+        [(shuf, str(model))],
+    )
+    [(_, _, extra)] = fake_cluster.routers
+    assert flag_value(extra, "--block-size") == str(spec.shape.page_size)
+    assert flag_value(extra, "--model-path") == str(model)
+
+
+def flag_value(args: tuple[str, ...], flag: str) -> str | None:
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def test_configs_selects_and_rejects(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert [c.name for c in cluster.select("route-kv-events, ours-shared")] == [
+        "ours-shared",
+        "route-kv-events",
+    ]
+    assert cluster.select(None) == cluster.CONFIGS
+    for bad in ("ours-nope", " , "):
+        with pytest.raises(SpecError, match=r"--configs: unknown .*\(known: ours-shared, "):
+            cluster.select(bad)
+    assert main(["--out", str(tmp_path), "--configs", "ours-shared"]) == 2
+    assert "--configs names configurations of --servers 2" in capsys.readouterr().err
+
+
+def test_the_final_line_names_each_servers_cpus_and_what_was_skipped(
+    tmp_path: Path, fake_cluster: FakeCluster, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
 ) -> None:  # fmt: skip
     monkeypatch.setattr(cluster.run, "resolve_model", lambda name, cache_dir: tmp_path)
     args = ["--servers", "2", "--concurrency", "2", "--repeats", "1", "--out", str(tmp_path)]
     assert cluster.execute(spec_from(parser().parse_args(args))) == 0
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line["server_cpus"] == [[0, 1], [2, 3]]
-    assert {cpus for _, cpus in fake_cluster} == {(0, 1), (2, 3)}
+    assert {s[1] for s in fake_cluster.servers} == {(0, 1), (2, 3)}
+    assert set(line["skipped"]) == {
+        "hicache-mooncake"
+    }  # on CPU: sglang's page_first_direct copies are missing
+    assert "transfer_kv_all_layer_direct_lf_pf" in line["skipped"]["hicache-mooncake"]
+    assert "hicache-mooncake" not in {s[0] for s in fake_cluster.servers} | set(line["router"])
+    assert line["router"]["route-kv-events"] == cluster.Router.KV_EVENTS.value
+    assert set(line["tier_mb"]) == {c.name for c in cluster.CONFIGS if c.store is cluster.Store.DIRECTORY}
+    gpu = replace(spec_from(parser().parse_args(args)), shape=Shape(device="cuda"))
+    assert all(cluster.unavailable(c, gpu.shape) is None for c in cluster.CONFIGS)
 
 
 def test_two_servers_share_a_single_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -130,13 +267,32 @@ def test_two_servers_share_a_single_cpu(monkeypatch: pytest.MonkeyPatch) -> None
 def test_send_order_moves_every_turn_to_the_other_server(n: int) -> None:
     counter, last = 0, {}
     for round_ in range(5):
-        order = drive.send_order(n, round_, alternate=True)
+        order = drive.send_order(n, round_, drive.Dispatch.ALTERNATE)
         assert sorted(order) == list(range(n))
         for conv in order:  # a round robin over two servers, taking requests as sent
             server, counter = counter % 2, counter + 1
             assert last.get(conv) != server
             last[conv] = server
-    assert drive.send_order(n, 3, alternate=False) == list(range(n))  # --servers 1: as today
+    assert drive.send_order(n, 3, drive.Dispatch.TOGETHER) == list(range(n))  # --servers 1: as today
+
+
+def test_shuffled_turns_move_about_half_of_them_under_round_robin() -> None:
+    """SHUFFLED: a permutation per round, the same for the same seed (every routing configuration
+    gets the same orders), different across rounds; a round robin taking them moves about half of
+    the turns (in index order it would move none for an even count)."""
+    n, rounds = 8, 40
+    orders = [drive.send_order(n, k, drive.Dispatch.SHUFFLED, seed=3) for k in range(rounds)]
+    assert all(sorted(o) == list(range(n)) for o in orders)
+    assert orders == [drive.send_order(n, k, drive.Dispatch.SHUFFLED, seed=3) for k in range(rounds)]
+    assert len({tuple(o) for o in orders}) > rounds // 2
+    assert drive.send_order(n, 0, drive.Dispatch.SHUFFLED, seed=4) != orders[0]
+    moved, last, counter = 0, {}, 0
+    for order in orders:
+        for conv in order:
+            server, counter = counter % 2, counter + 1
+            moved += conv in last and last[conv] != server
+            last[conv] = server
+    assert 0.3 < moved / (n * (rounds - 1)) < 0.7
 
 
 def figures(ttft_resume: float, tput: float, storage: float = 0.0) -> Figures:
@@ -150,16 +306,34 @@ def test_final_line_names_each_configuration_and_the_ratios() -> None:
         "ours-shared-write-back": figures(300, 16),
         "ours-separate": figures(400, 10),
         "hicache-shared": figures(200, 5),
+        "ours-mooncake": figures(150, 25, 0.4),
+        "route-round-robin": figures(600, 8, 0.1),
+        "route-approx-tree": figures(500, 10, 0.2),
+        "route-kv-events": figures(250, 16, 0.3),
     }
-    counters = [dict.fromkeys(cluster.LOOKUP_COUNTERS, 1.0), {**dict.fromkeys(cluster.LOOKUP_COUNTERS, 0.0),
+    counters = [dict.fromkeys(cluster_line.LOOKUP_COUNTERS, 1.0), {**dict.fromkeys(cluster_line.LOOKUP_COUNTERS, 0.0),
                 "lookup_attached_tokens": 640.0}]  # fmt: skip
-    lookups = {"ours-shared": counters, "ours-separate": [dict.fromkeys(cluster.LOOKUP_COUNTERS, 0.0)] * 2}
-    line = cluster.final_line({"multiturn_c8": fs, "multiturn_c16": fs}, lookups, {"repeats": 1},
-                              {"ours-shared": []})  # fmt: skip
+    lookups = {
+        "ours-shared": counters,
+        "ours-separate": [dict.fromkeys(cluster_line.LOOKUP_COUNTERS, 0.0)] * 2,
+    }
+    extra = {"repeats": 1, "servers": 2, "hicache_config": "hicache-wait-r2"}
+    line = cluster_line.final_line({"multiturn_c8": fs, "multiturn_c16": fs}, lookups, extra,
+                                   {"ours-shared": []}, frozenset({"route-kv-events"}))  # fmt: skip
     json.dumps(line, allow_nan=False)
-    assert set(cluster.RATIO_KEYS) == {"ttft_shared_vs_separate", "throughput_shared_vs_separate",
-                                       "ttft_shared_vs_write_back", "throughput_shared_vs_write_back",
-                                       "ttft_shared_vs_hicache", "throughput_shared_vs_hicache"}  # fmt: skip
+    pairs = ("shared_vs_separate", "shared_vs_write_back", "shared_vs_hicache", "mooncake_vs_shared",
+             "mooncake_vs_hicache", "mooncake_vs_hicache_mooncake", "events_vs_round_robin", "events_vs_approx_tree")  # fmt: skip
+    assert set(cluster_line.RATIO_KEYS) == {f"{fig}_{p}" for p in pairs for fig in ("ttft", "throughput")}
+    assert line["ttft_mooncake_vs_shared"] == 1.5 and line["throughput_mooncake_vs_hicache"] == 5.0
+    assert line["ttft_mooncake_vs_hicache_mooncake"] is None  # not run
+    assert line["ttft_events_vs_round_robin"] == 0.4167 and line["throughput_events_vs_approx_tree"] == 1.6
+    kv_events = fs["route-kv-events"]
+    assert line["hit_rate"]["route-kv-events"] == {
+        "total": kv_events.hit_rate,
+        "device": None,
+        "host": None,
+        "storage": None,
+    }  # no split through smg over gRPC
     assert line["ttft_shared_vs_separate"] == 0.25 and line["throughput_shared_vs_separate"] == 2.0
     assert line["ttft_shared_vs_write_back"] == 0.3333 and line["throughput_shared_vs_write_back"] == 1.25
     assert line["ttft_shared_vs_hicache"] == 0.5 and line["throughput_shared_vs_hicache"] == 4.0
@@ -167,7 +341,7 @@ def test_final_line_names_each_configuration_and_the_ratios() -> None:
     assert line["headline_workload"] == "multiturn_c8" and line["servers"] == 2
     assert line["hicache_config"] == "hicache-wait-r2" and line["repeats"] == 1
     for key in ("ttft_resume_p50_ms", "throughput_tok_s", "hit_rate"):
-        assert set(line[key]) == {c.name for c in cluster.CONFIGS}
+        assert set(line[key]) == set(fs)
     assert set(line["hit_rate"]["ours-shared"]) == {"total", "device", "host", "storage"}
     assert line["hit_rate"]["ours-shared"]["storage"] == 0.5
     assert set(line["lookup_counters_total"]) == {"ours-shared", "ours-separate"}  # ours only
@@ -178,17 +352,17 @@ def test_final_line_names_each_configuration_and_the_ratios() -> None:
 
 
 def test_a_missing_configuration_is_a_null_ratio() -> None:
-    line = cluster.final_line({"multiturn_c8": {"ours-shared": figures(100, 20)}}, {}, {})
-    assert all(line[k] is None for k in cluster.RATIO_KEYS)
-    assert math.isnan(cluster.ratios({})["ttft_shared_vs_hicache"])
+    line = cluster_line.final_line({"multiturn_c8": {"ours-shared": figures(100, 20)}}, {}, {})
+    assert all(line[k] is None for k in cluster_line.RATIO_KEYS)
+    assert math.isnan(cluster_line.ratios({})["ttft_shared_vs_hicache"])
 
 
 def test_lookup_counters_read_from_metrics() -> None:
     samples = {'sglang:hicache_spill_lookup_attached_tokens_total{tp_rank="0"}': 64.0,
                "sglang:hicache_spill_lookups_total": 2.0, "sglang:num_requests_total": 9.0}  # fmt: skip
-    got = cluster.lookup_counters(samples)
+    got = cluster_line.lookup_counters(samples)
     assert got["lookup_attached_tokens"] == 64 and got["lookups"] == 2 and got["lookup_stale"] == 0
-    assert set(got) == set(cluster.LOOKUP_COUNTERS)
+    assert set(got) == set(cluster_line.LOOKUP_COUNTERS)
 
 
 @pytest.mark.parametrize("concurrency", [3, 4])
@@ -218,7 +392,7 @@ def test_a_round_robin_router_puts_every_turn_on_the_other_server(concurrency: i
     assert len(served) == concurrency
     for servers in served.values():
         assert all(a != b for a, b in itertools.pairwise(servers)), served
-    assert cluster.moved_rate(driven.results) == 1.0
+    assert cluster_line.moved_rate(driven.results) == 1.0
 
 
 def test_moved_rate_counts_resumed_turns_with_known_servers() -> None:
@@ -228,30 +402,54 @@ def test_moved_rate_counts_resumed_turns_with_known_servers() -> None:
     rs = [turn("c1r0", 0, "a"), turn("c1r1", 1, "b"), turn("c1r2", 2, "b"),  # moved, stayed
           turn("c2r0", 0, None), turn("c2r1", 1, "a"),  # no server known before: not counted
           turn("c1r0", 0, "b", repeat=1), turn("c1r1", 1, "a", repeat=1)]  # fmt: skip
-    assert cluster.moved_rate(rs) == 2 / 3
-    assert cluster.moved_rate_by_repeat(rs) == [1 / 2, 1.0]
-    assert math.isnan(cluster.moved_rate(rs[3:5]))
+    assert cluster_line.moved_rate(rs) == 2 / 3
+    assert cluster_line.moved_rate_by_repeat(rs) == [1 / 2, 1.0]
+    assert math.isnan(cluster_line.moved_rate(rs[3:5]))
 
 
 async def _drive(handler: Any, spec: MultiTurn) -> drive.Driven:
     async with serving(handler) as url:
         with tqdm(disable=True) as bar:
-            return await drive.multiturn(url, spec, 1000, 1, lambda: None, bar, alternate=True)
+            return await drive.multiturn(url, spec, 1000, 1, lambda: None, bar, drive.Dispatch.ALTERNATE)
 
 
-def test_each_configuration_gives_its_servers_its_flags(
-    tmp_path: Path, fake_cluster: list[tuple[str, tuple[int, ...] | None]], monkeypatch: pytest.MonkeyPatch
+def test_each_configuration_gives_its_servers_its_flags(tmp_path: Path, fake_cluster: FakeCluster) -> None:
+    spec = spec_from(parser().parse_args(["--servers", "2", "--concurrency", "2", "--out", str(tmp_path)]))
+    for config in cluster.CONFIGS:
+        fake_cluster.clear()
+        cluster.run_config(config, spec, tmp_path, tmp_path, 0, ((0,), (1,)))
+        commands = [s[3] for s in fake_cluster.servers]
+        policy = [flag_value(f, "--hicache-spill-write-policy") for f in commands]
+        assert policy == [("write_through" if config.flags == cluster.WRITE_THROUGH else None)] * 2, (
+            config.name
+        )
+        medium = [flag_value(f, "--hicache-spill-kv-events-medium") for f in commands]
+        assert medium == [("cpu_pinned" if config.router is cluster.Router.KV_EVENTS else None)] * 2
+        backend = [flag_value(f, "--hicache-spill-backend") or flag_value(f, "--hicache-storage-backend")
+                   for f in commands]  # fmt: skip
+        want = (
+            "mooncake"
+            if config.store is cluster.Store.MOONCAKE
+            else None
+            if config.system == "ours"
+            else "file"
+        )
+        assert backend == [want] * 2, config.name
+
+
+def test_a_server_that_does_not_start_stops_the_other(
+    tmp_path: Path, fake_cluster: FakeCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    commands: list[tuple[str, ...]] = []
+    started = systems.System.server
 
-    def server(self: systems.System, model: Path, log: Path, cpus: tuple[int, ...] | None = None) -> Any:
-        commands.append(self.flags)
-        return contextlib.nullcontext(SimpleNamespace(base_url=f"http://s{len(commands)}"))
+    def server(self: systems.System, *args: Any, **kwargs: Any) -> Any:
+        proc = started(self, *args, **kwargs)
+        if len(fake_cluster.servers) == 2:
+            proc.start = lambda: (_ for _ in ()).throw(ServerStartError("server exited with code 1"))
+        return proc
 
     monkeypatch.setattr(systems.System, "server", server)
     spec = spec_from(parser().parse_args(["--servers", "2", "--concurrency", "2", "--out", str(tmp_path)]))
-    for config in cluster.CONFIGS:
-        commands.clear()
-        cluster.run_config(config, spec, tmp_path, tmp_path, 0, ((0,), (1,)))
-        policy = [f[i + 1] for f in commands for i, a in enumerate(f) if a == "--hicache-spill-write-policy"]
-        assert policy == (["write_through"] * 2 if config.flags else []), config.name
+    with pytest.raises(ServerStartError):
+        cluster.run_config(cluster.CONFIGS[0], spec, tmp_path, tmp_path, 0, ((0,), (1,)))
+    assert sorted(fake_cluster.events) == ["start s1", "stop s1", "stop s2"] and fake_cluster.routers == []

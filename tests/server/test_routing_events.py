@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import re
-import time
 import urllib.request
 import uuid
 from collections.abc import Iterator, Sequence
@@ -29,8 +27,9 @@ from typing import Any
 import grpc
 import pytest
 
+from benchmarks.bench.grpc_server import GrpcServer
 from benchmarks.bench.router_process import RouterProcess
-from benchmarks.bench.server_process import ServerProcess, ServerStartError, free_port
+from benchmarks.bench.server_process import ServerProcess
 from tests.server.conftest import SPILL_FLAGS, eventually, post_json
 from tests.server.test_spill_resume import POOL, PROMPT, tokens
 
@@ -38,54 +37,6 @@ pytestmark = pytest.mark.server
 
 PAGE = 16  # the servers' page size, smg's --block-size
 DEVICE_PAGES = POOL // PAGE  # the most blocks a server's device pool holds
-
-
-@dataclasses.dataclass
-class GrpcServer(ServerProcess):
-    """Our launcher in sglang's gRPC mode: `port` serves gRPC (the router's worker URL, direct
-    requests), `sidecar_port` sglang's HTTP sidecar (`/metrics` only), `events_port` the ZMQ
-    publisher of KV events that smg's servicer relays. `start()` returns once spawned, so that
-    servers boot side by side; `ready()` waits for gRPC health."""
-
-    sidecar_port: int = dataclasses.field(default_factory=free_port)
-    events_port: int = dataclasses.field(default_factory=free_port)
-
-    @property
-    def grpc_url(self) -> str:
-        return f"grpc://127.0.0.1:{self.port}"
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.sidecar_port}"
-
-    def command(self) -> list[str]:
-        """`--grpc-port`: unused in this mode, but derived as `--port` + 10000 if not given, and
-        refused above 65535 (a free port may be above 55535)."""
-        events = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{self.events_port}", "bind": True}
-        return [*super().command(), "--grpc-mode", "--grpc-port", str(self.port), "--smg-http-sidecar-port",
-                str(self.sidecar_port), "--kv-events-config", json.dumps(events)]  # fmt: skip
-
-    def _wait_healthy(self, timeout_s: float) -> None:
-        """Nothing: `ready()` waits."""
-
-    def ready(self, timeout_s: float = 300.0) -> GrpcServer:
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        assert self.proc is not None
-        deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise ServerStartError(
-                        f"server exited with code {self.proc.returncode}{self._log_tail()}"
-                    )
-                with contextlib.suppress(grpc.RpcError):
-                    reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return self
-                time.sleep(0.5)
-        raise ServerStartError(f"server not healthy after {timeout_s:.0f}s{self._log_tail()}")
 
 
 @dataclasses.dataclass
@@ -106,7 +57,7 @@ def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         args = (*SPILL_FLAGS, "--page-size", str(PAGE), "--enable-hicache-spill",
                 "--hicache-spill-dir", str(tmp / name / "tier"), "--hicache-spill-min-free", "0",
                 "--hicache-spill-kv-events-medium", medium)  # fmt: skip
-        return GrpcServer(tiny_model, POOL, args, log_path=tmp / f"{name}.log")
+        return GrpcServer(tiny_model, POOL, args, log_path=tmp / f"{name}.log", wait_on_start=False)
 
     def router(name: str, *workers: GrpcServer) -> RouterProcess:
         # overload protection off: a pool full of cached prefixes must not veto the cache hit
