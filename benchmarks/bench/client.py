@@ -37,7 +37,8 @@ class Result:
     itl_ms: list[float] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     cached_tokens: int = 0  # sglang's `cached_tokens`: prompt tokens not computed
-    cached: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))  # by tier
+    cached: dict[str, int] | None = field(default_factory=lambda: dict.fromkeys(TIERS, 0))  # by tier
+    # (None: the answer named no split by tier, and the system has several: smg over gRPC workers)
     error: str | None = None
     repeat: int = 0  # which of the run's repeats
     server: str | None = None  # behind smg: the worker it routed the request to (`ROUTED_HEADER`)
@@ -124,8 +125,11 @@ def _take_ids(ids: list[int], count: object, result: Result) -> bool:
             result.output_ids = list(ids)
         return True
     new = count - len(result.output_ids)
-    if new <= 0:
-        return True  # nothing new (a closing chunk)
+    if new < 0 or (new == 0 and ids and ids[-1:] != result.output_ids[-1:]):
+        result.error = f"a stream chunk of {count} tokens after {len(result.output_ids)}: {ids[-1:]} repeated"
+        return False
+    if new == 0:
+        return True  # nothing new: a closing chunk (smg's repeats the last id)
     if len(ids) == count:
         result.output_ids = list(ids)
     elif len(ids) == new:

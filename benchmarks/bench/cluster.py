@@ -24,9 +24,11 @@ per-tier hit rates and the lookup counters show what was reused from where.
   (`STRONGEST_HICACHE`: `wait_complete`, sglang's default host ratio).
 - `ours-mooncake`: `ours-shared` with the tier on a Mooncake Store (`--hicache-spill-backend
   mooncake`): a master on loopback started for the run, each server a client contributing
-  `MOONCAKE_SEGMENT` of DRAM (`bench/mooncake_process.py`).
+  `MOONCAKE_SEGMENT` of DRAM (`bench/mooncake_process.py`). The store is DRAM: the page-cache drops
+  at the rounds' barriers touch only the directories of the others, so this compares a DRAM store
+  over TCP loopback with files read cold from the disk.
 - `hicache-mooncake`: `hicache-shared` with sglang's own `mooncake` L3 backend on such a store. It
-  cannot run on CPU (`UNAVAILABLE`): the run skips it there and says why in the final line.
+  cannot run on CPU (`UNAVAILABLE_ON_CPU`): the run skips it there and says why in the final line.
 
 **Routing** (`Dispatch.SHUFFLED`: each round's turns sent one after another in a random order drawn
 from the workload and the round, the same for the three, as clients' turns would arrive): two of
@@ -38,7 +40,12 @@ our servers, each on its own tier directory with our default policy, behind thre
 - `route-kv-events`: smg's `cache_aware` over servers in sglang's gRPC mode (`GrpcServer`), routing by
   the index it builds from the KV events each server publishes; ours announces spilled pages as
   host blocks (`--hicache-spill-kv-events-medium cpu_pinned`), so a resumed turn goes to the server
-  that holds its history, resident or spilled (docs/OPERATIONS.md, "Tier-aware routing").
+  that holds its history, resident or spilled (docs/OPERATIONS.md, "Tier-aware routing");
+- `route-round-robin-grpc`: the control for the front end: the same gRPC servers behind smg's
+  `round_robin`. Over gRPC workers smg itself is the server's front end (it streams and
+  detokenizes), over HTTP ones a proxy, so `route-kv-events` against `route-round-robin` mixes the
+  routing with the transport; against this one it does not. The answers from smg over gRPC name
+  no split of cached tokens by tier: those hit rates are total only (`Result.cached` None).
 
 Both `cache_aware` routers run with smg's worker overload protection off (`CACHE_AWARE_FLAGS`): its
 KV-usage ceiling reads sglang's token usage, which counts a pool full of cached prefixes as used,
@@ -68,7 +75,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Coroutine
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, replace
 from enum import Enum
 from pathlib import Path
@@ -83,7 +90,7 @@ from benchmarks.bench.grpc_server import GrpcServer
 from benchmarks.bench.mooncake_process import MooncakeMaster
 from benchmarks.bench.probe import delta, dir_bytes, scrape
 from benchmarks.bench.router_process import RouterProcess
-from benchmarks.bench.server_process import ServerProcess
+from benchmarks.bench.server_process import ServerProcess, install_reaper
 from benchmarks.bench.spec import BenchSpec, Shape, SpecError
 from sgl_hicache.config import MiB
 
@@ -94,13 +101,20 @@ with sglang's default host ratio (the lowest resumed-turn TTFT of the single-ser
 
 MOONCAKE_SEGMENT = 1024 * MiB
 """The DRAM each server contributes to the Mooncake Store of the `mooncake` configurations: more
-than a run writes, as the tier directories of the others are unbounded."""
+than a run of the default workloads writes (its `spilled_bytes`), so the master never evicts, as
+the others' tier directories (64 GiB by default) never fill."""
 
 
 class Router(Enum):
     ROUND_ROBIN = "smg round_robin"
     APPROX_TREE = "smg cache_aware (approximate tree, HTTP workers)"
     KV_EVENTS = "smg cache_aware (KV events, gRPC workers)"
+    ROUND_ROBIN_GRPC = "smg round_robin (gRPC workers)"
+
+    @property
+    def grpc(self) -> bool:
+        """Whether its workers are servers in sglang's gRPC mode."""
+        return self in (Router.KV_EVENTS, Router.ROUND_ROBIN_GRPC)
 
 
 class Store(Enum):
@@ -124,6 +138,7 @@ EVENTS_MEDIUM = ("--hicache-spill-kv-events-medium", "cpu_pinned")
 CACHE_AWARE_FLAGS = ("--disable-worker-overload-protection",)
 
 
+SHUFFLED = Dispatch.SHUFFLED
 CONFIGS = (
     ClusterConfig("ours-shared", "ours", shared=True, flags=WRITE_THROUGH),
     ClusterConfig("ours-shared-write-back", "ours", shared=True),
@@ -131,19 +146,13 @@ CONFIGS = (
     ClusterConfig("hicache-shared", STRONGEST_HICACHE, shared=True),
     ClusterConfig("ours-mooncake", "ours", shared=True, flags=WRITE_THROUGH, store=Store.MOONCAKE),
     ClusterConfig("hicache-mooncake", STRONGEST_HICACHE, shared=True, store=Store.MOONCAKE),
-    ClusterConfig("route-round-robin", "ours", shared=False, dispatch=Dispatch.SHUFFLED),
-    ClusterConfig(
-        "route-approx-tree", "ours", shared=False, router=Router.APPROX_TREE, dispatch=Dispatch.SHUFFLED
-    ),
-    ClusterConfig(
-        "route-kv-events",
-        "ours",
-        shared=False,
-        flags=EVENTS_MEDIUM,
-        router=Router.KV_EVENTS,
-        dispatch=Dispatch.SHUFFLED,
-    ),
-)
+    ClusterConfig("route-round-robin", "ours", shared=False, dispatch=SHUFFLED),
+    ClusterConfig("route-approx-tree", "ours", shared=False, router=Router.APPROX_TREE, dispatch=SHUFFLED),
+    ClusterConfig("route-kv-events", "ours", shared=False, flags=EVENTS_MEDIUM, router=Router.KV_EVENTS,
+                  dispatch=SHUFFLED),
+    ClusterConfig("route-round-robin-grpc", "ours", shared=False, flags=EVENTS_MEDIUM,
+                  router=Router.ROUND_ROBIN_GRPC, dispatch=SHUFFLED),
+)  # fmt: skip
 BY_NAME = {c.name: c for c in CONFIGS}
 
 UNAVAILABLE_ON_CPU = {
@@ -199,7 +208,7 @@ def run_config(config: ClusterConfig, spec: BenchSpec, model: Path, out: Path, r
     directories is dropped at the rounds' barriers (clock stopped)."""
     outcome, vocab = run.SystemOutcome(), run.vocab_size(model)
     by_server: list[dict[str, float]] = [{} for _ in range(SERVERS)]
-    grpc = config.router is Router.KV_EVENTS
+    grpc = config.router.grpc
     n = sum(m.concurrency * m.rounds for m in spec.multiturn)
     with contextlib.ExitStack() as stack:
         mooncake = None
@@ -223,7 +232,7 @@ def run_config(config: ClusterConfig, spec: BenchSpec, model: Path, out: Path, r
             s.server(model, log, share, grpc=grpc) for s, log, share in zip(servers, logs, cpus, strict=True)
         ]
         stack.callback(_each, procs, lambda p: p.stop())  # whatever happens below
-        _each(procs, lambda p: p.start())  # side by side, each on its own CPUs
+        _start(procs)
         log = out / run.log_name(f"{config.name}-router", repeat)
         router = stack.enter_context(_router(config, procs, spec.shape, model, log))
         bar = stack.enter_context(
@@ -232,7 +241,7 @@ def run_config(config: ClusterConfig, spec: BenchSpec, model: Path, out: Path, r
         named = str(model) if grpc else None  # smg routes a gRPC worker's requests by the model they name
         for salt, mt in enumerate(spec.multiturn, 1):
             work = drive.multiturn(router.base_url, mt, vocab, salt, drop, bar, config.dispatch, named)
-            _record(outcome, by_server, procs, work)
+            _record(outcome, by_server, procs, work, split=not grpc)
         outcome.tier_bytes = sum(dir_bytes(t) for t in tiers)
     for t in tiers:
         shutil.rmtree(t, ignore_errors=True)
@@ -251,9 +260,14 @@ def _router(config: ClusterConfig, procs: list[ServerProcess], shape: Shape, mod
         return RouterProcess(
             [p.base_url for p in procs], "cache_aware", log_path=log, extra_args=CACHE_AWARE_FLAGS
         )
-    events = ("--block-size", str(shape.page_size), "--model-path", str(model))  # blocks are pages
-    urls = [p.grpc_url for p in procs if isinstance(p, GrpcServer)]
-    return RouterProcess(urls, "cache_aware", log_path=log, extra_args=(*events, *CACHE_AWARE_FLAGS))
+    grpc = [p for p in procs if isinstance(p, GrpcServer)]
+    if len(grpc) != len(procs):
+        raise TypeError(f"{config.name}: its router takes servers in gRPC mode only")
+    urls = [p.grpc_url for p in grpc]
+    tokens = ("--block-size", str(shape.page_size), "--model-path", str(model))  # blocks are pages
+    if config.router is Router.ROUND_ROBIN_GRPC:
+        return RouterProcess(urls, log_path=log, extra_args=tokens)
+    return RouterProcess(urls, "cache_aware", log_path=log, extra_args=(*tokens, *CACHE_AWARE_FLAGS))
 
 
 def _root(out: Path, config: ClusterConfig, server: int) -> Path:
@@ -264,9 +278,13 @@ def _root(out: Path, config: ClusterConfig, server: int) -> Path:
 
 
 def _record(outcome: run.SystemOutcome, by_server: list[dict[str, float]], procs: list[ServerProcess],
-            work: Coroutine[Any, Any, drive.Driven]) -> None:  # fmt: skip
+            work: Coroutine[Any, Any, drive.Driven], split: bool) -> None:  # fmt: skip
+    """`work`'s results and the servers' `/metrics` deltas; `split` False: the answers name no
+    split of cached tokens by tier (smg over gRPC workers), which the results then leave unknown."""
     before = [_scrape(p) for p in procs]  # `work` starts only below
     driven = asyncio.run(work)
+    for r in driven.results if not split else ():
+        r.cached = None
     moved = [delta(_scrape(p), b) for p, b in zip(procs, before, strict=True)]
     summed: dict[str, float] = {}
     for m, counters in zip(moved, by_server, strict=True):
@@ -280,10 +298,25 @@ def _record(outcome: run.SystemOutcome, by_server: list[dict[str, float]], procs
 
 
 def _each(procs: list[ServerProcess], do: Callable[[ServerProcess], object]) -> None:
-    """`do` to every server at once (starts and stops take seconds each); the first error raised
-    once all are done."""
+    """`do` to every server at once (a stop takes seconds); the first error raised once all are done."""
     with ThreadPoolExecutor(len(procs)) as pool:
         list(pool.map(do, procs))
+
+
+def _start(procs: list[ServerProcess]) -> None:
+    """Start the servers side by side, each on its own CPUs. Once one fails, the others are stopped
+    (a booting one then fails at once: its process is gone) and the first failure is raised."""
+    install_reaper()  # from this, the main thread: the starts below run in others
+    with ThreadPoolExecutor(len(procs)) as pool:
+        pending = [pool.submit(p.start) for p in procs]
+        failed: BaseException | None = None
+        for done in as_completed(pending):
+            if (e := done.exception()) is not None and failed is None:
+                failed = e
+                for p in procs:
+                    p.stop()
+    if failed is not None:
+        raise failed
 
 
 def _scrape(proc: ServerProcess) -> dict[str, float]:
@@ -299,6 +332,10 @@ def execute(spec: BenchSpec, configs: tuple[ClusterConfig, ...] = CONFIGS) -> in
     out.mkdir(parents=True, exist_ok=True)
     model = run.resolve_model(spec.shape.model, spec.out_dir)
     skipped = {c.name: why for c in configs if (why := unavailable(c, spec.shape)) is not None}
+    if len(skipped) == len(configs):
+        raise SpecError(
+            f"--configs: none of {', '.join(skipped)} can run here: {'; '.join(skipped.values())}"
+        )
     order = run.schedule([c.name for c in configs if c.name not in skipped], spec.repeats)
     cpus = server_cpus()
     runs: dict[str, list[run.SystemOutcome]] = {}
@@ -316,8 +353,7 @@ def execute(spec: BenchSpec, configs: tuple[ClusterConfig, ...] = CONFIGS) -> in
              "tier_mb": {n: max(o.tier_bytes for o in os_) / 2**20 for n, os_ in runs.items()
                          if BY_NAME[n].store is Store.DIRECTORY}}  # fmt: skip
     requests = {n: [r for rs in by.values() for r in rs] for n, by in run.results(runs).items()}
-    grpc = frozenset(c.name for c in configs if c.router is Router.KV_EVENTS)
-    line = final_line(figures, _lookup_totals(lookups), extra, requests, grpc)
+    line = final_line(figures, _lookup_totals(lookups), extra, requests)
     report.write(out, run.results(runs), figures, line, run.metrics(runs), measured)
     print(json.dumps(line, sort_keys=True), flush=True)
     return 0

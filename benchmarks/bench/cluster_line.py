@@ -24,6 +24,7 @@ RATIOS = (
     ("mooncake_vs_hicache_mooncake", "ours-mooncake", "hicache-mooncake"),
     ("events_vs_round_robin", "route-kv-events", "route-round-robin"),
     ("events_vs_approx_tree", "route-kv-events", "route-approx-tree"),
+    ("events_vs_round_robin_grpc", "route-kv-events", "route-round-robin-grpc"),
 )
 """(name, configuration, over configuration): `ttft_<name>` (resumed-turn TTFT p50) and
 `throughput_<name>` in the final line."""
@@ -38,27 +39,21 @@ def lookup_counters(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def final_line(workloads: dict[str, dict[str, Figures]], lookups: dict[str, list[dict[str, float]]],
-               extra: dict[str, Any], moved: dict[str, list[Result]] | None = None,
-               no_tier_split: frozenset[str] = frozenset()) -> dict[str, Any]:  # fmt: skip
+               extra: dict[str, Any], moved: dict[str, list[Result]] | None = None) -> dict[str, Any]:  # fmt: skip
     """The headline is the first workload: each configuration's figures (medians over repeats),
     the `RATIOS`, every workload's ratios, our counters (summed over the servers, repeats and
     workloads; and per server) and, from `moved` (each configuration's requests), the share of
-    resumed turns the router moved to the other server, over all repeats and per repeat. The
-    configurations in `no_tier_split` report a total hit rate only (their answers carry no split
-    by tier: smg over gRPC workers passes none)."""
+    resumed turns the router moved to the other server, over all repeats and per repeat. A hit
+    rate by tier is null where the answers named no split (`Result.cached`)."""
     moved = moved or {}
     head = next(iter(workloads), None)
     figures = workloads.get(head, {}) if head else {}
-
-    def hit_rates(config: str, f: Figures) -> dict[str, float]:
-        return {t: getattr(f, k) if t == "total" or config not in no_tier_split else NAN
-                for t, k in TIER_FIGURES.items()}  # fmt: skip
 
     line: dict[str, Any] = {
         "headline_workload": head,
         "ttft_resume_p50_ms": {c: f.ttft_resume_p50_ms for c, f in figures.items()},
         "throughput_tok_s": {c: f.throughput_tok_s for c, f in figures.items()},
-        "hit_rate": {c: hit_rates(c, f) for c, f in figures.items()},
+        "hit_rate": {c: {t: getattr(f, k) for t, k in TIER_FIGURES.items()} for c, f in figures.items()},
         **ratios(figures),
         "workloads": {w: ratios(fs) for w, fs in workloads.items()},
         "lookup_counters_total": {c: {k: sum(s[k] for s in by) for k in LOOKUP_COUNTERS} for c, by in lookups.items()},

@@ -32,11 +32,6 @@ class GrpcServer(ServerProcess):
         return f"grpc://127.0.0.1:{self.port}"
 
     @property
-    def worker_url(self) -> str:
-        """What a router is given for this server."""
-        return self.grpc_url
-
-    @property
     def base_url(self) -> str:
         """The HTTP sidecar (`/metrics` only)."""
         return f"http://127.0.0.1:{self.sidecar_port}"

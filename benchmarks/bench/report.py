@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bench.aggregate import COUNTS, Measured, VersusBest
-from benchmarks.bench.client import Result
+from benchmarks.bench.client import TIERS, Result
 from benchmarks.bench.summary import Figures, pct
 
 REQUEST_FIELDS = ("system", "repeat", "workload", "key", "round", "resumed", "prompt_tokens", "sent_s", "ttft_ms",
@@ -121,7 +121,7 @@ def _flat(figures: dict[str, Any]) -> dict[str, Any]:
 def _row(system: str, r: Result) -> dict[str, Any]:
     d = {k: v for k, v in asdict(r).items() if k in REQUEST_FIELDS}
     d.update(system=system, output_tokens=len(r.output_ids), cached_tokens=r.cached_tokens,
-             cached_device=r.cached["device"], cached_host=r.cached["host"], cached_storage=r.cached["storage"])  # fmt: skip
+             **{f"cached_{t}": "" if r.cached is None else r.cached[t] for t in TIERS})  # fmt: skip
     return d
 
 

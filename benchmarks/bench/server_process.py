@@ -151,18 +151,27 @@ class ServerProcess:
 
 class _Reaper:
     """The process groups of this process's started, not yet stopped servers; stops them all on
-    SIGTERM, SIGINT and exit (handlers installed by the first `add`)."""
+    SIGTERM, SIGINT and exit (`install`: by the first `add` from the main thread, or by a caller
+    that starts servers from other threads, before it does)."""
 
     def __init__(self) -> None:
         self.live: dict[int, subprocess.Popen[bytes]] = {}  # pgid (the leader's pid) -> leader
         self.previous: dict[int, Any] = {}  # signal -> the handler ours replaced
-        self.installed = False
+        self.at_exit = False
+        self.handlers = False
 
     def add(self, proc: subprocess.Popen[bytes]) -> None:
         self.live[proc.pid] = proc
-        if not self.installed:
-            self.installed = True
+        self.install()
+
+    def install(self) -> None:
+        """The exit hook, once; the signal handlers once, from the main thread (only it may set them:
+        from another thread this sets none, and a later call from the main thread does)."""
+        if not self.at_exit:
+            self.at_exit = True
             atexit.register(self.stop_all)
+        if not self.handlers and threading.current_thread() is threading.main_thread():
+            self.handlers = True
             self._install_handlers()
 
     def discard(self, pgid: int) -> None:
@@ -181,8 +190,6 @@ class _Reaper:
         self.live.clear()
 
     def _install_handlers(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return  # signal handlers can only be set from the main thread; atexit still applies
         for signum in (signal.SIGTERM, signal.SIGINT):
             current = signal.getsignal(signum)
             if current is not signal.SIG_IGN:
@@ -199,6 +206,12 @@ class _Reaper:
 
 
 _REAPER = _Reaper()
+
+
+def install_reaper() -> None:
+    """Stop every started server on SIGTERM, SIGINT and exit from now on; call it from the main
+    thread before starting servers from other threads (there no signal handler can be set)."""
+    _REAPER.install()
 
 
 def spawn_group(

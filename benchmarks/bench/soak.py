@@ -110,7 +110,9 @@ def run(spec: BenchSpec, soak: Soak, model: Path, workdir: Path, vocab: int) -> 
                 if outcome.restarted_at_s is None and time.monotonic() >= halfway:
                     server = _crash_and_restart(server, system, model, workdir, sampler, outcome)
                     replayed = cycle(server, salt)  # the prompts before the crash, from the tier
-                    outcome.restored_after_restart = sum(r.cached["storage"] for r in replayed.results)
+                    outcome.restored_after_restart = sum(
+                        (r.cached or {}).get("storage", 0) for r in replayed.results
+                    )
                 salt += 1
                 bar.update(round(time.monotonic() - t))
         outcome.samples = sampler.samples

@@ -52,7 +52,8 @@ def summarize(results: list[Result], wall_s: float, metrics: dict[str, float]) -
     ok = [r for r in results if r.error is None]
     resumed = [r.ttft_ms for r in ok if r.resumed]
     prompt = sum(r.prompt_tokens for r in ok) or 1
-    by_tier = {t: sum(r.cached[t] for r in ok) / prompt for t in TIERS}
+    split = [r.cached for r in ok]
+    by_tier = {t: NAN if None in split else sum(c[t] for c in split if c is not None) / prompt for t in TIERS}
     return Figures(
         requests=len(results),
         errors=len(results) - len(ok),

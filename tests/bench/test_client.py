@@ -79,3 +79,7 @@ def test_cumulative_and_incremental_streams_give_the_same_ids() -> None:
     assert two_at_once.output_ids == [9, 8, 7] and len(two_at_once.itl_ms) == 2
     neither = asyncio.run(_serve([_chunk([9], count=1), _chunk([8, 7, 6, 5], count=3)]))
     assert neither.error == "a stream chunk of 4 ids at 3 tokens after 1"
+    backwards = asyncio.run(_serve([_chunk([9], count=1), _chunk([8], count=2), _chunk([8], count=1)]))
+    assert backwards.error == "a stream chunk of 1 tokens after 2: [8] repeated"
+    wrong_repeat = asyncio.run(_serve([_chunk([9], count=1), _chunk([8], count=2), _chunk([6], count=2)]))
+    assert wrong_repeat.error == "a stream chunk of 2 tokens after 2: [6] repeated"

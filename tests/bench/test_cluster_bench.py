@@ -9,6 +9,7 @@ import itertools
 import json
 import math
 import random
+import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -66,6 +67,7 @@ def test_the_configurations(tmp_path: Path) -> None:
         ("hicache-mooncake", "hicache-wait-r2", True, mooncake, rr, alt),
         ("route-round-robin", "ours", False, dir_, rr, shuf), ("route-approx-tree", "ours", False, dir_, approx, shuf),
         ("route-kv-events", "ours", False, dir_, events, shuf),
+        ("route-round-robin-grpc", "ours", False, dir_, cluster.Router.ROUND_ROBIN_GRPC, shuf),
     ]  # fmt: skip
     policies = {c.name: c.flags for c in cluster.CONFIGS}
     assert (
@@ -102,7 +104,7 @@ class FakeCluster:
     routers: list[tuple[list[str], str, tuple[str, ...]]] = field(default_factory=list)
     drives: list[tuple[drive.Dispatch, str | None]] = field(default_factory=list)  # (dispatch, model)
     masters: list[Path] = field(default_factory=list)
-    events: list[str] = field(default_factory=list)  # servers started and stopped
+    events: list[str] = field(default_factory=list)  # servers started and stopped, masters stopped
 
     def clear(self) -> None:
         for part in (self.servers, self.routers, self.drives, self.masters, self.events):
@@ -111,7 +113,7 @@ class FakeCluster:
 
 class FakeMaster:
     def __init__(self, log_dir: Path, fake: FakeCluster) -> None:
-        self.log_dir = log_dir
+        self.log_dir, self.fake = log_dir, fake
         fake.masters.append(log_dir)
 
     def __enter__(self) -> Any:
@@ -120,22 +122,57 @@ class FakeMaster:
             global_segment_size=segment_bytes))  # fmt: skip
 
     def __exit__(self, *exc: object) -> None:
-        pass
+        self.fake.events.append("stop master")
+
+
+@dataclass
+class HttpStandIn:
+    """A stand-in server; `/metrics` says which server and which way it was read."""
+
+    k: int
+    events: list[str]
+
+    @property
+    def base_url(self) -> str:
+        return f"http://s{self.k}"
+
+    def start(self) -> None:
+        self.events.append(f"start s{self.k}")
+
+    def stop(self) -> None:
+        self.events.append(f"stop s{self.k}")
+
+
+class GrpcStandIn(HttpStandIn):
+    @property
+    def grpc_url(self) -> str:
+        return f"grpc://s{self.k}"
+
+    def metrics(self) -> dict[str, float]:  # the sidecar's, renamed (GrpcServer.metrics)
+        return {key: 100 * v for key, v in http_metrics(self.base_url).items()}
+
+
+READS: dict[str, int] = {}
+
+
+def http_metrics(url: str) -> dict[str, float]:
+    """Server k's counter grows by k at each read."""
+    READS[url] = READS.get(url, 0) + 1
+    return {"sglang:hicache_spill_lookups_total": float(url.removeprefix("http://s")) * READS[url]}
 
 
 @pytest.fixture
 def fake_cluster(monkeypatch: pytest.MonkeyPatch) -> FakeCluster:
-    """`run_config` with stand-ins for the servers, the router, the Mooncake master, the driver and
-    `/metrics`, on a machine of 4 CPUs; returns what each was asked."""
+    """`run_config` with stand-ins for the servers (gRPC ones where asked), the router, the Mooncake
+    master, the driver (one answer, 1 of 2 tokens cached on device) and `/metrics` (a lookup counter
+    growing by the server's number, by 100 times it when read over gRPC), on a machine of 4 CPUs;
+    returns what each was asked."""
     fake = FakeCluster()
 
     def server(self: systems.System, model: Path, log: Path, cpus: tuple[int, ...] | None = None,
                grpc: bool = False) -> Any:  # fmt: skip
         fake.servers.append((self.name, cpus, grpc, self.flags))
-        k = len(fake.servers)
-        return SimpleNamespace(base_url=f"http://s{k}", grpc_url=f"grpc://s{k}", metrics=dict,
-                               start=lambda: fake.events.append(f"start s{k}"),
-                               stop=lambda: fake.events.append(f"stop s{k}"))  # fmt: skip
+        return (GrpcStandIn if grpc else HttpStandIn)(len(fake.servers), fake.events)
 
     def router(urls: list[str], policy: str = "round_robin", log_path: Path | None = None,
                extra_args: tuple[str, ...] = ()) -> Any:  # fmt: skip
@@ -144,13 +181,15 @@ def fake_cluster(monkeypatch: pytest.MonkeyPatch) -> FakeCluster:
 
     async def multiturn(*args: Any) -> drive.Driven:
         fake.drives.append((args[6], args[7]))
-        return drive.Driven("multiturn_c2", [], 0.0)
+        answer = Result("c0r1", "multiturn_c2", 1, True, 2, ttft_ms=1.0, cached_tokens=1,
+                        cached={"device": 1, "host": 0, "storage": 0})  # fmt: skip
+        return drive.Driven("multiturn_c2", [answer], 1.0)
 
     monkeypatch.setattr(systems.System, "server", server)
     monkeypatch.setattr(cluster, "RouterProcess", router)
     monkeypatch.setattr(cluster, "MooncakeMaster", lambda log_dir: FakeMaster(log_dir, fake))
-    monkeypatch.setattr(cluster, "GrpcServer", SimpleNamespace)  # the stand-in servers are gRPC ones
-    monkeypatch.setattr(cluster, "scrape", lambda url: {})
+    monkeypatch.setattr(cluster, "GrpcServer", GrpcStandIn)
+    monkeypatch.setattr(cluster, "scrape", http_metrics)
     monkeypatch.setattr(cluster.run, "vocab_size", lambda model: 1000)
     monkeypatch.setattr(cluster.drive, "multiturn", multiturn)
     monkeypatch.setattr(cluster.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
@@ -180,45 +219,36 @@ def test_each_configuration_has_its_router_store_and_dispatch(
     seen = {}
     for config in cluster.CONFIGS:
         fake_cluster.clear()
-        cluster.run_config(config, spec, model, tmp_path, 0, ((0,), (1,)))
+        done = cluster.run_config(config, spec, model, tmp_path, 0, ((0,), (1,)))
         [(urls, policy, extra)] = fake_cluster.routers
         grpc = {s[2] for s in fake_cluster.servers}
         mooncake = [flag_value(s[3], "--hicache-spill-mooncake-config") or flag_value(
             s[3], "--hicache-storage-backend-extra-config") for s in fake_cluster.servers]  # fmt: skip
         seen[config.name] = (policy, urls, grpc, len(fake_cluster.masters), list(fake_cluster.drives))
-        assert extra == () if policy == "round_robin" else "--disable-worker-overload-protection" in extra
-        if config.store is cluster.Store.MOONCAKE:  # one master, both servers its clients
+        assert ("--disable-worker-overload-protection" in extra) == (policy == "cache_aware"), config.name
+        if grpc == {True}:  # smg tokenizes for gRPC workers, in blocks of a page
+            assert flag_value(extra, "--block-size") == str(spec.shape.page_size)
+            assert flag_value(extra, "--model-path") == str(model)
+        # each server's counters, read its own way (the sidecar's over gRPC), and the split by tier
+        # left unknown where smg's answers over gRPC name none
+        k = 100 if grpc == {True} else 1
+        assert [c["lookups"] for c in done.by_server] == [k * 1, k * 2], config.name
+        [answer] = done.outcome.results["multiturn_c2"]
+        assert answer.cached == (None if grpc == {True} else {"device": 1, "host": 0, "storage": 0})
+        if config.store is cluster.Store.MOONCAKE:  # one master, both servers its clients, stopped last
             assert len(fake_cluster.masters) == 1 and mooncake[0] == mooncake[1] is not None
             assert "127.0.0.1:1" in str(mooncake[0]) and str(1024 * 2**20) in str(mooncake[0])
+            assert fake_cluster.events[-1] == "stop master"
         else:
             assert fake_cluster.masters == [] and mooncake == [None, None]
     alt, shuf = drive.Dispatch.ALTERNATE, drive.Dispatch.SHUFFLED
-    assert seen["ours-shared"] == ("round_robin", ["http://s1", "http://s2"], {False}, 0, [(alt, None)])
-    assert seen["ours-mooncake"][:4] == ("round_robin", ["http://s1", "http://s2"], {False}, 1)
-    assert seen["route-round-robin"] == (
-        "round_robin",
-        ["http://s1", "http://s2"],
-        {False},
-        0,
-        [(shuf, None)],
-    )
-    assert seen["route-approx-tree"] == (
-        "cache_aware",
-        ["http://s1", "http://s2"],
-        {False},
-        0,
-        [(shuf, None)],
-    )
-    policy, urls, grpc, _, drives = seen["route-kv-events"]
-    assert (policy, urls, grpc, drives) == (
-        "cache_aware",
-        ["grpc://s1", "grpc://s2"],
-        {True},
-        [(shuf, str(model))],
-    )
-    [(_, _, extra)] = fake_cluster.routers
-    assert flag_value(extra, "--block-size") == str(spec.shape.page_size)
-    assert flag_value(extra, "--model-path") == str(model)
+    http, grpc_urls = ["http://s1", "http://s2"], ["grpc://s1", "grpc://s2"]
+    assert seen["ours-shared"] == ("round_robin", http, {False}, 0, [(alt, None)])
+    assert seen["ours-mooncake"] == ("round_robin", http, {False}, 1, [(alt, None)])
+    assert seen["route-round-robin"] == ("round_robin", http, {False}, 0, [(shuf, None)])
+    assert seen["route-approx-tree"] == ("cache_aware", http, {False}, 0, [(shuf, None)])
+    assert seen["route-kv-events"] == ("cache_aware", grpc_urls, {True}, 0, [(shuf, str(model))])
+    assert seen["route-round-robin-grpc"] == ("round_robin", grpc_urls, {True}, 0, [(shuf, str(model))])
 
 
 def flag_value(args: tuple[str, ...], flag: str) -> str | None:
@@ -236,6 +266,11 @@ def test_configs_selects_and_rejects(tmp_path: Path, capsys: pytest.CaptureFixtu
             cluster.select(bad)
     assert main(["--out", str(tmp_path), "--configs", "ours-shared"]) == 2
     assert "--configs names configurations of --servers 2" in capsys.readouterr().err
+    only_skipped = ["--out", str(tmp_path / "x"), "--servers", "2", "--configs", "hicache-mooncake"]
+    assert main(only_skipped) == 2  # on CPU
+    err = capsys.readouterr().err
+    assert err.startswith("error: --configs: none of hicache-mooncake can run here: sglang puts")
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_the_final_line_names_each_servers_cpus_and_what_was_skipped(
@@ -309,7 +344,11 @@ def test_final_line_names_each_configuration_and_the_ratios() -> None:
         "ours-mooncake": figures(150, 25, 0.4),
         "route-round-robin": figures(600, 8, 0.1),
         "route-approx-tree": figures(500, 10, 0.2),
-        "route-kv-events": figures(250, 16, 0.3),
+        "route-kv-events": replace(  # its answers named no split by tier
+            summarize([Result("a", "w", 1, True, 4, ttft_ms=1.0, cached_tokens=3, cached=None)], 1.0, {}),
+            ttft_resume_p50_ms=250,
+            throughput_tok_s=16,
+        ),
     }
     counters = [dict.fromkeys(cluster_line.LOOKUP_COUNTERS, 1.0), {**dict.fromkeys(cluster_line.LOOKUP_COUNTERS, 0.0),
                 "lookup_attached_tokens": 640.0}]  # fmt: skip
@@ -319,17 +358,18 @@ def test_final_line_names_each_configuration_and_the_ratios() -> None:
     }
     extra = {"repeats": 1, "servers": 2, "hicache_config": "hicache-wait-r2"}
     line = cluster_line.final_line({"multiturn_c8": fs, "multiturn_c16": fs}, lookups, extra,
-                                   {"ours-shared": []}, frozenset({"route-kv-events"}))  # fmt: skip
+                                   {"ours-shared": []})  # fmt: skip
     json.dumps(line, allow_nan=False)
     pairs = ("shared_vs_separate", "shared_vs_write_back", "shared_vs_hicache", "mooncake_vs_shared",
-             "mooncake_vs_hicache", "mooncake_vs_hicache_mooncake", "events_vs_round_robin", "events_vs_approx_tree")  # fmt: skip
+             "mooncake_vs_hicache", "mooncake_vs_hicache_mooncake", "events_vs_round_robin", "events_vs_approx_tree",
+             "events_vs_round_robin_grpc")  # fmt: skip
     assert set(cluster_line.RATIO_KEYS) == {f"{fig}_{p}" for p in pairs for fig in ("ttft", "throughput")}
     assert line["ttft_mooncake_vs_shared"] == 1.5 and line["throughput_mooncake_vs_hicache"] == 5.0
     assert line["ttft_mooncake_vs_hicache_mooncake"] is None  # not run
     assert line["ttft_events_vs_round_robin"] == 0.4167 and line["throughput_events_vs_approx_tree"] == 1.6
-    kv_events = fs["route-kv-events"]
+    assert fs["route-kv-events"].hit_rate == 0.75
     assert line["hit_rate"]["route-kv-events"] == {
-        "total": kv_events.hit_rate,
+        "total": 0.75,
         "device": None,
         "host": None,
         "storage": None,
@@ -424,7 +464,7 @@ def test_each_configuration_gives_its_servers_its_flags(tmp_path: Path, fake_clu
             config.name
         )
         medium = [flag_value(f, "--hicache-spill-kv-events-medium") for f in commands]
-        assert medium == [("cpu_pinned" if config.router is cluster.Router.KV_EVENTS else None)] * 2
+        assert medium == [("cpu_pinned" if config.router.grpc else None)] * 2
         backend = [flag_value(f, "--hicache-spill-backend") or flag_value(f, "--hicache-storage-backend")
                    for f in commands]  # fmt: skip
         want = (
@@ -437,19 +477,32 @@ def test_each_configuration_gives_its_servers_its_flags(tmp_path: Path, fake_clu
         assert backend == [want] * 2, config.name
 
 
-def test_a_server_that_does_not_start_stops_the_other(
+def test_a_server_that_does_not_start_stops_the_other_at_once(
     tmp_path: Path, fake_cluster: FakeCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    started = systems.System.server
+    """Server 1 boots until its process is stopped (as a real one then fails at once); server 2
+    fails: server 1 is stopped then, not after its whole boot, and no router starts."""
+    made = systems.System.server
+    stopped = threading.Event()
+
+    def booting() -> None:
+        fake_cluster.events.append("start s1")
+        if not stopped.wait(10):
+            fake_cluster.events.append("s1 booted: not stopped")
+        raise ServerStartError("server exited with code -9")
 
     def server(self: systems.System, *args: Any, **kwargs: Any) -> Any:
-        proc = started(self, *args, **kwargs)
-        if len(fake_cluster.servers) == 2:
+        proc = made(self, *args, **kwargs)
+        if len(fake_cluster.servers) == 1:
+            proc.start, stop = booting, proc.stop
+            proc.stop = lambda: (stopped.set(), stop())
+        else:
             proc.start = lambda: (_ for _ in ()).throw(ServerStartError("server exited with code 1"))
         return proc
 
     monkeypatch.setattr(systems.System, "server", server)
     spec = spec_from(parser().parse_args(["--servers", "2", "--concurrency", "2", "--out", str(tmp_path)]))
-    with pytest.raises(ServerStartError):
+    with pytest.raises(ServerStartError, match="code 1"):  # the first failure
         cluster.run_config(cluster.CONFIGS[0], spec, tmp_path, tmp_path, 0, ((0,), (1,)))
-    assert sorted(fake_cluster.events) == ["start s1", "stop s1", "stop s2"] and fake_cluster.routers == []
+    assert "s1 booted: not stopped" not in fake_cluster.events
+    assert {"start s1", "stop s1", "stop s2"} <= set(fake_cluster.events) and fake_cluster.routers == []
