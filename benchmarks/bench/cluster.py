@@ -49,7 +49,9 @@ our servers, each on its own tier directory with our default policy, behind thre
 
 Both `cache_aware` routers run with smg's worker overload protection off (`CACHE_AWARE_FLAGS`): its
 KV-usage ceiling reads sglang's token usage, which counts a pool full of cached prefixes as used,
-and would veto the matched server on every warm pool.
+and would veto the matched server on every warm pool. `route-approx-tree-protected` is the
+approximate tree with smg's defaults (protection on: a server at 0.8 KV usage or 8 waiting requests
+leaves the routing), in case that is its stronger setting.
 
 Each server runs, from its start, on its own share of the CPUs this process may use (`server_cpus`:
 half of them each, contiguous; `OMP_NUM_THREADS` the share's size), as each instance of a deployment
@@ -108,6 +110,7 @@ the others' tier directories (64 GiB by default) never fill."""
 class Router(Enum):
     ROUND_ROBIN = "smg round_robin"
     APPROX_TREE = "smg cache_aware (approximate tree, HTTP workers)"
+    APPROX_TREE_PROTECTED = "smg cache_aware (approximate tree, HTTP workers, worker overload protection on)"
     KV_EVENTS = "smg cache_aware (KV events, gRPC workers)"
     ROUND_ROBIN_GRPC = "smg round_robin (gRPC workers)"
 
@@ -148,6 +151,8 @@ CONFIGS = (
     ClusterConfig("hicache-mooncake", STRONGEST_HICACHE, shared=True, store=Store.MOONCAKE),
     ClusterConfig("route-round-robin", "ours", shared=False, dispatch=SHUFFLED),
     ClusterConfig("route-approx-tree", "ours", shared=False, router=Router.APPROX_TREE, dispatch=SHUFFLED),
+    ClusterConfig("route-approx-tree-protected", "ours", shared=False, router=Router.APPROX_TREE_PROTECTED,
+                  dispatch=SHUFFLED),
     ClusterConfig("route-kv-events", "ours", shared=False, flags=EVENTS_MEDIUM, router=Router.KV_EVENTS,
                   dispatch=SHUFFLED),
     ClusterConfig("route-round-robin-grpc", "ours", shared=False, flags=EVENTS_MEDIUM,
@@ -260,6 +265,8 @@ def _router(config: ClusterConfig, procs: list[ServerProcess], shape: Shape, mod
         return RouterProcess(
             [p.base_url for p in procs], "cache_aware", log_path=log, extra_args=CACHE_AWARE_FLAGS
         )
+    if config.router is Router.APPROX_TREE_PROTECTED:
+        return RouterProcess([p.base_url for p in procs], "cache_aware", log_path=log)
     grpc = [p for p in procs if isinstance(p, GrpcServer)]
     if len(grpc) != len(procs):
         raise TypeError(f"{config.name}: its router takes servers in gRPC mode only")

@@ -25,6 +25,7 @@ RATIOS = (
     ("events_vs_round_robin", "route-kv-events", "route-round-robin"),
     ("events_vs_approx_tree", "route-kv-events", "route-approx-tree"),
     ("events_vs_round_robin_grpc", "route-kv-events", "route-round-robin-grpc"),
+    ("events_vs_approx_tree_protected", "route-kv-events", "route-approx-tree-protected"),
 )
 """(name, configuration, over configuration): `ttft_<name>` (resumed-turn TTFT p50) and
 `throughput_<name>` in the final line."""

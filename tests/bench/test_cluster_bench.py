@@ -66,6 +66,7 @@ def test_the_configurations(tmp_path: Path) -> None:
         ("ours-mooncake", "ours", True, mooncake, rr, alt),
         ("hicache-mooncake", "hicache-wait-r2", True, mooncake, rr, alt),
         ("route-round-robin", "ours", False, dir_, rr, shuf), ("route-approx-tree", "ours", False, dir_, approx, shuf),
+        ("route-approx-tree-protected", "ours", False, dir_, cluster.Router.APPROX_TREE_PROTECTED, shuf),
         ("route-kv-events", "ours", False, dir_, events, shuf),
         ("route-round-robin-grpc", "ours", False, dir_, cluster.Router.ROUND_ROBIN_GRPC, shuf),
     ]  # fmt: skip
@@ -225,7 +226,10 @@ def test_each_configuration_has_its_router_store_and_dispatch(
         mooncake = [flag_value(s[3], "--hicache-spill-mooncake-config") or flag_value(
             s[3], "--hicache-storage-backend-extra-config") for s in fake_cluster.servers]  # fmt: skip
         seen[config.name] = (policy, urls, grpc, len(fake_cluster.masters), list(fake_cluster.drives))
-        assert ("--disable-worker-overload-protection" in extra) == (policy == "cache_aware"), config.name
+        protected = config.router is cluster.Router.APPROX_TREE_PROTECTED  # smg's defaults
+        assert ("--disable-worker-overload-protection" in extra) == (
+            policy == "cache_aware" and not protected
+        )
         if grpc == {True}:  # smg tokenizes for gRPC workers, in blocks of a page
             assert flag_value(extra, "--block-size") == str(spec.shape.page_size)
             assert flag_value(extra, "--model-path") == str(model)
@@ -247,6 +251,7 @@ def test_each_configuration_has_its_router_store_and_dispatch(
     assert seen["ours-mooncake"] == ("round_robin", http, {False}, 1, [(alt, None)])
     assert seen["route-round-robin"] == ("round_robin", http, {False}, 0, [(shuf, None)])
     assert seen["route-approx-tree"] == ("cache_aware", http, {False}, 0, [(shuf, None)])
+    assert seen["route-approx-tree-protected"] == ("cache_aware", http, {False}, 0, [(shuf, None)])
     assert seen["route-kv-events"] == ("cache_aware", grpc_urls, {True}, 0, [(shuf, str(model))])
     assert seen["route-round-robin-grpc"] == ("round_robin", grpc_urls, {True}, 0, [(shuf, str(model))])
 
@@ -362,7 +367,7 @@ def test_final_line_names_each_configuration_and_the_ratios() -> None:
     json.dumps(line, allow_nan=False)
     pairs = ("shared_vs_separate", "shared_vs_write_back", "shared_vs_hicache", "mooncake_vs_shared",
              "mooncake_vs_hicache", "mooncake_vs_hicache_mooncake", "events_vs_round_robin", "events_vs_approx_tree",
-             "events_vs_round_robin_grpc")  # fmt: skip
+             "events_vs_round_robin_grpc", "events_vs_approx_tree_protected")  # fmt: skip
     assert set(cluster_line.RATIO_KEYS) == {f"{fig}_{p}" for p in pairs for fig in ("ttft", "throughput")}
     assert line["ttft_mooncake_vs_shared"] == 1.5 and line["throughput_mooncake_vs_hicache"] == 5.0
     assert line["ttft_mooncake_vs_hicache_mooncake"] is None  # not run
