@@ -6,13 +6,23 @@ conversations: forks inside earlier turns, revisits of conversations pushed out 
 its first `REQUESTS` requests, page size 1, our server with a 1,024-token pool and `--hicache-spill-backend mooncake`. The tier must really
 be used (tokens spilled and restored through the store) and nothing refused as corrupt. After
 `RESTART_AT` requests the master is killed and restarted (everything in the store is lost): the
-server goes on serving the rest, with the same outputs.
+server goes on serving the rest.
+
+After the restart the reference is no oracle for every turn. A turn whose spilled history was lost
+is recomputed, and a recompute is one prefill of tokens the reference computed piece by piece (its
+earlier prompts, then its outputs one decode step at a time): sglang's own arithmetic then differs
+in the last bits and may flip a greedy token (plain sglang given this workload's #32 with only its
+system prefix cached answers as ours does, not as the reference). So a reply after the restart
+either equals the reference's, or took nothing from the tier and equals what a plain server
+computes for the same prompt over the same device prefix (a recompute, checked, never restored KV).
 """
 
 from __future__ import annotations
 
 import json
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,8 +34,11 @@ from tests.server.test_exactness_server import (
     Sent,
     counter,
     differences,
+    generate,
+    plain_reference,
     replay,
     restored,
+    restored_range,
 )
 
 pytestmark = pytest.mark.server
@@ -48,6 +61,27 @@ def mooncake_server(model: Path, tmp: Path, master: MooncakeMaster) -> ServerPro
     return ServerProcess(model, POOL, args, log_path=tmp / "server.log")
 
 
+def recomputed_elsewhere(model: Path, tmp: Path, changed: list[tuple[Sent, dict[str, Any]]]) -> list[str]:
+    """The replies among `changed` that a plain server, given the same prompt over the same device
+    prefix (cached first, as ours had it), does not reproduce."""
+    tmp.mkdir()
+    wrong = []
+    with plain_reference(model, tmp, 1) as plain:
+        for s, reply in changed:
+            urllib.request.urlopen(
+                urllib.request.Request(plain.base_url + "/flush_cache", method="POST"), timeout=60
+            )
+            device = restored_range(reply)[0]
+            if device:
+                generate(plain.base_url, s.input_ids[:device])
+            again = generate(plain.base_url, s.input_ids)["output_ids"]
+            if again != reply["output_ids"]:
+                wrong.append(
+                    f"{len(s.input_ids)} tokens over {device} cached: plain {again}, ours {reply['output_ids']}"
+                )
+    return wrong
+
+
 def test_a_server_on_mooncake_matches_the_never_evicting_reference(
     transcript: list[Sent], tiny_model: Path, tmp_path: Path, mooncake_master: MooncakeMaster
 ) -> None:
@@ -56,15 +90,24 @@ def test_a_server_on_mooncake_matches_the_never_evicting_reference(
         counters = {n: counter(ours.base_url, n) for n in ("spilled_tokens", "restored_tokens",
                                                           "mismatch_extents", "corrupt_extents")}  # fmt: skip
         mooncake_master.restart()  # the store's contents are gone; the server goes on (recomputing)
-        replies += replay(ours.base_url, transcript[RESTART_AT:])
-        after = {
-            n: counter(ours.base_url, n) for n in ("restore_failures", "spill_failures", "spilled_tokens")
-        }
-    assert not differences(transcript, replies), "\n".join(differences(transcript, replies))
+        later = replay(ours.base_url, transcript[RESTART_AT:])
+        after = {n: counter(ours.base_url, n)
+                 for n in ("restore_failures", "spill_failures", "spilled_tokens", "mismatch_extents")}  # fmt: skip
+    before = transcript[:RESTART_AT]
+    assert not differences(before, replies), "\n".join(differences(before, replies))
     assert counters["spilled_tokens"] > 0 and counters["restored_tokens"] > 0, counters
     assert counters["mismatch_extents"] == 0 and counters["corrupt_extents"] == 0, counters
-    assert any(restored(r) for s, r in zip(transcript, replies, strict=True) if s.kind in ("fork", "revisit"))
+    assert any(restored(r) for s, r in zip(before, replies, strict=True) if s.kind in ("fork", "revisit"))
     assert not list((tmp_path / "tier").rglob("*.ext")), "extents went to files, not to the store"
+    # after the restart: a reply unlike the reference's restored nothing and is sglang's recompute
+    changed = [
+        (s, r) for s, r in zip(transcript[RESTART_AT:], later, strict=True) if r["output_ids"] != s.output_ids
+    ]
+    assert not [r for _, r in changed if restored(r)], [restored_range(r) for _, r in changed]
+    if changed:
+        wrong = recomputed_elsewhere(tiny_model, tmp_path / "plain", changed)
+        assert not wrong, "\n".join(wrong)
+    assert after["mismatch_extents"] == 0, after  # (corrupt_extents counts the lost ones: misses)
     # the restart was felt (restores of lost extents recomputed, or spills refused while it was away)
     # and the tier worked again after it (spills went on)
     assert after["restore_failures"] + after["spill_failures"] > 0, after
