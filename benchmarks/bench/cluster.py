@@ -347,10 +347,12 @@ def execute(spec: BenchSpec, configs: tuple[ClusterConfig, ...] = CONFIGS) -> in
     cpus = server_cpus()
     runs: dict[str, list[run.SystemOutcome]] = {}
     lookups: dict[str, list[tuple[dict[str, float], ...]]] = {}
-    for repeat, name in order:
+    for finished, (repeat, name) in enumerate(order, 1):
         done = run_config(BY_NAME[name], spec, model, out, repeat, cpus)
         runs.setdefault(name, []).append(done.outcome)
         lookups.setdefault(name, []).append(done.by_server)
+        # every run's requests so far, so that a run stopped midway keeps what it measured
+        report.write(out / "partial", run.results(runs), {}, {"runs_done": finished, "runs": len(order)})
     measured = run.measured(runs)
     figures = aggregate.medians(measured)
     extra = {"servers": SERVERS, "hicache_config": STRONGEST_HICACHE, "out_dir": str(spec.out_dir),

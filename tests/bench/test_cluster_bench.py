@@ -294,6 +294,11 @@ def test_the_final_line_names_each_servers_cpus_and_what_was_skipped(
     assert "hicache-mooncake" not in {s[0] for s in fake_cluster.servers} | set(line["router"])
     assert line["router"]["route-kv-events"] == cluster.Router.KV_EVENTS.value
     assert set(line["tier_mb"]) == {c.name for c in cluster.CONFIGS if c.store is cluster.Store.DIRECTORY}
+    # after each run, its requests so far (a run stopped midway keeps them): after the last, all
+    (run_dir,) = tmp_path.glob("run-*")
+    partial = json.loads((run_dir / "partial" / "results.json").read_text())
+    assert partial["final"] == {"runs_done": len(line["order"]), "runs": len(line["order"])}
+    assert (run_dir / "partial" / "requests.csv").read_text() == (run_dir / "requests.csv").read_text()
     gpu = replace(spec_from(parser().parse_args(args)), shape=Shape(device="cuda"))
     assert all(cluster.unavailable(c, gpu.shape) is None for c in cluster.CONFIGS)
 
