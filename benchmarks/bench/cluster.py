@@ -351,8 +351,7 @@ def execute(spec: BenchSpec, configs: tuple[ClusterConfig, ...] = CONFIGS) -> in
         done = run_config(BY_NAME[name], spec, model, out, repeat, cpus)
         runs.setdefault(name, []).append(done.outcome)
         lookups.setdefault(name, []).append(done.by_server)
-        # every run's requests so far, so that a run stopped midway keeps what it measured
-        report.write(out / "partial", run.results(runs), {}, {"runs_done": finished, "runs": len(order)})
+        _keep_partial(out / "partial", runs, {"runs_done": finished, "runs": len(order)})
     measured = run.measured(runs)
     figures = aggregate.medians(measured)
     extra = {"servers": SERVERS, "hicache_config": STRONGEST_HICACHE, "out_dir": str(spec.out_dir),
@@ -366,6 +365,15 @@ def execute(spec: BenchSpec, configs: tuple[ClusterConfig, ...] = CONFIGS) -> in
     report.write(out, run.results(runs), figures, line, run.metrics(runs), measured)
     print(json.dumps(line, sort_keys=True), flush=True)
     return 0
+
+
+def _keep_partial(where: Path, runs: dict[str, list[run.SystemOutcome]], line: dict[str, Any]) -> None:
+    """Every finished run's requests so far, so that a benchmark stopped midway keeps what it
+    measured. A write that fails (a full disk) is said on stderr and does not stop the runs."""
+    try:
+        report.write(where, run.results(runs), {}, line)
+    except OSError as e:
+        print(f"warning: could not write {where}: {e}", file=sys.stderr, flush=True)
 
 
 def _lookup_totals(

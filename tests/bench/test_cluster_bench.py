@@ -516,3 +516,52 @@ def test_a_server_that_does_not_start_stops_the_other_at_once(
         cluster.run_config(cluster.CONFIGS[0], spec, tmp_path, tmp_path, 0, ((0,), (1,)))
     assert "s1 booted: not stopped" not in fake_cluster.events
     assert {"start s1", "stop s1", "stop s2"} <= set(fake_cluster.events) and fake_cluster.routers == []
+
+
+def test_a_run_stopped_midway_keeps_the_runs_finished_before(
+    tmp_path: Path, fake_cluster: FakeCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cluster.run, "resolve_model", lambda name, cache_dir: tmp_path)
+    real, calls = cluster.run_config, []
+
+    def second_fails(*args: Any) -> Any:
+        calls.append(args[0].name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # what Ctrl-C or a crash midway leaves
+        return real(*args)
+
+    monkeypatch.setattr(cluster, "run_config", second_fails)
+    args = ["--servers", "2", "--repeats", "1", "--out", str(tmp_path)]
+    two = cluster.select("ours-shared,ours-separate")
+    with pytest.raises(KeyboardInterrupt):
+        cluster.execute(spec_from(parser().parse_args(args)), two)
+    (run_dir,) = tmp_path.glob("run-*")
+    partial = json.loads((run_dir / "partial" / "results.json").read_text())
+    assert partial["final"] == {"runs_done": 1, "runs": 2}
+    assert {r["system"] for r in partial["requests"]} == {calls[0]} and len(partial["requests"]) == 1
+    assert not (run_dir / "results.json").exists()
+
+
+def test_a_partial_write_that_fails_does_not_stop_the_runs(
+    tmp_path: Path,
+    fake_cluster: FakeCluster,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setattr(cluster.run, "resolve_model", lambda name, cache_dir: tmp_path)
+    real = cluster.report.write
+
+    def full_disk(where: Path, *args: Any) -> Any:
+        if where.name == "partial":
+            raise OSError(28, "No space left on device")
+        return real(where, *args)
+
+    monkeypatch.setattr(cluster.report, "write", full_disk)
+    args = ["--servers", "2", "--repeats", "1", "--out", str(tmp_path)]
+    two = cluster.select("ours-shared,ours-separate")
+    assert cluster.execute(spec_from(parser().parse_args(args)), two) == 0
+    out = capsys.readouterr()
+    line = json.loads(out.out.strip().splitlines()[-1])
+    assert sorted(line["order"]) == ["ours-separate/r0", "ours-shared/r0"]  # both ran to the end
+    assert (next(tmp_path.glob("run-*")) / "results.json").exists()
+    assert out.err.count("warning: could not write") == 2
