@@ -115,8 +115,8 @@ class Workload:
         return self.sent
 
 
-def generate(base: str, ids: list[int]) -> dict[str, Any]:
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}}
+def generate(base: str, ids: list[int], max_new: int = MAX_NEW) -> dict[str, Any]:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": 0}}
     return post_json(base + "/generate", body)
 
 

@@ -28,7 +28,7 @@ import pytest
 
 from benchmarks.bench.server_process import ServerProcess
 from tests.mooncake_master import MooncakeMaster
-from tests.server.conftest import SPILL_FLAGS, post_json
+from tests.server.conftest import SPILL_FLAGS
 from tests.server.test_exactness_server import (
     POOL,
     Sent,
@@ -73,11 +73,7 @@ def recomputed_elsewhere(model: Path, tmp: Path, changed: list[tuple[Sent, dict[
                 pass
             device = restored_range(reply)[0]
             if device:  # one new token: sglang caches the prompt, no token made by a decode step
-                warm = {
-                    "input_ids": s.input_ids[:device],
-                    "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-                }
-                post_json(plain.base_url + "/generate", warm)
+                generate(plain.base_url, s.input_ids[:device], max_new=1)
             again = generate(plain.base_url, s.input_ids)
             assert again["meta_info"]["cached_tokens"] == device, (again["meta_info"], device)
             if again["output_ids"] != reply["output_ids"]:
