@@ -60,6 +60,8 @@ COUNTERS = {
     "evicted_tokens": "tokens evicted from the device KV pool",
     "spilled_tokens": "evicted tokens submitted to the tier (one whose file is there already is only refreshed)",
     "written_through_tokens": "tokens submitted to the tier when cached (write_through policy), before any eviction",
+    "written_ahead_tokens": "tokens an idle server wrote to the tier before their eviction (clean_ahead): "
+    "evicting them then copies nothing",
     "writes_through_deferred": "write-throughs not submitted because staging was half full or more "
     "then (controller.BACKGROUND_SHARE; the next insert on the path tries again; eviction writes it otherwise)",
     "writes_through_too_large": "write-throughs never submitted because the node is larger than "
@@ -73,7 +75,8 @@ COUNTERS = {
     "restored_tokens": "tokens restored from the tier into the device pool",
     "restored_bytes": "packed KV bytes read back for restores",
     "restore_failures": "restores abandoned (miss, corruption, I/O error, timeout, no memory): recomputed",
-    "corrupt_extents": "extents found corrupt or missing on read",
+    "corrupt_extents": "extents that failed verification on read (checksum, MAC, truncation, header)",
+    "lost_extents": "extents gone when read (evicted or removed by another process, a store restarted): clean misses",
     "mismatch_extents": "extents whose header or length was not what their key names (never used as KV)",
     "flushes": "cache flushes (flush_cache, weight updates): each starts a new key epoch",
     "tp_disagreements": "decisions one TP rank could take and another could not (spill, restore, warm start): all took the safe one",

@@ -225,8 +225,10 @@ class ExtentReads:
                 self._mismatch_logged = True
                 logger.warning("sgl_hicache: extent %s is not what its key names (%s): recomputing; "
                                "later ones are only counted", read.extent.key.hex(), read.done.detail)  # fmt: skip
-        elif read.done.status in (Status.CORRUPT, Status.MISS):
+        elif read.done.status is Status.CORRUPT:
             self.metrics.inc("corrupt_extents")
+        elif read.done.status is Status.MISS:
+            self.metrics.inc("lost_extents")
         read.extent.state = ExtentState.LOST
 
     def finish(self, refs: Sequence[SpillRef]) -> None:

@@ -103,6 +103,22 @@ def test_corrupt_extent_is_a_clean_miss(make_stack: Any) -> None:
     s.cache.check_integrity()
 
 
+def test_a_removed_extent_counts_as_lost_not_corrupt(make_stack: Any) -> None:
+    """A missing file (evicted or removed by another process, a store restarted) is a clean miss:
+    operators alert on corruption, so it must not be counted as one."""
+    s = make_stack()
+    s.insert(A)
+    s.evict_all()
+    for path in [p for p in s.tier_dir.rglob("*") if p.is_file() and p.stat().st_size > 4096]:
+        path.unlink()
+    m = s.match(A)
+    assert s.load_back(m) == (0, m.last_device_node)
+    totals = s.metrics.totals
+    assert (totals["lost_extents"], totals["corrupt_extents"], totals["restore_failures"]) == (1, 0, 1)
+    assert s.match(A).host_hit_length == 0, "the lost node is pruned"
+    s.cache.check_integrity()
+
+
 def test_full_staging_drops_instead_of_waiting(make_stack: Any, caplog: Any) -> None:
     s = make_stack(staging_bytes=1 << 20)
     a, b = (packed_nbytes(s.cache.controller.view, len(x)) for x in (A, B))

@@ -92,7 +92,8 @@ def test_a_server_on_mooncake_matches_the_never_evicting_reference(
         mooncake_master.restart()  # the store's contents are gone; the server goes on (recomputing)
         later = replay(ours.base_url, transcript[RESTART_AT:])
         after = {n: counter(ours.base_url, n)
-                 for n in ("restore_failures", "spill_failures", "spilled_tokens", "mismatch_extents")}  # fmt: skip
+                 for n in ("restore_failures", "spill_failures", "spilled_tokens", "mismatch_extents",
+                           "corrupt_extents")}  # fmt: skip
     before = transcript[:RESTART_AT]
     assert not differences(before, replies), "\n".join(differences(before, replies))
     assert counters["spilled_tokens"] > 0 and counters["restored_tokens"] > 0, counters
@@ -107,7 +108,7 @@ def test_a_server_on_mooncake_matches_the_never_evicting_reference(
     if changed:
         wrong = recomputed_elsewhere(tiny_model, tmp_path / "plain", changed)
         assert not wrong, "\n".join(wrong)
-    assert after["mismatch_extents"] == 0, after  # (corrupt_extents counts the lost ones: misses)
+    assert after["mismatch_extents"] == 0 and after["corrupt_extents"] == 0, after  # lost ones are misses
     # the restart was felt (restores of lost extents recomputed, or spills refused while it was away)
     # and the tier worked again after it (spills went on)
     assert after["restore_failures"] + after["spill_failures"] > 0, after
