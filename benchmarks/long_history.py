@@ -259,18 +259,29 @@ def main(argv: list[str] | None = None) -> int:
     for round_ in range(args.rounds):
         for system in systems if round_ % 2 == 0 else systems[::-1]:
             rows += run_server(system, shape, model, lengths, args.repeats, round_, workdir)
+            save_rows(workdir, rows)  # a run stopped midway keeps the servers finished before
             if system.name == "ours" and system.tier_dir is not None:
                 speed, nbytes = raw_read_gbps(system.tier_dir, TierConfig().io_threads)
                 raw.append(speed)
                 log(
                     f"r{round_} raw parallel read of ours' tier: {speed:.2f} GB/s over {nbytes / 2**20:.0f} MiB"
                 )
-    (workdir / "rows.json").write_text(json.dumps(rows, indent=1))
     figures = {"model": args.model, "device": args.device, "pool_tokens": pool, "host_budget_mb": host_mb,
                "page_size": args.page_size, "rounds": args.rounds, "repeats": args.repeats,
                "rows": str(workdir / "rows.json"), **summarize(rows, raw)}  # fmt: skip
     emit(figures)
     return 0
+
+
+def save_rows(workdir: Path, rows: list[dict[str, Any]]) -> None:
+    """`rows.json`, replaced whole (a kill mid-write leaves the previous one); a failed write is
+    said on stderr and does not stop the run."""
+    tmp = workdir / "rows.json.tmp"
+    try:
+        tmp.write_text(json.dumps(rows, indent=1))
+        os.replace(tmp, workdir / "rows.json")
+    except OSError as e:
+        print(f"long_history: could not save rows so far: {e}", file=sys.stderr)
 
 
 def _systems(names: str) -> list[str]:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from benchmarks import long_history as lh
@@ -44,3 +47,20 @@ def test_systems_are_checked_and_ordered() -> None:
 def test_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert lh.main(argv) == 2
     assert capsys.readouterr().err.startswith("long_history: ")
+
+
+def test_rows_are_saved_whole_and_a_failed_save_does_not_stop_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first, second = (
+        [row("ours", 4096, 1.0, 1.0)],
+        [row("ours", 4096, 1.0, 1.0), row("recompute", 4096, 9.0, 1.0)],
+    )
+    lh.save_rows(tmp_path, first)
+    lh.save_rows(tmp_path, second)
+    assert json.loads((tmp_path / "rows.json").read_text()) == second
+    assert [p.name for p in tmp_path.iterdir()] == ["rows.json"]
+    (tmp_path / "rows.json.tmp").mkdir()  # the write fails (a directory in the way)
+    lh.save_rows(tmp_path, first)
+    assert "could not save rows" in capsys.readouterr().err
+    assert json.loads((tmp_path / "rows.json").read_text()) == second, "the last good save stays"
