@@ -357,6 +357,12 @@ class SpillConfig:
     pin_share: float = tuning(
         0.5, "share of the tier budget that pinned conversations may hold (POST /hicache/pin); 0 refuses pins"
     )
+    clean_ahead: float = tuning(
+        1.0,
+        "write_back on a tier no other server uses: while idle, write the next victims of eviction "
+        "(the coldest unwritten KV, until they and the free slots make this share of the device pool), "
+        "so that evicting them later copies nothing; 0 turns it off",
+    )
     write_policy: WritePolicy = option(
         WritePolicy.WRITE_BACK,
         "when KV is written to the tier: write_back (on eviction), write_through (also when cached; "
@@ -375,6 +381,11 @@ class SpillConfig:
     def __post_init__(self) -> None:
         _require(
             self.prefetch_ttl_s > 0, "prefetch_ttl_s", f"prefetch ttl must be > 0, got {self.prefetch_ttl_s}"
+        )
+        _require(
+            0 <= self.clean_ahead <= 1,
+            "clean_ahead",
+            f"clean ahead must be in [0, 1], got {self.clean_ahead}",
         )
         _require(0 <= self.pin_share <= 1, "pin_share", f"pin share must be in [0, 1], got {self.pin_share}")
         _require(

@@ -58,7 +58,8 @@ class DropReason(enum.StrEnum):
 COUNTERS = {
     "match_requests": "prefix matches served by the spill cache",
     "evicted_tokens": "tokens evicted from the device KV pool",
-    "spilled_tokens": "evicted tokens submitted to the tier (one whose file is there already is only refreshed)",
+    "spilled_tokens": "evicted tokens kept on the tier: submitted at eviction (one whose file is there already "
+    "is only refreshed), or pointing at the copy written ahead, through, or restored from",
     "written_through_tokens": "tokens submitted to the tier when cached (write_through policy), before any eviction",
     "written_ahead_tokens": "tokens an idle server wrote to the tier before their eviction (clean_ahead): "
     "evicting them then copies nothing",

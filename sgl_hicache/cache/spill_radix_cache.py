@@ -72,6 +72,7 @@ logger = logging.getLogger(__name__)
 
 ANONYMOUS = "sgl-hicache:restore"  # the owner of a restore whose request has no id (never deferred)
 INTEGRITY_ENV = "SGL_HICACHE_REPORT_INTEGRITY"
+CLEAN_AHEAD_EVERY_S = 0.1  # an idle loop spins: look for victims to write ahead at most this often
 
 
 class Admission:
@@ -96,6 +97,9 @@ class SpillRadixCache(RadixCache):
         self.errors_logged: set[str] = set()  # guard.py: names whose first internal error was logged
         self._deferred_since: dict[str, float] = {}  # rid -> when its admission was first deferred
         self._admission: Admission | None = None
+        self._cleaned_at = 0.0  # when `_clean_ahead` last looked (monotonic)
+        self._changes = 0  # inserts and splits so far: what can leave a resident node unwritten
+        self._cleaned_changes = -1  # `_changes` when `_clean_ahead` last walked to its end
         self.epoch: bytes | None = None  # seeds every path key; None until the first reset()
         self.tree = SpillTree(self, config.kv_events_medium)
         self.warm = WarmStart(self.tree, namespace_id)
@@ -128,6 +132,7 @@ class SpillRadixCache(RadixCache):
     # ---- sglang's tree internals, routed to the tree ---------------------------------------
 
     def _split_node(self, key: RadixKey, child: TreeNode, split_len: int) -> TreeNode:
+        self._changes += 1
         return self.tree.split(key, child, split_len)
 
     def _match_prefix_helper(self, node: TreeNode, key: RadixKey) -> tuple[list[torch.Tensor], TreeNode]:
@@ -288,9 +293,10 @@ class SpillRadixCache(RadixCache):
         """Spill resident leaf `node` (None), or say why it is to be dropped instead."""
         n = len(node.value)
         pin = self.retention.pin_of(node)  # a pinned conversation's node spills whatever its length
-        if self._clean(node):  # the exact range it was restored from or written through
+        if self._clean(node):  # the exact range it was restored from, written through or ahead
             self.tree.mark_spilled(node, node.spill)
             self.retention.spilled(node, pin)
+            self.spill_metrics.inc("spilled_tokens", n)
             return None
         # Short nodes are not worth an extent, unless dropping them would orphan spilled children.
         if n < self.spill_config.min_spill_tokens and not node.children and pin is None:
@@ -391,6 +397,7 @@ class SpillRadixCache(RadixCache):
         through it); under the WRITE_THROUGH policy the resident nodes on the inserted path that have
         no copy on the tier are then written (`_write_through`). `value` None is sglang's debug
         insert of token ids as slots: nothing to write."""
+        self._changes += 1
         result = super().insert(params)
         if self.spill_config.write_policy is WritePolicy.WRITE_THROUGH and params.value is not None:
             self._write_through(result.last_device_node)
@@ -843,8 +850,64 @@ class SpillRadixCache(RadixCache):
             self.controller.check_integrity(with_tier)
 
     def poll(self) -> None:
-        """Take finished I/O and copies (sglang's idle loop calls this through a hook). Never blocks."""
+        """sglang's idle loop (through a hook): take finished I/O and copies, then write the next
+        victims of eviction ahead (`_clean_ahead`). Never blocks."""
         self._poll()
+        self._clean_ahead()
+
+    @contained("idle (clean ahead)", nothing)
+    def _clean_ahead(self) -> None:
+        """Write-back on a root only we use, while idle: write the coldest evictable nodes that have
+        no copy on the tier, in sglang's eviction order, until they and the free slots make
+        `clean_ahead` of the device pool, as a write-through would (within its share of staging).
+        Evicting them later only points at their extent: no pack on the critical path of the request
+        that needs the room. Not on a shared root (an eviction there stores again anyway: another
+        process may have evicted the file) nor under write-through (done at insert). The tree's
+        structure is untouched, so TP ranks that wrote differently still hold identical trees."""
+        now = time.monotonic()
+        share = self.spill_config.clean_ahead
+        if (
+            self.disable
+            or self.controller is None
+            or share <= 0
+            or now - self._cleaned_at < CLEAN_AHEAD_EVERY_S
+            or self._changes == self._cleaned_changes  # the last walk left nothing to write since
+        ):
+            return
+        self._cleaned_at = now
+        if self.spill_config.write_policy is not WritePolicy.WRITE_BACK or self._root_shared():
+            return
+        allocator = self.token_to_kv_pool_allocator
+        room, target = allocator.available_size(), int(share * allocator.size)
+        changes = self._changes
+        heap = [(self.eviction_strategy.get_priority(n), id(n), n) for n in self.evictable_leaves]
+        heapq.heapify(heap)
+        seen: set[int] = set()
+        while room < target and heap:
+            _, _, node = heapq.heappop(heap)
+            seen.add(id(node))
+            written = self._write_ahead(node)
+            if written is DropReason.STAGING_FULL:
+                return  # the next look goes on, once writes in flight gave staging back
+            if written is None:
+                room += len(node.value)
+            parent = node.parent
+            if (parent is not self.root_node and not parent.evicted and parent.lock_ref == 0
+                    and all(id(c) in seen or c.evicted for c in parent.children.values())):  # fmt: skip
+                heapq.heappush(heap, (self.eviction_strategy.get_priority(parent), id(parent), parent))
+        self._cleaned_changes = changes
+
+    def _write_ahead(self, node: TreeNode) -> DropReason | None:
+        """Give resident `node` a clean copy on the tier (None: it has one now, or its eviction will
+        drop it anyway), or say why it cannot have one now."""
+        if self._clean(node) or (len(node.value) < self.spill_config.min_spill_tokens and not node.children):
+            return None
+        ref = self._store(node, background=True)
+        if isinstance(ref, DropReason):
+            return ref
+        node.spill = ref
+        self.spill_metrics.inc("written_ahead_tokens", ref.count)
+        return None
 
     @contained("poll", nothing)
     def _poll(self) -> None:

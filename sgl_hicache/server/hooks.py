@@ -65,7 +65,8 @@ launcher, the process that makes the hint socket's runtime directory, calls `reg
 11. `Scheduler.on_idle`, AFTER: sglang calls it when it has nothing to schedule; our cache is then
    called by nothing else, so it takes its finished I/O and copies here (`SpillRadixCache.poll`): on
    a GPU a write is submitted only once its pack's copy is done, which an idle server would
-   otherwise leave waiting in staging.
+   otherwise leave waiting in staging; and it writes the next victims of eviction ahead there
+   (`clean_ahead`), so that the eviction a later request needs copies nothing.
 `tests/server/test_concurrent_clients.py`, `tests/server/test_spill_resume.py`,
 `tests/server/test_hostile_hints.py` and `tests/server/test_shutdown.py` prove they still hold for
 the pinned version.

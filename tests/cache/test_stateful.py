@@ -22,6 +22,7 @@ import shutil
 import tempfile
 import time
 from array import array
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+import sgl_hicache.cache.spill_radix_cache as src
 from sgl_hicache.config import WritePolicy
 from tests.cache.conftest import Stack, build_stack, close_stack, fill_kv, read_kv
 from tests.cache.fake_device import RecordingStreams, reuse_freed_slots_first
@@ -85,6 +87,7 @@ class SpillCacheMachine(RuleBasedStateMachine):
 
         super().__init__()
         self._block_tokens, lookup.BLOCK_TOKENS = lookup.BLOCK_TOKENS, 8  # aliases inside short prompts
+        self._clean_every, src.CLEAN_AHEAD_EVERY_S = src.CLEAN_AHEAD_EVERY_S, 0.0  # each idle call looks
         self.dir = Path(tempfile.mkdtemp(prefix="sgl_hicache_stateful_"))
         self.ref = Reference()
         self.servers = [Server(self._stack()) for _ in range(self.servers_sharing)]
@@ -105,6 +108,7 @@ class SpillCacheMachine(RuleBasedStateMachine):
             close_stack(server.stack)
         shutil.rmtree(self.dir, ignore_errors=True)
         lookup.BLOCK_TOKENS = self._block_tokens
+        src.CLEAN_AHEAD_EVERY_S = self._clean_every
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -246,6 +250,16 @@ class SpillCacheMachine(RuleBasedStateMachine):
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
         self.servers[which % len(self.servers)].stack.cache.evict(EvictParams(num_tokens=tokens))
+
+    @rule(which=st.integers(0, 1), share=st.sampled_from([0.25, 0.5, 1.0]))
+    def server_idles(self, which: int, share: float) -> None:
+        """sglang's idle loop calls the cache's poll: finished I/O is taken and, under write-back on a
+        private root, the next victims of eviction are written ahead until they and the free slots
+        make `share` of the pool (clean_ahead; 1: every evictable node, as this small pool is seldom
+        full)."""
+        cache = self.servers[which % len(self.servers)].stack.cache
+        cache.spill_config = replace(cache.spill_config, clean_ahead=share)
+        cache.poll()
 
     @rule(which=st.integers(0, 1))
     def writes_land(self, which: int) -> None:

@@ -21,7 +21,7 @@ from tests.server.launcher import refusal, run_main
 
 LAUNCH = [sys.executable, "-m", "sgl_hicache.launch_server", "--model-path", "/nonexistent-model"]
 KNOBS = {"io_threads", "chunk_size", "direct_io", "fsync", "compression", "zstd_level", "min_spill_tokens",
-         "prefetch_ttl_s", "pin_share"}  # fmt: skip
+         "prefetch_ttl_s", "pin_share", "clean_ahead"}  # fmt: skip
 
 
 def launch(
@@ -161,7 +161,7 @@ BAD = [
     ([EXTRA_CONFIG, '{"min_spill_tokens": "16"}'], f'{EXTRA_CONFIG} min_spill_tokens: expected an integer, got "16"'),
     ([EXTRA_CONFIG, '{"direct_io": "yes"}'], f'{EXTRA_CONFIG} direct_io: expected true or false, got "yes"'),
     ([EXTRA_CONFIG, '{"io_thread": 8}'],
-     f"{EXTRA_CONFIG}: unknown key 'io_thread' (did you mean io_threads? known: chunk_size, compression, direct_io, "
+     f"{EXTRA_CONFIG}: unknown key 'io_thread' (did you mean io_threads? known: chunk_size, clean_ahead, compression, direct_io, "
      "fsync, io_threads, min_spill_tokens, pin_share, prefetch_ttl_s, zstd_level)"),
     ([EXTRA_CONFIG, "{io_threads: 8}"], f"{EXTRA_CONFIG}: not a JSON object: Expecting property name"),
     ([EXTRA_CONFIG, "[8]"], f"{EXTRA_CONFIG}: not a JSON object: [8]"),
