@@ -132,6 +132,16 @@ class SpillController:
         self._submit_packed()
         return extent
 
+    def background_fit(self, tokens: int) -> Refused | None:
+        """Whether a background store of `tokens` tokens would find its share of staging now (None),
+        or DEFERRED (not now: writes in flight hold it) or TOO_LARGE_FOR_SHARE (never); counts
+        nothing (`store` counts its own refusals)."""
+        nbytes = packed_nbytes(self.view, tokens)
+        limit = int(self.staging.capacity_bytes * BACKGROUND_SHARE)
+        if nbytes > limit:
+            return Refused.TOO_LARGE_FOR_SHARE
+        return Refused.DEFERRED if self.staging.used_bytes + nbytes > limit else None
+
     def _submit_packed(self) -> None:
         """Submit the writes whose packs are done, oldest first; stop at the first still running."""
         while self._packing:
@@ -192,6 +202,11 @@ class SpillController:
         if extent.state is ExtentState.WRITING:
             return extent.staged is not None
         return extent.state is ExtentState.ON_TIER and self.tier.contains(extent.key)
+
+    def reused(self, extent: Extent) -> None:
+        """An eviction points at `extent` instead of writing it again: the tier's LRU sees a use."""
+        if extent.state is ExtentState.ON_TIER:
+            self.tier.touch(extent.key)
 
     @property
     def writes_in_flight(self) -> int:

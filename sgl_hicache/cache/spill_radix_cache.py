@@ -294,6 +294,8 @@ class SpillRadixCache(RadixCache):
         n = len(node.value)
         pin = self.retention.pin_of(node)  # a pinned conversation's node spills whatever its length
         if self._clean(node):  # the exact range it was restored from, written through or ahead
+            assert self.controller is not None  # `_clean` says so
+            self.controller.reused(node.spill.extent)
             self.tree.mark_spilled(node, node.spill)
             self.retention.spilled(node, pin)
             self.spill_metrics.inc("spilled_tokens", n)
@@ -850,16 +852,16 @@ class SpillRadixCache(RadixCache):
             self.controller.check_integrity(with_tier)
 
     def poll(self) -> None:
-        """sglang's idle loop (through a hook): take finished I/O and copies, then write the next
-        victims of eviction ahead (`_clean_ahead`). Never blocks."""
+        """Take finished I/O and copies (sglang's idle loop calls this through a hook). Never blocks."""
         self._poll()
-        self._clean_ahead()
 
     @contained("idle (clean ahead)", nothing)
-    def _clean_ahead(self) -> None:
-        """Write-back on a root only we use, while idle: write the coldest evictable nodes that have
-        no copy on the tier, in sglang's eviction order, until they and the free slots make
-        `clean_ahead` of the device pool, as a write-through would (within its share of staging).
+    def clean_ahead(self) -> None:
+        """Write-back on a root only we use, while no request runs or waits (the idle hook calls
+        this only then: on the CPU the packs are copies on this thread): write the coldest
+        evictable nodes that have no copy on the tier, in sglang's eviction order, until they and
+        the free slots make `clean_ahead` of the device pool, as a write-through would (within its
+        share of staging; a node larger than that share is left to its eviction).
         Evicting them later only points at their extent: no pack on the critical path of the request
         that needs the room. Not on a shared root (an eviction there stores again anyway: another
         process may have evicted the file) nor under write-through (done at insert). The tree's
@@ -882,26 +884,34 @@ class SpillRadixCache(RadixCache):
         changes = self._changes
         heap = [(self.eviction_strategy.get_priority(n), id(n), n) for n in self.evictable_leaves]
         heapq.heapify(heap)
-        seen: set[int] = set()
+        unseen: dict[int, int] = {}  # per parent: its resident children not walked yet
         while room < target and heap:
             _, _, node = heapq.heappop(heap)
-            seen.add(id(node))
             written = self._write_ahead(node)
             if written is DropReason.STAGING_FULL:
                 return  # the next look goes on, once writes in flight gave staging back
             if written is None:
                 room += len(node.value)
             parent = node.parent
-            if (parent is not self.root_node and not parent.evicted and parent.lock_ref == 0
-                    and all(id(c) in seen or c.evicted for c in parent.children.values())):  # fmt: skip
+            if parent is self.root_node or parent.evicted or parent.lock_ref > 0:
+                continue
+            left = unseen.get(id(parent), sum(not c.evicted for c in parent.children.values())) - 1
+            unseen[id(parent)] = left
+            if left == 0:  # its last child walked: eviction would take it next
                 heapq.heappush(heap, (self.eviction_strategy.get_priority(parent), id(parent), parent))
         self._cleaned_changes = changes
 
     def _write_ahead(self, node: TreeNode) -> DropReason | None:
         """Give resident `node` a clean copy on the tier (None: it has one now, or its eviction will
-        drop it anyway), or say why it cannot have one now."""
+        drop it anyway), or say why it has none: STAGING_FULL (not now: the walk stops), TOO_LARGE
+        (larger than write-through's share of staging: written at its eviction), or why it cannot
+        be stored at all."""
+        assert self.controller is not None
         if self._clean(node) or (len(node.value) < self.spill_config.min_spill_tokens and not node.children):
             return None
+        refused = self.controller.background_fit(len(node.value))
+        if refused is not None:
+            return DropReason.TOO_LARGE if refused is Refused.TOO_LARGE_FOR_SHARE else DropReason.STAGING_FULL
         ref = self._store(node, background=True)
         if isinstance(ref, DropReason):
             return ref

@@ -65,8 +65,9 @@ launcher, the process that makes the hint socket's runtime directory, calls `reg
 11. `Scheduler.on_idle`, AFTER: sglang calls it when it has nothing to schedule; our cache is then
    called by nothing else, so it takes its finished I/O and copies here (`SpillRadixCache.poll`): on
    a GPU a write is submitted only once its pack's copy is done, which an idle server would
-   otherwise leave waiting in staging; and it writes the next victims of eviction ahead there
-   (`clean_ahead`), so that the eviction a later request needs copies nothing.
+   otherwise leave waiting in staging; and, when no request runs or waits
+   (`Scheduler.is_fully_idle`), it writes the next victims of eviction ahead there (`clean_ahead`),
+   so that the eviction a later request needs copies nothing.
 `tests/server/test_concurrent_clients.py`, `tests/server/test_spill_resume.py`,
 `tests/server/test_hostile_hints.py` and `tests/server/test_shutdown.py` prove they still hold for
 the pinned version.
@@ -277,12 +278,16 @@ def at_loop_start(scheduler: Any, *args: Any, **kwargs: Any) -> None:
 @contained
 def poll_when_idle(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     """Hook 11: with nothing to schedule, sglang calls no cache method, so the finished writes,
-    reads and copies are taken here (a write whose pack finished is submitted only by a poll)."""
+    reads and copies are taken here (a write whose pack finished is submitted only by a poll); and
+    only when no request runs or waits (sglang also calls it while a deferred restore waits for its
+    reads), the next victims of eviction are written ahead."""
     from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
 
     cache = scheduler.tree_cache
     if isinstance(cache, SpillRadixCache):
         cache.poll()
+        if scheduler.is_fully_idle():
+            cache.clean_ahead()
     return result
 
 

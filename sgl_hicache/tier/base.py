@@ -298,6 +298,12 @@ class Tier(abc.ABC):
     def contains(self, key: ExtentKey) -> bool:
         """Whether the index holds `key` (a later load may still MISS if another process evicts it)."""
 
+    def touch(self, key: ExtentKey) -> None:
+        """`key` was just used without a load (an eviction pointed at it instead of writing it again):
+        it becomes the most recently used in this process's LRU. Never blocks on I/O. Default: nothing
+        (a backend whose evictions are not its own, as a Mooncake master's)."""
+        return None
+
     def take_evicted(self) -> list[ExtentKey]:
         """The keys this process's tier evicted from its index since the last call (to make room),
         oldest first; at most the last 65536 are kept between calls. Never blocks. The cache takes

@@ -244,6 +244,9 @@ class FaultyTier(IndexedTier):
     def contains(self, key: ExtentKey) -> bool:
         return self._inner.contains(key)
 
+    def touch(self, key: ExtentKey) -> None:
+        self._inner.touch(key)
+
     def take_evicted(self) -> list[ExtentKey]:
         return self._inner.take_evicted()
 

@@ -301,6 +301,10 @@ class NvmeTier(IndexedTier):
         with self._lock:
             return key in self._index
 
+    def touch(self, key: ExtentKey) -> None:
+        with self._lock:
+            self._index.touch(key)
+
     def take_evicted(self) -> list[ExtentKey]:
         with self._lock:
             keys = list(self._index.evicted)

@@ -253,13 +253,14 @@ class SpillCacheMachine(RuleBasedStateMachine):
 
     @rule(which=st.integers(0, 1), share=st.sampled_from([0.25, 0.5, 1.0]))
     def server_idles(self, which: int, share: float) -> None:
-        """sglang's idle loop calls the cache's poll: finished I/O is taken and, under write-back on a
-        private root, the next victims of eviction are written ahead until they and the free slots
+        """sglang's idle hook with no request running or waiting: finished I/O is taken and, under
+        write-back on a private root, the next victims of eviction are written ahead until they and the free slots
         make `share` of the pool (clean_ahead; 1: every evictable node, as this small pool is seldom
         full)."""
         cache = self.servers[which % len(self.servers)].stack.cache
         cache.spill_config = replace(cache.spill_config, clean_ahead=share)
         cache.poll()
+        cache.clean_ahead()
 
     @rule(which=st.integers(0, 1))
     def writes_land(self, which: int) -> None:

@@ -71,6 +71,9 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
         "0",
         "--extra-metric-labels",
         json.dumps(EXTRA_LABELS),
+        # evictions store here, as without clean-ahead (the exactness server test runs the default)
+        "--hicache-spill-extra-config",
+        json.dumps({"clean_ahead": 0}),
     )
     with ServerProcess(tiny_model, POOL, args, log_path=tmp / "server.log") as s:
         s.tier_dir = tier  # type: ignore[attr-defined]
