@@ -67,7 +67,11 @@ def remove_objects(cfg: MooncakeConfig) -> int:
         store.close()
 
 
-@pytest.fixture(scope="module", params=["file", "mooncake"])
+@pytest.fixture(
+    scope="module",
+    # Mooncake: a repeat on the other backend (test_mooncake_server.py runs it through a server in CI)
+    params=["file", pytest.param("mooncake", marks=pytest.mark.slow)],
+)
 def cluster(
     request: pytest.FixtureRequest, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
@@ -105,7 +109,8 @@ def test_next_turn_on_the_other_server_is_restored_from_the_tier(cluster: Cluste
     assert counter(a, "spilled_tokens") >= len(turn2) - 8
     answers = [generate(cluster.router.base_url, turn2) for _ in range(2)]  # round robin: one on A, one on B
     assert [out for out, _ in answers] == [reference, reference]
-    assert all(cached > 0 for _, cached in answers), answers
+    # each reuses at least what the reference did (recomputing decode-made KV could flip a near-tie)
+    assert all(hit >= cached for _, hit in answers), (answers, cached)
     assert counter(b, "lookup_attached_tokens") >= len(turn1)
     assert counter(b, "restored_tokens") >= len(turn1)
     assert counter(b, "lookup_refused") == 0

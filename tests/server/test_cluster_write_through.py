@@ -6,12 +6,14 @@ and answers exactly as A does from its resident copy (greedy, the differential).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from benchmarks.bench.probe import spill_state
 from benchmarks.bench.server_process import ServerProcess
 from tests.server.conftest import SPILL_FLAGS
 from tests.server.test_spill_resume import POOL, counter, generate, tokens
@@ -36,13 +38,23 @@ def test_a_history_resident_on_a_is_restored_on_b_with_the_same_answer(pair: Any
     turn1 = tokens(1)
     out1, _ = generate(a.base_url, turn1)
     turn2 = turn1 + out1 + tokens(2, 20)
+    settled(a.base_url)  # A's write-through of turn 1's decode-made tokens too: B recomputes none of A's hit
     moved, cached_on_b = generate(b.base_url, turn2)  # B never saw turn 1: A's extents, by lookup
     reference, cached_on_a = generate(a.base_url, turn2)  # A: turn 1 resident, never evicted
     assert cached_on_a >= len(turn1)
     assert counter(a.base_url, "evicted_tokens") == 0  # nothing of A's was ever evicted
     assert counter(a.base_url, "written_through_tokens") >= len(turn1)
     assert moved == reference
-    assert cached_on_b >= len(turn1) - 16, cached_on_b  # all but a partial last page
+    # B restores all A reuses (a recompute of A's decode-made KV could flip a near-tie: not ours to test)
+    assert cached_on_b >= cached_on_a, (cached_on_b, cached_on_a)
     assert counter(b.base_url, "lookup_attached_tokens") >= len(turn1) - 16
     assert counter(b.base_url, "restored_tokens") >= len(turn1) - 16
     assert counter(b.base_url, "lookup_refused") == 0
+
+
+def settled(base: str, timeout_s: float = 60.0) -> None:
+    """Wait until the server has no tier write in flight."""
+    deadline = time.monotonic() + timeout_s
+    while spill_state(base)["writes_in_flight"]:
+        assert time.monotonic() < deadline, "writes still in flight"
+        time.sleep(0.2)

@@ -51,6 +51,7 @@ def test_plain_sglang_launcher_selects_our_backend_by_flag(
     assert series['sglang:hicache_spill_match_requests_total{tp_rank="0"}'] >= 1
 
 
+@pytest.mark.slow  # a control: a plain server that fails, none of our code on its path
 def test_plain_sglang_that_fails_to_start_shows_nothing_of_ours(
     tiny_model: Path, tmp_path: Path, start_server: Any
 ) -> None:

@@ -100,6 +100,7 @@ def test_turn_evicted_from_device_and_host_resumes_from_file_storage(hicache_ser
     assert len(list(hicache_server.storage_dir.glob("*.bin"))) >= details["storage"]  # one file per page
 
 
+@pytest.mark.slow  # a control: test_plugin.py checks per process that unselected schedulers get no hook
 def test_none_of_our_hooks_is_applied_where_our_backend_was_not_selected(hicache_server: Any) -> None:
     """Issues 24 and 28: only the compat patches asked for by the variable; no route, no state of ours."""
     base = hicache_server.base_url

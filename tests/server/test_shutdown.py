@@ -54,6 +54,7 @@ def assert_closed_clean(log: Path, tier: Path, why: str) -> None:
     assert list(tier.rglob("*.ext")), "the spilled extents stay for a warm restart"
 
 
+@pytest.mark.slow  # a repeat: every test server is stopped by its process group; the graceful path below
 def test_a_signal_to_the_process_group_closes_the_tier(start_server: Any, tiny_model: Path,
                                                        tmp_path: Path) -> None:  # fmt: skip
     server = spilling_server(start_server, tiny_model, tmp_path / "tier")

@@ -85,6 +85,7 @@ def test_tp2_spill_matches_the_never_evicting_tp2_reference(
     assert any(restored(r) for r in replies), "nothing was restored from the tier"
 
 
+@pytest.mark.slow  # a repeat: warm restart (test_spill_resume.py) and hints at TP1, TP agreement per rank (tests/cache)
 def test_tp2_warm_restart_and_a_resume_hint_restore_a_spilled_conversation_on_both_ranks(
     tiny_model: Path, tmp_path: Path
 ) -> None:

@@ -41,6 +41,7 @@ def tp1_outputs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> l
         return serve(server.base_url)
 
 
+@pytest.mark.slow  # a control: sglang's own TP2, no code of ours
 def test_plain_sglang_tp2_matches_tp1(
     tiny_model: Path, start_server: Any, tp1_outputs: list[list[int]]
 ) -> None:
