@@ -115,7 +115,7 @@ class SpillController:
         `cache_salt`: the request's tenant salt, tagged in the file so a purge finds it;
         `background`: a write-through, bounded by `BACKGROUND_SHARE` of staging."""
         nbytes = packed_nbytes(self.view, len(slots))
-        limit = int(self.staging.capacity_bytes * BACKGROUND_SHARE) if background else None
+        limit = self._background_limit if background else None
         buf = self.staging.acquire(nbytes, limit)
         if buf is None:
             return self._refused(len(slots), nbytes, limit)
@@ -136,11 +136,15 @@ class SpillController:
         """Whether a background store of `tokens` tokens would find its share of staging now (None),
         or DEFERRED (not now: writes in flight hold it) or TOO_LARGE_FOR_SHARE (never); counts
         nothing (`store` counts its own refusals)."""
-        nbytes = packed_nbytes(self.view, tokens)
-        limit = int(self.staging.capacity_bytes * BACKGROUND_SHARE)
+        nbytes, limit = packed_nbytes(self.view, tokens), self._background_limit
         if nbytes > limit:
             return Refused.TOO_LARGE_FOR_SHARE
         return Refused.DEFERRED if self.staging.used_bytes + nbytes > limit else None
+
+    @property
+    def _background_limit(self) -> int:
+        """The bytes of staging background stores (write-through, write-ahead) may hold at once."""
+        return int(self.staging.capacity_bytes * BACKGROUND_SHARE)
 
     def _submit_packed(self) -> None:
         """Submit the writes whose packs are done, oldest first; stop at the first still running."""

@@ -300,8 +300,7 @@ class SpillRadixCache(RadixCache):
             self.retention.spilled(node, pin)
             self.spill_metrics.inc("spilled_tokens", n)
             return None
-        # Short nodes are not worth an extent, unless dropping them would orphan spilled children.
-        if n < self.spill_config.min_spill_tokens and not node.children and pin is None:
+        if self._too_short(node, pin):
             return DropReason.TOO_SHORT
         ref = self._store(node)
         if isinstance(ref, DropReason):
@@ -310,6 +309,11 @@ class SpillRadixCache(RadixCache):
         self.retention.spilled(node, pin)
         self.spill_metrics.inc("spilled_tokens", n)
         return None
+
+    def _too_short(self, node: TreeNode, pin: object) -> bool:
+        """Whether eviction drops resident `node` for its length: short nodes are not worth an extent,
+        unless dropping them would orphan spilled children, or their conversation is pinned."""
+        return len(node.value) < self.spill_config.min_spill_tokens and not node.children and pin is None
 
     def _clean(self, node: TreeNode) -> bool:
         """Whether resident `node` has an exact copy that its eviction may simply point to: in
@@ -421,11 +425,18 @@ class SpillRadixCache(RadixCache):
                 todo.append(node)
             node = node.parent
         for node in reversed(todo):
-            written = self._store(node, background=True)
-            if isinstance(written, DropReason):
+            if self._write_clean(node, "written_through_tokens") is not None:
                 return
-            node.spill = written
-            self.spill_metrics.inc("written_through_tokens", written.count)
+
+    def _write_clean(self, node: TreeNode, counter: str) -> DropReason | None:
+        """Write resident `node` to the tier in the background (write-through's share of staging) and
+        keep it resident with a clean reference, counted in `counter`; or why it was not written."""
+        ref = self._store(node, background=True)
+        if isinstance(ref, DropReason):
+            return ref
+        node.spill = ref
+        self.spill_metrics.inc(counter, ref.count)
+        return None
 
     # ---- match: device prefix + spilled continuation ---------------------------------------
 
@@ -907,17 +918,12 @@ class SpillRadixCache(RadixCache):
         (larger than write-through's share of staging: written at its eviction), or why it cannot
         be stored at all."""
         assert self.controller is not None
-        if self._clean(node) or (len(node.value) < self.spill_config.min_spill_tokens and not node.children):
+        if self._clean(node) or self._too_short(node, self.retention.pin_of(node)):
             return None
         refused = self.controller.background_fit(len(node.value))
         if refused is not None:
             return DropReason.TOO_LARGE if refused is Refused.TOO_LARGE_FOR_SHARE else DropReason.STAGING_FULL
-        ref = self._store(node, background=True)
-        if isinstance(ref, DropReason):
-            return ref
-        node.spill = ref
-        self.spill_metrics.inc("written_ahead_tokens", ref.count)
-        return None
+        return self._write_clean(node, "written_ahead_tokens")
 
     @contained("poll", nothing)
     def _poll(self) -> None:

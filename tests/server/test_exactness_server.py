@@ -188,9 +188,11 @@ def test_spilling_server_matches_the_never_evicting_reference(
     with spill_server(tiny_model, tmp_path, page) as ours:
         replies = replay(ours.base_url, sent)
         counters = {n: counter(ours.base_url, n) for n in ("spilled_tokens", "restored_tokens",
-                                                          "mismatch_extents", "corrupt_extents")}  # fmt: skip
+                                                          "mismatch_extents", "corrupt_extents",
+                                                          "written_ahead_tokens")}  # fmt: skip
     assert not differences(sent, replies), "\n".join(differences(sent, replies))
     assert counters["spilled_tokens"] > 0 and counters["restored_tokens"] > 0, counters
+    assert counters["written_ahead_tokens"] > 0, "clean-ahead (the default) was not exercised"
     assert counters["mismatch_extents"] == 0 and counters["corrupt_extents"] == 0, counters
     from_tier = {s.kind for s, r in zip(sent, replies, strict=True) if restored(r)}
     assert {"fork", "revisit"} <= from_tier, f"only {from_tier} requests were served from the tier"
