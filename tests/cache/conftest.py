@@ -25,6 +25,7 @@ class Stack:
     allocator: Any
     tier_dir: Path
     metrics: Any
+    tier: Any = None  # the controller's, kept here: `disable_spill` drops the controller, not its tier
 
     def insert(
         self, tokens: list[int], salt: str | None = None, ids: list[int] | None = None
@@ -160,14 +161,15 @@ def build_stack(tier_dir: Path, size: int = 256, spill: bool = True, chunk_bytes
     ns = Namespace("test-model", KVLayout(LAYERS, HEADS, HEAD_DIM, KVDtype.BF16, page_size))
     metrics = SpillMetrics()
     controller = open_controller(config, ns, view, metrics, allocator, streams=streams) if spill else None
-    return Stack(
-        SpillRadixCache(params, config, metrics, controller, ns.id), pool, allocator, tier_dir, metrics
-    )
+    cache = SpillRadixCache(params, config, metrics, controller, ns.id)
+    return Stack(cache, pool, allocator, tier_dir, metrics, controller.tier if controller else None)
 
 
 def close_stack(stack: Stack) -> None:
     if stack.cache.controller is not None:
-        stack.cache.controller.tier.close()  # idempotent
+        stack.cache.controller.tier.close()  # idempotent; a test's wrapper (FaultyTier) included
+    if stack.tier is not None:
+        stack.tier.close()
 
 
 @pytest.fixture

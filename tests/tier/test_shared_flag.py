@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -205,28 +206,35 @@ def test_without_locks_a_listing_sees_another_process_without_a_store(
 def test_a_failing_refresh_is_counted_and_logged_once(
     make_tier, tmp_path: Path, fast_refresh: None, monkeypatch: pytest.MonkeyPatch, caplog, code: int
 ) -> None:
+    """Only this tier's ledger reads are faked: another test's tier still open in this process (a
+    leaked one) must neither count as this tier's refresh nor fail it."""
     real, calls, ok = ledger_mod.read_unless_locked, [], []
+    tier = make_tier(directory=tmp_path / "tier", capacity_bytes=CAP)
+    ours = (tmp_path / "tier" / LEDGER_NAME).stat().st_ino
+    logged = f"looking for other processes on {tmp_path / 'tier'} failed"
 
-    def fail(fd: int, limit: int) -> None:
+    def fail(fd: int, limit: int) -> tuple[bytes, int] | None:
+        if os.fstat(fd).st_ino != ours:
+            return real(fd, limit)
         calls.append(fd)
         raise OSError(code, "injected")
 
     def succeed(fd: int, limit: int) -> tuple[bytes, int] | None:
-        ok.append(fd)
+        if os.fstat(fd).st_ino == ours:
+            ok.append(fd)
         return real(fd, limit)
 
-    tier = make_tier(directory=tmp_path / "tier", capacity_bytes=CAP)
     with caplog.at_level(logging.WARNING, "sgl_hicache.tier"):
         monkeypatch.setattr(ledger_mod, "read_unless_locked", fail)
         assert within(10, lambda: len(calls) >= 5)
         assert tier.stats().io_errors == 1 and not tier.shared
         assert store(tier, 1) is Status.OK and load(tier, 1) is Status.OK  # serving goes on
-        assert caplog.text.count("looking for other processes") == 1
+        assert caplog.text.count(logged) == 1
         monkeypatch.setattr(ledger_mod, "read_unless_locked", succeed)
         assert within(10, lambda: len(ok) >= 2)
         monkeypatch.setattr(ledger_mod, "read_unless_locked", fail)  # after a success: counted again
         assert within(10, lambda: tier.stats().io_errors == 2)
-    assert caplog.text.count("looking for other processes") == 2 and not tier.shared
+    assert caplog.text.count(logged) == 2 and not tier.shared
 
 
 def test_a_torn_ledger_is_a_refresh_fault_until_a_store_rebuilds_it(
