@@ -49,6 +49,7 @@ def test_plain_sglang_tp2_matches_tp1(
     assert serve(server.base_url) == tp1_outputs
 
 
+@pytest.mark.slow  # a smoke: test_tp_exactness_server's TP2 differential starts ours the same way, per-rank series too
 def test_our_server_tp2_matches_tp1(
     tiny_model: Path, tmp_path: Path, start_server: Any, tp1_outputs: list[list[int]]
 ) -> None:
