@@ -46,6 +46,7 @@ from typing import Any
 
 from benchmarks.bench import pagecache
 from benchmarks.bench.probe import dir_bytes, spill_state
+from benchmarks.bench.report import replaced_whole
 from benchmarks.bench.run import resolve_model
 from benchmarks.bench.spec import HICACHE, HICACHE_CONFIGS, HostPool, Shape, SpecError
 from benchmarks.bench.systems import System, build, kv_bytes_per_token
@@ -276,10 +277,9 @@ def main(argv: list[str] | None = None) -> int:
 def save_rows(workdir: Path, rows: list[dict[str, Any]]) -> None:
     """`rows.json`, replaced whole (a kill mid-write leaves the previous one); a failed write is
     said on stderr and does not stop the run."""
-    tmp = workdir / "rows.json.tmp"
     try:
-        tmp.write_text(json.dumps(rows, indent=1))
-        os.replace(tmp, workdir / "rows.json")
+        with replaced_whole(workdir / "rows.json") as tmp:
+            tmp.write_text(json.dumps(rows, indent=1))
     except OSError as e:
         print(f"long_history: could not save rows so far: {e}", file=sys.stderr)
 

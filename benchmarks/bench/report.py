@@ -3,9 +3,12 @@ workload) and a PNG of TTFT per round per system; and build the final stdout lin
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
+import os
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -100,7 +103,8 @@ def write(out_dir: Path, results: dict[str, dict[str, list[Result]]],
            "requests": [_row(s, r) for s, by in results.items() for rs in by.values() for r in rs],
            "metrics": {s: {w: {k: v for k, v in m.items() if v} for w, m in by.items()}
                        for s, by in (metrics or {}).items()}}  # fmt: skip
-    paths[0].write_text(json.dumps(clean(doc), indent=1) + "\n")
+    with replaced_whole(paths[0]) as tmp:
+        tmp.write_text(json.dumps(clean(doc), indent=1) + "\n")
     _csv(paths[1], REQUEST_FIELDS, doc["requests"])
     rows = [
         {"workload": w, "system": s, **_flat(f)} for w, fs in doc["figures"].items() for s, f in fs.items()
@@ -125,8 +129,21 @@ def _row(system: str, r: Result) -> dict[str, Any]:
     return d
 
 
+@contextlib.contextmanager
+def replaced_whole(path: Path) -> Iterator[Path]:
+    """A temporary path beside `path` to write; once the block ends without an exception it
+    replaces `path` at once, so a run killed (or failing) mid-write leaves the previous file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
 def _csv(path: Path, fields: tuple[str, ...], rows: list[dict[str, Any]]) -> None:
-    with open(path, "w", newline="") as f:
+    with replaced_whole(path) as tmp, open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(fields), extrasaction="ignore")
         w.writeheader()
         w.writerows(clean(rows))
@@ -154,5 +171,6 @@ def _plot(path: Path, results: dict[str, dict[str, list[Result]]]) -> None:
         ax.set_yscale("log")
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with replaced_whole(path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)

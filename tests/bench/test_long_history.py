@@ -60,7 +60,7 @@ def test_rows_are_saved_whole_and_a_failed_save_does_not_stop_the_run(
     lh.save_rows(tmp_path, second)
     assert json.loads((tmp_path / "rows.json").read_text()) == second
     assert [p.name for p in tmp_path.iterdir()] == ["rows.json"]
-    (tmp_path / "rows.json.tmp").mkdir()  # the write fails (a directory in the way)
+    (tmp_path / ".rows.json.tmp").mkdir()  # the write fails (a directory in the way)
     lh.save_rows(tmp_path, first)
     assert "could not save rows" in capsys.readouterr().err
     assert json.loads((tmp_path / "rows.json").read_text()) == second, "the last good save stays"

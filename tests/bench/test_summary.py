@@ -118,6 +118,31 @@ def test_report_files_and_final_line(tmp_path: Path) -> None:
     assert {r["server"] for r in doc["requests"]} == {None, "http://s1"}
     assert [r["system"] for r in csv.DictReader(paths[2].open())] == ["ours", "recompute"]
     assert paths[3].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in paths)  # no temp left
+
+
+def test_a_report_write_that_fails_midway_leaves_each_file_whole(tmp_path: Path, monkeypatch) -> None:
+    """`bench --servers 2` rewrites `partial/` after every run: a kill or a failure mid-write must
+    leave the previous files, never a truncated one."""
+    rs = {"ours": {"w": [result("a", 10, False), result("b", 5, True, cached=50)]}}
+    workloads = {"w": {s: summarize(by["w"], 1.0, {}) for s, by in rs.items()}}
+    line = report.final_line(workloads, {"w": ratios(workloads["w"])}, {})
+    paths = report.write(tmp_path, rs, workloads, line)
+    before = {p: p.read_bytes() for p in paths}
+    real_writer = csv.DictWriter
+
+    def writer_that_fails(*args, **kwargs):
+        w = real_writer(*args, **kwargs)
+        w.writerows = lambda rows: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+        return w
+
+    monkeypatch.setattr(report.csv, "DictWriter", writer_that_fails)
+    rs["ours"]["w"].append(result("c", 7, True))
+    with pytest.raises(OSError):
+        report.write(tmp_path, rs, workloads, line)
+    assert paths[1].read_bytes() == before[paths[1]], "requests.csv was truncated by the failed write"
+    assert json.loads(paths[0].read_text())["requests"]  # replaced whole by the new write
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in paths)  # no temp left
 
 
 def test_soak_verdicts() -> None:
