@@ -52,6 +52,7 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from sgl_hicache.cache.agreement import Agreement, SingleRank
+from sgl_hicache.cache.clean_copies import CleanCopies
 from sgl_hicache.cache.controller import Refused, SpillController
 from sgl_hicache.cache.events import TierEvents
 from sgl_hicache.cache.guard import contained, internal_error, last_resort, nothing
@@ -72,7 +73,6 @@ logger = logging.getLogger(__name__)
 
 ANONYMOUS = "sgl-hicache:restore"  # the owner of a restore whose request has no id (never deferred)
 INTEGRITY_ENV = "SGL_HICACHE_REPORT_INTEGRITY"
-CLEAN_AHEAD_EVERY_S = 0.1  # an idle loop spins: look for victims to write ahead at most this often
 
 
 class Admission:
@@ -92,18 +92,17 @@ class SpillRadixCache(RadixCache):
         self.spill_config = config
         self.spill_metrics = metrics
         self.controller = controller
+        self.io_to_close = controller  # closed at shutdown, also after `disable_spill`: its writes finish
         self.namespace_id = namespace_id
         self.hints = hints
         self.errors_logged: set[str] = set()  # guard.py: names whose first internal error was logged
         self._deferred_since: dict[str, float] = {}  # rid -> when its admission was first deferred
         self._admission: Admission | None = None
-        self._cleaned_at = 0.0  # when `_clean_ahead` last looked (monotonic)
-        self._changes = 0  # inserts and splits so far: what can leave a resident node unwritten
-        self._cleaned_changes = -1  # `_changes` when `_clean_ahead` last walked to its end
         self.epoch: bytes | None = None  # seeds every path key; None until the first reset()
         self.tree = SpillTree(self, config.kv_events_medium)
         self.warm = WarmStart(self.tree, namespace_id)
         self.retention = Retention(self)  # pin, drop, purge hints (retention.py)
+        self.clean = CleanCopies(self)  # write-through and clean-ahead (clean_copies.py)
         super().__init__(params)  # calls reset(), which attaches the tier's extents (warm start)
 
     @property
@@ -132,7 +131,7 @@ class SpillRadixCache(RadixCache):
     # ---- sglang's tree internals, routed to the tree ---------------------------------------
 
     def _split_node(self, key: RadixKey, child: TreeNode, split_len: int) -> TreeNode:
-        self._changes += 1
+        self.clean.changed()
         return self.tree.split(key, child, split_len)
 
     def _match_prefix_helper(self, node: TreeNode, key: RadixKey) -> tuple[list[torch.Tensor], TreeNode]:
@@ -293,16 +292,16 @@ class SpillRadixCache(RadixCache):
         """Spill resident leaf `node` (None), or say why it is to be dropped instead."""
         n = len(node.value)
         pin = self.retention.pin_of(node)  # a pinned conversation's node spills whatever its length
-        if self._clean(node):  # the exact range it was restored from, written through or ahead
-            assert self.controller is not None  # `_clean` says so
+        if self.clean.is_clean(node):  # the range it was restored from, written through or ahead
+            assert self.controller is not None  # `is_clean` says so
             self.controller.reused(node.spill.extent)
             self.tree.mark_spilled(node, node.spill)
             self.retention.spilled(node, pin)
             self.spill_metrics.inc("spilled_tokens", n)
             return None
-        if self._too_short(node, pin):
+        if self.too_short(node, pin):
             return DropReason.TOO_SHORT
-        ref = self._store(node)
+        ref = self.store_node(node)
         if isinstance(ref, DropReason):
             return ref
         self.tree.mark_spilled(node, ref)
@@ -310,32 +309,12 @@ class SpillRadixCache(RadixCache):
         self.spill_metrics.inc("spilled_tokens", n)
         return None
 
-    def _too_short(self, node: TreeNode, pin: object) -> bool:
+    def too_short(self, node: TreeNode, pin: object) -> bool:
         """Whether eviction drops resident `node` for its length: short nodes are not worth an extent,
         unless dropping them would orphan spilled children, or their conversation is pinned."""
         return len(node.value) < self.spill_config.min_spill_tokens and not node.children and pin is None
 
-    def _clean(self, node: TreeNode) -> bool:
-        """Whether resident `node` has an exact copy that its eviction may simply point to: in
-        staging on its way, or on the tier where only this process could have evicted it. Where
-        another process may evict our files (the root is shared, as write-through assumes), an
-        index entry proves nothing, so the node is stored again: the tier writes nothing when the
-        file is still there (it only refreshes its age), and writes it anew when it is gone."""
-        ref: SpillRef | None = getattr(node, "spill", None)
-        if ref is None or ref.count != len(node.value) or self.controller is None:
-            return False
-        if ref.extent.state is ExtentState.ON_TIER and self._root_shared():
-            return False
-        return self.controller.still_stored(ref.extent)
-
-    def _root_shared(self) -> bool:
-        """Whether other servers may use the tier's root (evict our files, hold extents a lookup
-        can find): write-through assumes so; otherwise once the tier has seen one (`Tier.shared`)."""
-        assert self.controller is not None
-        shared = self.spill_config.write_policy is WritePolicy.WRITE_THROUGH
-        return shared or bool(getattr(self.controller.tier, "shared", False))
-
-    def _store(self, node: TreeNode, background: bool = False) -> SpillRef | DropReason:
+    def store_node(self, node: TreeNode, background: bool = False) -> SpillRef | DropReason:
         """Write resident `node`'s KV to the tier as one extent (never blocks: `SpillController.store`;
         `background`: a write-through, within its share of staging); its reference, or why it
         cannot be written now."""
@@ -403,7 +382,7 @@ class SpillRadixCache(RadixCache):
         through it); under the WRITE_THROUGH policy the resident nodes on the inserted path that have
         no copy on the tier are then written (`_write_through`). `value` None is sglang's debug
         insert of token ids as slots: nothing to write."""
-        self._changes += 1
+        self.clean.changed()
         result = super().insert(params)
         if self.spill_config.write_policy is WritePolicy.WRITE_THROUGH and params.value is not None:
             self._write_through(result.last_device_node)
@@ -411,32 +390,8 @@ class SpillRadixCache(RadixCache):
 
     @contained("insert (write-through)", nothing)
     def _write_through(self, node: TreeNode) -> None:
-        """Write the resident nodes from the root to `node` that have no copy on the tier, top down,
-        and keep them resident with a clean reference. Stops at the first that cannot be written
-        (write-through's share of staging full): its descendants' extents would follow a gap no warm
-        start or lookup can cross. The tree's structure is untouched, so TP ranks whose writes
-        differ still hold identical trees (an eviction agrees on each spill as before)."""
-        if self.disable or self.controller is None:
-            return
-        todo = []
-        while node is not self.root_node and not node.evicted:
-            ref: SpillRef | None = getattr(node, "spill", None)
-            if ref is None or ref.count != len(node.value) or not self.controller.still_stored(ref.extent):
-                todo.append(node)
-            node = node.parent
-        for node in reversed(todo):
-            if self._write_clean(node, "written_through_tokens") is not None:
-                return
-
-    def _write_clean(self, node: TreeNode, counter: str) -> DropReason | None:
-        """Write resident `node` to the tier in the background (write-through's share of staging) and
-        keep it resident with a clean reference, counted in `counter`; or why it was not written."""
-        ref = self._store(node, background=True)
-        if isinstance(ref, DropReason):
-            return ref
-        node.spill = ref
-        self.spill_metrics.inc(counter, ref.count)
-        return None
+        """Write the resident path to `node` that has no copy on the tier (clean_copies.py)."""
+        self.clean.write_through(node)
 
     # ---- match: device prefix + spilled continuation ---------------------------------------
 
@@ -543,9 +498,14 @@ class SpillRadixCache(RadixCache):
     # nodes, has run on every rank, so TP ranks keep identical trees whatever these do.
     @contained("prefetch (lookup)", nothing)
     def _start_lookup(self, key: RadixKey, held: int, rid: str | None) -> None:
-        """Off with TP > 1 (lookups.py), and on a root no other server uses (`_root_shared`): there a
+        """Off with TP > 1 (lookups.py), and on a root no other server uses (`CleanCopies.root_shared`): there a
         lookup could find only our own extents, which the tree or the warm start already holds."""
-        if self.controller is None or self.agreement.size > 1 or self.is_eagle or not self._root_shared():
+        if (
+            self.controller is None
+            or self.agreement.size > 1
+            or self.is_eagle
+            or not self.clean.root_shared()
+        ):
             return
         tenant = tenant_of(key.extra_key, key.cache_salt)
         if self.controller.lookups.start(self.controller.tier, key.raw_token_ids(), held, tenant,
@@ -814,7 +774,7 @@ class SpillRadixCache(RadixCache):
         matching them recomputes that part; an insert over them adopts them). Logged once."""
         if self.controller is None:
             return
-        self.controller = None  # the tier finishes its writes unwatched; nothing reads it again
+        self.controller = None  # the tier finishes its writes unwatched (closed at shutdown: `io_to_close`)
         logger.error("sgl_hicache: spill disabled after an internal error in a fallback; serving as "
                      "sglang's plain radix cache from now on")  # fmt: skip
 
@@ -868,62 +828,9 @@ class SpillRadixCache(RadixCache):
 
     @contained("idle (clean ahead)", nothing)
     def clean_ahead(self) -> None:
-        """Write-back on a root only we use, while no request runs or waits (the idle hook calls
-        this only then: on the CPU the packs are copies on this thread): write the coldest
-        evictable nodes that have no copy on the tier, in sglang's eviction order, until they and
-        the free slots make `clean_ahead` of the device pool, as a write-through would (within its
-        share of staging; a node larger than that share is left to its eviction).
-        Evicting them later only points at their extent: no pack on the critical path of the request
-        that needs the room. Not on a shared root (an eviction there stores again anyway: another
-        process may have evicted the file) nor under write-through (done at insert). The tree's
-        structure is untouched, so TP ranks that wrote differently still hold identical trees."""
-        now = time.monotonic()
-        share = self.spill_config.clean_ahead
-        if (
-            self.disable
-            or self.controller is None
-            or share <= 0
-            or now - self._cleaned_at < CLEAN_AHEAD_EVERY_S
-            or self._changes == self._cleaned_changes  # the last walk left nothing to write since
-        ):
-            return
-        self._cleaned_at = now
-        if self.spill_config.write_policy is not WritePolicy.WRITE_BACK or self._root_shared():
-            return
-        allocator = self.token_to_kv_pool_allocator
-        room, target = allocator.available_size(), int(share * allocator.size)
-        changes = self._changes
-        heap = [(self.eviction_strategy.get_priority(n), id(n), n) for n in self.evictable_leaves]
-        heapq.heapify(heap)
-        unseen: dict[int, int] = {}  # per parent: its resident children not walked yet
-        while room < target and heap:
-            _, _, node = heapq.heappop(heap)
-            written = self._write_ahead(node)
-            if written is DropReason.STAGING_FULL:
-                return  # the next look goes on, once writes in flight gave staging back
-            if written is None:
-                room += len(node.value)
-            parent = node.parent
-            if parent is self.root_node or parent.evicted or parent.lock_ref > 0:
-                continue
-            left = unseen.get(id(parent), sum(not c.evicted for c in parent.children.values())) - 1
-            unseen[id(parent)] = left
-            if left == 0:  # its last child walked: eviction would take it next
-                heapq.heappush(heap, (self.eviction_strategy.get_priority(parent), id(parent), parent))
-        self._cleaned_changes = changes
-
-    def _write_ahead(self, node: TreeNode) -> DropReason | None:
-        """Give resident `node` a clean copy on the tier (None: it has one now, or its eviction will
-        drop it anyway), or say why it has none: STAGING_FULL (not now: the walk stops), TOO_LARGE
-        (larger than write-through's share of staging: written at its eviction), or why it cannot
-        be stored at all."""
-        assert self.controller is not None
-        if self._clean(node) or self._too_short(node, self.retention.pin_of(node)):
-            return None
-        refused = self.controller.background_fit(len(node.value))
-        if refused is not None:
-            return DropReason.TOO_LARGE if refused is Refused.TOO_LARGE_FOR_SHARE else DropReason.STAGING_FULL
-        return self._write_clean(node, "written_ahead_tokens")
+        """While no request runs or waits (the idle hook): give the next victims of eviction a
+        clean copy on the tier, so evicting them later copies nothing (clean_copies.py)."""
+        self.clean.clean_ahead()
 
     @contained("poll", nothing)
     def _poll(self) -> None:

@@ -271,8 +271,8 @@ def at_loop_start(scheduler: Any, *args: Any, **kwargs: Any) -> None:
         return
     overlap = bool(getattr(scheduler, "enable_overlap", False))
     cache.set_forward_streams([getattr(scheduler, "forward_stream" if overlap else "schedule_stream", None)])
-    if cache.controller is not None:
-        close_on_signals(cache.controller)
+    if cache.io_to_close is not None:
+        close_on_signals(cache.io_to_close)
 
 
 @contained
@@ -295,7 +295,7 @@ def _spill_io(scheduler: Any) -> Any:
     from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
 
     cache = scheduler.tree_cache
-    return cache.controller if isinstance(cache, SpillRadixCache) else None
+    return cache.io_to_close if isinstance(cache, SpillRadixCache) else None  # spill disabled too
 
 
 @contained

@@ -14,7 +14,7 @@ import torch
 from sgl_hicache.kernels import packed_nbytes
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-import sgl_hicache.cache.spill_radix_cache as src
+import sgl_hicache.cache.clean_copies as clean_copies
 from tests.cache.conftest import Stack, read_kv
 
 SIZE = 256
@@ -106,11 +106,11 @@ def test_by_default_an_idle_server_writes_everything_evictable_and_what_comes_af
     conversations(s, 2)
     idle(s)
     assert s.metrics.totals["written_ahead_tokens"] == 80
-    time.sleep(src.CLEAN_AHEAD_EVERY_S)
+    time.sleep(clean_copies.LOOK_EVERY_S)
     idle(s)
     assert s.metrics.totals["written_ahead_tokens"] == 80, "nothing is written twice"
     s.insert([5] * 30)  # a later turn: the next idle look writes it too
-    time.sleep(src.CLEAN_AHEAD_EVERY_S)
+    time.sleep(clean_copies.LOOK_EVERY_S)
     idle(s)
     assert s.metrics.totals["written_ahead_tokens"] == 110
     s.evict_all()
@@ -149,7 +149,7 @@ def test_a_node_too_large_for_the_background_share_is_left_to_its_eviction_and_t
     conversations(s, 2)
     for _ in range(2):  # the two 40-token prompts do not fit the share together: one look each
         idle(s)
-        time.sleep(src.CLEAN_AHEAD_EVERY_S)
+        time.sleep(clean_copies.LOOK_EVERY_S)
     totals = s.metrics.totals
     assert totals["written_ahead_tokens"] == 80
     assert (totals["writes_through_too_large"], totals["writes_through_deferred"]) == (0, 0), (

@@ -113,3 +113,25 @@ def test_staging_blocks_are_whole_when_the_size_is_not_a_multiple_of_4096() -> N
         for buf in held:
             pool.release(buf)
     assert pool.used_bytes == 0, f"{pool.used_bytes} B still counted as used with nothing held"
+
+
+def test_a_disabled_caches_tier_is_still_closed_at_shutdown_with_its_writes(tmp_path: Path) -> None:
+    """After spill was switched off for good (`disable_spill`: a fallback failed), the shutdown hook
+    still closes the tier, which submits the spills packed before: nothing acknowledged is lost."""
+    from types import SimpleNamespace
+
+    from sgl_hicache.server.hooks import close_tier_first
+
+    s = build_stack(tmp_path / "tier", size=256, streams=RecordingStreams())
+    compute(s, A)
+    forward_first(s)
+    evict_all(s)  # write-back: A's only copy is its extent, packed into staging (not done yet)
+    ours_first(s)
+    s.cache.disable_spill()
+    close_tier_first(SimpleNamespace(tree_cache=s.cache))  # sglang's graceful shutdown path
+    again = build_stack(tmp_path / "tier", size=256)
+    try:
+        assert again.match(A).host_hit_length == len(A), "the spilled KV never reached the tier"
+    finally:
+        close_stack(again)
+        close_stack(s)

@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-import sgl_hicache.cache.spill_radix_cache as src
+import sgl_hicache.cache.clean_copies as clean_copies
 from sgl_hicache.config import WritePolicy
 from tests.cache.conftest import Stack, build_stack, close_stack, fill_kv, read_kv
 from tests.cache.fake_device import RecordingStreams, reuse_freed_slots_first
@@ -87,7 +87,7 @@ class SpillCacheMachine(RuleBasedStateMachine):
 
         super().__init__()
         self._block_tokens, lookup.BLOCK_TOKENS = lookup.BLOCK_TOKENS, 8  # aliases inside short prompts
-        self._clean_every, src.CLEAN_AHEAD_EVERY_S = src.CLEAN_AHEAD_EVERY_S, 0.0  # each idle call looks
+        self._clean_every, clean_copies.LOOK_EVERY_S = clean_copies.LOOK_EVERY_S, 0.0  # each idle call looks
         self.dir = Path(tempfile.mkdtemp(prefix="sgl_hicache_stateful_"))
         self.ref = Reference()
         self.servers = [Server(self._stack()) for _ in range(self.servers_sharing)]
@@ -108,7 +108,7 @@ class SpillCacheMachine(RuleBasedStateMachine):
             close_stack(server.stack)
         shutil.rmtree(self.dir, ignore_errors=True)
         lookup.BLOCK_TOKENS = self._block_tokens
-        src.CLEAN_AHEAD_EVERY_S = self._clean_every
+        clean_copies.LOOK_EVERY_S = self._clean_every
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -545,7 +545,7 @@ class TwoCachesOneDirectory(SpillCacheMachine):
         if server.pending or self.tampered:
             return
         cache = server.stack.cache
-        if not cache._root_shared():
+        if not cache.clean.root_shared():
             # Until this cache has seen another writer on the root (`Tier.shared`: here the other
             # cache, a second tier of this process, at once) it trusts its index (write-back on a
             # private root). The window a foreign process's first moments leave is a known limit
