@@ -37,7 +37,10 @@ from types import FrameType, TracebackType
 from typing import Any
 
 CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--skip-server-warmup")
-TRACKER_EXIT_S = 3.0  # multiprocessing's resource tracker, once its leader is killed
+# `stop()` signals the whole group, so sglang's launcher sees its scheduler die and takes it for a
+# crash: by default it then sleeps 5 s for py-spy and CUDA core dumps before it exits (and only
+# then removes its runtime directory). A stop is no crash: these skip that (a caller's env wins).
+NO_CRASH_DIAGNOSTICS = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
 CUDA_FLAGS = ("--device", "cuda")  # sglang's own defaults for everything else on a GPU
 
 
@@ -94,7 +97,8 @@ class ServerProcess:
         ]  # fmt: skip
 
     def start(self, timeout_s: float = 180.0) -> ServerProcess:
-        env = {**os.environ, **({"SGLANG_USE_CPU_ENGINE": "1"} if self.on_cpu else {}), **self.env}
+        env = {**os.environ, **NO_CRASH_DIAGNOSTICS, **({"SGLANG_USE_CPU_ENGINE": "1"} if self.on_cpu else {}),
+               **self.env}  # fmt: skip
         if self.on_cpu:  # --device cpu --tp-size N: the CPU profile's platform and thread binding
             from sgl_hicache_cpu.cpu_tp_env import cpu_tp_env
 
@@ -129,11 +133,9 @@ class ServerProcess:
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM the process group, SIGKILL what is left after `grace_s`; returns once the whole
-        group is gone (or after a further 10 s). Idempotent. sglang's launcher, seeing its scheduler
-        end on that SIGTERM (which closes our tier there), only sleeps 5 s for crash diagnostics
-        before it exits: once it is the last of its group it is killed instead (`leader_last`)."""
+        group is gone (or after a further 10 s; about 2 s with `NO_CRASH_DIAGNOSTICS`). Idempotent."""
         if self.proc is not None:
-            stop_group(self.proc, grace_s, 10.0, leader_last=True)
+            stop_group(self.proc, grace_s, 10.0)
             self.proc = None
 
     def kill(self) -> None:
@@ -253,61 +255,29 @@ def check_cpus(cpus: Collection[int]) -> tuple[int, ...]:
 
 
 def stop_group(proc: subprocess.Popen[bytes], grace_s: float, kill_wait_s: float,
-               first: signal.Signals = signal.SIGTERM, leader_last: bool = False) -> None:  # fmt: skip
+               first: signal.Signals = signal.SIGTERM) -> None:  # fmt: skip
     """Send `first` (SIGTERM) to `proc`'s process group (it leads one), SIGKILL what is left after
     `grace_s`, wait up to `kill_wait_s` more for the group to be gone, and forget it in the
-    signal-time reaper. With `leader_last`, the leader is SIGKILLed as soon as no other process of
-    the group is left but multiprocessing's resource tracker (which then cleans up after the leader
-    and exits): for a leader with nothing left to do once its children have ended."""
+    signal-time reaper."""
     pgid = proc.pid
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, first)
-    if _wait_group_gone(proc, pgid, grace_s, leader_last):
-        _REAPER.discard(pgid)
-        return
-    if leader_last:
+    if not _wait_group_gone(proc, pgid, grace_s):
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pgid, signal.SIGKILL)
-        if _wait_group_gone(proc, pgid, TRACKER_EXIT_S):
-            _REAPER.discard(pgid)
-            return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGKILL)
-    _wait_group_gone(proc, pgid, kill_wait_s)
+            os.killpg(pgid, signal.SIGKILL)
+        _wait_group_gone(proc, pgid, kill_wait_s)
     _REAPER.discard(pgid)
 
 
-def _wait_group_gone(proc: subprocess.Popen[bytes], pgid: int, timeout_s: float,
-                     leader_last: bool = False) -> bool:  # fmt: skip
-    """Whether the group ended within `timeout_s`; with `leader_last`, False (early) as soon as the
-    leader is its last process but for resource trackers."""
+def _wait_group_gone(proc: subprocess.Popen[bytes], pgid: int, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while True:
         proc.poll()  # reap our direct child; its orphans are reaped by init
         if not _group_alive(pgid):
             return True
-        if time.monotonic() >= deadline or (leader_last and _only_leader_left(pgid)):
+        if time.monotonic() >= deadline:
             return False
         time.sleep(0.1)
-
-
-def _only_leader_left(pgid: int) -> bool:
-    """Whether the group's live (not zombie) processes are its leader and resource trackers only
-    (read from /proc; Linux)."""
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) == pgid:
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()  # after "pid (comm)": state ppid pgrp
-            if len(fields) < 3 or int(fields[2]) != pgid or fields[0] == b"Z":
-                continue
-            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
-                if b"multiprocessing.resource_tracker" not in f.read():
-                    return False
-        except OSError:  # ended meanwhile
-            continue
-    return True
 
 
 def _group_alive(pgid: int) -> bool:

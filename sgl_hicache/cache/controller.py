@@ -392,12 +392,15 @@ class SpillController:
         """Shutdown: submit the writes whose packs are done (waiting for the device's copies: their
         bytes are the only copy of evicted KV), then close the tier, giving its writes at most
         `timeout_s` (then abandoned, their temp files removed; see `Tier.close`). Later stores
-        complete REJECTED (their extents LOST). Blocks."""
-        for request in self._packing:
-            if request.extent.pack is not None:
-                self.engine.streams.synchronize(request.extent.pack.event)
-        self._submit_packed()
-        self.tier.close(timeout_s)
+        complete REJECTED (their extents LOST). Blocks. The tier is closed even when the first step
+        raises (a device error: what is not submitted then is lost, as after a crash); raises that."""
+        try:
+            for request in self._packing:
+                if request.extent.pack is not None:
+                    self.engine.streams.synchronize(request.extent.pack.event)
+            self._submit_packed()
+        finally:
+            self.tier.close(timeout_s)
 
     def check_integrity(self, with_tier: bool = True) -> None:
         """Staging accounting, and the tier's own check when nothing is in flight (`with_tier`;

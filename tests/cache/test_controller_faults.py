@@ -135,3 +135,31 @@ def test_a_disabled_caches_tier_is_still_closed_at_shutdown_with_its_writes(tmp_
     finally:
         close_stack(again)
         close_stack(s)
+
+
+def test_a_close_whose_device_wait_fails_still_closes_the_tier_and_says_so(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A device error while waiting for the packs at shutdown: the tier is closed all the same (its
+    writes in flight get their time, its temp files go), and the log says the close failed."""
+    import logging
+
+    from sgl_hicache.server.shutdown import close_tier
+    from sgl_hicache.tier import Status
+    from tests.tier.common import key_for
+
+    compute(stack, A)
+    forward_first(stack)
+    evict_all(stack)  # a pack not yet done: close waits for it
+    io = stack.cache.controller
+    tier = io.tier
+
+    def device_lost(*_args: Any) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(io.engine.streams, "synchronize", device_lost)
+    assert tier.wait(tier.submit_load(key_for(1), bytearray(1))).status is Status.MISS  # open
+    with caplog.at_level(logging.WARNING, "sgl_hicache"):
+        assert close_tier(io, "test") is False
+    assert "closing the spill tier (test) failed" in caplog.text and "illegal memory access" in caplog.text
+    assert tier.wait(tier.submit_load(key_for(1), bytearray(1))).status is Status.REJECTED  # closed

@@ -210,17 +210,18 @@ def test_a_failing_refresh_is_counted_and_logged_once(
     leaked one) must neither count as this tier's refresh nor fail it."""
     real, calls, ok = ledger_mod.read_unless_locked, [], []
     tier = make_tier(directory=tmp_path / "tier", capacity_bytes=CAP)
-    ours = (tmp_path / "tier" / LEDGER_NAME).stat().st_ino
+    ledger = (tmp_path / "tier" / LEDGER_NAME).stat()
+    ours = (ledger.st_dev, ledger.st_ino)
     logged = f"looking for other processes on {tmp_path / 'tier'} failed"
 
     def fail(fd: int, limit: int) -> tuple[bytes, int] | None:
-        if os.fstat(fd).st_ino != ours:
+        if _file_id(fd) != ours:
             return real(fd, limit)
         calls.append(fd)
         raise OSError(code, "injected")
 
     def succeed(fd: int, limit: int) -> tuple[bytes, int] | None:
-        if os.fstat(fd).st_ino == ours:
+        if _file_id(fd) == ours:
             ok.append(fd)
         return real(fd, limit)
 
@@ -235,6 +236,11 @@ def test_a_failing_refresh_is_counted_and_logged_once(
         monkeypatch.setattr(ledger_mod, "read_unless_locked", fail)  # after a success: counted again
         assert within(10, lambda: tier.stats().io_errors == 2)
     assert caplog.text.count(logged) == 2 and not tier.shared
+
+
+def _file_id(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
 
 
 def test_a_torn_ledger_is_a_refresh_fault_until_a_store_rebuilds_it(
