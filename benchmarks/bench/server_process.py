@@ -184,7 +184,7 @@ class _Reaper:
 
     def stop_all(self, grace_s: float = 10.0) -> None:
         """SIGTERM every group at once, SIGKILL what is left after `grace_s` (as `stop`: sglang takes
-        about 6 s to end), then wait up to 5 s more."""
+        about 2 s to end, with `NO_CRASH_DIAGNOSTICS`), then wait up to 5 s more."""
         procs = list(self.live.items())
         for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
             for pgid, _ in procs:

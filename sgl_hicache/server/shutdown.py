@@ -11,7 +11,10 @@ How sglang 0.5.23 ends a scheduler process (`managers/scheduler.py` run_schedule
   KillMode=control-group, `ServerProcess.stop`): the scheduler receives it itself and installs no
   handler, so SIGTERM kills it at once and SIGINT raises KeyboardInterrupt, which skips
   `release_host_resources`; and the main process, seeing the detokenizer die, SIGKILLs the scheduler
-  about a second later (SubprocessWatchdog → SIGQUIT → kill_process_tree). So, as the scheduler's
+  (SubprocessWatchdog, polling every second → SIGQUIT → kill_process_tree): about 6 s later by
+  default, as it first sleeps 5 s for crash diagnostics, within a second where those are off
+  (`SGLANG_PYSPY_DUMP_BEFORE_CRASH=0` and `SGLANG_CUDA_COREDUMP_BEFORE_CRASH=0`, as our test and
+  benchmark servers run: `ServerProcess`). So, as the scheduler's
   loop starts, `close_on_signals` installs SIGTERM and SIGINT handlers in its main thread that close
   the tier and then do what the handler they replaced would have done (die by the signal, or raise
   KeyboardInterrupt). A handler runs between two bytecodes of the interrupted thread, which may hold

@@ -199,3 +199,14 @@ class Space:
             self.index.remove(key)
         self.remove_file(key)
         self._counters.add("removed_bad_files")
+
+    def drop_if(self, key: ExtentKey, seen: Entry | None) -> None:
+        """`drop` the bad file a load read, unless `key` was published anew since the load began
+        (its index entry is no longer `seen`, or a store of it is being written): the file at the
+        path is then the new one, not the one found bad."""
+        with self.lock:
+            if self.index.get(key) is not seen or key in self.writing:
+                return
+            self.index.remove(key)
+        self.remove_file(key)
+        self._counters.add("removed_bad_files")

@@ -90,6 +90,13 @@ class Index:
             self.used_bytes -= entry.file_bytes
         return entry
 
+    def remove_if(self, key: ExtentKey, entry: Entry) -> bool:
+        """Remove `key` if it is still indexed as `entry` (not re-published since); whether it was."""
+        if self._lru.get(key) is not entry:
+            return False
+        self.remove(key)
+        return True
+
     def pin(self, key: ExtentKey) -> None:
         self._pins[key] = self._pins.get(key, 0) + 1
 

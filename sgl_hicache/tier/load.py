@@ -33,6 +33,7 @@ from sgl_hicache.tier.format import (
     decode_fixed,
     decode_meta,
 )
+from sgl_hicache.tier.index import Entry
 from sgl_hicache.tier.keys import ExtentKey, NamespaceId, chain_key_from_digest
 
 _local = threading.local()
@@ -139,8 +140,10 @@ class LoadState:
     """A load in flight: chunk jobs count down `remaining`; the first error wins. Chunks finish in
     any order; `landed` is the verified prefix (the leading run of chunks that passed their check)."""
 
-    def __init__(self, ticket: Ticket, key: ExtentKey, ext: OpenExtent, dest: memoryview, want: int) -> None:
+    def __init__(self, ticket: Ticket, key: ExtentKey, ext: OpenExtent, dest: memoryview, want: int,
+                 seen: Entry | None) -> None:  # fmt: skip
         self.ticket, self.key, self.ext, self.dest, self.want = ticket, key, ext, dest, want
+        self.seen = seen  # the key's index entry when the load began (`NvmeTier._fail`)
         self.remaining = ext.header.chunk_count(want)
         self.error: Exception | None = None
         self.lock = threading.Lock()

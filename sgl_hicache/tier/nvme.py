@@ -51,7 +51,7 @@ from sgl_hicache.tier.directio import as_view, probe_direct_io
 from sgl_hicache.tier.faults import Counters, FaultLog, classify, logger
 from sgl_hicache.tier.filelock import NoLocks
 from sgl_hicache.tier.format import FormatError, Mismatch, Seal
-from sgl_hicache.tier.index import OverBudget
+from sgl_hicache.tier.index import Entry, OverBudget
 from sgl_hicache.tier.integrity import check_files
 from sgl_hicache.tier.keys import ROOT_KEY, ExtentKey, Namespace, chain_key_from_digest, check_key
 from sgl_hicache.tier.ledger import Ledger, close_ledger, open_ledger
@@ -119,8 +119,12 @@ class NvmeTier(IndexedTier):
             load = self._loading.get(ticket)
         return 0 if load is None else load.landed
 
-    def _fail(self, op: Op, ticket: Ticket, key: ExtentKey, err: Exception) -> Completion:
-        """Count, log (rate-limited) and clean up after a failed job; returns its completion."""
+    def _fail(
+        self, op: Op, ticket: Ticket, key: ExtentKey, err: Exception, seen: Entry | None = None
+    ) -> Completion:
+        """Count, log (rate-limited) and clean up after a failed job; returns its completion. A
+        failed load cleans up only what it saw: `seen` (the key's index entry when it began) is
+        forgotten or dropped, never an extent a store published while the load ran."""
         status = Status.MISS if op is Op.LOAD and _gone(err) else classify(op, err)
         self._counters.add(_COUNTER_OF.get(status, "io_errors"))
         if not isinstance(err, (OSError, FormatError)):
@@ -128,11 +132,14 @@ class NvmeTier(IndexedTier):
         elif status in (Status.IO_ERROR, Status.NO_SPACE):
             self._faults.report(op, err, str(self._paths.ns_dir))
         if status in (Status.CORRUPT, Status.MISMATCH):
-            self._space.drop(key)
-        elif status is Status.MISS:  # removed behind our back (another process): forget it
+            if op is Op.LOAD:
+                self._space.drop_if(key, seen)
+            else:
+                self._space.drop(key)
+        elif status is Status.MISS and seen is not None:  # removed behind our back (another process)
             with self._lock:
-                forgotten = self._index.remove(key)
-            if forgotten is not None:
+                forgotten = self._index.remove_if(key, seen)
+            if forgotten:
                 self._space.shared.saw_others()
         return Completion(ticket, op, key, status, 0, str(err))
 
@@ -211,18 +218,19 @@ class NvmeTier(IndexedTier):
     def _open_job(self, ticket: Ticket, key: ExtentKey, dest: memoryview, nbytes: int | None) -> None:
         with self._lock:
             self._index.pin(key)
+            seen = self._index.get(key)
         try:
             ext = open_extent(self._paths.extent(key), self._ns_id, key, self._direct, self._seal)
         except Exception as e:  # I/O errors, and bugs: logged by _fail, never lost
             self._unpin(key)
-            self._completions.post(self._fail(Op.LOAD, ticket, key, e))
+            self._completions.post(self._fail(Op.LOAD, ticket, key, e, seen))
             return
         length = ext.header.payload_len
         want = length if nbytes is None else max(0, nbytes)
         if want > length:
             self._close_load(ext, key)
             self._completions.post(
-                self._fail(Op.LOAD, ticket, key, Mismatch(f"{length} B < {want} B requested"))
+                self._fail(Op.LOAD, ticket, key, Mismatch(f"{length} B < {want} B requested"), seen)
             )
             return
         if dest.nbytes < want:
@@ -231,7 +239,7 @@ class NvmeTier(IndexedTier):
                 Completion(ticket, Op.LOAD, key, Status.REJECTED, 0, f"dest {dest.nbytes} B < {want} B")
             )
             return
-        load = LoadState(ticket, key, ext, dest, want)
+        load = LoadState(ticket, key, ext, dest, want, seen)
         with self._lock:
             self._loading[ticket] = load
         if load.remaining == 0:
@@ -253,7 +261,7 @@ class NvmeTier(IndexedTier):
     def _end_load(self, load: LoadState) -> None:
         self._close_load(load.ext, load.key)
         if load.error is not None:
-            self._completions.post(self._fail(Op.LOAD, load.ticket, load.key, load.error))
+            self._completions.post(self._fail(Op.LOAD, load.ticket, load.key, load.error, load.seen))
             return
         with self._lock:
             ours = load.key in self._index

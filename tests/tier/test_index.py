@@ -86,3 +86,12 @@ def test_chain_keys():
         chain_key(NS.id, ROOT_KEY, [-1])
     with pytest.raises(ValueError):
         chain_key(NS.id, ExtentKey(b"short"), [1])
+
+
+def test_remove_if_removes_only_the_entry_it_names():
+    idx = Index(1000)
+    old, new = Entry(b"\0" * 16, 1, 10, 100), Entry(b"\0" * 16, 1, 10, 100)
+    idx.add(b"k" * 16, old)
+    idx.add(b"k" * 16, new)  # published anew
+    assert not idx.remove_if(b"k" * 16, old) and idx.get(b"k" * 16) is new and idx.used_bytes == 100
+    assert idx.remove_if(b"k" * 16, new) and b"k" * 16 not in idx and idx.used_bytes == 0
