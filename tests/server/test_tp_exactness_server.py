@@ -110,6 +110,7 @@ def test_tp2_warm_restart_and_a_resume_hint_restore_a_spilled_conversation_on_bo
     assert hits[0] > 0 and hits[0] == hits[1], f"the hinted reads were not used on both ranks: {hits}"
 
 
+@pytest.mark.slow  # CI time: per-rank faults are agreed in-process too (tests/cache/test_guards_tp.py, test_tp_agreement.py)
 def test_faults_on_one_rank_change_no_output_and_hang_nothing(
     transcript: list[Sent], tiny_model: Path, tmp_path: Path
 ) -> None:
