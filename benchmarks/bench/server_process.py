@@ -39,7 +39,9 @@ from typing import Any
 CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--skip-server-warmup")
 # `stop()` signals the whole group, so sglang's launcher sees its scheduler die and takes it for a
 # crash: by default it then sleeps 5 s for py-spy and CUDA core dumps before it exits (and only
-# then removes its runtime directory). A stop is no crash: these skip that (a caller's env wins).
+# then removes its runtime directory). A stop is no crash: these skip that (the environment or a
+# caller's `env` wins). It also gives the scheduler's tier close (on SIGTERM) 0-1 s instead of ~5 s
+# before the launcher SIGKILLs it: a test that restarts on the tier waits for its writes first.
 NO_CRASH_DIAGNOSTICS = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
 CUDA_FLAGS = ("--device", "cuda")  # sglang's own defaults for everything else on a GPU
 
@@ -97,7 +99,7 @@ class ServerProcess:
         ]  # fmt: skip
 
     def start(self, timeout_s: float = 180.0) -> ServerProcess:
-        env = {**os.environ, **NO_CRASH_DIAGNOSTICS, **({"SGLANG_USE_CPU_ENGINE": "1"} if self.on_cpu else {}),
+        env = {**NO_CRASH_DIAGNOSTICS, **os.environ, **({"SGLANG_USE_CPU_ENGINE": "1"} if self.on_cpu else {}),
                **self.env}  # fmt: skip
         if self.on_cpu:  # --device cpu --tp-size N: the CPU profile's platform and thread binding
             from sgl_hicache_cpu.cpu_tp_env import cpu_tp_env

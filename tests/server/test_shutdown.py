@@ -17,15 +17,22 @@ from typing import Any
 
 import pytest
 
+from benchmarks.bench.server_process import NO_CRASH_DIAGNOSTICS
 from tests.server.test_spill_resume import POOL, counter, push_out, two_turns
 
 pytestmark = pytest.mark.server
 
+# What a deployed server runs with (our test servers turn sglang's crash diagnostics off to stop
+# fast, `NO_CRASH_DIAGNOSTICS`): a group signal then gives the scheduler's close sglang's ~5 s.
+SGLANG_DEFAULTS = {name: "1" for name in NO_CRASH_DIAGNOSTICS}
 
-def spilling_server(start_server: Any, tiny_model: Path, tier: Path) -> Any:
+
+def spilling_server(
+    start_server: Any, tiny_model: Path, tier: Path, env: dict[str, str] | None = None
+) -> Any:
     """A server whose device pool was pushed out once, so its tier holds spilled extents."""
     args = ("--enable-hicache-spill", "--hicache-spill-dir", str(tier), "--hicache-spill-min-free", "0")
-    server = start_server(tiny_model, *args, max_total_tokens=POOL)
+    server = start_server(tiny_model, *args, max_total_tokens=POOL, env=env)
     two_turns(server.base_url, 301)
     spilled = counter(server.base_url, "spilled_tokens")
     push_out(server.base_url, 301)
@@ -57,7 +64,7 @@ def assert_closed_clean(log: Path, tier: Path, why: str) -> None:
 @pytest.mark.slow  # a repeat: every test server is stopped by its process group; the graceful path below
 def test_a_signal_to_the_process_group_closes_the_tier(start_server: Any, tiny_model: Path,
                                                        tmp_path: Path) -> None:  # fmt: skip
-    server = spilling_server(start_server, tiny_model, tmp_path / "tier")
+    server = spilling_server(start_server, tiny_model, tmp_path / "tier", env=SGLANG_DEFAULTS)
     server.stop()  # SIGTERM to every process of the server at once
     assert_closed_clean(server.log_path, tmp_path / "tier", "SIGTERM")
 

@@ -46,6 +46,14 @@ def tp_counter(base: str, name: str, rank: int = 0) -> float:
     return metrics(base).get(f'sglang:hicache_spill_{name}_total{{tp_rank="{rank}"}}', 0.0)
 
 
+def writes_done(base: str) -> bool:
+    """Whether both ranks' staging is empty: every spill written (a stop may cut a write short)."""
+    series = metrics(base)
+    return all(
+        series.get(f'sglang:hicache_spill_staging_used_bytes{{tp_rank="{r}"}}', -1) == 0 for r in (0, 1)
+    )
+
+
 def ours(model: Path, tier: Path, log: Path, env: dict[str, str] | None = None) -> ServerProcess:
     args = (*SPILL_FLAGS, *TP, "--enable-hicache-spill", "--hicache-spill-dir", str(tier),
             "--hicache-spill-min-free", "0")  # fmt: skip
@@ -96,6 +104,7 @@ def test_tp2_warm_restart_and_a_resume_hint_restore_a_spilled_conversation_on_bo
         turn2, reference, history = two_turns(server.base_url, 501)
         push_out(server.base_url, 501)
         assert tp_counter(server.base_url, "spilled_tokens", 1) > 0
+        assert eventually(lambda: writes_done(server.base_url), 30), "the spills were never written"
     with ours(tiny_model, tmp_path / "tier", tmp_path / "second.log") as server:
         base = server.base_url
         hint = post_json(base + "/hicache/prefetch", {"input_ids": turn2[:-20]})
