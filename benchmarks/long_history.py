@@ -238,23 +238,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"long_history: {e}", file=sys.stderr)
         return 2
-    args.dir.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="long-", dir=args.dir)).resolve()
     try:
-        model = resolve_model(args.model, args.dir.resolve())
+        workdir, model, shape, systems = prepare(args.dir, "long-", args.model, names, max(lengths),
+                                                 args.page_size, args.device, args.host_budget_mb)  # fmt: skip
     except SpecError as e:
         print(f"long_history: {e}", file=sys.stderr)
         return 2
-    pool = max(lengths) + 4096
-    host_mb = args.host_budget_mb or int(1.5 * max(lengths) * kv_bytes_per_token(model) / 2**20) + 1
-    shape = Shape(model=str(model), pool_tokens=pool, host_budget_mb=host_mb, page_size=args.page_size,
-                  chunked_prefill=4096, device=args.device)  # fmt: skip
-    env: tuple[tuple[str, str], ...] = ()
-    if args.device == "cpu":  # the CPU profile's extend attention over new rows only, for every system
-        from sgl_hicache_cpu.cpu_prefix_attention import ENV_VAR as PREFIX_ATTENTION_ENV
-
-        env = ((PREFIX_ATTENTION_ENV, "1"),)
-    systems = [replace(s, env=(*s.env, *env)) for s in (build(n, shape, model, workdir) for n in names)]
+    pool, host_mb = shape.pool_tokens, shape.host_budget_mb
     rows: list[dict[str, Any]] = []
     raw: list[float] = []
     for round_ in range(args.rounds):
@@ -272,6 +262,26 @@ def main(argv: list[str] | None = None) -> int:
                "rows": str(workdir / "rows.json"), **summarize(rows, raw)}  # fmt: skip
     emit(figures)
     return 0
+
+
+def prepare(out_dir: Path, prefix: str, model_name: str, names: list[str], longest: int, page_size: int,
+            device: str, host_budget_mb: int | None = None) -> tuple[Path, Path, Shape, list[System]]:  # fmt: skip
+    """A run's new work dir under `out_dir`, its model, its shape (a device pool of the longest
+    history + 4,096 tokens; host budget default 1.5 x the longest history's KV) and its systems,
+    on CPU each with the CPU profile's extend attention over new rows only. Raises SpecError."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix=prefix, dir=out_dir)).resolve()
+    model = resolve_model(model_name, out_dir.resolve())
+    host_mb = host_budget_mb or int(1.5 * longest * kv_bytes_per_token(model) / 2**20) + 1
+    shape = Shape(model=str(model), pool_tokens=longest + 4096, host_budget_mb=host_mb, page_size=page_size,
+                  chunked_prefill=4096, device=device)  # fmt: skip
+    env: tuple[tuple[str, str], ...] = ()
+    if device == "cpu":
+        from sgl_hicache_cpu.cpu_prefix_attention import ENV_VAR as PREFIX_ATTENTION_ENV
+
+        env = ((PREFIX_ATTENTION_ENV, "1"),)
+    systems = [replace(s, env=(*s.env, *env)) for s in (build(n, shape, model, workdir) for n in names)]
+    return workdir, model, shape, systems
 
 
 def save_rows(workdir: Path, rows: list[dict[str, Any]]) -> None:

@@ -21,17 +21,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench.run import resolve_model
 from benchmarks.bench.spec import Shape, SpecError
-from benchmarks.bench.systems import System, build, kv_bytes_per_token
+from benchmarks.bench.systems import System
 from benchmarks.harness import emit, log
-from benchmarks.long_history import QUESTION, SYSTEMS, filler_tokens, other_work, settle
+from benchmarks.long_history import QUESTION, SYSTEMS, filler_tokens, other_work, prepare, settle
 from benchmarks.resume import seq, ttft
 
 DEFAULT_SYSTEMS = ("recompute", "hicache-wait-r2", "ours")
@@ -99,24 +96,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"resident_turn: --systems must name some of {', '.join(SYSTEMS)}; --length >= 256, --idle-s >= 0",
               file=sys.stderr)  # fmt: skip
         return 2
-    args.dir.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="resident-", dir=args.dir)).resolve()
     try:
-        model = resolve_model(args.model, args.dir.resolve())
+        workdir, model, shape, systems = prepare(args.dir, "resident-", args.model, names, args.length,
+                                                 args.page_size, "cpu")  # fmt: skip
     except SpecError as e:
         print(f"resident_turn: {e}", file=sys.stderr)
         return 2
-    host_mb = int(1.5 * args.length * kv_bytes_per_token(model) / 2**20) + 1
-    shape = Shape(model=str(model), pool_tokens=args.length + 4096, host_budget_mb=host_mb,
-                  page_size=args.page_size, chunked_prefill=4096, device="cpu")  # fmt: skip
-    from sgl_hicache_cpu.cpu_prefix_attention import ENV_VAR as PREFIX_ATTENTION_ENV
-
     figures: dict[str, Any] = {"model": args.model, "length": args.length, "idle_s": args.idle_s}
-    for name in names:
-        system = build(name, shape, model, workdir)
-        system = replace(system, env=(*system.env, (PREFIX_ATTENTION_ENV, "1")))
+    for system in systems:
         for key, value in probe(system, shape, model, args.length, args.idle_s, workdir).items():
-            figures[f"{name}_{key}"] = value
+            figures[f"{system.name}_{key}"] = value
     emit(figures)
     return 0
 
