@@ -16,7 +16,9 @@ are the same on every rank (same walk, same splits, same locks); tier changes ar
   walking the prefix, from where it leaves what other cached sequences share (a system prompt
   other conversations continue) to its end and below. Spilled nodes are pruned, device nodes freed,
   their extents removed from the tier (`Tier.submit_remove`; one still being written is removed
-  once written: `poll`), their prefetched reads released, their pins ended. A device node in use
+  once written: `poll`), their prefetched reads released, their pins ended. An extent a node left
+  in the tree still points into stays (a split leaves a kept head and a dropped tail in one
+  extent): it goes with the last node pointing into it. A device node in use
   by a running request (locked) stays, with its ancestors: that request's KV is cached again when
   it finishes, like any request's.
 - **purge** (`cache_salt`): every node of that salt is dropped as above, its pins end, and the tier
@@ -30,6 +32,7 @@ import contextlib
 import logging
 from array import array
 from collections import deque
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
@@ -44,7 +47,7 @@ from sgl_hicache.cache.tree import SpillTree
 from sgl_hicache.config import SpillConfig
 from sgl_hicache.kernels import packed_nbytes
 from sgl_hicache.tier.base import Ticket
-from sgl_hicache.tier.keys import tenant_of
+from sgl_hicache.tier.keys import ExtentKey, tenant_of
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +139,7 @@ class Retention:
             return  # the conversation runs off the tree here: what is cached is shared with others
         while top.parent is not self.host.root_node and len(top.parent.children) == 1:
             top = top.parent  # the parent is this conversation's alone: it goes too
-        self._drop_subtree(top)
+        self._forget(*self._drop_subtree(top))
 
     def purge(self, cache_salt: str) -> None:
         """Every node and extent of `cache_salt` (see the module doc)."""
@@ -149,8 +152,12 @@ class Retention:
                 tops.append(node)
             else:
                 stack.extend(node.children.values())
+        released: list[SpillRef] = []
+        extents: list[Extent] = []
         for top in tops:
-            self._drop_subtree(top)
+            refs, more = self._drop_subtree(top)
+            released, extents = released + refs, extents + more
+        self._forget(released, extents)
         if self.host.controller is None:
             return
         try:
@@ -190,7 +197,8 @@ class Retention:
             return
         done = [e for e in self._doomed if e.state is not ExtentState.WRITING]
         self._doomed = [e for e in self._doomed if e.state is ExtentState.WRITING]
-        self._remove([e for e in done if e.state is ExtentState.ON_TIER])
+        in_use = self._extents_in_use() if done else set()
+        self._remove([e for e in done if e.state is ExtentState.ON_TIER and e.key not in in_use])
 
     def wait_jobs(self, timeout_s: float = 30.0) -> None:
         """Block until the tier has finished the removals and purges submitted so far (tests: a
@@ -210,9 +218,10 @@ class Retention:
         end, _ = tree.match_spilled(last, key[sum(len(v) for v in values) :], prune_lost=False)
         return tree.path_up(end, self.host.root_node) or []
 
-    def _drop_subtree(self, top: TreeNode) -> None:
+    def _drop_subtree(self, top: TreeNode) -> tuple[list[SpillRef], list[Extent]]:
         """Remove `top` and every node below it but those in use by a running request (and their
-        ancestors); their extents leave the tier."""
+        ancestors); returns the refs of the spilled ones and the extents the removed ones pointed
+        into (`_forget` them)."""
         tree, order = self.host.tree, []
         stack = [top]
         while stack:
@@ -238,12 +247,23 @@ class Retention:
                 dropped += tree.drop(node)
             gone.add(id(node))
         self.host.spill_metrics.inc("hint_dropped_tokens", dropped)
-        if self.host.controller is not None:
-            self.host.controller.finish_reads(released)
-        self._forget(extents)
+        return released, extents
 
-    def _forget(self, extents: list[Extent]) -> None:
-        unique = list({id(e): e for e in extents}.values())
+    def _extents_in_use(self) -> set[ExtentKey]:
+        """Keys of the extents a node left in the tree, or a restore in progress, still points into.
+        After a split, the kept half and the dropped half of a node share one extent: it goes only
+        with the last node pointing into it (a later drop of that one)."""
+        ctl = self.host.controller
+        restoring = ctl.restores.extent_keys() if ctl is not None else set()
+        return self.host.tree.extent_keys_in_use() | restoring
+
+    def _forget(self, released: list[SpillRef], extents: Sequence[Extent] = ()) -> None:
+        """Release the reads of removed nodes' refs and remove `extents` from the tier, but for those
+        something left still points into (`_extents_in_use`: those stay, and so do their reads)."""
+        in_use = self._extents_in_use()
+        if self.host.controller is not None:
+            self.host.controller.finish_reads([r for r in released if r.extent.key not in in_use])
+        unique = [e for e in {id(e): e for e in extents}.values() if e.key not in in_use]
         self._doomed += [e for e in unique if e.state is ExtentState.WRITING]
         self._remove([e for e in unique if e.state is ExtentState.ON_TIER])
 

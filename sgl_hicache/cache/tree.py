@@ -229,6 +229,19 @@ class SpillTree:
             walk = walk.parent
         return path[::-1]
 
+    def extent_keys_in_use(self) -> set[ExtentKey]:
+        """The keys of every extent a node of the tree points into: a spilled node's, and a resident
+        node's clean copy (its eviction will point at it again). One walk of the whole tree."""
+        keys: set[ExtentKey] = set()
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            ref: SpillRef | None = getattr(node, "spill", None)
+            if ref is not None:
+                keys.add(ref.extent.key)
+            stack.extend(node.children.values())
+        return keys
+
     def resident_values(self) -> torch.Tensor:
         values = []
         stack = list(self.root.children.values())
