@@ -10,6 +10,9 @@ checkable with `sgl-hicache fsck DIR --cache-salt SALT`). Without a salt of its 
 `--forget drop` sends the conversation itself to `POST /hicache/drop` instead: its own part goes,
 not what other conversations share (a system prompt). A server that shares the tier directory
 keeps its device copy until it evicts it (docs/OPERATIONS.md, "Retention hints").
+
+A server started with `--admin-api-key` takes only that key on `/hicache/purge` and `/hicache/drop`
+(as on sglang's `/flush_cache`): pass it with `--admin-api-key` (default: the `--api-key`).
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--api-key", default=os.environ.get("OPENAI_API_KEY", "none"), help="the server's --api-key"
     )
+    p.add_argument("--admin-api-key", default=None,
+                   help="the server's --admin-api-key, for the purge or drop (default: --api-key)")  # fmt: skip
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--forget", choices=("purge", "drop"), default="purge",
                    help="purge the conversation's own salt (default), or drop the conversation")  # fmt: skip
@@ -67,10 +72,11 @@ def main(argv: list[str] | None = None) -> int:
         messages.append({"role": "assistant", "content": answer})
         print(f"turn {turn + 1}: {cached} cached tokens", flush=True)
     # The user deletes the conversation: its KV goes with it.
+    admin_key = args.admin_api_key or args.api_key
     if salt is not None:
-        status, reply = post(base, "/hicache/purge", {"cache_salt": salt}, args.api_key)
+        status, reply = post(base, "/hicache/purge", {"cache_salt": salt}, admin_key)
     else:
-        status, reply = post(base, "/hicache/drop", {"messages": messages}, args.api_key)
+        status, reply = post(base, "/hicache/drop", {"messages": messages}, admin_key)
     print(json.dumps({"forget": args.forget, "status": status, **reply}), flush=True)
     return 0 if status == 200 else 1
 

@@ -176,3 +176,24 @@ def test_chat_app_forgets_a_deleted_conversation(
         assert hint["messages"][: len(chats[-1]["messages"])] == chats[-1]["messages"]
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["status"] == 200
     assert {auth for _, auth in state.seen} == {"Bearer k"}
+
+
+@pytest.mark.parametrize("forget", ["purge", "drop"])
+def test_chat_app_forgets_with_the_admin_key(standin: tuple[str, StandIn], forget: str) -> None:
+    """A server with `--admin-api-key` takes only that key on drop and purge (issue 38)."""
+    args = [
+        "--base-url",
+        standin[0],
+        "--api-key",
+        "k",
+        "--admin-api-key",
+        "adm",
+        "--turns",
+        "1",
+        "--forget",
+        forget,
+    ]
+    assert example("chat_delete").main(args) == 0
+    seen = standin[1].seen
+    assert seen[-1] == (f"/hicache/{forget}", "Bearer adm")
+    assert {auth for _, auth in seen[:-1]} == {"Bearer k"}

@@ -13,6 +13,12 @@ salt or with anything else), 409 for a pin the scheduler refuses (over the pin b
 off), 413 for a body over `MAX_BODY_BYTES`, 503 when hints are off, too many are in flight or the
 scheduler did not answer in time.
 
+Keys: with sglang's `--api-key` / `--admin-api-key`, the routes that delete data for good (`drop`,
+`purge`: `ADMIN_KINDS`) are at sglang's admin level, marked exactly as sglang's own `/flush_cache`
+(`AuthLevel.ADMIN_OPTIONAL`: with an admin key set only that key, else the api key, else open); the
+others (`prefetch`, `pin`) at its normal level, as `/generate` (the api key where one is set).
+sglang's middleware checks the key before any of our code runs (401, or 403).
+
 Everything that costs CPU (JSON parsing, the chat template) runs off the event loop, and at most
 `MAX_IN_FLIGHT` hints are handled at a time: the others get 503 at once.
 """
@@ -34,6 +40,7 @@ ROUTES = {ROUTE: "prefetch", "/hicache/pin": "pin", "/hicache/drop": "drop", "/h
 MAX_BODY_BYTES = 4 << 20
 MAX_MESSAGES = 1024
 MAX_IN_FLIGHT = 32
+ADMIN_KINDS = frozenset({"drop", "purge"})  # they delete data other clients may need: admin level
 
 
 class BodyTooLarge(Exception):
@@ -42,12 +49,17 @@ class BodyTooLarge(Exception):
 
 def add_prefetch_route(app: Any) -> None:
     """Idempotent: registers the hint routes (`ROUTES`) on sglang's FastAPI app once; they share
-    one bound on hints in flight."""
+    one bound on hints in flight. `ADMIN_KINDS` get sglang's admin level, as `/flush_cache`."""
+    from sglang.srt.utils.auth import AuthLevel, auth_level
+
     if any(getattr(r, "path", None) == ROUTE for r in app.routes):
         return
     slots = asyncio.Semaphore(MAX_IN_FLIGHT)
     for path, kind in ROUTES.items():
-        app.add_api_route(path, _endpoint(slots, kind), methods=["POST"])
+        endpoint = _endpoint(slots, kind)
+        if kind in ADMIN_KINDS:
+            endpoint = auth_level(AuthLevel.ADMIN_OPTIONAL)(endpoint)
+        app.add_api_route(path, endpoint, methods=["POST"])
 
 
 def _endpoint(slots: asyncio.Semaphore, kind: str) -> Any:

@@ -135,6 +135,8 @@ SEAM = (
     Touch(_HTTP + "app", ATTRIBUTE, members=("routes", "add_api_route")),
     Touch(_HTTP + "get_global_state", FUNCTION, ()),
     Touch(_HTTP + "_GlobalState", CLASS, members=("tokenizer_manager",)),
+    Touch("sglang.srt.utils.auth.auth_level", FUNCTION, ("level",)),
+    Touch("sglang.srt.utils.auth.AuthLevel", CLASS, members=("ADMIN_OPTIONAL",)),
     Touch("sglang.srt.managers.tokenizer_manager.TokenizerManager", CLASS,
           members=("model_config", "context_len", "tokenizer", "server_args")),
     Touch(hooks.EXIT_TARGET, FUNCTION, ("parent_pid", "include_parent")),
