@@ -139,6 +139,20 @@ def test_each_route_takes_the_key_of_its_level_and_no_other(
     assert status == 200, (route, status, reply)
 
 
+def test_bodies_are_taken_as_sglang_takes_chat_messages_and_nothing_else(server: Any) -> None:
+    """Issue 38: OpenAI text parts give the plain string's tokens (this server's chat template and
+    content format); a key no route takes is a 400, never a drop of the default tenant."""
+    text = "Name a prime number."
+    plain = post_body(server.base_url, {"messages": [{"role": "user", "content": text}]})
+    parts = post_body(
+        server.base_url, {"messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]}
+    )
+    assert plain == parts and plain[0] == 200 and plain[1]["prompt_tokens"] > 5, (plain, parts)
+    typo = json.dumps({"input_ids": PROMPT, "cache_slat": "t"}).encode()
+    status, reply = post_raw(server.base_url, typo, "/hicache/drop", ADMIN_KEY)
+    assert status == 400 and "cache_slat" in reply["error"], reply
+
+
 @pytest.mark.parametrize(
     "data",
     [b"{not json", b"[" * 200_000, b"9" * 5000, b"\xff\xfe", b"[1, 2]", b'"a string"'],
