@@ -16,6 +16,8 @@ import http.client
 import json
 import os
 import stat
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -151,6 +153,20 @@ def test_bodies_are_taken_as_sglang_takes_chat_messages_and_nothing_else(server:
     typo = json.dumps({"input_ids": PROMPT, "cache_slat": "t"}).encode()
     status, reply = post_raw(server.base_url, typo, "/hicache/drop", ADMIN_KEY)
     assert status == 400 and "cache_slat" in reply["error"], reply
+
+
+def test_an_example_ends_a_refused_key_with_one_line(server: Any) -> None:
+    """Issue 38: sglang's own 401, through an example given the OpenAI form of the base URL."""
+    example = Path(__file__).resolve().parents[2] / "examples" / "resume_hint.py"
+    runs = {
+        key: subprocess.run([sys.executable, str(example), "--base-url", server.base_url + "/v1", "--api-key", key],
+                            capture_output=True, text=True, timeout=120)
+        for key in ("wrong", USER_KEY)
+    }  # fmt: skip
+    assert runs["wrong"].returncode == 1 and runs["wrong"].stdout == "", runs["wrong"]
+    (line,) = runs["wrong"].stderr.strip().splitlines()
+    assert line.startswith("resume_hint: error: POST /hicache/prefetch answered 401") and "--api-key" in line
+    assert runs[USER_KEY].returncode == 0 and "next turn:" in runs[USER_KEY].stdout, runs[USER_KEY]
 
 
 @pytest.mark.parametrize(
