@@ -29,6 +29,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from client_errors import BASE_URL_HELP, run, server_root
 from openai import OpenAI
 
 SYSTEM = "You are an agent. Read each tool result, then name the next tool call in one short line."
@@ -69,12 +70,18 @@ def pin(base_url: str, messages: list[dict[str, str]], ttl_s: float, api_key: st
         with urllib.request.urlopen(req, timeout=10) as r:
             return f"pinned {json.loads(r.read())['prompt_tokens']} tokens for {ttl_s:g} s"
     except urllib.error.HTTPError as e:  # 409: over the pin budget; 503: hints off or busy
-        return f"not pinned ({e.code}): {json.loads(e.read() or b'{}').get('error', '')}"
+        if e.code in (401, 403):  # a refused key: the agent's requests would be refused too
+            raise
+        try:
+            reason = json.loads(e.read() or b"{}").get("error", "")
+        except (ValueError, AttributeError):
+            reason = e.reason
+        return f"not pinned ({e.code}): {reason}"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:30000 (no /v1)")
+    p.add_argument("--base-url", required=True, help=BASE_URL_HELP)
     p.add_argument(
         "--api-key", default=os.environ.get("OPENAI_API_KEY", "none"), help="the server's --api-key"
     )
@@ -88,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--system-file", type=Path, help="a long system prompt (default: a one-line one)")
     args = p.parse_args(argv)
+    args.base_url = server_root(args.base_url)
+    return run("agent_loop", args.base_url, lambda: agent(args))
+
+
+def agent(args: argparse.Namespace) -> int:
     client = OpenAI(base_url=args.base_url + "/v1", api_key=args.api_key)
     model = client.models.list().data[0].id
     source = args.source.read_text(errors="replace")

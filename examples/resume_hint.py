@@ -17,6 +17,7 @@ import time
 import urllib.request
 from typing import Any
 
+from client_errors import BASE_URL_HELP, run, server_root
 from openai import OpenAI
 
 
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:30000")
+    parser.add_argument("--base-url", required=True, help=BASE_URL_HELP)
     parser.add_argument(
         "--api-key", default=os.environ.get("OPENAI_API_KEY", "none"), help="the server's --api-key"
     )
@@ -61,8 +62,12 @@ def main(argv: list[str] | None = None) -> int:
         {"role": "user", "content": "Let us plan a long trip by train."},
         {"role": "assistant", "content": "Gladly. Where would you like to go?"},
     ]
-    warm_then_ask(args.base_url.rstrip("/"), history, "Through the mountains, in winter.", args.api_key)
-    return 0
+
+    def talk() -> int:
+        warm_then_ask(server_root(args.base_url), history, "Through the mountains, in winter.", args.api_key)
+        return 0
+
+    return run("resume_hint", args.base_url, talk)
 
 
 if __name__ == "__main__":

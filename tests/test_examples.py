@@ -1,12 +1,15 @@
 """The user-facing examples against a stand-in OpenAI-compatible server (issue 28): every request
 carries the `--api-key` given, resume hints go out when asked for, and the summary line reports
-what the server said was cached."""
+what the server said was cached. Issue 38: every example takes the server's root as `--base-url`
+(a trailing `/v1` is dropped), and a refused key (401) or a conversation longer than the model's
+context (sglang's 400) ends it with one line on stderr and exit code 1, not a traceback."""
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
 import json
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -22,13 +25,24 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 class StandIn:
     """GET /v1/models, streamed POST /v1/chat/completions (usage: half the prompt cached after the
-    first request), POST /hicache/prefetch; records each request's path and Authorization header."""
+    first request), POST /hicache/prefetch; records each request's path and Authorization header.
+    With `key`, every request without it gets sglang's 401; with `context_words`, a chat whose
+    messages hold more words gets sglang's 400 for a prompt longer than the context."""
 
     def __init__(self) -> None:
         self.seen: list[tuple[str, str]] = []
         self.bodies: list[tuple[str, Any]] = []  # (path, JSON body) of the hints and chats
         self.chats = 0
         self.refuse_pins = False
+        self.key: str | None = None
+        self.context_words: int | None = None
+
+    @web.middleware
+    async def check_key(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self.key is not None and request.headers.get("Authorization") != f"Bearer {self.key}":
+            self.seen.append((request.path, request.headers.get("Authorization", "")))
+            return web.json_response({"error": "Unauthorized"}, status=401)  # sglang's middleware's answer
+        return await handler(request)  # type: ignore[no-any-return]
 
     async def models(self, request: web.Request) -> web.Response:
         self.seen.append((request.path, request.headers.get("Authorization", "")))
@@ -56,6 +70,17 @@ class StandIn:
         self.seen.append((request.path, request.headers.get("Authorization", "")))
         body = await request.json()
         self.bodies.append((request.path, body))
+        words = sum(len(m["content"].split()) for m in body["messages"])
+        if self.context_words is not None and words > self.context_words:  # sglang's answer, word for word
+            message = f"The input ({words} tokens) is longer than the model's context length ({self.context_words} tokens)."
+            error = {
+                "object": "error",
+                "message": message,
+                "type": "BadRequestError",
+                "param": None,
+                "code": 400,
+            }
+            return web.json_response(error, status=400)
         if not body.get("stream"):  # a whole answer at once
             usage = {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11,
                      "prompt_tokens_details": {"cached_tokens": 4 if self.chats else 0}}  # fmt: skip
@@ -84,7 +109,7 @@ def standin() -> Iterator[tuple[str, StandIn]]:
     holder: dict[str, Any] = {}
 
     async def start() -> None:
-        app = web.Application()
+        app = web.Application(middlewares=[state.check_key])
         app.router.add_get("/v1/models", state.models)
         app.router.add_post("/v1/chat/completions", state.chat)
         app.router.add_post("/hicache/prefetch", state.prefetch)
@@ -107,6 +132,8 @@ def standin() -> Iterator[tuple[str, StandIn]]:
 
 
 def example(name: str) -> ModuleType:
+    if str(EXAMPLES) not in sys.path:  # as when run as a script: the examples import each other
+        sys.path.insert(0, str(EXAMPLES))
     spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -176,3 +203,103 @@ def test_chat_app_forgets_a_deleted_conversation(
         assert hint["messages"][: len(chats[-1]["messages"])] == chats[-1]["messages"]
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["status"] == 200
     assert {auth for _, auth in state.seen} == {"Bearer k"}
+
+
+@pytest.mark.parametrize("forget", ["purge", "drop"])
+def test_chat_app_forgets_with_the_admin_key(standin: tuple[str, StandIn], forget: str) -> None:
+    """A server with `--admin-api-key` takes only that key on drop and purge (issue 38)."""
+    args = [
+        "--base-url",
+        standin[0],
+        "--api-key",
+        "k",
+        "--admin-api-key",
+        "adm",
+        "--turns",
+        "1",
+        "--forget",
+        forget,
+    ]
+    assert example("chat_delete").main(args) == 0
+    seen = standin[1].seen
+    assert seen[-1] == (f"/hicache/{forget}", "Bearer adm")
+    assert {auth for _, auth in seen[:-1]} == {"Bearer k"}
+
+
+# Every example that talks to a server given by `--base-url`, with arguments for a short run.
+SHORT_RUNS = {
+    "resume_hint": [],
+    "multi_turn_chat": [],
+    "multi_user_chat": ["--users", "2", "--turns", "2", "--think-s", "0", "--question-words", "5", "--hint"],
+    "agent_loop": ["--steps", "2", "--tool-s", "0", "--tool-chars", "40", "--pin-ttl", "60"],
+    "chat_delete": ["--turns", "2"],
+}
+
+
+@pytest.mark.parametrize("suffix", ["", "/", "/v1", "/v1/"])
+@pytest.mark.parametrize("name", SHORT_RUNS)
+def test_every_example_takes_the_server_root_as_base_url(
+    standin: tuple[str, StandIn], capsys: Any, name: str, suffix: str
+) -> None:
+    url, state = standin
+    assert example(name).main(["--base-url", url + suffix, "--api-key", "k", *SHORT_RUNS[name]]) == 0
+    paths = {path for path, _ in state.seen}
+    assert "/v1/models" in paths and "/v1/chat/completions" in paths, paths
+    assert capsys.readouterr().err == ""
+
+
+def one_error_line(err: str, name: str) -> str:
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{name}: error: "), err
+    return lines[0]
+
+
+@pytest.mark.parametrize("name", SHORT_RUNS)
+def test_a_refused_key_ends_with_one_line_and_exit_1(
+    standin: tuple[str, StandIn], capsys: Any, name: str
+) -> None:
+    url, state = standin
+    state.key = "the-right-key"
+    assert example(name).main(["--base-url", url, "--api-key", "wrong", *SHORT_RUNS[name]]) == 1
+    line = one_error_line(capsys.readouterr().err, name)
+    assert "401" in line and "--api-key" in line, line
+
+
+@pytest.mark.parametrize("name", SHORT_RUNS)
+def test_a_context_too_long_ends_with_one_line_and_exit_1(
+    standin: tuple[str, StandIn], capsys: Any, name: str
+) -> None:
+    url, state = standin
+    state.context_words = 3
+    assert example(name).main(["--base-url", url, "--api-key", "k", *SHORT_RUNS[name]]) == 1
+    line = one_error_line(capsys.readouterr().err, name)
+    assert "400" in line and "is longer than the model's context length (3 tokens)" in line, line
+
+
+def test_a_refused_admin_key_names_the_admin_key(standin: tuple[str, StandIn], capsys: Any) -> None:
+    url, state = standin
+    state.key = "k"  # the stand-in takes one key: the admin key given is refused
+    args = ["--base-url", url, "--api-key", "k", "--admin-api-key", "wrong", "--turns", "1"]
+    assert example("chat_delete").main(args) == 1
+    line = one_error_line(capsys.readouterr().err, "chat_delete")
+    assert "401" in line and "/hicache/purge" in line and "--admin-api-key" in line, line
+
+
+def test_the_script_exits_1_with_one_line(standin: tuple[str, StandIn]) -> None:
+    url, state = standin
+    state.key = "the-right-key"
+    out = subprocess.run([sys.executable, str(EXAMPLES / "resume_hint.py"), "--base-url", url, "--api-key", "x"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 1 and out.stdout == "", out
+    assert "401" in one_error_line(out.stderr, "resume_hint")
+
+
+@pytest.mark.parametrize("name", ["resume_hint", "multi_turn_chat"])  # a hint first; the OpenAI client first
+def test_a_server_that_cannot_be_reached_ends_with_one_line(capsys: Any, name: str) -> None:
+    from benchmarks.bench.server_process import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    assert example(name).main(["--base-url", url + "/v1", "--api-key", "k"]) == 1
+    line = one_error_line(capsys.readouterr().err, name)
+    assert f"cannot reach the server at {url}" in line, line

@@ -4,6 +4,10 @@ One server serves the whole module, in file order: the out-of-range id that used
 scheduler, raw bodies (not JSON, too large, too deep), random JSON bodies (hypothesis), then a flood
 from threads. Every answer is 200, 4xx or 503, and at the end the server still serves the same
 greedy output as before any of it.
+
+The server runs with sglang's `--api-key` and `--admin-api-key` (issue 38): the routes that delete
+data (`/hicache/drop`, `/hicache/purge`) take the admin key exactly as sglang's own `/flush_cache`
+does, the others the user key, as `/generate` does. Every request of the module carries its key.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import http.client
 import json
 import os
 import stat
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -24,7 +30,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from benchmarks.bench.server_process import ServerProcess
-from tests.server.conftest import SPILL_FLAGS, post_json
+from tests.server.conftest import SPILL_FLAGS
 
 pytestmark = pytest.mark.server
 
@@ -33,26 +39,40 @@ VOCAB = 1024  # the tiny model's
 CONTEXT = 32768  # the tiny model's max_position_embeddings
 PROMPT = [(i * 7) % 900 + 20 for i in range(120)]
 OK = {200, 400, 413, 503}
+USER_KEY, ADMIN_KEY = "user-key-1", "admin-key-2"  # the server's --api-key and --admin-api-key
+
+
+def headers(key: str | None = USER_KEY) -> dict[str, str]:
+    return {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
 
 
 def generate(base: str) -> list[int]:
     body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
-    ids: list[int] = post_json(base + "/generate", body)["output_ids"]
+    status, reply = post_raw(base, json.dumps(body).encode(), "/generate")
+    assert status == 200, reply
+    ids: list[int] = reply["output_ids"]
     return ids
 
 
-def post_raw(base: str, data: bytes) -> tuple[int, dict[str, Any]]:
-    """(status, JSON answer) for any status; a dropped connection raises."""
-    req = urllib.request.Request(base + "/hicache/prefetch", data, {"Content-Type": "application/json"})
+def post_raw(
+    base: str, data: bytes, route: str = "/hicache/prefetch", key: str | None = USER_KEY
+) -> tuple[int, Any]:
+    """(status, JSON answer, or the text of one that is not JSON) for any status; a dropped
+    connection raises."""
+    req = urllib.request.Request(base + route, data, headers(key))
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
+            status, text = r.status, r.read()
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
+        status, text = e.code, e.read() or b"{}"
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text.decode(errors="replace")
 
 
 def post_body(base: str, body: Any) -> tuple[int, dict[str, Any]]:
-    return post_raw(base, json.dumps(body).encode())
+    return post_raw(base, json.dumps(body).encode())  # type: ignore[no-any-return]
 
 
 def healthy(base: str) -> bool:
@@ -66,7 +86,7 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     tmp = tmp_path_factory.mktemp("hostile")
     (tmp / "run").mkdir()
     args = (*SPILL_FLAGS, "--enable-hicache-spill", "--hicache-spill-dir", str(tmp / "tier"),
-            "--hicache-spill-min-free", "0")  # fmt: skip
+            "--hicache-spill-min-free", "0", "--api-key", USER_KEY, "--admin-api-key", ADMIN_KEY)  # fmt: skip
     env = {"TMPDIR": str(tmp / "run")}
     with ServerProcess(tiny_model, POOL, args, log_path=tmp / "server.log", env=env) as s:
         s.reference = generate(s.base_url)  # type: ignore[attr-defined]
@@ -96,6 +116,59 @@ def test_the_hint_socket_lives_in_a_private_directory(server: Any) -> None:
     assert [p.name for p in run_dir.iterdir()] == ["hints.sock"]
 
 
+# Each route with a body it accepts, and the key it takes: sglang's `/flush_cache` is the model of
+# the admin level (ADMIN_OPTIONAL: with an admin key set, only that key), `/generate` of the user
+# level (with an api key set, only that key, even when an admin key is set too).
+ROUTES_AND_KEYS = [
+    ("/flush_cache", b"", ADMIN_KEY),
+    ("/hicache/drop", json.dumps({"input_ids": PROMPT[:16][::-1]}).encode(), ADMIN_KEY),
+    ("/hicache/purge", b'{"cache_salt": "nobody-here"}', ADMIN_KEY),
+    ("/generate", json.dumps({"input_ids": PROMPT[:8], "sampling_params": {"max_new_tokens": 1}}).encode(), USER_KEY),
+    ("/hicache/prefetch", json.dumps({"input_ids": PROMPT}).encode(), USER_KEY),
+    ("/hicache/pin", json.dumps({"input_ids": PROMPT[:8], "ttl_s": 5}).encode(), USER_KEY),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("route, data, key", ROUTES_AND_KEYS, ids=[r for r, _, _ in ROUTES_AND_KEYS])
+def test_each_route_takes_the_key_of_its_level_and_no_other(
+    server: Any, route: str, data: bytes, key: str
+) -> None:
+    other = USER_KEY if key == ADMIN_KEY else ADMIN_KEY
+    for wrong in (None, other, "not-a-key"):
+        status, reply = post_raw(server.base_url, data, route, wrong)
+        assert status == 401 and reply == {"error": "Unauthorized"}, (route, wrong, status, reply)
+    status, reply = post_raw(server.base_url, data, route, key)
+    assert status == 200, (route, status, reply)
+
+
+def test_bodies_are_taken_as_sglang_takes_chat_messages_and_nothing_else(server: Any) -> None:
+    """Issue 38: OpenAI text parts give the plain string's tokens (this server's chat template and
+    content format); a key no route takes is a 400, never a drop of the default tenant."""
+    text = "Name a prime number."
+    plain = post_body(server.base_url, {"messages": [{"role": "user", "content": text}]})
+    parts = post_body(
+        server.base_url, {"messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]}
+    )
+    assert plain == parts and plain[0] == 200 and plain[1]["prompt_tokens"] > 5, (plain, parts)
+    typo = json.dumps({"input_ids": PROMPT, "cache_slat": "t"}).encode()
+    status, reply = post_raw(server.base_url, typo, "/hicache/drop", ADMIN_KEY)
+    assert status == 400 and "cache_slat" in reply["error"], reply
+
+
+def test_an_example_ends_a_refused_key_with_one_line(server: Any) -> None:
+    """Issue 38: sglang's own 401, through an example given the OpenAI form of the base URL."""
+    example = Path(__file__).resolve().parents[2] / "examples" / "resume_hint.py"
+    runs = {
+        key: subprocess.run([sys.executable, str(example), "--base-url", server.base_url + "/v1", "--api-key", key],
+                            capture_output=True, text=True, timeout=120)
+        for key in ("wrong", USER_KEY)
+    }  # fmt: skip
+    assert runs["wrong"].returncode == 1 and runs["wrong"].stdout == "", runs["wrong"]
+    (line,) = runs["wrong"].stderr.strip().splitlines()
+    assert line.startswith("resume_hint: error: POST /hicache/prefetch answered 401") and "--api-key" in line
+    assert runs[USER_KEY].returncode == 0 and "next turn:" in runs[USER_KEY].stdout, runs[USER_KEY]
+
+
 @pytest.mark.parametrize(
     "data",
     [b"{not json", b"[" * 200_000, b"9" * 5000, b"\xff\xfe", b"[1, 2]", b'"a string"'],
@@ -110,7 +183,8 @@ def test_a_body_declared_too_large_is_refused_before_it_is_sent(server: Any) -> 
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     try:
         conn.putrequest("POST", "/hicache/prefetch")
-        conn.putheader("Content-Type", "application/json")
+        for name, value in headers().items():
+            conn.putheader(name, value)
         conn.putheader("Content-Length", str(1 << 30))
         conn.endheaders()  # and not one byte of the body
         answer = conn.getresponse()
@@ -180,7 +254,8 @@ def test_a_flood_of_hints_is_answered_or_shed(server: Any) -> None:
 def test_after_all_of_it_the_server_serves_the_same_output(server: Any) -> None:
     assert healthy(server.base_url)
     assert generate(server.base_url) == server.reference
-    with urllib.request.urlopen(server.base_url + "/server_info", timeout=60) as r:
+    req = urllib.request.Request(server.base_url + "/server_info", headers=headers())
+    with urllib.request.urlopen(req, timeout=60) as r:
         state = json.loads(r.read())["internal_states"][0]["hicache_spill"]
     assert state["hook_errors"] == {}, "a hook had to contain an exception"
     assert state["integrity"] == "off"  # opt-in: SGL_HICACHE_REPORT_INTEGRITY=1

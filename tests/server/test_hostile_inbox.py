@@ -234,14 +234,16 @@ class FakeTokenizer:
         return self.out
 
 
+HI = b'{"messages": [{"role": "user", "content": "hi"}]}'
+
+
 @pytest.mark.parametrize(
     "data, tokenizer",
     [
         (b"[" * 100_000, None), (b"9" * 5000, None), (b"\xff", None), (b"[]", None), (b"{}", None),
         (b'{"messages": []}', FakeTokenizer([1])), (b'{"messages": [1]}', FakeTokenizer([1])),
-        (b'{"messages": [{}]}', None), (b'{"messages": [{}]}', FakeTokenizer(error=TypeError("x"))),
-        (b'{"messages": [{}]}', FakeTokenizer([200])), (b'{"messages": [{}]}', FakeTokenizer({"no": 1})),
-        (b'{"messages": [{}]}', FakeTokenizer("text")),
+        (b'{"messages": [{}]}', FakeTokenizer([1])), (HI, None), (HI, FakeTokenizer(error=TypeError("x"))),
+        (HI, FakeTokenizer([200])), (HI, FakeTokenizer({"no": 1})), (HI, FakeTokenizer("text")),
     ],
 )  # fmt: skip
 def test_bad_bodies_are_one_line_400s(data: bytes, tokenizer: Any) -> None:

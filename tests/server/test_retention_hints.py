@@ -94,8 +94,8 @@ def test_bodies_of_each_route() -> None:
     chat = b'{"messages": [{"role": "user", "content": "hi"}], "cache_salt": "u", "ttl_s": 600}'
     assert parse_hint(chat, FakeTokenizer([4, 5]), LIMITS, "pin") == Hint([4, 5], None, "u", "pin", 600.0)
     assert parse_hint(b'{"cache_salt": "u"}', None, LIMITS, "purge") == Hint([], None, "u", "purge")
-    prefetch = b'{"input_ids": [1], "ttl_s": "ignored, as before"}'
-    assert parse_hint(prefetch, None, LIMITS) == Hint([1], None, None)
+    with pytest.raises(HintError, match="does not take 'ttl_s'"):  # ignored before issue 38: refused now
+        parse_hint(b'{"input_ids": [1], "ttl_s": 60}', None, LIMITS)
 
 
 JSON = st.recursive(
