@@ -3,7 +3,8 @@
 Every sglang 0.5.23 flag plus ours (see `sgl_hicache.server.flags`). Everything that can be refused
 is refused before sglang starts, with one line and exit code 2, having written nothing: our flags
 first (no sglang import), then sglang's, read by sglang's own parser (`server.sglang_args`: unknown
-flags, bad values, what our backend refuses, the model's config.json), then an installed sglang
+flags, bad values, a local model path that does not exist, what our backend refuses, the model's
+config.json, a tier too small for one of its extents), then an installed sglang
 that is not the one we were written against (`sgl_hicache.server.sglang_seam`). `--help` prints
 ours only, without importing sglang; `--help-sglang` prints sglang's.
 With `--enable-hicache-spill`, `--radix-cache-backend hicache_spill` is added for sglang, and the
@@ -128,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         if _flag_value(sglang_argv, "--device") == "cpu":
             os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
             os.environ.update(cpu_tp_defaults(sglang_argv))  # only for --tp-size > 1; never overrides
-        check_sglang_args(sglang_argv, PROG)  # imports sglang's server_args, which reads the env above
+        check_sglang_args(
+            sglang_argv, PROG, config
+        )  # imports sglang's server_args, which reads the env above
         check_seam()  # imports sglang
     except (ConfigError, SeamError) as e:
         return fail(e)

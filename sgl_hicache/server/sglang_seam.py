@@ -90,6 +90,11 @@ _SERVER_ARGS = (
     "enable_multimodal",
     "served_model_name",
     "extra_metric_labels",
+    "disable_radix_cache",
+    "disaggregation_mode",
+    "page_size",
+    "kv_cache_dtype",
+    "tp_size",
 )
 
 # fmt: off
@@ -98,7 +103,7 @@ SEAM = (
     Touch(_REG + "register_radix_cache_backend", FUNCTION, ("name", "factory")),
     Touch(_REG + "get_radix_cache_factory", FUNCTION, ("name",)),
     Touch(_REG + "TreeCacheBuildContext", CLASS, members=("server_args", "params", "is_hybrid_swa", "is_hybrid_ssm",
-          "enable_hierarchical_cache", "model_config", "tp_size", "tp_rank")),
+          "enable_hierarchical_cache", "disable_radix_cache", "model_config", "tp_size", "tp_rank")),
     Touch(_HOOKS + "HookRegistry.register", FUNCTION, ("target", "hook", "hook_type")),
     Touch(_HOOKS + "HookRegistry.apply_hooks", FUNCTION, ()),
     Touch(_HOOKS + "HookType", CLASS, members=("AFTER", "BEFORE", "AROUND")),

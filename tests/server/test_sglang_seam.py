@@ -168,7 +168,13 @@ def test_the_launcher_exits_2_with_one_line(
     tier = tmp_path / "tier"
     assert (
         main(
-            ["--model-path", "/nonexistent-model", "--enable-hicache-spill", "--hicache-spill-dir", str(tier)]
+            [
+                "--model-path",
+                "sgl-hicache-test/no-such-model",
+                "--enable-hicache-spill",
+                "--hicache-spill-dir",
+                str(tier),
+            ]
         )
         == 2
     )
