@@ -136,12 +136,16 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, SeamError) as e:
         return fail(e)
     from sgl_hicache.server.hints import HintSocketError, private_runtime_dir
+    from sgl_hicache.server.terminate import Terminated
 
     try:
         with private_runtime_dir():  # the hint socket's directory, for every process of the server
             return run_sglang(sglang_argv)
     except HintSocketError as e:
         return fail(e)
+    except Terminated as e:  # everything sglang started is stopped, the directory removed
+        print(f"{PROG}: stopped by SIGTERM while the server started", file=sys.stderr)
+        return int(e.code or 1)
 
 
 def cpu_tp_defaults(argv: list[str]) -> dict[str, str]:
@@ -174,7 +178,12 @@ def fail(error: Exception) -> int:
 
 def run_sglang(argv: list[str]) -> int:
     """What `python -m sglang.launch_server` does in its `__main__` block (sglang 0.5.23), plus our
-    exit hook: this process made the runtime directory (`hooks.register_exit_hook`)."""
+    hooks in this process (`hooks.register_exit_hook`: this process made the runtime directory; a
+    SIGTERM sglang's watchdog takes at once) and, until sglang's server handles it, SIGTERM as an
+    exception (`terminate.exit_on_sigterm`), so that the `finally` below stops what sglang started."""
+    from sgl_hicache.server.terminate import exit_on_sigterm
+
+    exit_on_sigterm()
     from sglang.launch_server import run_server
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import prepare_server_args
