@@ -3,7 +3,8 @@
 Every sglang 0.5.23 flag plus ours (see `sgl_hicache.server.flags`). Everything that can be refused
 is refused before sglang starts, with one line and exit code 2, having written nothing: our flags
 first (no sglang import), then sglang's, read by sglang's own parser (`server.sglang_args`: unknown
-flags, bad values, what our backend refuses, the model's config.json), then an installed sglang
+flags, bad values, a local model path that does not exist, what our backend refuses, the model's
+config.json, a tier too small for one of its extents), then an installed sglang
 that is not the one we were written against (`sgl_hicache.server.sglang_seam`). `--help` prints
 ours only, without importing sglang; `--help-sglang` prints sglang's.
 With `--enable-hicache-spill`, `--radix-cache-backend hicache_spill` is added for sglang, and the
@@ -128,17 +129,23 @@ def main(argv: list[str] | None = None) -> int:
         if _flag_value(sglang_argv, "--device") == "cpu":
             os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
             os.environ.update(cpu_tp_defaults(sglang_argv))  # only for --tp-size > 1; never overrides
-        check_sglang_args(sglang_argv, PROG)  # imports sglang's server_args, which reads the env above
+        check_sglang_args(
+            sglang_argv, PROG, config
+        )  # imports sglang's server_args, which reads the env above
         check_seam()  # imports sglang
     except (ConfigError, SeamError) as e:
         return fail(e)
     from sgl_hicache.server.hints import HintSocketError, private_runtime_dir
+    from sgl_hicache.server.terminate import Terminated
 
     try:
         with private_runtime_dir():  # the hint socket's directory, for every process of the server
             return run_sglang(sglang_argv)
     except HintSocketError as e:
         return fail(e)
+    except Terminated as e:  # everything sglang started is stopped, the directory removed
+        print(f"{PROG}: stopped by SIGTERM while the server started", file=sys.stderr)
+        return int(e.code or 1)
 
 
 def cpu_tp_defaults(argv: list[str]) -> dict[str, str]:
@@ -171,7 +178,12 @@ def fail(error: Exception) -> int:
 
 def run_sglang(argv: list[str]) -> int:
     """What `python -m sglang.launch_server` does in its `__main__` block (sglang 0.5.23), plus our
-    exit hook: this process made the runtime directory (`hooks.register_exit_hook`)."""
+    hooks in this process (`hooks.register_exit_hook`: this process made the runtime directory; a
+    SIGTERM sglang's watchdog takes at once) and, until sglang's server handles it, SIGTERM as an
+    exception (`terminate.exit_on_sigterm`), so that the `finally` below stops what sglang started."""
+    from sgl_hicache.server.terminate import exit_on_sigterm
+
+    exit_on_sigterm()
     from sglang.launch_server import run_server
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import prepare_server_args

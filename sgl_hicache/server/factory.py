@@ -28,6 +28,7 @@ def build_spill_cache(ctx: TreeCacheBuildContext) -> BasePrefixCache:
     from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
     from sgl_hicache.kernels import from_sglang_pool
     from sgl_hicache.server.handoff import import_config
+    from sgl_hicache.server.sglang_args import refuse_unserved
     from sgl_hicache.server.sglang_seam import check_seam
 
     check_seam()  # never build on a broken seam (SeamError ends the scheduler, and the server)
@@ -35,6 +36,7 @@ def build_spill_cache(ctx: TreeCacheBuildContext) -> BasePrefixCache:
         raise ConfigError(
             "--radix-cache-backend hicache_spill replaces --enable-hierarchical-cache; pass one of them"
         )
+    refuse_unserved(ctx.disable_radix_cache, ctx.server_args.disaggregation_mode)
     if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.params.is_eagle:
         raise ConfigError("the hicache_spill backend supports dense full-attention models without EAGLE only")
     if getattr(ctx.model_config, "is_multimodal", False):  # image placeholders are 62-bit ids in the key

@@ -6,7 +6,8 @@ None is registered in a process whose server did not select our backend: there `
 registers only its check hooks. In a scheduler that selected it, plugin.py's check hook on
 `Scheduler.__init__` calls `register_scheduler_hooks` (1-3, 6-10) before the Scheduler is built; in
 the HTTP process of such a server, its check hook on `set_global_state` calls `add_routes` (4); our
-launcher, the process that makes the hint socket's runtime directory, calls `register_exit_hook` (5).
+launcher, the process that makes the hint socket's runtime directory and runs sglang's HTTP server,
+calls `register_exit_hook` (5 and 12).
 
 1. `SchedulerInternalStateController.get_internal_state` (sglang 0.5.23,
    `sglang/srt/managers/scheduler_components/internal_state.py`): adds a `"hicache_spill"` entry
@@ -43,8 +44,12 @@ launcher, the process that makes the hint socket's runtime directory, calls `reg
    says whether it deferred this very attempt as the return value of `end_admission`, around it.
 7. `Scheduler.release_host_resources`, BEFORE: sglang calls it in the scheduler process when a
    `ShutdownReq` ended the loop (graceful shutdown: SIGTERM to the main process); first we close
-   the tier, bounded (`shutdown.close_tier`). Why: the one shutdown callback sglang gives a
-   scheduler; without it the process ends with stores in flight and their temp files left.
+   the tier, bounded (`shutdown.close_tier`), then freeze the garbage collector's heap
+   (`gc.freeze`): the process is about to exit, and the interpreter's final collection over
+   sglang's heap took seconds (4-8 s on a loaded 2-core machine), which the main process waits for
+   before it exits (a SIGINT, which kills the scheduler, does not). Why: the one shutdown callback
+   sglang gives a scheduler; without it the process ends with stores in flight and their temp
+   files left.
 8. `Scheduler.run_event_loop`, BEFORE: in the scheduler process's main thread, installs SIGTERM and
    SIGINT handlers that close the tier, then act as the handlers they replace
    (`shutdown.close_on_signals`). Why: a signal to the whole process group reaches the scheduler
@@ -68,6 +73,12 @@ launcher, the process that makes the hint socket's runtime directory, calls `reg
    otherwise leave waiting in staging; and, when no request runs or waits
    (`Scheduler.is_fully_idle`), it writes the next victims of eviction ahead there (`clean_ahead`),
    so that the eviction a later request needs copies nothing.
+12. `TokenizerManager.sigterm_watchdog` (`sglang/srt/managers/tokenizer_manager.py`), AROUND, in
+   our launcher's process only: sglang's SIGTERM handler sets `gracefully_exit`, which that watchdog
+   coroutine polls every 5 s before it drains the requests and sends each scheduler a ShutdownReq;
+   ours polls it every `SIGTERM_POLL_S` first, then runs sglang's, which finds it set and drains at
+   once. Why: SIGTERM to an idle server took up to 5 s longer than SIGINT to begin; sglang offers
+   no event to wait on.
 `tests/server/test_concurrent_clients.py`, `tests/server/test_spill_resume.py`,
 `tests/server/test_hostile_hints.py` and `tests/server/test_shutdown.py` prove they still hold for
 the pinned version.
@@ -80,7 +91,9 @@ the first time per hook, and sglang goes on as if the hook had done nothing.
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import gc
 import logging
 import os
 from collections import Counter
@@ -97,6 +110,8 @@ EXIT_TARGET = "sglang.srt.utils.common.kill_process_tree"
 ADMIT_TARGET = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
 RELEASE_TARGET = "sglang.srt.managers.scheduler.Scheduler.release_host_resources"
 LOOP_TARGET = "sglang.srt.managers.scheduler.Scheduler.run_event_loop"
+SIGTERM_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.sigterm_watchdog"
+SIGTERM_POLL_S = 0.1
 IDLE_TARGET = "sglang.srt.managers.scheduler.Scheduler.on_idle"
 WEIGHTS_TARGET = (
     "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
@@ -257,6 +272,7 @@ def close_tier_first(scheduler: Any, *args: Any, **kwargs: Any) -> None:
     io = _spill_io(scheduler)
     if io is not None:
         close_tier(io, "shutdown request")
+    gc.freeze()  # the process exits next: its final collection would walk the whole heap (seconds)
 
 
 @contained
@@ -325,14 +341,23 @@ def register_scheduler_hooks() -> None:
     HookRegistry.apply_hooks()  # patches only targets not patched yet
 
 
+async def drain_at_sigterm(original: Callable[..., Any], manager: Any, *args: Any, **kwargs: Any) -> Any:
+    """Hook 12: wait for sglang's SIGTERM flag in steps of `SIGTERM_POLL_S`, then run its watchdog."""
+    while not manager.gracefully_exit:
+        await asyncio.sleep(SIGTERM_POLL_S)
+    return await original(manager, *args, **kwargs)
+
+
 def register_exit_hook() -> None:
-    """Hook 5, applied at once: in our launcher's process, which made the runtime directory. `hints`
-    is imported here, so the hook's own import (in a signal handler, when a child failed) finds it
-    whole: an import it began itself could be interrupted there by a second such signal, whose
-    handler would then find the module half-imported (ImportError, issue 24)."""
+    """Hooks 5 and 12, applied at once: in our launcher's process, which made the runtime directory
+    and runs sglang's tokenizer manager. `hints` is imported here, so hook 5's own import (in a
+    signal handler, when a child failed) finds it whole: an import it began itself could be
+    interrupted there by a second such signal, whose handler would then find the module
+    half-imported (ImportError, issue 24)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from sgl_hicache.server import hints  # noqa: F401
 
     HookRegistry.register(EXIT_TARGET, remove_runtime_dir_first, HookType.BEFORE)
+    HookRegistry.register(SIGTERM_TARGET, drain_at_sigterm, HookType.AROUND)
     HookRegistry.apply_hooks()

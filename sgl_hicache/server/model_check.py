@@ -54,7 +54,7 @@ WHY = "the hicache_spill backend serves dense full-attention text models only"
 
 def check_model(args: Any) -> None:
     """ConfigError if `args` (sglang's parsed flags) name a local model our backend cannot serve."""
-    config = _read(Path(args.model_path) / "config.json") if args.model_path else None
+    config = read_config(args.model_path)
     what = refused_kind(config, args) if config is not None else None
     if config is not None and what is not None:
         archs = ", ".join(a for a in config.get("architectures") or [] if isinstance(a, str))
@@ -92,8 +92,12 @@ def _multimodal(config: Mapping[str, Any], archs: list[str], args: Any) -> bool:
     return any(key in config for key in MULTIMODAL_KEYS)
 
 
-def _read(path: Path) -> dict[str, Any] | None:
-    """The JSON object in `path`; None if there is none to read (a hub id, no file, not JSON)."""
+def read_config(model_path: str | None) -> dict[str, Any] | None:
+    """The JSON object in the `config.json` of local model `model_path`; None if there is none to
+    read (a hub id, no file, not JSON)."""
+    if not model_path:
+        return None
+    path = Path(model_path) / "config.json"
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError, RecursionError):

@@ -13,15 +13,20 @@ checks nothing: the seam check says why that cannot start.
 from __future__ import annotations
 
 import argparse
+import os
 from importlib import metadata
 from typing import Any, NoReturn
 
 from sgl_hicache.cache.identity import UNISOLATED
 from sgl_hicache.cache.metrics import BACKEND_NAME
-from sgl_hicache.config import ConfigError
+from sgl_hicache.config import ConfigError, SpillConfig
 from sgl_hicache.server.flags import flag_names, unknown_flag
-from sgl_hicache.server.model_check import check_model
+from sgl_hicache.server.model_check import check_model, read_config
+from sgl_hicache.server.room import check_room, kv_token_bytes
 from sgl_hicache.server.sglang_seam import SUPPORTED_VERSION
+from sgl_hicache.server.validate import nearest_existing
+
+LOCAL_PREFIXES = ("/", "./", "../", "~")  # a --model-path that can only be a local path
 
 
 class _Parser(argparse.ArgumentParser):
@@ -40,18 +45,36 @@ def sglang_parser(prog: str) -> argparse.ArgumentParser:
     return parser
 
 
-def check_sglang_args(argv: list[str], prog: str) -> None:
+def check_sglang_args(argv: list[str], prog: str, config: SpillConfig | None = None) -> None:
     """Parse `argv` (sglang's arguments) as sglang will; raises ConfigError for what it would refuse
-    and, with our backend, for what we refuse (`refuse_with_our_backend`)."""
+    (a local model path that does not exist, too) and, with our backend, for what we refuse
+    (`refuse_with_our_backend`, the model, a tier of `config` too small for one of its extents)."""
     if not supported():
         return
     parser = sglang_parser(prog)
     args, unknown = parser.parse_known_args(_with_config_file(parser, argv))
     if unknown:
         raise ConfigError(_unknown(unknown[0], parser))
+    check_model_path(args.model_path)
     if args.radix_cache_backend == BACKEND_NAME:
         refuse_with_our_backend(args)
         check_model(args)
+        if config is not None and config.enabled:
+            model = read_config(args.model_path)
+            token_bytes = kv_token_bytes(model, args) if model is not None else None
+            check_room(config, nearest_existing(config.tier.directory), args.page_size, token_bytes)
+
+
+def check_model_path(model_path: str | None) -> None:
+    """ConfigError for a `--model-path` that can only be a local path (absolute, `./`, `../`, `~`)
+    and names nothing: sglang would take it for a Hugging Face id and fail after its start. Anything
+    else (`org/name`) is left to sglang."""
+    if not model_path or not model_path.startswith(LOCAL_PREFIXES) or os.path.exists(model_path):
+        return
+    hint = ""
+    if model_path.startswith("~") and os.path.exists(os.path.expanduser(model_path)):
+        hint = f" (sglang does not expand ~: give {os.path.expanduser(model_path)})"
+    raise ConfigError(f"--model-path {model_path}: no such file or directory{hint}")
 
 
 def supported() -> bool:
@@ -73,6 +96,22 @@ def refuse_with_our_backend(args: Any) -> None:
     for entry in UNISOLATED:  # as given on the command line ours checked, but also abbreviated
         if entry.active(getattr(args, entry.field)):
             raise ConfigError(entry.message())
+    refuse_unserved(args.disable_radix_cache, args.disaggregation_mode)
+
+
+def refuse_unserved(disable_radix_cache: bool, disaggregation_mode: str) -> None:
+    """ConfigError for a server our backend would not serve right: one without a radix cache (it
+    would spill nothing, silently), or one side of a prefill/decode disaggregation. Also checked by
+    the cache factory, with sglang's resolved values (a server started without our launcher)."""
+    if disable_radix_cache:
+        raise ConfigError("--disable-radix-cache: not supported with the hicache_spill backend (it spills "
+                          "what the radix cache evicts: without one it would spill and restore nothing)")  # fmt: skip
+    if disaggregation_mode in ("prefill", "decode"):
+        raise ConfigError(
+            f"--disaggregation-mode {disaggregation_mode}: not supported with the hicache_spill backend yet "
+            "(sglang sends a request's cached prefix to the decode server without waiting for its "
+            "restore from the tier to land, so the decode server could receive KV not yet written)"
+        )
 
 
 def _with_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:

@@ -90,6 +90,11 @@ _SERVER_ARGS = (
     "enable_multimodal",
     "served_model_name",
     "extra_metric_labels",
+    "disable_radix_cache",
+    "disaggregation_mode",
+    "page_size",
+    "kv_cache_dtype",
+    "tp_size",
 )
 
 # fmt: off
@@ -98,7 +103,7 @@ SEAM = (
     Touch(_REG + "register_radix_cache_backend", FUNCTION, ("name", "factory")),
     Touch(_REG + "get_radix_cache_factory", FUNCTION, ("name",)),
     Touch(_REG + "TreeCacheBuildContext", CLASS, members=("server_args", "params", "is_hybrid_swa", "is_hybrid_ssm",
-          "enable_hierarchical_cache", "model_config", "tp_size", "tp_rank")),
+          "enable_hierarchical_cache", "disable_radix_cache", "model_config", "tp_size", "tp_rank")),
     Touch(_HOOKS + "HookRegistry.register", FUNCTION, ("target", "hook", "hook_type")),
     Touch(_HOOKS + "HookRegistry.apply_hooks", FUNCTION, ()),
     Touch(_HOOKS + "HookType", CLASS, members=("AFTER", "BEFORE", "AROUND")),
@@ -148,8 +153,9 @@ SEAM = (
     Touch("sglang.srt.utils.auth.auth_level", FUNCTION, ("level",)),
     Touch("sglang.srt.utils.auth.AuthLevel", CLASS, members=("ADMIN_OPTIONAL",)),
     Touch("sglang.srt.managers.tokenizer_manager.TokenizerManager", CLASS,
-          members=("model_config", "context_len", "tokenizer", "server_args")),
+          members=("model_config", "context_len", "tokenizer", "server_args", "gracefully_exit")),
     Touch(hooks.EXIT_TARGET, FUNCTION, ("parent_pid", "include_parent")),
+    Touch(hooks.SIGTERM_TARGET, METHOD, ()),
     Touch(hooks.RELEASE_TARGET, METHOD, ()),
     Touch(hooks.LOOP_TARGET, METHOD, ()),
     Touch(_SCHED + "run_scheduler_process", FUNCTION, refers=("run_event_loop", "release_host_resources")),

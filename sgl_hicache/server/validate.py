@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from sgl_hicache.config import ConfigError, SpillBackend, SpillConfig, TierConfig, flag_named
+from sgl_hicache.config import ConfigError, SpillConfig, flag_named
+from sgl_hicache.server.room import check_room
 from sgl_hicache.tier.trust import UntrustedDirectory, check_trusted
-from sgl_hicache.tier.volume import human, too_small
+from sgl_hicache.tier.volume import human
 
 PSEUDO_ROOTS = (Path("/proc"), Path("/sys"), Path("/dev"))  # kernel interfaces, whatever is mounted there
 REAL_UNDER_PSEUDO = (Path("/dev/shm"),)  # a tmpfs: memory, but a filesystem
@@ -28,7 +29,7 @@ def check_tier_directory(directory: Path) -> None:
     path = Path(directory)
     if not path.is_absolute():
         raise ConfigError(f"--hicache-spill-dir: {path} is not an absolute path")
-    existing = _existing(path)
+    existing = nearest_existing(path)
     pseudo = pseudo_filesystem(path, existing)
     if pseudo is not None:
         raise ConfigError(
@@ -50,14 +51,6 @@ def check_tier_directory(directory: Path) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         what = "" if existing == path else f" (to create {path})"
         raise ConfigError(f"--hicache-spill-dir: no write permission on {existing}{what}")
-
-
-def check_volume(tier: TierConfig) -> None:
-    """The volume must be larger than the free-space watermark plus a useful capacity, else every
-    store would be refused (`tier.volume`). Raises ConfigError naming --hicache-spill-min-free."""
-    reason = too_small(tier, _existing(Path(tier.directory)))
-    if reason is not None:
-        raise ConfigError(reason, "min_free_bytes")
 
 
 def pseudo_filesystem(path: Path, existing: Path) -> str | None:
@@ -110,7 +103,7 @@ def check_staging(staging_bytes: int) -> None:
         )
 
 
-def _existing(path: Path) -> Path:
+def nearest_existing(path: Path) -> Path:
     """`path`, or its nearest ancestor that exists (where the tier directory would be created); a path
     that cannot be asked about (a name too long) counts as missing."""
     while not os.path.exists(path):
@@ -122,6 +115,5 @@ def check_config(config: SpillConfig) -> None:
     """Everything about `config` that depends on this machine (pure checks ran at construction)."""
     if config.enabled:
         check_tier_directory(config.tier.directory)
-        if config.tier.backend is SpillBackend.FILE:  # with mooncake the directory holds the secret only
-            check_volume(config.tier)
+        check_room(config, nearest_existing(config.tier.directory))  # the model's own floor: sglang_args.py
         check_staging(config.staging_bytes)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -39,6 +40,19 @@ def start_server(tmp_path: Path) -> Iterator[Any]:
         if pgid is not None:
             with pytest.raises(ProcessLookupError):
                 os.killpg(pgid, 0)
+
+
+@pytest.fixture
+def small_volume(tmp_path: Path) -> Iterator[Path]:
+    """A 64 MiB tmpfs (skipped where mounting is not permitted)."""
+    target = tmp_path / "small"
+    target.mkdir(mode=0o700)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,mode=0700", "tmpfs", str(target)],
+                       capture_output=True, text=True)  # fmt: skip
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    yield target
+    subprocess.run(["umount", "-l", str(target)], check=False)
 
 
 def lines_of_ours(log: Path) -> list[str]:

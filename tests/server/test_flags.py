@@ -19,7 +19,7 @@ from sgl_hicache.server.flags import EXTRA_CONFIG, config_from, flag_names, sett
 from sgl_hicache.server.handoff import ENV_CONFIG, export_config, import_config
 from tests.server.launcher import refusal, run_main
 
-LAUNCH = [sys.executable, "-m", "sgl_hicache.launch_server", "--model-path", "/nonexistent-model"]
+LAUNCH = [sys.executable, "-m", "sgl_hicache.launch_server", "--model-path", "sgl-hicache-test/no-such-model"]
 KNOBS = {"io_threads", "chunk_size", "direct_io", "fsync", "compression", "zstd_level", "min_spill_tokens",
          "prefetch_ttl_s", "pin_share", "clean_ahead"}  # fmt: skip
 
@@ -350,19 +350,6 @@ def test_untrusted_tier_directory_exits_2_with_one_line(tmp_path: Path) -> None:
     assert f"`chmod 700 {shared}`" in lines[0] and list(shared.iterdir()) == []
 
 
-@pytest.fixture
-def small_volume(tmp_path: Path) -> Iterator[Path]:
-    """A 64 MiB tmpfs (skipped where mounting is not permitted)."""
-    target = tmp_path / "small"
-    target.mkdir(mode=0o700)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,mode=0700", "tmpfs", str(target)],
-                       capture_output=True, text=True)  # fmt: skip
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    yield target
-    subprocess.run(["umount", "-l", str(target)], check=False)
-
-
 def test_a_volume_too_small_for_the_free_space_watermark_is_refused(small_volume: Path) -> None:
     """The default --hicache-spill-min-free (1G) on a 64 MiB volume: every store would be refused."""
     tier = str(small_volume / "tier")
@@ -376,3 +363,42 @@ def test_a_volume_too_small_for_the_free_space_watermark_is_refused(small_volume
     config, _ = parse(["--enable-hicache-spill", "--hicache-spill-dir", tier,
                        "--hicache-spill-min-free", "8M", "--hicache-spill-capacity", "32M"])  # fmt: skip
     assert config.tier.min_free_bytes == 8 << 20
+
+
+@pytest.mark.parametrize(("min_free", "fits"), [("65528K", True), ("65529K", False), ("60M", True)])
+def test_a_volume_is_refused_only_below_the_watermark_plus_one_extent(
+    small_volume: Path, min_free: str, fits: bool
+) -> None:
+    """64 MiB holds the watermark plus one extent of the least size, 8K, or it does not; a volume a
+    few MiB above the watermark was refused before (it wanted 256 MiB of room for extents)."""
+    args = ["--enable-hicache-spill", "--hicache-spill-dir", str(small_volume / "tier"),
+            "--hicache-spill-min-free", min_free]  # fmt: skip
+    if fits:
+        assert parse(args)[0].tier.min_free_bytes == int(min_free[:-1]) << (10 if min_free[-1] == "K" else 20)
+        return
+    with pytest.raises(ConfigError) as refused:
+        parse(args)
+    assert str(refused.value) == (
+        f"--hicache-spill-min-free: the volume of {small_volume} holds 64M in all, not above the 65529K to keep "
+        "free plus one extent (at least 8K), so every store would be refused (counted as no_space); lower "
+        "--hicache-spill-min-free or use a larger volume"
+    )
+
+
+@pytest.mark.parametrize(("capacity", "fits"), [("8191B", False), ("8K", True), ("2M", True)])
+def test_a_capacity_below_the_least_extent_file_is_refused(tmp_path: Path, capacity: str, fits: bool) -> None:
+    """No extent file is smaller than a 4K header block and one 4K block of KV, whatever the model."""
+    args = [
+        "--enable-hicache-spill",
+        "--hicache-spill-dir",
+        str(tmp_path / "tier"),
+        "--hicache-spill-capacity",
+        capacity,
+    ]
+    if fits:
+        assert parse(args)[0].enabled
+        return
+    with pytest.raises(
+        ConfigError, match=r"^--hicache-spill-capacity: 8191 cannot hold one extent \(at least 8K"
+    ):
+        parse(args)

@@ -29,7 +29,7 @@ from tests.server.launcher import PREFIX, run_main
 
 FLAGS = [s for s in flags_module.settings() if s.flag]
 KNOBS = [s for s in flags_module.settings() if s.key]
-MODEL = ["--model-path", "/nonexistent-model"]
+MODEL = ["--model-path", "sgl-hicache-test/no-such-model"]
 
 # Text an environment variable or an exec'd argument can hold (no NUL, no lone surrogates).
 TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=24)

@@ -5,6 +5,7 @@ refusal is one line and exit code 2, with sglang never started and nothing writt
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from sgl_hicache.server.model_check import HYBRID_SWA_ARCHS, SSM_MODEL_TYPES
 from sgl_hicache.server.sglang_seam import SeamError
 from tests.server.launcher import PREFIX, refusal, run_main
 
+HUB_ID = "sgl-hicache-test/no-such-model"  # not a local path: left to sglang (which would download it)
 DENSE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 2}
 MODELS: dict[str, dict[str, Any]] = {
     "dense": DENSE,
@@ -41,7 +43,7 @@ def tier(tmp_path: Path) -> Path:
 def spill(tier: Path, *args: str) -> list[str]:
     return [
         "--model-path",
-        "/nonexistent-model",
+        HUB_ID,
         "--enable-hicache-spill",
         "--hicache-spill-dir",
         str(tier),
@@ -78,8 +80,124 @@ def test_sglang_flags_are_refused_by_sglangs_parser(tier: Path, args: list[str],
 
 
 def test_what_only_our_backend_refuses_passes_without_it() -> None:
-    run = run_main(["--model-path", "/m", "--enable-hierarchical-cache", "--speculative-algorithm", "EAGLE"])
+    run = run_main(
+        ["--model-path", HUB_ID, "--enable-hierarchical-cache", "--speculative-algorithm", "EAGLE"]
+    )
     assert run.code == 0 and run.stderr == "" and len(run.started) == 1
+    for args in (
+        ["--disable-radix-cache"],
+        ["--disaggregation-mode", "prefill"],
+        ["--disaggregation-mode", "decode"],
+    ):
+        run = run_main(["--model-path", HUB_ID, *args])
+        assert run.code == 0 and run.stderr == "" and len(run.started) == 1, args
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--disable-radix-cache"], "--disable-radix-cache: not supported with the hicache_spill backend (it spills "
+                                    "what the radix cache evicts: without one it would spill and restore nothing)"),
+        (["--disable-radix"], "--disable-radix-cache: not supported with the hicache_spill backend"),
+        (["--disaggregation-mode", "prefill"],
+         "--disaggregation-mode prefill: not supported with the hicache_spill backend yet (sglang sends a request's "
+         "cached prefix to the decode server without waiting for its restore from the tier to land, so the decode "
+         "server could receive KV not yet written)"),
+        (["--disaggregation-mode=decode"], "--disaggregation-mode decode: not supported with the hicache_spill backend"),
+    ],
+)  # fmt: skip
+def test_a_server_our_backend_would_not_serve_is_refused(tier: Path, args: list[str], message: str) -> None:
+    """Without a radix cache spill does nothing (silently, before); a prefill or decode server of a
+    disaggregation could send KV that a restore has not written yet."""
+    line = refusal(run_main(spill(tier, *args)))
+    assert line.startswith(message), line
+    assert not tier.exists()
+    assert run_main(spill(tier, "--disaggregation-mode", "null")).code == 0
+
+
+@pytest.mark.parametrize("path", ["/nonexistent-model", "./no-such-model", "../no-such-model", "~/no-such-model",
+                                  "~sgl-hicache-no-such-user/m"])  # fmt: skip
+def test_a_local_model_path_that_does_not_exist_is_refused(tier: Path, path: str) -> None:
+    """sglang would take it for a Hugging Face id and fail after its start; with or without our backend."""
+    assert (
+        refusal(run_main(spill(tier, "--model-path", path)))
+        == f"--model-path {path}: no such file or directory"
+    )
+    assert refusal(run_main(["--model-path", path])) == f"--model-path {path}: no such file or directory"
+    assert not tier.exists()
+
+
+def test_a_model_path_under_an_unexpanded_home_names_the_expanded_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "m").mkdir()
+    line = refusal(run_main(["--model-path", "~/m"]))
+    assert (
+        line
+        == f"--model-path ~/m: no such file or directory (sglang does not expand ~: give {tmp_path / 'm'})"
+    )
+
+
+@pytest.mark.parametrize("path", [HUB_ID, "no-such-org/no-such-model", "models/local-looking"])
+def test_a_model_path_that_may_be_a_hub_id_is_left_to_sglang(tier: Path, path: str) -> None:
+    assert run_main(spill(tier, "--model-path", path)).code == 0
+
+
+BIG = {
+    **DENSE,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "hidden_size": 4096,
+}
+"""128 KiB of bf16 KV per token (32 layers, 8 KV heads of 128): 16 tokens are 2 MiB of KV."""
+
+
+def big_model(tmp_path: Path, **overrides: Any) -> Path:
+    path = tmp_path / "big"
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps({**BIG, **overrides}))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("args", "fits", "short"),
+    [
+        (["--kv-cache-dtype", "bf16"], "2052K", "2051K"),  # 16 tokens of 128 KiB, and a 4K header
+        (["--kv-cache-dtype", "fp8_e4m3"], "1028K", "1027K"),
+        ([], "516K", "515K"),  # auto: sglang may pick an fp4 cache, half a byte an element
+        (["--kv-cache-dtype", "bf16", "--tp-size", "2"], "1028K", "1027K"),  # 4 KV heads a rank
+        (["--kv-cache-dtype", "bf16", "--page-size", "64"], "8196K", "8195K"),  # 16 tokens are one page of 64
+    ],
+)
+def test_a_capacity_below_one_extent_of_the_model_is_refused(
+    tmp_path: Path, tier: Path, args: list[str], fits: str, short: str
+) -> None:
+    """The least extent an eviction writes: min_spill_tokens (16) in whole pages, of the model's KV."""
+    model = ["--model-path", str(big_model(tmp_path))]
+    line = refusal(run_main(spill(tier, *model, *args, "--hicache-spill-capacity", short)))
+    assert line.startswith(f"--hicache-spill-capacity: {short} cannot hold one extent (at least {fits}: a 4K "
+                           "header and the KV of "), line  # fmt: skip
+    assert run_main(spill(tier, *model, *args, "--hicache-spill-capacity", fits)).code == 0
+    assert not tier.exists()
+
+
+def test_an_mla_model_and_min_spill_tokens_set_the_least_extent(tmp_path: Path, tier: Path) -> None:
+    """MLA: one latent vector (512 + 64 rope) a layer, on every rank; 32 tokens of 2 bytes each."""
+    model = ["--model-path", str(big_model(tmp_path, kv_lora_rank=512, qk_rope_head_dim=64)), "--kv-cache-dtype",
+             "bf16", "--tp-size", "2", "--hicache-spill-extra-config", '{"min_spill_tokens": 32}']  # fmt: skip
+    least = 32 * 32 * 576 * 2 + 4096  # 1156K
+    assert refusal(run_main(spill(tier, *model, "--hicache-spill-capacity", f"{least - 1}B")))
+    assert run_main(spill(tier, *model, "--hicache-spill-capacity", f"{least}B")).code == 0
+
+
+def test_without_a_readable_config_json_only_the_formats_floor_applies(tmp_path: Path, tier: Path) -> None:
+    """A hub id (or an unreadable config.json): one header block and one block of KV, 8K."""
+    line = refusal(run_main(spill(tier, "--hicache-spill-capacity", "8191B")))
+    assert line == ("--hicache-spill-capacity: 8191 cannot hold one extent (at least 8K: a 4K header and a 4K "
+                    "block of KV), so every store would be refused; raise --hicache-spill-capacity")  # fmt: skip
+    assert run_main(spill(tier, "--hicache-spill-capacity", "8K")).code == 0
 
 
 @pytest.mark.parametrize(
@@ -167,3 +285,36 @@ def test_help_sglang_prints_sglangs_own_help() -> None:
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
     assert "--model-path" in result.stdout and "--enable-hierarchical-cache" in result.stdout
     assert "--hicache-spill-capacity" not in result.stdout
+
+
+def test_a_volume_above_the_watermark_by_one_extent_of_the_model_is_enough(
+    tmp_path: Path, small_volume: Path
+) -> None:
+    """A 64 MiB volume keeping 61M free has room for one 2052K extent; keeping 62M, not."""
+    tier = small_volume / "tier"
+    model = ["--model-path", str(big_model(tmp_path)), "--kv-cache-dtype", "bf16"]
+    line = refusal(run_main(spill(tier, *model, "--hicache-spill-min-free", "62M")))
+    assert line.startswith(f"--hicache-spill-min-free: the volume of {small_volume} holds 64M in all, not above "
+                           "the 62M to keep free plus one extent (at least 2052K), so every store would be refused")  # fmt: skip
+    assert run_main(spill(tier, *model, "--hicache-spill-min-free", "61M")).code == 0
+    assert not tier.exists()
+
+
+@pytest.mark.parametrize(
+    ("disable", "mode", "message"),
+    [(True, "null", "--disable-radix-cache: not supported"), (False, "prefill", "--disaggregation-mode prefill: "),
+     (False, "decode", "--disaggregation-mode decode: ")],
+)  # fmt: skip
+def test_the_cache_factory_refuses_them_too(disable: bool, mode: str, message: str) -> None:
+    """A server started without our launcher (`sglang.launch_server --radix-cache-backend
+    hicache_spill`), or one where sglang resolved the radix cache off: the scheduler stops with the
+    same line, before anything of ours is built."""
+    from types import SimpleNamespace
+
+    from sgl_hicache.config import ConfigError
+    from sgl_hicache.server.factory import build_spill_cache
+
+    ctx = SimpleNamespace(enable_hierarchical_cache=False, disable_radix_cache=disable,
+                          server_args=SimpleNamespace(disaggregation_mode=mode))  # fmt: skip
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        build_spill_cache(ctx)  # type: ignore[arg-type]

@@ -136,7 +136,8 @@ def test_every_hook_target_is_in_the_table(monkeypatch: pytest.MonkeyPatch) -> N
     hooks.register_scheduler_hooks()
     assert sorted(registered) == sorted(hooks.TARGETS)
     constructors = {f"{t.name}.__init__" for t in SEAM if t.kind is CLASS and t.params is not None}
-    assert {*hooks.TARGETS, hooks.EXIT_TARGET, *plugin.CHECK_TARGETS} <= {t.name for t in SEAM} | constructors
+    launcher = {hooks.EXIT_TARGET, hooks.SIGTERM_TARGET}
+    assert {*hooks.TARGETS, *launcher, *plugin.CHECK_TARGETS} <= {t.name for t in SEAM} | constructors
 
 
 def test_every_entry_is_explained_in_the_design() -> None:
@@ -168,7 +169,13 @@ def test_the_launcher_exits_2_with_one_line(
     tier = tmp_path / "tier"
     assert (
         main(
-            ["--model-path", "/nonexistent-model", "--enable-hicache-spill", "--hicache-spill-dir", str(tier)]
+            [
+                "--model-path",
+                "sgl-hicache-test/no-such-model",
+                "--enable-hicache-spill",
+                "--hicache-spill-dir",
+                str(tier),
+            ]
         )
         == 2
     )
