@@ -155,6 +155,11 @@ class TierStats:
     secret_conflicts: int  # ... but another process had re-created it with a new secret (kept)
     purged_extents: int = 0  # removed by `submit_remove` / `submit_purge` (retention hints)
     retained_extents: int = 0  # kept from eviction by `retain` now (pinned conversations)
+    # Evicted because a store would have left less than min_free_bytes free on the volume (not
+    # counted in `evictions`/`evicted_bytes`, which the budget forced):
+    free_space_evictions: int = 0
+    free_space_evicted_bytes: int = 0
+    volume_free_bytes: int = -1  # free on the volume when last looked at; -1: unknown, or not a volume
 
 
 class Tier(abc.ABC):

@@ -90,11 +90,16 @@ class NvmeTier(IndexedTier):
         self._closed = self._abandoned = False
         self._rebuild_index()
         self._io = IoScheduler(cfg.io_threads)
-        self._io.every(REFRESH_S, self._space.shared.refresh)  # `shared` without a store; stops at close
+        self._io.every(REFRESH_S, self._refresh)  # stops at close
 
     @property
     def namespace(self) -> Namespace:
         return self._ns
+
+    def _refresh(self) -> None:
+        """About every second on an I/O thread: `shared` without a store, and the volume's free space."""
+        self._space.shared.refresh()
+        self._space.free_space.refresh()
 
     @property
     def shared(self) -> bool:
@@ -391,7 +396,8 @@ class NvmeTier(IndexedTier):
         names = [f for f in TierStats.__dataclass_fields__ if f not in _DERIVED]
         return TierStats(
             extents=extents, bytes_stored=used, capacity_bytes=self._cfg.capacity_bytes,
-            direct_io=self._direct, retained_extents=retained, **{name: c.get(name, 0) for name in names},
+            direct_io=self._direct, retained_extents=retained, volume_free_bytes=self._space.free_space.last,
+            **{name: c.get(name, 0) for name in names},
         )  # fmt: skip
 
     def check_integrity(self) -> None:
@@ -463,4 +469,4 @@ _COUNTER_OF = {
     Status.MISS: "misses", Status.CORRUPT: "checksum_failures", Status.MISMATCH: "mismatches",
     Status.NO_SPACE: "no_space",
 }  # fmt: skip
-_DERIVED = {"extents", "bytes_stored", "capacity_bytes", "direct_io", "retained_extents"}
+_DERIVED = {"extents", "bytes_stored", "capacity_bytes", "direct_io", "retained_extents", "volume_free_bytes"}
