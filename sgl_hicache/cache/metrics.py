@@ -44,6 +44,11 @@ TIER_COUNTERS = {  # TierStats running totals: (metric name, help), exported as 
         "--hicache-spill-min-free free on its volume (the volume is full below the budget)",
     ),
     "recreations": ("tier_recreations", "times the tier directory was removed and re-created"),
+    "newer_extents": (
+        "tier_newer_extents",
+        "extents of a newer format version met and kept (a newer "
+        "sgl_hicache shares the tier: finish the rolling upgrade)",
+    ),
 }
 STAGING_GAUGES = {
     "staging_used_bytes": "host staging in use (extents on their way to the tier, reads on their way back)",

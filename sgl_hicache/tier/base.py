@@ -49,6 +49,7 @@ class Status(enum.Enum):
     OK = "ok"
     MISS = "miss"  # load: no such extent (never stored, evicted, removed by another process)
     CORRUPT = "corrupt"  # load: checksum, truncation, version or namespace mismatch; extent dropped
+    #                     (a newer format version is a MISS instead: kept for the newer server)
     MISMATCH = "mismatch"  # load: well-formed, but not what the key names (its parent and tokens do not
     #                       hash to the key) or shorter than requested; extent dropped
     NO_SPACE = "no_space"  # store: over budget with nothing evictable, or the volume is full
@@ -160,6 +161,9 @@ class TierStats:
     free_space_evictions: int = 0
     free_space_evicted_bytes: int = 0
     volume_free_bytes: int = -1  # free on the volume when last looked at; -1: unknown, or not a volume
+    newer_extents: int = (
+        0  # extents of a newer format version met (scan, load, purge) and kept, never deleted
+    )
 
 
 class Tier(abc.ABC):

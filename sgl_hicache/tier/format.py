@@ -54,6 +54,12 @@ class FormatError(ValueError):
     """The bytes are not a valid extent of this format version and namespace."""
 
 
+class NewerFormat(FormatError):
+    """An extent of a format version newer than this code reads: a newer sgl_hicache sharing the
+    directory wrote it (a rolling upgrade). Not corrupt: never used here, and never deleted for it
+    (its MACs are not checked: a newer version may seal differently). Catch it before FormatError."""
+
+
 class Mismatch(FormatError):
     """A well-formed extent that is not what was asked for: its parent, token count and token
     digest do not hash to its key, its token ids do not hash to its digest, or it holds fewer
@@ -194,8 +200,9 @@ def peek_index(buf: bytes, seal: Seal) -> IndexFields:
     if len(buf) < FIXED_SIZE:
         raise FormatError(f"truncated header: {len(buf)} < {FIXED_SIZE} bytes")
     f = _FIXED.unpack_from(buf)
-    if f[0] != MAGIC or f[1] not in READABLE_VERSIONS or seal.header(buf[:_MACED]) != f[-1]:
-        raise FormatError("bad magic, version or header MAC")
+    _check_version(f[0], f[1])
+    if seal.header(buf[:_MACED]) != f[-1]:
+        raise FormatError("bad header MAC")
     return IndexFields(f[4], f[5], f[6], f[14], f[20], f[17], f[3] + f[18], f[21])
 
 
@@ -206,10 +213,7 @@ def decode_fixed(buf: bytes | memoryview, seal: Seal | None) -> Header:
         raise FormatError(f"truncated header: {len(buf)} < {FIXED_SIZE} bytes")
     fixed = bytes(buf[:FIXED_SIZE])
     f = _FIXED.unpack(fixed)
-    if f[0] != MAGIC:
-        raise FormatError("bad magic")
-    if f[1] not in READABLE_VERSIONS:
-        raise FormatError(f"unsupported format version {f[1]}")
+    _check_version(f[0], f[1])
     if seal is not None and seal.header(fixed[:_MACED]) != f[-1]:
         raise FormatError("header MAC mismatch: not written with this directory's secret")
     if f[12] not in _CODE_COMPRESSION or f[11] not in KVDtype._value2member_map_:
@@ -225,6 +229,17 @@ def decode_fixed(buf: bytes | memoryview, seal: Seal | None) -> Header:
     )  # fmt: skip
     _check_sizes(header, n_chunks=f[16])
     return header
+
+
+def _check_version(magic: bytes, version: int) -> None:
+    """Raise NewerFormat for a version above every readable one, FormatError for a bad magic or an
+    older version that is no longer read."""
+    if magic != MAGIC:
+        raise FormatError("bad magic")
+    if version > READABLE_VERSIONS[-1]:
+        raise NewerFormat(f"format version {version}, newer than this sgl_hicache reads: kept for its writer")
+    if version not in READABLE_VERSIONS:
+        raise FormatError(f"unsupported format version {version}")
 
 
 def _check_sizes(h: Header, n_chunks: int) -> None:
@@ -294,10 +309,12 @@ def _meta_obj(header: Header, buf: bytes | memoryview, seal: Seal | None) -> dic
 class SaltMark(NamedTuple):
     """Whose cache_salt wrote an extent, as far as its (MAC'd) meta says: `tag` (`Seal.salt`), or
     None with `known` True (v5: written without a cache_salt), or None with `known` False (v3/v4
-    without token ids: some salted or `extra_key` tenant's, which one cannot be told)."""
+    without token ids: some salted or `extra_key` tenant's, which one cannot be told). `newer`: a
+    file of a newer format version (`NewerFormat`), which only its writer's version may remove."""
 
     tag: bytes | None
     known: bool
+    newer: bool = False
 
 
 def decode_salt(header: Header, buf: bytes | memoryview, version: int, seal: Seal | None) -> SaltMark:

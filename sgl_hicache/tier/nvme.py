@@ -50,7 +50,7 @@ from sgl_hicache.tier.completions import CompletionQueue
 from sgl_hicache.tier.directio import as_view, probe_direct_io
 from sgl_hicache.tier.faults import Counters, FaultLog, classify, logger
 from sgl_hicache.tier.filelock import NoLocks
-from sgl_hicache.tier.format import FormatError, Mismatch, Seal
+from sgl_hicache.tier.format import FormatError, Mismatch, NewerFormat, Seal
 from sgl_hicache.tier.index import Entry, OverBudget
 from sgl_hicache.tier.integrity import check_files
 from sgl_hicache.tier.keys import ROOT_KEY, ExtentKey, Namespace, chain_key_from_digest, check_key
@@ -129,9 +129,11 @@ class NvmeTier(IndexedTier):
     ) -> Completion:
         """Count, log (rate-limited) and clean up after a failed job; returns its completion. A
         failed load cleans up only what it saw: `seen` (the key's index entry when it began) is
-        forgotten or dropped, never an extent a store published while the load ran."""
-        status = Status.MISS if op is Op.LOAD and _gone(err) else classify(op, err)
-        self._counters.add(_COUNTER_OF.get(status, "io_errors"))
+        forgotten or dropped, never an extent a store published while the load ran. A file of a
+        newer format version is a MISS (forgotten, kept on disk: its writer's), never corrupt."""
+        newer = isinstance(err, NewerFormat)
+        status = Status.MISS if newer or (op is Op.LOAD and _gone(err)) else classify(op, err)
+        self._counters.add("newer_extents" if newer else _COUNTER_OF.get(status, "io_errors"))
         if not isinstance(err, (OSError, FormatError)):
             logger.error("spill tier %s job failed unexpectedly", op.value, exc_info=err)
         elif status in (Status.IO_ERROR, Status.NO_SPACE):
@@ -336,6 +338,9 @@ class NvmeTier(IndexedTier):
     def read_tokens(self, key: ExtentKey) -> np.ndarray | None:
         try:
             ext = open_extent(self._paths.extent(check_key(key)), self._ns_id, key, False, self._seal)
+        except NewerFormat:  # a newer server's: kept
+            self._counters.add("newer_extents")
+            return None
         except FormatError:
             self._space.drop(key)
             return None
@@ -444,6 +449,7 @@ class NvmeTier(IndexedTier):
         self._counters.add("scanned_extents", len(result.entries))
         self._counters.add("removed_temp_files", result.removed_temp)
         self._counters.add("removed_bad_files", result.removed_bad)
+        self._counters.add("newer_extents", result.newer)
 
 
 def _shared_ledger(paths: ExtentPaths) -> Ledger | None:

@@ -23,6 +23,7 @@ from sgl_hicache.tier.format import (
     EXTENT_SUFFIX,
     FIXED_SIZE,
     FormatError,
+    NewerFormat,
     SaltMark,
     Seal,
     decode_fixed,
@@ -34,12 +35,16 @@ from sgl_hicache.tier.paths import ExtentPaths
 
 UNREADABLE = SaltMark(None, known=False)
 """An extent file that is there but cannot be read (EIO, EACCES, ...): it may hold any salt's KV."""
+NEWER = SaltMark(None, known=False, newer=True)
+"""An extent of a newer format version (`NewerFormat`): whose it is cannot be told here, and it is
+never removed here (the newer server's own purge does)."""
 
 
 def salt_mark(path: str, seal: Seal) -> SaltMark | None:
     """The `SaltMark` of extent file `path`, verified with `seal`; None if it is gone or does not
     verify (then nothing ever uses it as KV); `UNREADABLE` if it is there but cannot be read, so a
-    purge removes it and fsck reports it rather than call the salt gone. Never raises."""
+    purge removes it and fsck reports it rather than call the salt gone; `NEWER` for a file of a
+    newer format version. Never raises."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as e:
@@ -49,6 +54,8 @@ def salt_mark(path: str, seal: Seal) -> SaltMark | None:
         header = decode_fixed(fixed, seal)
         meta = os.pread(fd, FIXED_SIZE + header.meta_len, 0)
         return decode_salt(header, meta, version_of(fixed), seal)
+    except NewerFormat:
+        return NEWER
     except FormatError:
         return None
     except OSError:
@@ -59,7 +66,7 @@ def salt_mark(path: str, seal: Seal) -> SaltMark | None:
 
 def belongs(mark: SaltMark | None, tag: bytes) -> bool:
     """Whether an extent of `mark` holds (or may hold) KV of the salt whose tag is `tag`."""
-    return mark is not None and (mark.tag == tag or not mark.known)
+    return mark is not None and not mark.newer and (mark.tag == tag or not mark.known)
 
 
 def namespace_dirs(root: Path) -> list[Path]:
@@ -73,11 +80,16 @@ def namespace_dirs(root: Path) -> list[Path]:
 
 def salt_extents(root: Path, tag: bytes, seal: Seal) -> Iterator[str]:
     """Paths of every extent file under `root` that belongs to the salt of `tag` (`belongs`)."""
+    return (path for path, mark in marked_extents(root, seal) if belongs(mark, tag))
+
+
+def marked_extents(root: Path, seal: Seal) -> Iterator[tuple[str, SaltMark | None]]:
+    """Every extent file under `root` with its `salt_mark`."""
     for ns_dir in namespace_dirs(root):
         paths = ExtentPaths(root, NamespaceId(bytes.fromhex(ns_dir.name)))
         for de in paths.walk():
-            if de.name.endswith(EXTENT_SUFFIX) and belongs(salt_mark(de.path, seal), tag):
-                yield de.path
+            if de.name.endswith(EXTENT_SUFFIX):
+                yield de.path, salt_mark(de.path, seal)
 
 
 def _is_ns(name: str) -> bool:

@@ -12,7 +12,8 @@
   later one is a clean MISS. A key whose store is in flight is *doomed* instead: that store's job
   removes the file it has just published (and completes REJECTED).
 - **Purge**: stores of the salt in flight when it is queued are doomed; then every file under the
-  root that belongs to the salt (purge.py) is removed, in every namespace.
+  root that belongs to the salt (purge.py) is removed, in every namespace. Files of a newer format
+  version are kept (their salt cannot be told here) and counted in `newer_extents`.
 
 Methods ending in `_locked` run under `space.lock`; the others take it themselves.
 """
@@ -26,7 +27,7 @@ from pathlib import Path
 from sgl_hicache.tier.capacity import Space
 from sgl_hicache.tier.format import Seal
 from sgl_hicache.tier.keys import ExtentKey
-from sgl_hicache.tier.purge import salt_extents
+from sgl_hicache.tier.purge import belongs, marked_extents
 
 
 class TierRetention:
@@ -111,7 +112,11 @@ class TierRetention:
         """Remove every file under the root that belongs to the salt of `tag`; how many. Blocks."""
         ns_dir = self._space.paths.ns_dir
         removed = 0
-        for path in salt_extents(self._space.paths.root, tag, self._seal):
+        for path, mark in marked_extents(self._space.paths.root, self._seal):
+            if mark is not None and mark.newer:
+                self._space.counters.add("newer_extents")
+            if not belongs(mark, tag):
+                continue
             if Path(path).parent.parent == ns_dir:
                 removed += self.remove([ExtentKey(bytes.fromhex(Path(path).name.split(".")[0]))])
             else:
