@@ -348,10 +348,13 @@ class Tier(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot remove extents")
 
     def submit_purge(self, cache_salt: str) -> Ticket:
-        """Queue removing every extent under the root (every namespace) stored with `cache_salt`,
-        and every one that may have been (older formats without a salt tag that hold no token ids),
-        and the aliases of each; stores of that salt in flight now have their file removed once
-        written (and complete REJECTED). Completes `Op.PURGE` OK, `nbytes` the files removed.
+        """Queue removing every extent stored with `cache_salt`, and every one that may have been
+        (older formats without a salt tag that hold no token ids), and the aliases of each, from this
+        tier's namespace and, if it is TP rank 0's, from every namespace under the root that is no
+        rank's of its server (other models, older weights); the other ranks purge their own (so
+        the ranks of a server purging together purge the whole root). Stores of that salt in flight
+        now have their file removed once written (and complete REJECTED). Files of a newer format
+        version are kept. Completes `Op.PURGE` OK, `nbytes` the files removed.
         Never blocks. Raises NotImplementedError where the tier cannot."""
         raise NotImplementedError(f"{type(self).__name__} cannot purge a cache_salt")
 

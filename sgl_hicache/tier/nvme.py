@@ -86,7 +86,7 @@ class NvmeTier(IndexedTier):
         self._lookups = LookupQueue()
         self._storing: dict[ExtentKey, Ticket] = {}  # key -> ticket of the store writing it
         self._loading: dict[Ticket, LoadState] = {}  # loads whose completion is not returned yet
-        self._retention = TierRetention(self._space, self._seal, self._storing)  # pin, drop, purge
+        self._retention = TierRetention(self._space, self._seal, self._storing, namespace)  # pin, drop, purge
         self._closed = self._abandoned = False
         self._rebuild_index()
         self._io = IoScheduler(cfg.io_threads)

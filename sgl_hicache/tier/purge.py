@@ -8,15 +8,20 @@ it *may* belong to any salt and a purge removes it (recomputed when needed; neve
 whose header or meta does not verify belongs to nobody: no load, lookup or warm start ever uses it,
 and `fsck` reports it as corrupt.
 
-Every namespace under the root is searched (other models, other TP ranks, older weights): a purge
-is of the root, not of one server's namespace.
+A purge is of the root, not of one server's namespace, but each namespace is purged by one tier
+(`purged_namespaces`): a tier purges its own, and the tier of TP rank 0 also every namespace that is
+no rank's of its server (other models, older weights, another TP size). The other ranks'
+namespaces are theirs: every rank receives the same purge (cache/retention.py) and removes its own
+files through its own index, where a sibling's unlink would leave that index naming files that are
+gone (and its own purge then finding nothing to forget).
 """
 
 from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 from sgl_hicache.tier.format import (
@@ -30,7 +35,7 @@ from sgl_hicache.tier.format import (
     decode_salt,
     version_of,
 )
-from sgl_hicache.tier.keys import KEY_BYTES, NamespaceId
+from sgl_hicache.tier.keys import KEY_BYTES, Namespace, NamespaceId
 from sgl_hicache.tier.paths import ExtentPaths
 
 UNREADABLE = SaltMark(None, known=False)
@@ -78,14 +83,22 @@ def namespace_dirs(root: Path) -> list[Path]:
     return [Path(de.path) for de in entries if de.is_dir(follow_symlinks=False) and _is_ns(de.name)]
 
 
+def purged_namespaces(root: Path, ns: Namespace) -> list[Path]:
+    """The namespace directories under `root` that the tier of `ns` purges (see the module doc)."""
+    ranks = {replace(ns, tp_rank=rank).id.hex() for rank in range(ns.tp_size)}
+    own = ns.id.hex()
+    return [d for d in namespace_dirs(root) if d.name == own or (ns.tp_rank == 0 and d.name not in ranks)]
+
+
 def salt_extents(root: Path, tag: bytes, seal: Seal) -> Iterator[str]:
     """Paths of every extent file under `root` that belongs to the salt of `tag` (`belongs`)."""
-    return (path for path, mark in marked_extents(root, seal) if belongs(mark, tag))
+    return (path for path, mark in marked_extents(namespace_dirs(root), seal) if belongs(mark, tag))
 
 
-def marked_extents(root: Path, seal: Seal) -> Iterator[tuple[str, SaltMark | None]]:
-    """Every extent file under `root` with its `salt_mark`."""
-    for ns_dir in namespace_dirs(root):
+def marked_extents(ns_dirs: Iterable[Path], seal: Seal) -> Iterator[tuple[str, SaltMark | None]]:
+    """Every extent file in the namespace directories `ns_dirs` with its `salt_mark`."""
+    for ns_dir in ns_dirs:
+        root = ns_dir.parent
         paths = ExtentPaths(root, NamespaceId(bytes.fromhex(ns_dir.name)))
         for de in paths.walk():
             if de.name.endswith(EXTENT_SUFFIX):
