@@ -355,7 +355,8 @@ class Tier(abc.ABC):
         the ranks of a server purging together purge the whole root). Stores of that salt in flight
         now have their file removed once written (and complete REJECTED). Files of a newer format
         version are kept. Completes `Op.PURGE` OK, `nbytes` the files removed.
-        Never blocks. Raises NotImplementedError where the tier cannot."""
+        Idempotent: a purge again after one cut short (an error or a crash mid-walk) removes the
+        rest. Never blocks. Raises NotImplementedError where the tier cannot."""
         raise NotImplementedError(f"{type(self).__name__} cannot purge a cache_salt")
 
     @abc.abstractmethod
