@@ -148,6 +148,14 @@ def header_bound(token_bytes: int, n_chunks: int, n_aliases: int = 0) -> int:
     return align_up(FIXED_SIZE + 16 + token_bytes + 5 + n_chunks * _CHUNK_ENTRY_MAX + aliases + salt)
 
 
+def file_bound(payload_len: int, token_count: int, chunk_bytes: int, n_aliases: int) -> int:
+    """The bytes of an uncompressed extent file of these sizes with its token ids (the most its
+    header may take: `header_bound`; each chunk padded to 4096). A compressed one is usually smaller."""
+    full, last = divmod(payload_len, chunk_bytes)
+    n_chunks = full + (last > 0)
+    return header_bound(4 * token_count, n_chunks, n_aliases) + full * align_up(chunk_bytes) + align_up(last)
+
+
 def encode_header(
     header: Header, tokens: bytes | None, chunks: list[Chunk], seal: Seal, aliases: Sequence[Alias] = (),
     salt_tag: bytes | None = None,
