@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from sgl_hicache.kernels import packed_nbytes
 
 from sgl_hicache.cache.hint_source import HintRefused, RetentionHint
+from sgl_hicache.config import ConfigError, SpillConfig
 from tests.cache.conftest import Stack
 
 CONVERSATION = list(range(1000, 1064))
@@ -40,3 +42,14 @@ def test_a_pin_whose_kv_fits_but_whose_file_does_not_is_refused(make_stack: Any)
     s = make_stack(capacity_bytes=2 * budget, pin_share=0.5)
     refused = s.cache.retention.take([], CONVERSATION, None, None, "pin", 30.0)
     assert isinstance(refused, HintRefused) and f"pin budget of {budget} B" in refused.reason, refused
+
+
+@pytest.mark.parametrize("share", [1.0, 1.5, float("nan")])
+def test_a_pin_share_of_1_or_more_is_refused_in_one_line(share: float) -> None:
+    with pytest.raises(ConfigError) as refused:
+        SpillConfig(pin_share=share)
+    assert "pin share must be in [0, 1)" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_pin_share_below_1_is_taken() -> None:
+    assert SpillConfig(pin_share=0.99).pin_share == 0.99 and SpillConfig(pin_share=0).pin_share == 0
