@@ -56,8 +56,8 @@ class FormatError(ValueError):
 
 class NewerFormat(FormatError):
     """An extent of a format version newer than this code reads: a newer sgl_hicache sharing the
-    directory wrote it (a rolling upgrade). Not corrupt: never used here, and never deleted for it
-    (its MACs are not checked: a newer version may seal differently). Catch it before FormatError."""
+    directory wrote it (a rolling upgrade): its fixed header's MAC verifies (`_check_version`). Not
+    corrupt: never used here, and never deleted for it. Catch it before FormatError."""
 
 
 class Mismatch(FormatError):
@@ -208,9 +208,7 @@ def peek_index(buf: bytes, seal: Seal) -> IndexFields:
     if len(buf) < FIXED_SIZE:
         raise FormatError(f"truncated header: {len(buf)} < {FIXED_SIZE} bytes")
     f = _FIXED.unpack_from(buf)
-    _check_version(f[0], f[1])
-    if seal.header(buf[:_MACED]) != f[-1]:
-        raise FormatError("bad header MAC")
+    _check_version(f[0], f[1], seal.header(buf[:_MACED]) == f[-1])
     return IndexFields(f[4], f[5], f[6], f[14], f[20], f[17], f[3] + f[18], f[21])
 
 
@@ -221,9 +219,7 @@ def decode_fixed(buf: bytes | memoryview, seal: Seal | None) -> Header:
         raise FormatError(f"truncated header: {len(buf)} < {FIXED_SIZE} bytes")
     fixed = bytes(buf[:FIXED_SIZE])
     f = _FIXED.unpack(fixed)
-    _check_version(f[0], f[1])
-    if seal is not None and seal.header(fixed[:_MACED]) != f[-1]:
-        raise FormatError("header MAC mismatch: not written with this directory's secret")
+    _check_version(f[0], f[1], seal is None or seal.header(fixed[:_MACED]) == f[-1])
     if f[12] not in _CODE_COMPRESSION or f[11] not in KVDtype._value2member_map_:
         raise FormatError("unknown compression or dtype code")
     try:
@@ -239,15 +235,19 @@ def decode_fixed(buf: bytes | memoryview, seal: Seal | None) -> Header:
     return header
 
 
-def _check_version(magic: bytes, version: int) -> None:
-    """Raise NewerFormat for a version above every readable one, FormatError for a bad magic or an
-    older version that is no longer read."""
+def _check_version(magic: bytes, version: int, sealed: bool) -> None:
+    """Check magic, version and (`sealed`: whether the header MAC verified) the MAC of a fixed
+    header. Raises NewerFormat for a sealed header of a version above every readable one (a later
+    version keeps this fixed header and its MAC: docs/FORMAT.md, so that a flipped version bit is
+    corruption, not a newer file), FormatError for anything else that is not a readable header."""
     if magic != MAGIC:
         raise FormatError("bad magic")
+    if version not in READABLE_VERSIONS and version < READABLE_VERSIONS[-1]:
+        raise FormatError(f"unsupported format version {version}")
+    if not sealed:
+        raise FormatError("header MAC mismatch: not written with this directory's secret")
     if version > READABLE_VERSIONS[-1]:
         raise NewerFormat(f"format version {version}, newer than this sgl_hicache reads: kept for its writer")
-    if version not in READABLE_VERSIONS:
-        raise FormatError(f"unsupported format version {version}")
 
 
 def _check_sizes(h: Header, n_chunks: int) -> None:
