@@ -355,7 +355,8 @@ class SpillConfig:
     )
     prefetch_ttl_s: float = tuning(30.0, "seconds after which a prefetched read nobody used is released")
     pin_share: float = tuning(
-        0.5, "share of the tier budget that pinned conversations may hold (POST /hicache/pin); 0 refuses pins"
+        0.5,
+        "share of the tier budget that pinned conversations may hold (POST /hicache/pin), below 1; 0 refuses pins",
     )
     clean_ahead: float = tuning(
         1.0,
@@ -387,7 +388,9 @@ class SpillConfig:
             "clean_ahead",
             f"clean ahead must be in [0, 1], got {self.clean_ahead}",
         )
-        _require(0 <= self.pin_share <= 1, "pin_share", f"pin share must be in [0, 1], got {self.pin_share}")
+        _require(  # 1 would let pins hold the whole budget: nothing else could be spilled
+            0 <= self.pin_share < 1, "pin_share", f"pin share must be in [0, 1), got {self.pin_share}"
+        )
         _require(
             self.staging_bytes >= MiB,
             "staging_bytes",

@@ -26,6 +26,11 @@ BACKEND_NAME = "hicache_spill"
 TIER_GAUGES = {  # TierStats field: (metric name, help)
     "bytes_stored": ("tier_used_bytes", "bytes of published extents in the tier"),
     "extents": ("tier_extents", "published extents in the tier"),
+    "volume_free_bytes": (
+        "tier_volume_free_bytes",
+        "free bytes on the tier's volume when last looked at "
+        "(about every second; -1: unknown, or a tier without a volume)",
+    ),
 }
 TIER_COUNTERS = {  # TierStats running totals: (metric name, help), exported as counters
     "io_errors": ("tier_io_errors", "I/O errors the tier met (EIO, EACCES, EROFS, ...)"),
@@ -33,7 +38,17 @@ TIER_COUNTERS = {  # TierStats running totals: (metric name, help), exported as 
     "mismatches": ("tier_mismatches", "reads of extents that were not what their key names"),
     "no_space": ("tier_no_space", "stores refused for lack of space"),
     "evictions": ("tier_evictions", "extents the tier evicted to stay within its budget"),
+    "free_space_evictions": (
+        "tier_free_space_evictions",
+        "extents the tier evicted to keep "
+        "--hicache-spill-min-free free on its volume (the volume is full below the budget)",
+    ),
     "recreations": ("tier_recreations", "times the tier directory was removed and re-created"),
+    "newer_extents": (
+        "tier_newer_extents",
+        "extents of a newer format version met and kept (a newer "
+        "sgl_hicache shares the tier: finish the rolling upgrade)",
+    ),
 }
 STAGING_GAUGES = {
     "staging_used_bytes": "host staging in use (extents on their way to the tier, reads on their way back)",

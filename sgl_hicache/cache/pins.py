@@ -6,8 +6,9 @@ A pin names a token prefix of one tenant (`tenant_of(extra_key, cache_salt)`) an
 root is a prefix of the pin's tokens, or the pin's tokens a prefix of its path): eviction spills it
 rather than drop it, and the tier keeps the extent holding it until the deadline (`Tier.retain`).
 
-Two bounds keep pins within `pin_share` of the tier budget (`SpillConfig`), both in packed KV
-bytes of every TP rank together (the budget is the directory's, shared by the ranks):
+Two bounds keep pins within `pin_share` of the tier budget (`SpillConfig`), both in bytes of
+extent files (`file_bytes`: header, padding and KV, what the tier's budget counts) of every TP rank
+together (the budget is the directory's, shared by the ranks):
 - **admission** (`admit`, on the scheduler that takes hints): the new pin's tokens plus those of
   the pins in force must fit, else the hint is refused with the numbers;
 - **retention** (`retain`): an extent is kept only while the extents kept so far plus it fit (an
@@ -27,7 +28,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sgl_hicache.kernels import KVPoolView, packed_nbytes
+from sgl_hicache.tier.format import file_bound
 from sgl_hicache.tier.keys import ExtentKey, token_digest
+from sgl_hicache.tier.lookup import block_tokens
 
 MAX_TTL_S = 7 * 24 * 3600.0
 MAX_PINS = 1024
@@ -39,12 +43,24 @@ class Pin:
     salt: str | None  # the cache_salt within `tenant` (a purge ends its pins)
     tokens: np.ndarray  # int64
     until: float  # time.monotonic() deadline
-    nbytes: int  # packed KV bytes of its tokens, all TP ranks
+    nbytes: int  # extent file bytes of its tokens, all TP ranks (`file_bytes`)
+
+
+def file_bytes(tokens: int, packed: int, chunk_bytes: int, page_size: int) -> int:
+    """The bytes on one rank's tier of the extent file holding `tokens` tokens of `packed` KV bytes,
+    at most (uncompressed, with token ids and every alias a writer records: lookup.alias_marks)."""
+    return file_bound(packed, tokens, chunk_bytes, tokens // block_tokens(page_size) + 2)
+
+
+def tier_bytes(view: KVPoolView, chunk_bytes: int, page_size: int, ranks: int) -> Callable[[int], int]:
+    """`Pins`' `bytes_of`: the `file_bytes` of n tokens of `view`'s KV on each of `ranks` TP ranks."""
+    return lambda n: file_bytes(n, packed_nbytes(view, n), chunk_bytes, page_size) * ranks
 
 
 class Pins:
     def __init__(self, budget_bytes: int, bytes_of: Callable[[int], int]) -> None:
-        """`budget_bytes`: what pins may hold; `bytes_of(n)`: packed bytes of n tokens, all ranks."""
+        """`budget_bytes`: what pins may hold; `bytes_of(n)`: the bytes n tokens take on the tier
+        (`file_bytes`), all ranks."""
         self.budget_bytes = budget_bytes
         self._bytes_of = bytes_of
         self._pins: dict[tuple[bytes, bytes], Pin] = {}
@@ -74,7 +90,7 @@ class Pins:
         need = self._bytes_of(len(tokens))
         if self.pinned_bytes + need > self.budget_bytes:
             return (  # how much others pinned is not said: hints never tell what is cached
-                f"pinning {len(tokens)} tokens ({need} B of KV) would exceed the pin budget of "
+                f"pinning {len(tokens)} tokens ({need} B of extent files) would exceed the pin budget of "
                 f"{self.budget_bytes} B (pin_share of the tier budget) with the pins in force"
             )
         self.add(tenant, salt, tokens, ttl_s)

@@ -41,11 +41,10 @@ from sgl_hicache.cache.agreement import Agreement
 from sgl_hicache.cache.controller import SpillController
 from sgl_hicache.cache.hint_source import HintRefused, ResumeHint, RetentionHint
 from sgl_hicache.cache.metrics import SpillMetrics
-from sgl_hicache.cache.pins import Pin, Pins
+from sgl_hicache.cache.pins import Pin, Pins, tier_bytes
 from sgl_hicache.cache.spill_state import Extent, ExtentState, SpillRef
 from sgl_hicache.cache.tree import SpillTree
 from sgl_hicache.config import SpillConfig
-from sgl_hicache.kernels import packed_nbytes
 from sgl_hicache.tier.base import Ticket
 from sgl_hicache.tier.keys import ExtentKey, tenant_of
 
@@ -79,7 +78,7 @@ class Retention:
         if self._pins is None and ctl is not None:
             cfg, ranks, view = self.host.spill_config, self.host.agreement.size, ctl.view
             budget = int(cfg.pin_share * cfg.tier.capacity_bytes)
-            self._pins = Pins(budget, lambda n: packed_nbytes(view, n) * ranks)
+            self._pins = Pins(budget, tier_bytes(view, cfg.tier.chunk_bytes, self.host.page_size, ranks))
         return self._pins
 
     # ---- taking hints (the scheduler of TP rank 0) --------------------------------------------

@@ -4,7 +4,9 @@ Header and meta MACs are verified with the directory's secret when it can be rea
 server's user, or root); the summary line says whether they were. A problem is `corrupt` (any
 FormatError or short read: what a load would report CORRUPT), `stale-temp` (a crashed writer's
 temp file) or `unreadable` (another OSError such as EIO or EACCES). `--repair` removes the first
-two kinds, as the tier itself would; unreadable files are kept for the operator to look at.
+two kinds, as the tier itself would; unreadable files are kept for the operator to look at. An
+extent of a newer format version (a newer sgl_hicache shares the directory) is no problem: listed as
+`newer`, never verified nor removed (its writer's version reads it).
 
 `--cache-salt SALT` also lists every extent of that tenant salt (`salt`: its MAC'd tag is the
 salt's, tier/purge.py) and every older one whose salt cannot be told (`salt?`: format v3/v4 without
@@ -32,7 +34,7 @@ from typing import NamedTuple
 from sgl_hicache.cli.walk import NsFiles, UsageError, classify, directory_seal, key_of, namespace_dirs
 from sgl_hicache.tier.directio import O_DIRECT, ShortIO, alloc_aligned
 from sgl_hicache.tier.filelock import NoLocks
-from sgl_hicache.tier.format import FormatError, Seal
+from sgl_hicache.tier.format import FormatError, NewerFormat, Seal
 from sgl_hicache.tier.keys import ExtentKey, NamespaceId
 from sgl_hicache.tier.ledger import LEDGER_NAME, close_ledger, open_ledger
 from sgl_hicache.tier.load import open_extent, read_chunk
@@ -44,7 +46,7 @@ _local = threading.local()
 
 
 class Problem(NamedTuple):
-    kind: str  # corrupt | stale-temp | unreadable | salt | salt?
+    kind: str  # corrupt | stale-temp | unreadable | salt | salt? | newer (no problem: only listed)
     path: str
     detail: str
 
@@ -64,6 +66,8 @@ def verify_extent(de: os.DirEntry[str], ns: NamespaceId, seal: Seal | None) -> P
             _read_all(de.path, ns, key, False, seal)
     except FileNotFoundError:
         return None  # evicted meanwhile by a server sharing the directory
+    except NewerFormat as e:
+        return Problem("newer", de.path, str(e))
     except (FormatError, ShortIO) as e:
         return Problem("corrupt", de.path, str(e))
     except OSError as e:
@@ -107,9 +111,13 @@ def cmd_fsck(root: Path, repair: bool, cache_salt: str | None = None) -> int:
             f"--cache-salt needs the directory's secret, and {macs.removeprefix('MACs NOT verified: ')}"
         )
     with ThreadPoolExecutor(VERIFY_THREADS, thread_name_prefix="sgl-hicache-fsck") as pool:
-        problems = [p for files in namespaces for p in problems_of(files, seal, pool)]
+        found = [p for files in namespaces for p in problems_of(files, seal, pool)]
+    newer = [p for p in found if p.kind == "newer"]
+    problems = [p for p in found if p.kind != "newer"]
     if cache_salt is not None and seal is not None:
         problems += salt_problems(namespaces, seal, cache_salt)
+    for p in newer:
+        print(f"{p.kind}  {p.path}  ({p.detail})")
     remaining = 0
     for p in problems:
         fixed = repair and _repairable(p) and _remove(p.path)
@@ -119,8 +127,9 @@ def cmd_fsck(root: Path, repair: bool, cache_salt: str | None = None) -> int:
         _recount_budget(root)
     extents = sum(len(f.extents) for f in namespaces)
     removed = f", {len(problems) - remaining} removed" if repair else ""
+    kept = f", {len(newer)} of a newer format version (kept)" if newer else ""
     print(
-        f"fsck: {extents} extents in {len(namespaces)} namespaces, {len(problems)} problems{removed}; {macs}"
+        f"fsck: {extents} extents in {len(namespaces)} namespaces, {len(problems)} problems{removed}{kept}; {macs}"
     )
     return 1 if remaining else 0
 
@@ -130,9 +139,11 @@ def salt_problems(namespaces: list[NsFiles], seal: Seal, cache_salt: str) -> lis
     tag, found = seal.salt(cache_salt), []
     for de in (de for files in namespaces for de in files.extents):
         mark = salt_mark(de.path, seal)
-        if mark is not None and mark.tag == tag:
+        if mark is None or mark.newer:  # a newer version's: listed as such, its own fsck tells
+            continue
+        if mark.tag == tag:
             found.append(Problem("salt", de.path, "holds KV of that cache_salt"))
-        elif mark is not None and not mark.known:
+        elif not mark.known:
             found.append(Problem("salt?", de.path, "format v3/v4 without token ids: its salt cannot be told"))
     return found
 

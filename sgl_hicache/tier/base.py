@@ -49,6 +49,7 @@ class Status(enum.Enum):
     OK = "ok"
     MISS = "miss"  # load: no such extent (never stored, evicted, removed by another process)
     CORRUPT = "corrupt"  # load: checksum, truncation, version or namespace mismatch; extent dropped
+    #                     (a newer format version is a MISS instead: kept for the newer server)
     MISMATCH = "mismatch"  # load: well-formed, but not what the key names (its parent and tokens do not
     #                       hash to the key) or shorter than requested; extent dropped
     NO_SPACE = "no_space"  # store: over budget with nothing evictable, or the volume is full
@@ -155,6 +156,14 @@ class TierStats:
     secret_conflicts: int  # ... but another process had re-created it with a new secret (kept)
     purged_extents: int = 0  # removed by `submit_remove` / `submit_purge` (retention hints)
     retained_extents: int = 0  # kept from eviction by `retain` now (pinned conversations)
+    # Evicted because a store would have left less than min_free_bytes free on the volume (not
+    # counted in `evictions`/`evicted_bytes`, which the budget forced):
+    free_space_evictions: int = 0
+    free_space_evicted_bytes: int = 0
+    volume_free_bytes: int = -1  # free on the volume when last looked at; -1: unknown, or not a volume
+    newer_extents: int = (
+        0  # extents of a newer format version met (scan, load, purge) and kept, never deleted
+    )
 
 
 class Tier(abc.ABC):
@@ -339,11 +348,15 @@ class Tier(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot remove extents")
 
     def submit_purge(self, cache_salt: str) -> Ticket:
-        """Queue removing every extent under the root (every namespace) stored with `cache_salt`,
-        and every one that may have been (older formats without a salt tag that hold no token ids),
-        and the aliases of each; stores of that salt in flight now have their file removed once
-        written (and complete REJECTED). Completes `Op.PURGE` OK, `nbytes` the files removed.
-        Never blocks. Raises NotImplementedError where the tier cannot."""
+        """Queue removing every extent stored with `cache_salt`, and every one that may have been
+        (older formats without a salt tag that hold no token ids), and the aliases of each, from this
+        tier's namespace and, if it is TP rank 0's, from every namespace under the root that is no
+        rank's of its server (other models, older weights); the other ranks purge their own (so
+        the ranks of a server purging together purge the whole root). Stores of that salt in flight
+        now have their file removed once written (and complete REJECTED). Files of a newer format
+        version are kept. Completes `Op.PURGE` OK, `nbytes` the files removed.
+        Idempotent: a purge again after one cut short (an error or a crash mid-walk) removes the
+        rest. Never blocks. Raises NotImplementedError where the tier cannot."""
         raise NotImplementedError(f"{type(self).__name__} cannot purge a cache_salt")
 
     @abc.abstractmethod

@@ -27,6 +27,7 @@ from sgl_hicache.tier.keys import ExtentKey
 from sgl_hicache.tier.ledger import Ledger
 from sgl_hicache.tier.paths import ExtentPaths, free_bytes
 from sgl_hicache.tier.shared import NO_GENERATION, SharedBudget
+from sgl_hicache.tier.volume import FreeSpace
 
 ROOM_WAIT_S = 30.0
 
@@ -51,6 +52,7 @@ class Space:
         self.lock = threading.Lock()
         self._room = threading.Condition(self.lock)  # notified when reserved or dying bytes drop
         self.shared = SharedBudget(self, ledger, cfg.capacity_bytes)
+        self.free_space = FreeSpace(paths.ns_dir, cfg.min_free_bytes)
 
     def check(self, res: Reservation) -> None:
         """Raise FileNotFoundError if `res` is no longer leased in the root's ledger (the root was
@@ -153,25 +155,29 @@ class Space:
         return res
 
     def _keep_free(self, nbytes: int) -> None:
-        """Evict until writing `nbytes` leaves `min_free_bytes` on the volume; raises OverBudget."""
+        """Evict until writing `nbytes` leaves `min_free_bytes` on the volume (counted apart from
+        the budget's evictions: `free_space_evictions`); raises OverBudget."""
         free = free_bytes(self._paths.ns_dir)
-        short = 0 if free is None else self._cfg.min_free_bytes + nbytes - free
-        if short <= 0:
+        self.free_space.record(free)
+        if free is None or free >= self._cfg.min_free_bytes + nbytes:
             return
         with self.lock:
-            victims = self.index.evict(short)
+            victims = self.index.evict(self._cfg.min_free_bytes + nbytes - free)
         if victims is None:
             raise OverBudget(f"volume free space ({free} B) would drop below {self._cfg.min_free_bytes} B")
-        self.unlink(victims)
+        self.free_space.forced_eviction(free, nbytes)
+        self.unlink(victims, free_space=True)
+        self.free_space.refresh()
 
-    def unlink(self, victims: list[tuple[ExtentKey, Entry]]) -> None:
+    def unlink(self, victims: list[tuple[ExtentKey, Entry]], free_space: bool = False) -> None:
+        """Unlink evicted `victims`; `free_space`: the volume's free space forced it, not the budget."""
         for key, entry in victims:
             self.remove_file(key)
-            self.buried(key, entry)
+            self.buried(key, entry, free_space)
 
-    def buried(self, key: ExtentKey, entry: Entry) -> None:
+    def buried(self, key: ExtentKey, entry: Entry, free_space: bool = False) -> None:
         """Victim `key` (taken out of the index by `Index.kill`) is unlinked: count it, wake waiters."""
-        self.counted_eviction(entry.file_bytes)
+        self.counted_eviction(entry.file_bytes, free_space)
         with self.lock:
             self.index.buried(key, entry.file_bytes)
             self._room.notify_all()
@@ -182,9 +188,14 @@ class Space:
             self.index.buried(key, nbytes)
             self._room.notify_all()
 
-    def counted_eviction(self, nbytes: int) -> None:
-        self._counters.add("evictions")
-        self._counters.add("evicted_bytes", nbytes)
+    def counted_eviction(self, nbytes: int, free_space: bool = False) -> None:
+        count, size = (
+            ("free_space_evictions", "free_space_evicted_bytes")
+            if free_space
+            else ("evictions", "evicted_bytes")
+        )
+        self._counters.add(count)
+        self._counters.add(size, nbytes)
 
     def remove_file(self, key: ExtentKey) -> bool:
         try:

@@ -54,6 +54,12 @@ class FormatError(ValueError):
     """The bytes are not a valid extent of this format version and namespace."""
 
 
+class NewerFormat(FormatError):
+    """An extent of a format version newer than this code reads: a newer sgl_hicache sharing the
+    directory wrote it (a rolling upgrade): its fixed header's MAC verifies (`_check_version`). Not
+    corrupt: never used here, and never deleted for it. Catch it before FormatError."""
+
+
 class Mismatch(FormatError):
     """A well-formed extent that is not what was asked for: its parent, token count and token
     digest do not hash to its key, its token ids do not hash to its digest, or it holds fewer
@@ -142,6 +148,14 @@ def header_bound(token_bytes: int, n_chunks: int, n_aliases: int = 0) -> int:
     return align_up(FIXED_SIZE + 16 + token_bytes + 5 + n_chunks * _CHUNK_ENTRY_MAX + aliases + salt)
 
 
+def file_bound(payload_len: int, token_count: int, chunk_bytes: int, n_aliases: int) -> int:
+    """The bytes of an uncompressed extent file of these sizes with its token ids (the most its
+    header may take: `header_bound`; each chunk padded to 4096). A compressed one is usually smaller."""
+    full, last = divmod(payload_len, chunk_bytes)
+    n_chunks = full + (last > 0)
+    return header_bound(4 * token_count, n_chunks, n_aliases) + full * align_up(chunk_bytes) + align_up(last)
+
+
 def encode_header(
     header: Header, tokens: bytes | None, chunks: list[Chunk], seal: Seal, aliases: Sequence[Alias] = (),
     salt_tag: bytes | None = None,
@@ -194,8 +208,7 @@ def peek_index(buf: bytes, seal: Seal) -> IndexFields:
     if len(buf) < FIXED_SIZE:
         raise FormatError(f"truncated header: {len(buf)} < {FIXED_SIZE} bytes")
     f = _FIXED.unpack_from(buf)
-    if f[0] != MAGIC or f[1] not in READABLE_VERSIONS or seal.header(buf[:_MACED]) != f[-1]:
-        raise FormatError("bad magic, version or header MAC")
+    _check_version(f[0], f[1], seal.header(buf[:_MACED]) == f[-1])
     return IndexFields(f[4], f[5], f[6], f[14], f[20], f[17], f[3] + f[18], f[21])
 
 
@@ -206,12 +219,7 @@ def decode_fixed(buf: bytes | memoryview, seal: Seal | None) -> Header:
         raise FormatError(f"truncated header: {len(buf)} < {FIXED_SIZE} bytes")
     fixed = bytes(buf[:FIXED_SIZE])
     f = _FIXED.unpack(fixed)
-    if f[0] != MAGIC:
-        raise FormatError("bad magic")
-    if f[1] not in READABLE_VERSIONS:
-        raise FormatError(f"unsupported format version {f[1]}")
-    if seal is not None and seal.header(fixed[:_MACED]) != f[-1]:
-        raise FormatError("header MAC mismatch: not written with this directory's secret")
+    _check_version(f[0], f[1], seal is None or seal.header(fixed[:_MACED]) == f[-1])
     if f[12] not in _CODE_COMPRESSION or f[11] not in KVDtype._value2member_map_:
         raise FormatError("unknown compression or dtype code")
     try:
@@ -225,6 +233,21 @@ def decode_fixed(buf: bytes | memoryview, seal: Seal | None) -> Header:
     )  # fmt: skip
     _check_sizes(header, n_chunks=f[16])
     return header
+
+
+def _check_version(magic: bytes, version: int, sealed: bool) -> None:
+    """Check magic, version and (`sealed`: whether the header MAC verified) the MAC of a fixed
+    header. Raises NewerFormat for a sealed header of a version above every readable one (a later
+    version keeps this fixed header and its MAC: docs/FORMAT.md, so that a flipped version bit is
+    corruption, not a newer file), FormatError for anything else that is not a readable header."""
+    if magic != MAGIC:
+        raise FormatError("bad magic")
+    if version not in READABLE_VERSIONS and version < READABLE_VERSIONS[-1]:
+        raise FormatError(f"unsupported format version {version}")
+    if not sealed:
+        raise FormatError("header MAC mismatch: not written with this directory's secret")
+    if version > READABLE_VERSIONS[-1]:
+        raise NewerFormat(f"format version {version}, newer than this sgl_hicache reads: kept for its writer")
 
 
 def _check_sizes(h: Header, n_chunks: int) -> None:
@@ -294,10 +317,12 @@ def _meta_obj(header: Header, buf: bytes | memoryview, seal: Seal | None) -> dic
 class SaltMark(NamedTuple):
     """Whose cache_salt wrote an extent, as far as its (MAC'd) meta says: `tag` (`Seal.salt`), or
     None with `known` True (v5: written without a cache_salt), or None with `known` False (v3/v4
-    without token ids: some salted or `extra_key` tenant's, which one cannot be told)."""
+    without token ids: some salted or `extra_key` tenant's, which one cannot be told). `newer`: a
+    file of a newer format version (`NewerFormat`), which only its writer's version may remove."""
 
     tag: bytes | None
     known: bool
+    newer: bool = False
 
 
 def decode_salt(header: Header, buf: bytes | memoryview, version: int, seal: Seal | None) -> SaltMark:

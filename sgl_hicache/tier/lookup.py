@@ -41,7 +41,7 @@ import numpy as np
 
 from sgl_hicache.tier.aliases import read_alias, remove_dangling
 from sgl_hicache.tier.base import LookupRequest, LookupResult, Segment
-from sgl_hicache.tier.format import Alias, FormatError, Seal
+from sgl_hicache.tier.format import Alias, FormatError, NewerFormat, Seal
 from sgl_hicache.tier.keys import ExtentKey, NamespaceId, PathHasher
 from sgl_hicache.tier.load import open_extent
 from sgl_hicache.tier.paths import ExtentPaths
@@ -140,6 +140,8 @@ class _Walk:
         except FileNotFoundError:
             self.stale, self.last_stale, self.calls = self.stale + 1, True, self.calls + 3
             self.source.remove_dangling(self.key_at(pos), key)
+            return None
+        except NewerFormat:  # a newer server's extent: not for this version, not a forgery
             return None
         except (FormatError, OSError):
             self.refused += 1

@@ -55,7 +55,7 @@ from sgl_hicache.tier.scheduler import IoScheduler
 from sgl_hicache.tier.store import StoreRequest, prepare
 from sgl_hicache.tier.trust import open_trusted
 
-_NOT_COUNTED = ("extents", "bytes_stored", "direct_io")
+_NOT_COUNTED = ("extents", "bytes_stored", "direct_io", "volume_free_bytes")
 _COUNTER_OF = {Status.MISS: "misses", Status.CORRUPT: "checksum_failures", Status.MISMATCH: "mismatches",
                Status.NO_SPACE: "no_space", Status.IO_ERROR: "io_errors"}  # fmt: skip
 

@@ -50,7 +50,7 @@ from sgl_hicache.tier.completions import CompletionQueue
 from sgl_hicache.tier.directio import as_view, probe_direct_io
 from sgl_hicache.tier.faults import Counters, FaultLog, classify, logger
 from sgl_hicache.tier.filelock import NoLocks
-from sgl_hicache.tier.format import FormatError, Mismatch, Seal
+from sgl_hicache.tier.format import FormatError, Mismatch, NewerFormat, Seal
 from sgl_hicache.tier.index import Entry, OverBudget
 from sgl_hicache.tier.integrity import check_files
 from sgl_hicache.tier.keys import ROOT_KEY, ExtentKey, Namespace, chain_key_from_digest, check_key
@@ -86,15 +86,20 @@ class NvmeTier(IndexedTier):
         self._lookups = LookupQueue()
         self._storing: dict[ExtentKey, Ticket] = {}  # key -> ticket of the store writing it
         self._loading: dict[Ticket, LoadState] = {}  # loads whose completion is not returned yet
-        self._retention = TierRetention(self._space, self._seal, self._storing)  # pin, drop, purge
+        self._retention = TierRetention(self._space, self._seal, self._storing, namespace)  # pin, drop, purge
         self._closed = self._abandoned = False
         self._rebuild_index()
         self._io = IoScheduler(cfg.io_threads)
-        self._io.every(REFRESH_S, self._space.shared.refresh)  # `shared` without a store; stops at close
+        self._io.every(REFRESH_S, self._refresh)  # stops at close
 
     @property
     def namespace(self) -> Namespace:
         return self._ns
+
+    def _refresh(self) -> None:
+        """About every second on an I/O thread: `shared` without a store, and the volume's free space."""
+        self._space.shared.refresh()
+        self._space.free_space.refresh()
 
     @property
     def shared(self) -> bool:
@@ -124,9 +129,11 @@ class NvmeTier(IndexedTier):
     ) -> Completion:
         """Count, log (rate-limited) and clean up after a failed job; returns its completion. A
         failed load cleans up only what it saw: `seen` (the key's index entry when it began) is
-        forgotten or dropped, never an extent a store published while the load ran."""
-        status = Status.MISS if op is Op.LOAD and _gone(err) else classify(op, err)
-        self._counters.add(_COUNTER_OF.get(status, "io_errors"))
+        forgotten or dropped, never an extent a store published while the load ran. A file of a
+        newer format version is a MISS (forgotten, kept on disk: its writer's), never corrupt."""
+        newer = isinstance(err, NewerFormat)
+        status = Status.MISS if newer or (op is Op.LOAD and _gone(err)) else classify(op, err)
+        self._counters.add("newer_extents" if newer else _COUNTER_OF.get(status, "io_errors"))
         if not isinstance(err, (OSError, FormatError)):
             logger.error("spill tier %s job failed unexpectedly", op.value, exc_info=err)
         elif status in (Status.IO_ERROR, Status.NO_SPACE):
@@ -331,6 +338,9 @@ class NvmeTier(IndexedTier):
     def read_tokens(self, key: ExtentKey) -> np.ndarray | None:
         try:
             ext = open_extent(self._paths.extent(check_key(key)), self._ns_id, key, False, self._seal)
+        except NewerFormat:  # a newer server's: kept
+            self._counters.add("newer_extents")
+            return None
         except FormatError:
             self._space.drop(key)
             return None
@@ -391,7 +401,8 @@ class NvmeTier(IndexedTier):
         names = [f for f in TierStats.__dataclass_fields__ if f not in _DERIVED]
         return TierStats(
             extents=extents, bytes_stored=used, capacity_bytes=self._cfg.capacity_bytes,
-            direct_io=self._direct, retained_extents=retained, **{name: c.get(name, 0) for name in names},
+            direct_io=self._direct, retained_extents=retained, volume_free_bytes=self._space.free_space.last,
+            **{name: c.get(name, 0) for name in names},
         )  # fmt: skip
 
     def check_integrity(self) -> None:
@@ -438,6 +449,7 @@ class NvmeTier(IndexedTier):
         self._counters.add("scanned_extents", len(result.entries))
         self._counters.add("removed_temp_files", result.removed_temp)
         self._counters.add("removed_bad_files", result.removed_bad)
+        self._counters.add("newer_extents", result.newer)
 
 
 def _shared_ledger(paths: ExtentPaths) -> Ledger | None:
@@ -463,4 +475,4 @@ _COUNTER_OF = {
     Status.MISS: "misses", Status.CORRUPT: "checksum_failures", Status.MISMATCH: "mismatches",
     Status.NO_SPACE: "no_space",
 }  # fmt: skip
-_DERIVED = {"extents", "bytes_stored", "capacity_bytes", "direct_io", "retained_extents"}
+_DERIVED = {"extents", "bytes_stored", "capacity_bytes", "direct_io", "retained_extents", "volume_free_bytes"}

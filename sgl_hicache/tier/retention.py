@@ -11,8 +11,11 @@
   even while a load reads it: on POSIX that load still reads the whole verified file, and every
   later one is a clean MISS. A key whose store is in flight is *doomed* instead: that store's job
   removes the file it has just published (and completes REJECTED).
-- **Purge**: stores of the salt in flight when it is queued are doomed; then every file under the
-  root that belongs to the salt (purge.py) is removed, in every namespace.
+- **Purge**: stores of the salt in flight when it is queued are doomed; then every file that
+  belongs to the salt (purge.py) is removed from this tier's namespace and, on TP rank 0, from every
+  namespace that is no rank's of this server (`purge.purged_namespaces`: the other ranks purge
+  their own). Files of a newer format version are kept (their salt cannot be told here) and counted
+  in `newer_extents`.
 
 Methods ending in `_locked` run under `space.lock`; the others take it themselves.
 """
@@ -25,14 +28,14 @@ from pathlib import Path
 
 from sgl_hicache.tier.capacity import Space
 from sgl_hicache.tier.format import Seal
-from sgl_hicache.tier.keys import ExtentKey
-from sgl_hicache.tier.purge import salt_extents
+from sgl_hicache.tier.keys import ExtentKey, Namespace
+from sgl_hicache.tier.purge import belongs, marked_extents, purged_namespaces
 
 
 class TierRetention:
-    def __init__(self, space: Space, seal: Seal, storing: Container[ExtentKey]) -> None:
-        """`storing`: the keys of the stores in flight (NvmeTier's, under `space.lock`)."""
-        self._space, self._seal, self._storing = space, seal, storing
+    def __init__(self, space: Space, seal: Seal, storing: Container[ExtentKey], ns: Namespace) -> None:
+        """`storing`: the keys of the stores in flight (NvmeTier's, under `space.lock`); `ns`: the tier's."""
+        self._space, self._seal, self._storing, self._ns = space, seal, storing, ns
         self._until: dict[ExtentKey, float] = {}  # retained key -> deadline (monotonic)
         self._tags: dict[ExtentKey, bytes] = {}  # salt tag of each store in flight that has one
         self._doomed: set[ExtentKey] = set()  # stores in flight whose file must go once written
@@ -108,10 +111,15 @@ class TierRetention:
         return self.unlink(marked)
 
     def purge(self, tag: bytes) -> int:
-        """Remove every file under the root that belongs to the salt of `tag`; how many. Blocks."""
-        ns_dir = self._space.paths.ns_dir
+        """Remove every file of the namespaces this tier purges that belongs to the salt of `tag`;
+        how many. Blocks."""
+        ns_dir, root = self._space.paths.ns_dir, self._space.paths.root
         removed = 0
-        for path in salt_extents(self._space.paths.root, tag, self._seal):
+        for path, mark in marked_extents(purged_namespaces(root, self._ns), self._seal):
+            if mark is not None and mark.newer:
+                self._space.counters.add("newer_extents")
+            if not belongs(mark, tag):
+                continue
             if Path(path).parent.parent == ns_dir:
                 removed += self.remove([ExtentKey(bytes.fromhex(Path(path).name.split(".")[0]))])
             else:
@@ -119,7 +127,7 @@ class TierRetention:
         return removed
 
     def _remove_foreign(self, path: str) -> int:
-        """Another namespace's file (another model, TP rank, older weights): accounted, aliases too."""
+        """Another namespace's file (another model, older weights, TP size): accounted, aliases too."""
         try:
             removed = self._space.shared.unlink(path)
         except OSError as e:

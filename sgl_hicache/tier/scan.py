@@ -4,7 +4,8 @@ Only the fixed header (first FIXED_SIZE bytes) of each file is read and verified
 files written with this directory's secret are indexed), namespace, key = file name = the chain key
 of its parent, token count and token digest, and size; the meta MAC and payload checksums are
 verified on load. Removed: stale temp files (`is_stale_temp`), and extent files that fail any of
-those checks. Extents enter
+those checks, but for files of a newer format version (a newer sgl_hicache shares the directory:
+kept for it, counted in `newer`). Extents enter
 the LRU in publish order (header `created_ns`): a restart forgets access order.
 """
 
@@ -17,7 +18,15 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from sgl_hicache.tier.format import EXTENT_SUFFIX, FIXED_SIZE, TEMP_SUFFIX, FormatError, Seal, peek_index
+from sgl_hicache.tier.format import (
+    EXTENT_SUFFIX,
+    FIXED_SIZE,
+    TEMP_SUFFIX,
+    FormatError,
+    NewerFormat,
+    Seal,
+    peek_index,
+)
 from sgl_hicache.tier.index import Entry
 from sgl_hicache.tier.keys import ExtentKey, NamespaceId, chain_key_from_digest
 from sgl_hicache.tier.owner import Liveness, liveness
@@ -32,6 +41,7 @@ class ScanResult:
     entries: list[tuple[int, ExtentKey, Entry]] = field(default_factory=list)
     removed_temp: int = 0
     removed_bad: int = 0
+    newer: int = 0  # extent files of a newer format version: not indexed, kept
 
 
 def scan(paths: ExtentPaths, ns: NamespaceId, seal: Seal, threads: int = SCAN_THREADS) -> ScanResult:
@@ -44,6 +54,7 @@ def scan(paths: ExtentPaths, ns: NamespaceId, seal: Seal, threads: int = SCAN_TH
         result.entries += part.entries
         result.removed_temp += part.removed_temp
         result.removed_bad += part.removed_bad
+        result.newer += part.newer
     result.entries.sort(key=lambda t: t[0])
     return result
 
@@ -108,6 +119,9 @@ def _scan_extent(de: os.DirEntry[str], ns: NamespaceId, seal: Seal, result: Scan
             raise FormatError("the extent's parent, token count and digest do not hash to its key")
     except FileNotFoundError:
         return  # removed meanwhile (another process evicted it)
+    except NewerFormat:
+        result.newer += 1
+        return
     except FormatError:
         _unlink(de.path)
         result.removed_bad += 1

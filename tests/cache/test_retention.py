@@ -114,13 +114,13 @@ def test_the_tier_keeps_a_pinned_conversation_until_its_ttl(make_stack: Any) -> 
 
 
 def test_a_pin_over_its_budget_is_refused_with_the_numbers(make_stack: Any) -> None:
-    s = make_stack(capacity_bytes=100_000, pin_share=0.1)  # 10,000 B: 78 tokens of 128 B
+    s = make_stack(capacity_bytes=100_000, pin_share=0.15)  # 15,000 B: one file of 64 tokens (12 KiB)
     taken: list[Any] = []
     assert s.cache.retention.take(taken, list(range(64)), None, None, "pin", 30.0) is None
     refused = s.cache.retention.take(taken, list(range(100, 164)), None, None, "pin", 30.0)
     assert (
         isinstance(refused, HintRefused)
-        and "(8192 B of KV) would exceed the pin budget of 10000 B" in refused.reason
+        and "(12288 B of extent files) would exceed the pin budget of 15000 B" in refused.reason
     )
     assert [h.kind for h in taken] == ["pin"]
     # The answer never depends on what exactly is pinned (an oracle): a re-pin of the same tokens is

@@ -174,6 +174,8 @@ BAD = [
     (["--hicache-spill-chunk-size=8M"],
      f"--hicache-spill-chunk-size moved into {EXTRA_CONFIG}: pass {EXTRA_CONFIG} '{{\"chunk_size\": \"8M\"}}'"),
     (["--hicache-spill-capcity", "200G"], "unknown flag --hicache-spill-capcity (did you mean --hicache-spill-capacity?)"),
+    ([EXTRA_CONFIG, '{"pin_share": 1}'], f"{EXTRA_CONFIG} pin_share: pin share must be in [0, 1), got 1"),
+    ([EXTRA_CONFIG, '{"pin_share": 1.5}'], f"{EXTRA_CONFIG} pin_share: pin share must be in [0, 1), got 1.5"),
 ]  # fmt: skip
 
 

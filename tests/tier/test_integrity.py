@@ -94,6 +94,18 @@ def test_scan_drops_bad_headers_and_foreign_files(make_tier, tmp_path: Path):
 def test_version_mismatch_is_corrupt(stored):
     tier, path, raw = stored
     bad = bytearray(raw)
-    bad[8] = 99  # format version field (header checksum then also mismatches)
+    bad[8] = 2  # format version field: an older version no longer read (header checksum then also mismatches)
     path.write_bytes(bytes(bad))
     assert load_all(tier)[0].status is Status.CORRUPT
+
+
+def test_a_newer_version_without_its_header_mac_is_corrupt(stored):
+    """A newer version keeps the fixed header and its MAC (docs/FORMAT.md): a version field raised
+    without it is a flipped bit, not a newer file (tests/tier/test_newer_format.py re-seals it as
+    a newer writer would: then it is kept)."""
+    tier, path, raw = stored
+    bad = bytearray(raw)
+    bad[8] = 99
+    path.write_bytes(bytes(bad))
+    assert load_all(tier)[0].status is Status.CORRUPT
+    assert tier.stats().newer_extents == 0

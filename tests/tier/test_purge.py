@@ -147,3 +147,37 @@ def test_a_file_that_cannot_be_read_is_never_called_free_of_the_salt(
         mark = purge.salt_mark(str(tmp_path / "x.ext"), seal=None)  # type: ignore[arg-type]
         assert mark == want
         assert purge.belongs(mark, b"tag") is (want is not None)
+
+
+def test_a_purge_cut_short_mid_walk_completes_when_sent_again(
+    make_tier: Callable[..., Tier], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A crash inside the walk after three removals (raised by the 4th unlink, of this namespace's
+    files or another model's): the purge fails; the same purge again removes the rest and succeeds,
+    and the index stays whole."""
+    from sgl_hicache.tier.shared import SharedBudget
+
+    other_model = Namespace("another-model", KVLayout(2, 2, 64, KVDtype.BF16, 4))
+    tier, other = make_tier(), make_tier(ns=other_model)
+    for i in range(6):
+        assert store(tier, i, "s") is Status.OK
+    for i in range(2):
+        assert store(other, 10 + i, "s") is Status.OK
+    assert store(tier, 20, "kept") is Status.OK
+    real, calls = SharedBudget.unlink, [0]
+
+    def crashing(budget: SharedBudget, path: str) -> bool:
+        calls[0] += 1
+        if calls[0] > 3:
+            raise RuntimeError("crash mid-walk")
+        return real(budget, path)
+
+    monkeypatch.setattr(SharedBudget, "unlink", crashing)
+    cut = tier.wait(tier.submit_purge("s"), timeout=30)
+    monkeypatch.setattr(SharedBudget, "unlink", real)
+    assert not cut.ok and len(files(tmp_path / "tier")) == 1 + 8 - 3, cut
+    assert purge(tier, "s") == 5
+    assert files(tmp_path / "tier") == {key_for(20).hex() + ".ext"}
+    assert purge(tier, "s") == 0  # once more: nothing left, still a success
+    tier.check_integrity()
+    assert cli_main(["fsck", str(tmp_path / "tier"), "--cache-salt", "s"]) == 0
