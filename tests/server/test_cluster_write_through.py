@@ -2,7 +2,8 @@
 a conversation whose history is still resident on server A, never evicted, goes on at server B,
 which has never seen it. Under write-back the tier would hold nothing of it (B recomputes, as
 `test_cluster.py` shows before A evicts); written through, B finds A's KV by lookup, restores it
-and answers exactly as A does from its resident copy (greedy, the differential)."""
+and answers exactly as A does from its resident copy (greedy, the differential), but for a flip at a
+measured near-tie in what B recomputes (`tests/server/greedy.py`)."""
 
 from __future__ import annotations
 
