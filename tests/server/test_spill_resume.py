@@ -23,6 +23,7 @@ import pytest
 from benchmarks.bench.server_process import ServerProcess
 from sgl_hicache.tier.trust import SECRET_NAME
 from tests.server.conftest import SPILL_FLAGS, eventually, metrics, post_json, raw_metrics
+from tests.server.greedy import TOP2
 
 pytestmark = pytest.mark.server
 
@@ -36,11 +37,14 @@ def tokens(seed: int, n: int = PROMPT) -> list[int]:
     return [(i * 7 + seed * 131) % 900 + 20 for i in range(n)]
 
 
-def generate_full(base: str, ids: list[int], n: int = 8, salt: str | None = None) -> dict[str, Any]:
+def generate_full(
+    base: str, ids: list[int], n: int = 8, salt: str | None = None, top2: bool = False
+) -> dict[str, Any]:
+    """Greedy; with `top2`, also the two likeliest tokens' logprobs per output token (`greedy.TOP2`)."""
     body: dict[str, Any] = {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0}}
     if salt is not None:
         body["cache_salt"] = salt
-    return post_json(base + "/generate", body)
+    return post_json(base + "/generate", body | (TOP2 if top2 else {}))
 
 
 def generate(base: str, ids: list[int], n: int = 8, salt: str | None = None) -> tuple[list[int], int]:

@@ -21,6 +21,7 @@ import pytest
 
 from benchmarks.bench.server_process import CPU_FLAGS, ServerProcess
 from tests.server.conftest import SPILL_FLAGS, eventually, metrics, post_json
+from tests.server.greedy import Answer
 from tests.server.test_exactness_server import (
     MAX_NEW,
     POOL,
@@ -65,7 +66,7 @@ def transcript(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     log = tmp_path_factory.mktemp("tp_reference") / "server.log"
     args = (*CPU_FLAGS, *TP)
     with ServerProcess(tiny_model, REFERENCE_POOL, args, module="sglang.launch_server", log_path=log) as ref:
-        sent = Workload(SEED, lambda ids: generate(ref.base_url, ids)["output_ids"]).run(REQUESTS)
+        sent = Workload(SEED, lambda ids: Answer.of(generate(ref.base_url, ids))).run(REQUESTS)
     assert sum(len(s.input_ids) + MAX_NEW for s in sent) < REFERENCE_POOL
     yield sent
 
