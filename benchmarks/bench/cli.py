@@ -1,12 +1,14 @@
-"""`python -m sgl_hicache.bench`: ours vs sglang's default cache vs sglang HiCache, side by side.
+"""`python -m sgl_hicache.bench`: ours vs sglang's default cache vs sglang HiCache vs LMCache, side by side.
 
 Each system serves the same model (default: SmolLM2-135M-Instruct) with the same device pool,
 host-memory budget and token-level workloads (closed-loop multi-turn chat at each concurrency, then
 a Mooncake-format trace replay), `--repeats` times in interleaved order. HiCache runs in every
 configuration of `spec.HICACHE_CONFIGS`; the gate judges ours against the best of them per workload
-(lowest median resumed-turn TTFT p50). Progress goes to stderr; results go to OUT_DIR/run-<time>/
-as results.json, requests.csv, summary.csv and ttft_per_round.png; the last stdout line is one JSON
-object. Exit status: 0, or 1 when `--gate`/`--soak` fail, 2 on bad arguments.
+(lowest median resumed-turn TTFT p50). LMCache runs in every configuration of `spec.LMCACHE_CONFIGS`
+(each server beside its own LMCache daemon); the final line names its best per workload and gives
+ours against it (`ttft_vs_lmcache`, `throughput_vs_lmcache`). Progress goes to stderr; results go to
+OUT_DIR/run-<time>/ as results.json, requests.csv, summary.csv and ttft_per_round.png; the last
+stdout line is one JSON object. Exit status: 0, or 1 when `--gate`/`--soak` fail, 2 on bad arguments.
 
 `--servers 2` runs instead two servers behind sglang's router (smg), in the configurations of
 `bench/cluster.py` (`--configs` picks some): sharing a tier (ours on one tier directory, writing
@@ -40,7 +42,7 @@ from benchmarks.bench.spec import (
     expand_systems,
     quick,
 )
-from benchmarks.bench.summary import ratios
+from benchmarks.bench.summary import best_lmcache, ratios
 
 
 def parser() -> argparse.ArgumentParser:
@@ -54,7 +56,8 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--systems", default=",".join(SYSTEMS),
-        help="comma-separated subset of %(default)s; 'hicache' = every HiCache configuration",
+        help="comma-separated subset of %(default)s; 'hicache' = every HiCache configuration, 'lmcache' every "
+        "LMCache one",
     )  # fmt: skip
     p.add_argument("--repeats", type=int, default=None,
                    help=f"runs of each system, interleaved; figures are medians (default {BenchSpec().repeats}; --quick: 1)")  # fmt: skip
@@ -197,6 +200,8 @@ def execute(spec: BenchSpec) -> int:
         extra["gate"] = "fail" if failures else "pass"
         extra["gate_failures"] = failures
     extra.update(report.versus_best_keys(aggregate.versus_best(measured), measured))
+    extra["best_lmcache_config"] = {w: best_lmcache(f) for w, f in figures.items()}
+    extra["best_lmcache_config_throughput"] = {w: best_lmcache(f, "throughput") for w, f in figures.items()}
     line = report.final_line(figures, {w: ratios(f) for w, f in figures.items()}, extra)
     report.write(out, run.results(runs), figures, line, run.metrics(runs), measured)
     for f in failures:

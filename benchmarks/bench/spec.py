@@ -11,6 +11,8 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 
+from benchmarks.bench.lmcache_process import L2
+
 
 class SpecError(ValueError):
     """A benchmark setting that cannot work; the message is one line for the user."""
@@ -49,21 +51,52 @@ HICACHE_CONFIGS = (
 per workload (`summary.best_hicache`)."""
 HICACHE = {c.name: c for c in HICACHE_CONFIGS}
 
-SYSTEMS = ("recompute", *HICACHE, "ours", "resident")
+
+@dataclass(frozen=True)
+class LMCacheConfig:
+    """One configuration of LMCache (its multiprocess daemon beside sglang's `--enable-lmcache`) that
+    a run measures, at the memory ours gets: its L1 is the run's host budget, its disk tier (if any)
+    a directory on the same disk as ours' tier."""
+
+    name: str
+    l2: L2  # L2.NONE: L1 only; FS: `fs`, unbounded; FS_NATIVE: `fs_native` capped at ours' tier capacity
+    chunk_size: int = 256  # LMCache's default; it stores and finds whole chunks only
+
+
+LMCACHE_CONFIGS = (
+    LMCacheConfig("lmcache-l1", L2.NONE),
+    LMCacheConfig("lmcache-l1-c64", L2.NONE, chunk_size=64),
+    LMCacheConfig("lmcache-disk", L2.FS),
+    LMCacheConfig("lmcache-disk-c64", L2.FS, chunk_size=64),
+    LMCacheConfig("lmcache-fs-native", L2.FS_NATIVE),
+    LMCacheConfig("lmcache-fs-native-c64", L2.FS_NATIVE, chunk_size=64),
+)
+"""Every LMCache configuration a full run measures: L1 only, L1 + `fs`, L1 + capped `fs_native`, each
+at LMCache's default chunk (256 tokens) and at 64, which finds shorter prefixes; the run reports the
+best of them per workload (`summary.best_of`)."""
+LMCACHE = {c.name: c for c in LMCACHE_CONFIGS}
+
+SYSTEMS = ("recompute", *HICACHE, *LMCACHE, "ours", "resident")
 """(a) sglang's default cache, evicted KV is recomputed; (b) sglang HiCache with host memory and its
-`file` L3 backend, in each configuration of `HICACHE_CONFIGS`; (c) sgl_hicache's spill tier; and a
-reference: sglang's default cache with a pool that holds the whole workload (every reusable prefix a
-device hit). In `--systems`, `hicache` stands for every HiCache configuration."""
+`file` L3 backend, in each configuration of `HICACHE_CONFIGS`; (b') LMCache, in each configuration of
+`LMCACHE_CONFIGS`; (c) sgl_hicache's spill tier; and a reference: sglang's default cache with a pool
+that holds the whole workload (every reusable prefix a device hit). In `--systems`, `hicache` stands
+for every HiCache configuration and `lmcache` for every LMCache one."""
+
+FAMILIES = {"hicache": tuple(HICACHE), "lmcache": tuple(LMCACHE)}
+"""The names `--systems` expands into every configuration of a peer."""
 
 
 def expand_systems(names: str) -> tuple[str, ...]:
-    """`--systems`: comma-separated names, `hicache` meaning all of `HICACHE_CONFIGS`; in SYSTEMS order."""
+    """`--systems`: comma-separated names, `hicache`/`lmcache` meaning all of that peer's
+    configurations; in SYSTEMS order."""
     wanted = {n.strip() for n in names.split(",") if n.strip()}
-    if "hicache" in wanted:
-        wanted = (wanted - {"hicache"}) | set(HICACHE)
+    for family, members in FAMILIES.items():
+        if family in wanted:
+            wanted = (wanted - {family}) | set(members)
     unknown = sorted(wanted - set(SYSTEMS))
     if unknown:
-        raise SpecError(f"unknown system(s) {unknown}; choose from hicache, {', '.join(SYSTEMS)}")
+        raise SpecError(f"unknown system(s) {unknown}; choose from hicache, lmcache, {', '.join(SYSTEMS)}")
     return tuple(s for s in SYSTEMS if s in wanted)
 
 
@@ -189,6 +222,10 @@ class BenchSpec:
             raise SpecError(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
         if self.repeats < 1:
             raise SpecError(f"repeats must be >= 1, got {self.repeats}")
+        for name in (s for s in self.systems if s in LMCACHE):
+            if LMCACHE[name].chunk_size % self.shape.page_size:
+                raise SpecError(f"{name}: its chunk of {LMCACHE[name].chunk_size} tokens is not a multiple of "
+                                f"the page size {self.shape.page_size}")  # fmt: skip
         if not self.multiturn and self.trace is None and self.soak is None:
             raise SpecError("nothing to run: no multi-turn workload, no trace and no soak")
 
