@@ -22,8 +22,9 @@ from tqdm import tqdm
 from benchmarks.bench import cluster, cluster_line, drive, systems
 from benchmarks.bench.cli import cluster_run, main, parser, spec_from
 from benchmarks.bench.client import ROUTED_HEADER, Result
+from benchmarks.bench.lmcache_process import DaemonSpec
 from benchmarks.bench.server_process import ServerStartError
-from benchmarks.bench.spec import HICACHE, HostPool, MultiTurn, Shape, SpecError
+from benchmarks.bench.spec import HICACHE, LMCACHE, HostPool, MultiTurn, Shape, SpecError
 from benchmarks.bench.summary import Figures, summarize
 from sgl_hicache.config import MooncakeConfig
 from tests.bench.standin_http import serving
@@ -58,13 +59,14 @@ def test_servers_1_is_the_default_run() -> None:
 
 def test_the_configurations(tmp_path: Path) -> None:
     rr, approx, events = cluster.Router.ROUND_ROBIN, cluster.Router.APPROX_TREE, cluster.Router.KV_EVENTS
-    dir_, mooncake = cluster.Store.DIRECTORY, cluster.Store.MOONCAKE
+    dir_, mooncake, lmcache = cluster.Store.DIRECTORY, cluster.Store.MOONCAKE, cluster.Store.LMCACHE
     alt, shuf = drive.Dispatch.ALTERNATE, drive.Dispatch.SHUFFLED
     assert [(c.name, c.system, c.shared, c.store, c.router, c.dispatch) for c in cluster.CONFIGS] == [
         ("ours-shared", "ours", True, dir_, rr, alt), ("ours-shared-write-back", "ours", True, dir_, rr, alt),
         ("ours-separate", "ours", False, dir_, rr, alt), ("hicache-shared", "hicache-wait-r2", True, dir_, rr, alt),
         ("ours-mooncake", "ours", True, mooncake, rr, alt),
         ("hicache-mooncake", "hicache-wait-r2", True, mooncake, rr, alt),
+        ("lmcache-shared", "lmcache-disk", True, lmcache, rr, alt),
         ("route-round-robin", "ours", False, dir_, rr, shuf), ("route-approx-tree", "ours", False, dir_, approx, shuf),
         ("route-approx-tree-protected", "ours", False, dir_, cluster.Router.APPROX_TREE_PROTECTED, shuf),
         ("route-kv-events", "ours", False, dir_, events, shuf),
@@ -105,10 +107,13 @@ class FakeCluster:
     routers: list[tuple[list[str], str, tuple[str, ...]]] = field(default_factory=list)
     drives: list[tuple[drive.Dispatch, str | None]] = field(default_factory=list)  # (dispatch, model)
     masters: list[Path] = field(default_factory=list)
-    events: list[str] = field(default_factory=list)  # servers started and stopped, masters stopped
+    daemons: list[DaemonSpec] = field(default_factory=list)  # LMCache daemons started
+    events: list[str] = field(
+        default_factory=list
+    )  # servers started and stopped, masters and daemons stopped
 
     def clear(self) -> None:
-        for part in (self.servers, self.routers, self.drives, self.masters, self.events):
+        for part in (self.servers, self.routers, self.drives, self.masters, self.daemons, self.events):
             part.clear()
 
 
@@ -124,6 +129,22 @@ class FakeMaster:
 
     def __exit__(self, *exc: object) -> None:
         self.fake.events.append("stop master")
+
+
+class FakeDaemon:
+    def __init__(self, spec: DaemonSpec, log_path: Path, fake: FakeCluster) -> None:
+        self.spec, self.fake = spec, fake
+
+    def __enter__(self) -> FakeDaemon:
+        self.fake.daemons.append(self.spec)
+        return self
+
+    def write_config(self, path: Path) -> Path:
+        path.write_text("mp_host: 127.0.0.1\nmp_port: 1\n")
+        return path
+
+    def __exit__(self, *exc: object) -> None:
+        self.fake.events.append("stop daemon")
 
 
 @dataclass
@@ -189,6 +210,7 @@ def fake_cluster(monkeypatch: pytest.MonkeyPatch) -> FakeCluster:
     monkeypatch.setattr(systems.System, "server", server)
     monkeypatch.setattr(cluster, "RouterProcess", router)
     monkeypatch.setattr(cluster, "MooncakeMaster", lambda log_dir: FakeMaster(log_dir, fake))
+    monkeypatch.setattr(cluster, "LMCacheDaemon", lambda spec, log_path: FakeDaemon(spec, log_path, fake))
     monkeypatch.setattr(cluster, "GrpcServer", GrpcStandIn)
     monkeypatch.setattr(cluster, "scrape", http_metrics)
     monkeypatch.setattr(cluster.run, "vocab_size", lambda model: 1000)
@@ -293,7 +315,8 @@ def test_the_final_line_names_each_servers_cpus_and_what_was_skipped(
     assert "transfer_kv_all_layer_direct_lf_pf" in line["skipped"]["hicache-mooncake"]
     assert "hicache-mooncake" not in {s[0] for s in fake_cluster.servers} | set(line["router"])
     assert line["router"]["route-kv-events"] == cluster.Router.KV_EVENTS.value
-    assert set(line["tier_mb"]) == {c.name for c in cluster.CONFIGS if c.store is cluster.Store.DIRECTORY}
+    # every configuration's directories (an LMCache daemon's disk tier too), not a Mooncake Store
+    assert set(line["tier_mb"]) == {c.name for c in cluster.CONFIGS if c.store is not cluster.Store.MOONCAKE}
     # after each run, its requests so far (a run stopped midway keeps them): after the last, all
     (run_dir,) = tmp_path.glob("run-*")
     partial = json.loads((run_dir / "partial" / "results.json").read_text())
@@ -481,10 +504,19 @@ def test_each_configuration_gives_its_servers_its_flags(tmp_path: Path, fake_clu
             "mooncake"
             if config.store is cluster.Store.MOONCAKE
             else None
-            if config.system == "ours"
+            if config.system == "ours" or config.system in LMCACHE
             else "file"
         )
         assert backend == [want] * 2, config.name
+        lmcache = [flag_value(f, "--lmcache-config-file") for f in commands]
+        if config.store is cluster.Store.LMCACHE:  # both on the one daemon, started for the run
+            assert len(set(lmcache)) == 1 and None not in lmcache and "--enable-lmcache" in commands[0]
+            [daemon] = fake_cluster.daemons
+            assert daemon.l1_mb == 2 * spec.shape.host_budget_mb  # both servers' host budgets
+            assert daemon.l2_dir is not None and daemon.l2_dir.parent == tmp_path / config.name
+            assert fake_cluster.events[-1] == "stop daemon"  # after the servers
+        else:
+            assert lmcache == [None] * 2 and fake_cluster.daemons == []
 
 
 def test_a_server_that_does_not_start_stops_the_other_at_once(
