@@ -5,14 +5,17 @@ tier capacity), a server that starts and stops its daemon, and the best configur
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.bench import cli, systems
+from benchmarks.bench import cli, run, systems
 from benchmarks.bench.client import Result
 from benchmarks.bench.lmcache_process import L2, DaemonSpec, LMCacheServer
+from benchmarks.bench.probe import Sampler
 from benchmarks.bench.spec import LMCACHE, LMCacheConfig, Shape, SpecError
 from benchmarks.bench.summary import Figures, best_lmcache, ratios, summarize
 
@@ -111,3 +114,17 @@ def test_the_benchmark_refuses_such_a_chunk_before_it_starts_anything(
     )
     err = capsys.readouterr().err.strip()
     assert err == "error: lmcache-disk-c64: its chunk of 64 tokens is not a multiple of the page size 128"
+
+
+def test_an_lmcache_servers_memory_includes_its_daemons(model: Path, tmp_path: Path) -> None:
+    server = systems.build("lmcache-l1", Shape(), model, tmp_path).server(model, tmp_path / "s.log")
+    assert isinstance(server, LMCacheServer) and server.daemon is not None
+    assert run._daemons(server) == ()  # not started
+    server.daemon.proc = SimpleNamespace(pid=4321)  # type: ignore[assignment]
+    assert run._daemons(server) == (4321,)
+    me = os.getpid()
+    with Sampler(me, every_s=60) as alone:
+        pass
+    with Sampler(me, every_s=60, also=(me,)) as twice:
+        pass
+    assert twice.peak_rss_mb == pytest.approx(2 * alone.peak_rss_mb, rel=0.1)
