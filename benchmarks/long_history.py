@@ -50,8 +50,8 @@ from benchmarks.bench import pagecache
 from benchmarks.bench.probe import dir_bytes, spill_state
 from benchmarks.bench.report import replaced_whole
 from benchmarks.bench.run import resolve_model
-from benchmarks.bench.spec import FAMILIES, HICACHE, LMCACHE, HostPool, Shape, SpecError
-from benchmarks.bench.systems import System, build, kv_bytes_per_token
+from benchmarks.bench.spec import FAMILIES, HICACHE, LMCACHE, Shape, SpecError
+from benchmarks.bench.systems import System, build, check_hicache_holds, host_tokens, kv_bytes_per_token
 from benchmarks.harness import emit, gbps, log
 from benchmarks.resume import seq, spill_counters, ttft
 from sgl_hicache.config import TierConfig
@@ -77,9 +77,7 @@ def filler_tokens(system: System, shape: Shape, model: Path) -> int:
         host = shape.host_budget_mb * 2**20 // kv_bytes_per_token(model)
     if system.name in HICACHE:
         config = HICACHE[system.name]
-        ratio_tokens = int(config.default_ratio * shape.pool_tokens)
-        budget_tokens = shape.host_budget_mb * 2**20 // kv_bytes_per_token(model)
-        host = ratio_tokens if config.host is HostPool.DEFAULT else budget_tokens
+        host = host_tokens(config.host, config.default_ratio, shape, model)
     return shape.pool_tokens + host + shape.pool_tokens // 2
 
 
@@ -235,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         "--host-budget-mb",
         type=int,
         default=None,
-        help="our staging and the *-budget HiCache host pool (default: 1.5 x the longest history)",
+        help="our staging, what the *-budget HiCache host pools add to the device pool, LMCache's L1 "
+        "(default: 1.5 x the longest history)",
     )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dir", type=Path, default=Path("out/bench-long"), help="work dir on the disk to measure")
@@ -290,6 +289,7 @@ def prepare(out_dir: Path, prefix: str, model_name: str, names: list[str], longe
         from sgl_hicache_cpu.cpu_prefix_attention import ENV_VAR as PREFIX_ATTENTION_ENV
 
         env = ((PREFIX_ATTENTION_ENV, "1"),)
+    check_hicache_holds(names, shape, model, longest)
     systems = [replace(s, env=(*s.env, *env)) for s in (build(n, shape, model, workdir) for n in names)]
     return workdir, model, shape, systems
 

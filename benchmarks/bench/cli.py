@@ -27,10 +27,12 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench import aggregate, cluster, gate, report, run, soak
+from benchmarks.bench import aggregate, cluster, gate, report, run, soak, systems
 from benchmarks.bench.server_process import ServerStartError
 from benchmarks.bench.spec import (
     DEVICES,
+    HICACHE,
+    LMCACHE,
     SYSTEMS,
     BenchSpec,
     Gate,
@@ -80,7 +82,8 @@ def parser() -> argparse.ArgumentParser:
         "--host-budget-mb",
         type=int,
         default=shape.host_budget_mb,
-        help="our staging bound and the host pool of the *-budget HiCache configurations, MiB (default %(default)s)",
+        help="our staging bound, what the *-budget HiCache configurations add to the device pool in their host "
+        "pool, LMCache's L1; MiB (default %(default)s)",
     )
     p.add_argument("--page-size", type=int, default=shape.page_size)
     p.add_argument(
@@ -180,9 +183,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def execute(spec: BenchSpec) -> int:
+    model = run.resolve_model(spec.shape.model, spec.out_dir)
+    history = max((m.context_tokens() for m in spec.multiturn), default=0)  # a conversation's whole
+    systems.check_hicache_holds(spec.systems, spec.shape, model, history)
     out = (spec.out_dir / time.strftime("run-%Y%m%d-%H%M%S")).resolve()  # servers get absolute paths
     out.mkdir(parents=True, exist_ok=True)
-    model = run.resolve_model(spec.shape.model, spec.out_dir)
     replay = run.trace_requests(spec, run.vocab_size(model))
     order = run.schedule(spec.systems, spec.repeats) if spec.multiturn or replay else []
     runs: dict[str, list[run.SystemOutcome]] = {}
@@ -221,4 +226,6 @@ def _extra(spec: BenchSpec, runs: dict[str, list[run.SystemOutcome]]) -> dict[st
         "page_cache": ",".join(methods) if methods else "kept",
         "rss_peak_mb": {n: max(o.rss_peak_mb for o in os_) for n, os_ in runs.items()},
         "tier_mb": {n: max(o.tier_bytes for o in os_) / 2**20 for n, os_ in runs.items()},
+        "peer_configs": {n: HICACHE[n].label for n in runs if n in HICACHE}
+        | {n: LMCACHE[n].label for n in runs if n in LMCACHE},
     }

@@ -23,7 +23,14 @@ class HostPool(Enum):
 
     DEFAULT = "default"  # sglang's default --hicache-ratio for the memory mode (passed explicitly,
     # so sglang's host-memory auto-sizing cannot shrink it)
-    BUDGET = "budget"  # the run's host budget, the bound of our staging
+    # The device pool + the run's host budget (the bound of our staging). In `cache` mode HiCache's
+    # host pool holds a copy of every device-resident node and evicts only nodes already gone from the
+    # device, so only host - device is extra cache: a host pool of the budget alone (about the device
+    # pool) found 576 of 8,192 tokens (docs/RESULTS.md); this one gives HiCache the budget as extra cache.
+    BUDGET = "budget"
+
+
+SGLANG_DEFAULT_PREFETCH_POLICY = "timeout"  # --hicache-storage-prefetch-policy's default in sglang 0.5.23
 
 
 @dataclass(frozen=True)
@@ -33,22 +40,42 @@ class HiCacheConfig:
     name: str
     prefetch_policy: str  # --hicache-storage-prefetch-policy
     host: HostPool
-    memory_mode: str = "cache"  # --hicache-host-memory-mode
+    memory_mode: str = "cache"  # --hicache-host-memory-mode (sglang's default: cache)
 
     @property
     def default_ratio(self) -> float:
         return 1.2 if self.memory_mode == "buffer_only" else 2.0
 
+    @property
+    def label(self) -> str:
+        """What it is, in words, for the final line: which of its settings are sglang's defaults."""
+        policy = self.prefetch_policy + (
+            " (sglang's default)" if self.prefetch_policy == SGLANG_DEFAULT_PREFETCH_POLICY else ""
+        )
+        host = (
+            f"host pool {self.default_ratio:g} x device (sglang's default ratio)"
+            if self.host is HostPool.DEFAULT
+            else "host pool = device + the host budget"
+        )
+        return f"prefetch {policy}, {self.memory_mode} mode, {host}"
+
+    def cache_tokens(self, host_tokens: int, pool_tokens: int) -> int:
+        """Of a host pool of `host_tokens`, what can hold KV that is not on the device (a history to
+        restore): in `cache` mode the host pool also holds a copy of every device-resident node, so a
+        full device pool leaves host - device; `buffer_only` is staging only, all of it."""
+        return host_tokens if self.memory_mode == "buffer_only" else host_tokens - pool_tokens
+
 
 HICACHE_CONFIGS = (
     HiCacheConfig("hicache-wait-r2", "wait_complete", HostPool.DEFAULT),
-    HiCacheConfig("hicache-timeout-r2", "timeout", HostPool.DEFAULT),  # sglang's default policy
+    HiCacheConfig("hicache-timeout-r2", "timeout", HostPool.DEFAULT),  # sglang's defaults
     HiCacheConfig("hicache-wait-budget", "wait_complete", HostPool.BUDGET),
     HiCacheConfig("hicache-timeout-budget", "timeout", HostPool.BUDGET),
     HiCacheConfig("hicache-buffer", "wait_complete", HostPool.DEFAULT, memory_mode="buffer_only"),
 )
 """Every HiCache configuration a full run measures; the gate judges ours against the best of them
-per workload (`summary.best_hicache`)."""
+per workload (`summary.best_hicache`). `timeout` is sglang's default prefetch policy, not its
+strongest (`label`); `-budget`: host pool = device pool + the run's host budget (`HostPool.BUDGET`)."""
 HICACHE = {c.name: c for c in HICACHE_CONFIGS}
 
 
@@ -61,6 +88,14 @@ class LMCacheConfig:
     name: str
     l2: L2  # L2.NONE: L1 only; FS: `fs`, unbounded; FS_NATIVE: `fs_native` capped at ours' tier capacity
     chunk_size: int = 256  # LMCache's default; it stores and finds whole chunks only
+
+    @property
+    def label(self) -> str:
+        """What it is, in words, for the final line."""
+        disk = {L2.NONE: "no disk tier", L2.FS: "fs disk tier (unbounded)",
+                L2.FS_NATIVE: "fs_native disk tier capped at ours' tier capacity (LRU)"}[self.l2]  # fmt: skip
+        default = " (LMCache's default)" if self.chunk_size == 256 else ""
+        return f"L1 = the host budget, {disk}, chunk {self.chunk_size}{default}"
 
 
 LMCACHE_CONFIGS = (
@@ -106,15 +141,17 @@ DEVICES = ("cpu", "cuda")
 @dataclass(frozen=True)
 class Shape:
     """The serving setup every system shares. The defaults (with those of `MultiTurn`, `Trace` and
-    `BenchSpec.repeats`) size the full run to about 30 minutes on a quiet 2-vCPU machine with
-    SmolLM2-135M: 8 systems x 3 repeats, each a fresh server (~30 s to start and stop)."""
+    `BenchSpec.repeats`) sized the full run to about 30 minutes on a quiet 2-vCPU machine with
+    SmolLM2-135M: 8 systems x 3 repeats, each a fresh server (~30 s to start and stop); the six
+    LMCache configurations (issue 36) make it 14 systems, about 50 minutes (not measured yet)."""
 
     model: str = "smollm2"  # smollm2 (SmolLM2-135M-Instruct), a generated size (tiny, small) or a directory
     pool_tokens: int = 2048  # --max-total-tokens: the device KV pool
-    # Our staging bound; the host pool of the *-budget HiCache configurations. 96 MiB is at least
-    # sglang's default HiCache host pool for this device pool (ratio 2: 4096 SmolLM2 tokens of
-    # 22.5 KiB = 90 MiB), so no system has less host memory than HiCache at its default, and it
-    # holds ours' eviction bursts on this workload (at 64 MiB two spills were refused for staging).
+    # Our staging bound; what the *-budget HiCache configurations add to the device pool in their
+    # host pool; LMCache's L1. 96 MiB is at least sglang's default HiCache host pool for this device
+    # pool (ratio 2: 4096 SmolLM2 tokens of 22.5 KiB = 90 MiB), so no system has less host memory
+    # than HiCache at its default, and it holds ours' eviction bursts on this workload (at 64 MiB
+    # two spills were refused for staging).
     host_budget_mb: int = 96
     # HiCache's `file` backend writes one file per page: at page size 1 that is a file per token,
     # a configuration nobody would run; 16 is served correctly by all three systems on CPU.

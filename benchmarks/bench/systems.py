@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -167,7 +168,30 @@ def _storage_flags(mooncake: MooncakeConfig | None) -> tuple[str, ...]:
 
 def _host_ratio(shape: Shape, model: Path) -> float:
     """HiCache sizes its host pool as `--hicache-ratio` times the device pool (in tokens, rounded
-    down to whole pages); this is the ratio that makes it the run's host budget (+0.5 token
-    against float rounding)."""
-    host_tokens = shape.host_budget_mb * 2**20 // kv_bytes_per_token(model)
-    return (host_tokens + 0.5) / shape.pool_tokens
+    down to whole pages); this is the ratio that makes it the device pool + the run's host budget
+    (`HostPool.BUDGET`; +0.5 token against float rounding)."""
+    return (host_tokens(HostPool.BUDGET, 0.0, shape, model) + 0.5) / shape.pool_tokens
+
+
+def host_tokens(host: HostPool, default_ratio: float, shape: Shape, model: Path) -> int:
+    """The tokens of a HiCache host pool sized `host` (at `default_ratio` for `HostPool.DEFAULT`)."""
+    if host is HostPool.DEFAULT:
+        return int(default_ratio * shape.pool_tokens)
+    return shape.pool_tokens + shape.host_budget_mb * 2**20 // kv_bytes_per_token(model)
+
+
+def check_hicache_holds(names: Iterable[str], shape: Shape, model: Path, history_tokens: int) -> None:
+    """SpecError, in one line, for the first HiCache configuration of `names` whose host pool cannot
+    hold, beside its copies of a full device pool, a history of `history_tokens` (what it is meant
+    to restore: it could only recompute it, and would be measured as a cache that is not one)."""
+    for name in (n for n in names if n in HICACHE):
+        config = HICACHE[name]
+        free = config.cache_tokens(
+            host_tokens(config.host, config.default_ratio, shape, model), shape.pool_tokens
+        )
+        if free < history_tokens:
+            raise SpecError(
+                f"{name}: its host pool holds {max(free, 0)} tokens beside the device pool's copies, fewer than "
+                f"the {history_tokens}-token history it is meant to restore: raise --host-budget-mb or "
+                "--pool-tokens, or leave it out"
+            )

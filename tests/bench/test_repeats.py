@@ -203,8 +203,8 @@ def test_each_hicache_configuration_is_its_flags(config: HiCacheConfig, tmp_path
     assert _flag(system.flags, "--hicache-host-memory-mode") == config.memory_mode
     assert _flag(system.flags, "--hicache-storage-backend") == "file"
     host_tokens = float(_flag(system.flags, "--hicache-ratio")) * shape.pool_tokens
-    if config.host is HostPool.BUDGET:  # 64 MiB of 23040-byte tokens
-        assert int(host_tokens) == 64 * 2**20 // 23040
+    if config.host is HostPool.BUDGET:  # the device pool + 64 MiB of 23040-byte tokens
+        assert int(host_tokens) == shape.pool_tokens + 64 * 2**20 // 23040
     else:
         assert host_tokens == (1.2 if config.memory_mode == "buffer_only" else 2.0) * shape.pool_tokens
     assert dict(system.env)["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] == str(system.tier_dir)
