@@ -186,6 +186,7 @@ def execute(spec: BenchSpec) -> int:
     model = run.resolve_model(spec.shape.model, spec.out_dir)
     history = max((m.context_tokens() for m in spec.multiturn), default=0)  # a conversation's whole
     systems.check_hicache_holds(spec.systems, spec.shape, model, history)
+    systems.check_runnable(spec.systems, spec.shape, model, spec.out_dir)
     out = (spec.out_dir / time.strftime("run-%Y%m%d-%H%M%S")).resolve()  # servers get absolute paths
     out.mkdir(parents=True, exist_ok=True)
     replay = run.trace_requests(spec, run.vocab_size(model))

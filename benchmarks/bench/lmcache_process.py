@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import os
 import signal
@@ -100,6 +101,13 @@ class DaemonSpec:
             "--eviction-policy", "LRU", "--supported-transfer-mode", "auto", "--disable-observability",
             *(("--l2-adapter", json.dumps(adapter)) if adapter is not None else ()), *self.extra_args,
         ]  # fmt: skip
+
+
+def not_installed() -> str | None:
+    """Why no LMCache daemon can start in this environment, in one line, or None."""
+    if importlib.util.find_spec("lmcache") is None:
+        return "LMCache is not installed here (requirements/cpu-lock.txt: lmcache==0.5.6, installed with --no-deps)"
+    return None
 
 
 def _answers(port: int) -> bool:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from benchmarks.bench.grpc_server import GrpcServer
 from benchmarks.bench.lmcache_process import ENV as LMCACHE_ENV
-from benchmarks.bench.lmcache_process import L2, DaemonSpec, LMCacheServer
+from benchmarks.bench.lmcache_process import L2, DaemonSpec, LMCacheServer, not_installed
 from benchmarks.bench.server_process import ServerProcess, device_flags
 from benchmarks.bench.spec import HICACHE, LMCACHE, HiCacheConfig, HostPool, Shape, SpecError
 from sgl_hicache.config import MiB, MooncakeConfig, TierConfig
@@ -117,6 +117,8 @@ def _lmcache(
     tier capacity (`tier_capacity_mb`, else the tier's default budget). SpecError for a chunk that is
     not a multiple of the page size (sglang's connector refuses it at start)."""
     config = LMCACHE[name]
+    if (why := not_installed()) is not None:
+        raise SpecError(f"{name}: {why}")
     if config.chunk_size % shape.page_size:
         raise SpecError(f"{name}: its chunk of {config.chunk_size} tokens is not a multiple of the page size "
                         f"{shape.page_size}")  # fmt: skip
@@ -178,6 +180,13 @@ def host_tokens(host: HostPool, default_ratio: float, shape: Shape, model: Path)
     if host is HostPool.DEFAULT:
         return int(default_ratio * shape.pool_tokens)
     return shape.pool_tokens + shape.host_budget_mb * 2**20 // kv_bytes_per_token(model)
+
+
+def check_runnable(names: Iterable[str], shape: Shape, model: Path, workdir: Path) -> None:
+    """SpecError, in one line, for the first of `names` that cannot be built here (an LMCache system
+    without LMCache installed, ...), before a run starts any server."""
+    for name in names:
+        build(name, shape, model, workdir)
 
 
 def check_hicache_holds(names: Iterable[str], shape: Shape, model: Path, history_tokens: int) -> None:

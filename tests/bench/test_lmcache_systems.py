@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.bench import cli, run, systems
+from benchmarks.bench import cli, lmcache_process, run, systems
 from benchmarks.bench.client import Result
 from benchmarks.bench.lmcache_process import L2, DaemonSpec, LMCacheServer
 from benchmarks.bench.probe import Sampler
@@ -30,7 +30,7 @@ def model(tmp_path: Path) -> Path:
     m.mkdir()
     m.joinpath("config.json").write_text(json.dumps(
         {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
-         "hidden_size": 576}))  # fmt: skip
+         "hidden_size": 576, "vocab_size": 1000}))  # fmt: skip
     return m
 
 
@@ -128,3 +128,17 @@ def test_an_lmcache_servers_memory_includes_its_daemons(model: Path, tmp_path: P
     with Sampler(me, every_s=60, also=(me,)) as twice:
         pass
     assert twice.peak_rss_mb == pytest.approx(2 * alone.peak_rss_mb, rel=0.1)
+
+
+def test_without_lmcache_installed_the_benchmark_says_so_in_one_line(
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real = lmcache_process.importlib.util.find_spec
+    monkeypatch.setattr(
+        lmcache_process.importlib.util, "find_spec", lambda name: None if name == "lmcache" else real(name)
+    )
+    argv = ["--model", str(model), "--systems", "ours,lmcache-l1", "--no-trace", "--out", str(tmp_path / "o")]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: lmcache-l1: " + lmcache_process.not_installed()]  # type: ignore[operator]
+    assert not list((tmp_path / "o").glob("run-*"))
