@@ -20,7 +20,7 @@ looks a new request's prefix up there (its cached tokens then show as `storage`,
 Like `MooncakeMaster`, the daemon binds free loopback ports (its ZMQ request port and its HTTP
 API, whose `/healthcheck` and `/status` say it is up and what it holds), leads its own process
 group (stopped by `stop_group`, and by the signal-time reaper when the driver is killed), and is
-started before and stopped after the server that uses it (`LMCacheServer`).
+started with (before, or beside) and stopped after the server that uses it (`LMCacheServer`).
 """
 
 from __future__ import annotations
@@ -143,7 +143,17 @@ class LMCacheDaemon:
     def start(self, timeout_s: float = 120.0) -> LMCacheDaemon:
         """Once its request port answers and `/healthcheck` says healthy; ServerStartError (with its
         log's tail) if it exits or is not up within `timeout_s`."""
+        self.spawn()
+        self.wait_up(timeout_s)
+        return self
+
+    def spawn(self) -> None:
+        """Start it without waiting (`wait_up`), so that a server can boot beside it."""
         self.proc = spawn_group(self.command(), self.log_path, {**os.environ, **ENV}, self.cpus)
+
+    def wait_up(self, timeout_s: float) -> None:
+        """As `start` waits; the daemon is stopped if it does not come up."""
+        assert self.proc is not None
         deadline = time.monotonic() + timeout_s
         while not (_answers(self.port) and self.healthy()):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -152,7 +162,6 @@ class LMCacheDaemon:
                 why = f"exited with code {code}" if code is not None else f"not up after {timeout_s:.0f}s"
                 raise ServerStartError(f"LMCache daemon {why}{self._log_tail()}")
             time.sleep(0.2)
-        return self
 
     def healthy(self) -> bool:
         with (
@@ -205,7 +214,7 @@ def lmcache_flags(config_file: Path) -> tuple[str, ...]:
 @dataclasses.dataclass
 class LMCacheServer(ServerProcess):
     """An sglang server (`sglang.launch_server`) with its own LMCache daemon: `start()` starts the
-    daemon (on the server's CPUs, its log beside the server's) and then the server; `stop()` and
+    daemon (on the server's CPUs, its log beside the server's) and the server; `stop()` and
     `kill()` end both, the server first. The daemon's YAML config lies beside the server's log (or in
     a temporary file)."""
 
@@ -229,15 +238,23 @@ class LMCacheServer(ServerProcess):
         return [*super().command(), *lmcache_flags(self._config_path())]
 
     def start(self, timeout_s: float = 180.0) -> LMCacheServer:
+        """The daemon and the server boot side by side (the server's connector waits up to 300 s
+        for the daemon: LMCache's `lmcache.mp.mq_timeout`); healthy once both are."""
         assert self.daemon is not None
         self.daemon.write_config(self._config_path())
-        self.daemon.start()
+        self.daemon.spawn()
         try:
             super().start(timeout_s)
         except BaseException:
             self.daemon.stop()
             raise
         return self
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        assert self.daemon is not None
+        deadline = time.monotonic() + timeout_s
+        self.daemon.wait_up(timeout_s)
+        super()._wait_healthy(max(deadline - time.monotonic(), 1.0))
 
     def stop(self, grace_s: float = 10.0) -> None:
         super().stop(grace_s)
