@@ -367,14 +367,18 @@ def execute(spec: BenchSpec, configs: tuple[ClusterConfig, ...] = CONFIGS) -> in
     """Each of `configs` that can run in `spec.shape` (the others are named in the final line's
     `skipped`, with why), `spec.repeats` times interleaved; writes the run's files like the
     single-server benchmark and prints the final JSON line. Exit status 0."""
-    out = (spec.out_dir / time.strftime("run-%Y%m%d-%H%M%S")).resolve()  # servers get absolute paths
-    out.mkdir(parents=True, exist_ok=True)
     model = run.resolve_model(spec.shape.model, spec.out_dir)
     skipped = {c.name: why for c in configs if (why := unavailable(c, spec.shape)) is not None}
     if len(skipped) == len(configs):
         raise SpecError(
             f"--configs: none of {', '.join(skipped)} can run here: {'; '.join(skipped.values())}"
         )
+    used = {c.system for c in configs if c.name not in skipped}
+    history = max(m.context_tokens() for m in spec.multiturn)
+    systems.check_hicache_holds(used, spec.shape, model, history)  # before any server, as the bench
+    systems.check_runnable(used, spec.shape, model, spec.out_dir)
+    out = (spec.out_dir / time.strftime("run-%Y%m%d-%H%M%S")).resolve()  # servers get absolute paths
+    out.mkdir(parents=True, exist_ok=True)
     order = run.schedule([c.name for c in configs if c.name not in skipped], spec.repeats)
     cpus = server_cpus()
     runs: dict[str, list[run.SystemOutcome]] = {}

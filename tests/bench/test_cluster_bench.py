@@ -282,6 +282,22 @@ def flag_value(args: tuple[str, ...], flag: str) -> str | None:
     return args[args.index(flag) + 1] if flag in args else None
 
 
+def test_a_hicache_shape_that_cannot_hold_a_conversation_is_refused_before_any_server(
+    tmp_path: Path, fake_cluster: FakeCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cluster.run, "resolve_model", lambda name, cache_dir: tmp_path)
+    config = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    args = ["--servers", "2", "--concurrency", "2", "--pool-tokens", "256", "--first-tokens", "2000",
+            "--out", str(tmp_path / "out")]  # fmt: skip
+    with pytest.raises(SpecError, match=r"^hicache-wait-r2: its host pool holds 256 tokens"):
+        cluster.execute(spec_from(parser().parse_args(args)), cluster.select("ours-shared,hicache-shared"))
+    assert fake_cluster.servers == [] and not (tmp_path / "out").exists()
+    cluster.execute(
+        spec_from(parser().parse_args(args)), cluster.select("ours-shared")
+    )  # ours: no such bound
+
+
 def test_configs_selects_and_rejects(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert [c.name for c in cluster.select("route-kv-events, ours-shared")] == [
         "ours-shared",
@@ -304,6 +320,8 @@ def test_the_final_line_names_each_servers_cpus_and_what_was_skipped(
     tmp_path: Path, fake_cluster: FakeCluster, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
 ) -> None:  # fmt: skip
     monkeypatch.setattr(cluster.run, "resolve_model", lambda name, cache_dir: tmp_path)
+    config = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64}
+    (tmp_path / "config.json").write_text(json.dumps(config))  # HiCache's host pool is checked in tokens
     args = ["--servers", "2", "--concurrency", "2", "--repeats", "1", "--out", str(tmp_path)]
     assert cluster.execute(spec_from(parser().parse_args(args))) == 0
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
