@@ -392,6 +392,7 @@ def test_final_line_names_each_configuration_and_the_ratios() -> None:
         "ours-shared-write-back": figures(300, 16),
         "ours-separate": figures(400, 10),
         "hicache-shared": figures(200, 5),
+        "lmcache-shared": figures(125, 8, 0.3),
         "ours-mooncake": figures(150, 25, 0.4),
         "route-round-robin": figures(600, 8, 0.1),
         "route-approx-tree": figures(500, 10, 0.2),
@@ -411,7 +412,7 @@ def test_final_line_names_each_configuration_and_the_ratios() -> None:
     line = cluster_line.final_line({"multiturn_c8": fs, "multiturn_c16": fs}, lookups, extra,
                                    {"ours-shared": []})  # fmt: skip
     json.dumps(line, allow_nan=False)
-    pairs = ("shared_vs_separate", "shared_vs_write_back", "shared_vs_hicache", "mooncake_vs_shared",
+    pairs = ("shared_vs_separate", "shared_vs_write_back", "shared_vs_hicache", "shared_vs_lmcache", "mooncake_vs_shared",
              "mooncake_vs_hicache", "mooncake_vs_hicache_mooncake", "events_vs_round_robin", "events_vs_approx_tree",
              "events_vs_round_robin_grpc", "events_vs_approx_tree_protected")  # fmt: skip
     assert set(cluster_line.RATIO_KEYS) == {f"{fig}_{p}" for p in pairs for fig in ("ttft", "throughput")}
@@ -428,6 +429,7 @@ def test_final_line_names_each_configuration_and_the_ratios() -> None:
     assert line["ttft_shared_vs_separate"] == 0.25 and line["throughput_shared_vs_separate"] == 2.0
     assert line["ttft_shared_vs_write_back"] == 0.3333 and line["throughput_shared_vs_write_back"] == 1.25
     assert line["ttft_shared_vs_hicache"] == 0.5 and line["throughput_shared_vs_hicache"] == 4.0
+    assert line["ttft_shared_vs_lmcache"] == 0.8 and line["throughput_shared_vs_lmcache"] == 2.5
     assert set(line["workloads"]) == {"multiturn_c8", "multiturn_c16"}
     assert line["headline_workload"] == "multiturn_c8" and line["servers"] == 2
     assert line["hicache_config"] == "hicache-wait-r2" and line["repeats"] == 1
