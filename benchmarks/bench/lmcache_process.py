@@ -72,6 +72,11 @@ class DaemonSpec:
     l2: L2 = L2.NONE
     l2_dir: Path | None = None  # the directory of an `fs`/`fs_native` L2
     l2_capacity_mb: int | None = None  # `fs_native`: max_capacity_gb, enforced by LRU eviction
+    # --l2-store-policy: `default` keeps a chunk in L1 after its L2 copy is written; `skip_l1` drops it
+    # from L1 then. A hit in L2 is loaded into L1 first, and the load is refused when L1 has no room
+    # (LMCache 0.5.6: "L1 reservations failed with out-of-memory"): with `default` a full L1 (the
+    # steady state of a busy server) serves nothing from disk; see docs/RESULTS.md.
+    l2_store_policy: str = "default"
     extra_args: tuple[str, ...] = ()  # more of the daemon's flags (--l2-prefetch-policy, ...)
 
     def __post_init__(self) -> None:
@@ -83,6 +88,10 @@ class DaemonSpec:
             raise ValueError(f"an LMCache {self.l2.value} L2 takes a directory exactly when it is not none")
         if (self.l2 is L2.FS_NATIVE) != (self.l2_capacity_mb is not None):
             raise ValueError("an LMCache capacity is for the fs_native L2 only, and it needs one")
+        if self.l2_store_policy not in ("default", "skip_l1") or (
+            self.l2_store_policy == "skip_l1" and self.l2 is L2.NONE
+        ):
+            raise ValueError(f"LMCache L2 store policy {self.l2_store_policy!r} with L2 {self.l2.value}")
 
     def adapter(self) -> dict[str, Any] | None:
         """The `--l2-adapter` JSON object, or None."""
@@ -99,7 +108,8 @@ class DaemonSpec:
         return [
             "--l1-size-gb", f"{self.l1_mb / 1024:.6f}", "--chunk-size", str(self.chunk_size),
             "--eviction-policy", "LRU", "--supported-transfer-mode", "auto", "--disable-observability",
-            *(("--l2-adapter", json.dumps(adapter)) if adapter is not None else ()), *self.extra_args,
+            *(("--l2-adapter", json.dumps(adapter), "--l2-store-policy", self.l2_store_policy)
+              if adapter is not None else ()), *self.extra_args,
         ]  # fmt: skip
 
 

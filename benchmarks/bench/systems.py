@@ -126,7 +126,8 @@ def _lmcache(
     disk = config.l2 is not L2.NONE
     daemon = DaemonSpec(l1_mb=shape.host_budget_mb, chunk_size=config.chunk_size, l2=config.l2,
                         l2_dir=tier if disk else None,
-                        l2_capacity_mb=capacity_mb if config.l2 is L2.FS_NATIVE else None)  # fmt: skip
+                        l2_capacity_mb=capacity_mb if config.l2 is L2.FS_NATIVE else None,
+                        l2_store_policy=config.l2_store_policy)  # fmt: skip
     return System(name, "sglang.launch_server", base, tuple(LMCACHE_ENV.items()), tier if disk else None,
                   shape.pool_tokens, lmcache=daemon)  # fmt: skip
 

@@ -34,6 +34,8 @@ def test_timeout_is_labelled_as_sglangs_default_and_budget_as_device_plus_budget
         )
         assert ("device + the host budget" in config.label) == name.endswith("-budget"), name
     assert "chunk 256 (LMCache's default)" in LMCACHE["lmcache-disk"].label
+    assert "store policy skip_l1" in LMCACHE["lmcache-disk-skip-l1"].label
+    assert "store policy" not in LMCACHE["lmcache-l1"].label
     assert (
         "capped" in LMCACHE["lmcache-fs-native-c64"].label
         and "chunk 64," in LMCACHE["lmcache-l1-c64"].label + ","

@@ -49,8 +49,9 @@ def test_each_lmcache_configuration_is_its_daemon(config: LMCacheConfig, model: 
     assert _flag(args, "--chunk-size") == str(config.chunk_size)
     assert _flag(args, "--supported-transfer-mode") == "auto"  # sglang's connector moves KV itself
     if config.l2 is L2.NONE:
-        assert "--l2-adapter" not in args and system.tier_dir is None
+        assert "--l2-adapter" not in args and "--l2-store-policy" not in args and system.tier_dir is None
         return
+    assert _flag(args, "--l2-store-policy") == config.l2_store_policy
     adapter = json.loads(_flag(args, "--l2-adapter"))
     assert adapter["type"] == config.l2.value and adapter["base_path"] == str(system.tier_dir)
     assert system.tier_dir is not None and system.tier_dir.parent == tmp_path  # beside ours' tier
@@ -73,6 +74,10 @@ def test_a_daemon_spec_names_its_directory_and_capacity_exactly_when_it_needs_th
         DaemonSpec(l1_mb=8, l2=L2.FS_NATIVE, l2_dir=tmp_path)
     with pytest.raises(ValueError, match="capacity"):
         DaemonSpec(l1_mb=8, l2=L2.FS, l2_dir=tmp_path, l2_capacity_mb=1)
+    with pytest.raises(ValueError, match="store policy 'skip_l1' with L2 none"):
+        DaemonSpec(l1_mb=8, l2_store_policy="skip_l1")  # nothing to skip L1 for
+    with pytest.raises(ValueError, match="store policy 'keep'"):
+        DaemonSpec(l1_mb=8, l2=L2.FS, l2_dir=tmp_path, l2_store_policy="keep")
 
 
 def test_a_server_of_an_lmcache_system_carries_its_daemon(model: Path, tmp_path: Path) -> None:
