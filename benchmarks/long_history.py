@@ -4,13 +4,15 @@
                                       [--rounds 2] [--repeats 2] [--dir out/bench-long]
 
 For each system (recompute: sglang's default cache; every HiCache configuration of
-`benchmarks.bench.spec.HICACHE_CONFIGS`, `file` L3 on the same disk; ours) and each history length L:
+`benchmarks.bench.spec.HICACHE_CONFIGS`, `file` L3 on the same disk; every LMCache configuration of
+`LMCACHE_CONFIGS`, its L1 the host budget, its disk tier on the same disk, each server beside its own
+LMCache daemon; ours) and each history length L:
 
   1. history: a prompt of L tokens is served (the conversation so far);
   2. resident: a short question on it while it is still in the device pool (`resident_ms`: the
      floor any cache is compared with, measured on every server after every resume too);
-  3. other work: unrelated short prompts of more tokens than the device pool and HiCache's host
-     pool together, so the history is in neither; once their writes are done, the tier's files
+  3. other work: unrelated short prompts of more tokens than the device pool and the host pool
+     (HiCache's, LMCache's L1) together, so the history is in neither; once their writes are done, the tier's files
      are dropped from the page cache (fadvise: the servers' own code stays cached, else the
      timed request would pay page faults in torch);
   4. resume: the history + a new question; TTFT (`resume_ms`, one output token) and cached tokens.
@@ -48,8 +50,8 @@ from benchmarks.bench import pagecache
 from benchmarks.bench.probe import dir_bytes, spill_state
 from benchmarks.bench.report import replaced_whole
 from benchmarks.bench.run import resolve_model
-from benchmarks.bench.spec import HICACHE, HICACHE_CONFIGS, HostPool, Shape, SpecError
-from benchmarks.bench.systems import System, build, kv_bytes_per_token
+from benchmarks.bench.spec import FAMILIES, HICACHE, LMCACHE, Shape, SpecError
+from benchmarks.bench.systems import System, build, check_hicache_holds, host_tokens, kv_bytes_per_token
 from benchmarks.harness import emit, gbps, log
 from benchmarks.resume import seq, spill_counters, ttft
 from sgl_hicache.config import TierConfig
@@ -64,17 +66,18 @@ PHASES = (
     "lookup_seconds",
     "spill_pack_seconds",
 )
-SYSTEMS = ("recompute", *HICACHE, "ours")
+SYSTEMS = ("recompute", *HICACHE, *LMCACHE, "ours")
 
 
 def filler_tokens(system: System, shape: Shape, model: Path) -> int:
-    """Unrelated tokens that push a history out of the device pool and HiCache's host pool."""
+    """Unrelated tokens that push a history out of the device pool and the host pool (HiCache's, or
+    LMCache's L1: the host budget)."""
     host = 0
+    if system.name in LMCACHE:
+        host = shape.host_budget_mb * 2**20 // kv_bytes_per_token(model)
     if system.name in HICACHE:
         config = HICACHE[system.name]
-        ratio_tokens = int(config.default_ratio * shape.pool_tokens)
-        budget_tokens = shape.host_budget_mb * 2**20 // kv_bytes_per_token(model)
-        host = ratio_tokens if config.host is HostPool.DEFAULT else budget_tokens
+        host = host_tokens(config.host, config.default_ratio, shape, model)
     return shape.pool_tokens + host + shape.pool_tokens // 2
 
 
@@ -164,10 +167,11 @@ def raw_read_gbps(root: Path, threads: int, request: int = 4 << 20) -> tuple[flo
 
 
 def summarize(rows: list[dict[str, Any]], raw: list[float]) -> dict[str, Any]:
-    """Medians and spreads per system and length; ours against the best HiCache and the targets."""
+    """Medians and spreads per system and length; ours against the best configuration of each peer
+    (HiCache, LMCache) and the targets."""
     figures: dict[str, Any] = {}
     for length in sorted({r["length"] for r in rows}):
-        best: tuple[float, str] | None = None
+        best: dict[str, tuple[float, str]] = {}  # peer -> its lowest resume and that configuration
         for name in dict.fromkeys(r["system"] for r in rows):
             mine = [r for r in rows if r["system"] == name and r["length"] == length]
             for field in ("resume_ms", "resident_ms"):
@@ -175,14 +179,16 @@ def summarize(rows: list[dict[str, Any]], raw: list[float]) -> dict[str, Any]:
                 figures[f"{name}_{field}_{length}"] = statistics.median(values)
                 figures[f"{name}_{field}_spread_{length}"] = [min(values), max(values)]
             figures[f"{name}_cached_{length}"] = min(r["cached"] for r in mine)
-            if name in HICACHE and (best is None or figures[f"{name}_resume_ms_{length}"] < best[0]):
-                best = (figures[f"{name}_resume_ms_{length}"], name)
+            resume = figures[f"{name}_resume_ms_{length}"]
+            for peer, members in FAMILIES.items():
+                if name in members and (peer not in best or resume < best[peer][0]):
+                    best[peer] = (resume, name)
         ours = [r for r in rows if r["system"] == "ours" and r["length"] == length]
         if ours:
             figures |= _ours(ours, length, raw)
-            if best is not None:
-                figures[f"best_hicache_{length}"] = best[1]
-                figures[f"ours_vs_best_hicache_{length}"] = figures[f"ours_resume_ms_{length}"] / best[0]
+            for peer, (resume, name) in best.items():
+                figures[f"best_{peer}_{length}"] = name
+                figures[f"ours_vs_best_{peer}_{length}"] = figures[f"ours_resume_ms_{length}"] / resume
     if raw:
         figures["raw_read_gbps"] = statistics.median(raw)
         figures["raw_read_gbps_spread"] = [min(raw), max(raw)]
@@ -214,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--lengths", default="8192,16384", help="history lengths, tokens (default %(default)s)")
     p.add_argument(
-        "--systems", default=",".join(SYSTEMS), help="subset of %(default)s; hicache = all its configurations"
+        "--systems",
+        default=",".join(SYSTEMS),
+        help="subset of %(default)s; hicache, lmcache = all configurations of that peer",
     )
     p.add_argument(
         "--rounds", type=int, default=2, help="each system once per round, order reversed every other round"
@@ -225,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         "--host-budget-mb",
         type=int,
         default=None,
-        help="our staging and the *-budget HiCache host pool (default: 1.5 x the longest history)",
+        help="our staging, what the *-budget HiCache host pools add to the device pool, LMCache's L1 "
+        "(default: 1.5 x the longest history)",
     )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--dir", type=Path, default=Path("out/bench-long"), help="work dir on the disk to measure")
@@ -280,6 +289,7 @@ def prepare(out_dir: Path, prefix: str, model_name: str, names: list[str], longe
         from sgl_hicache_cpu.cpu_prefix_attention import ENV_VAR as PREFIX_ATTENTION_ENV
 
         env = ((PREFIX_ATTENTION_ENV, "1"),)
+    check_hicache_holds(names, shape, model, longest)
     systems = [replace(s, env=(*s.env, *env)) for s in (build(n, shape, model, workdir) for n in names)]
     return workdir, model, shape, systems
 
@@ -296,11 +306,14 @@ def save_rows(workdir: Path, rows: list[dict[str, Any]]) -> None:
 
 def _systems(names: str) -> list[str]:
     wanted = {n.strip() for n in names.split(",") if n.strip()}
-    if "hicache" in wanted:
-        wanted = (wanted - {"hicache"}) | {c.name for c in HICACHE_CONFIGS}
+    for family, members in FAMILIES.items():
+        if family in wanted:
+            wanted = (wanted - {family}) | set(members)
     unknown = sorted(wanted - set(SYSTEMS))
     if unknown or not wanted:
-        raise ValueError(f"unknown or no systems {unknown}; choose from hicache, {', '.join(SYSTEMS)}")
+        raise ValueError(
+            f"unknown or no systems {unknown}; choose from hicache, lmcache, {', '.join(SYSTEMS)}"
+        )
     return [s for s in SYSTEMS if s in wanted]
 
 

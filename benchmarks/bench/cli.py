@@ -1,12 +1,14 @@
-"""`python -m sgl_hicache.bench`: ours vs sglang's default cache vs sglang HiCache, side by side.
+"""`python -m sgl_hicache.bench`: ours vs sglang's default cache vs sglang HiCache vs LMCache, side by side.
 
 Each system serves the same model (default: SmolLM2-135M-Instruct) with the same device pool,
 host-memory budget and token-level workloads (closed-loop multi-turn chat at each concurrency, then
 a Mooncake-format trace replay), `--repeats` times in interleaved order. HiCache runs in every
 configuration of `spec.HICACHE_CONFIGS`; the gate judges ours against the best of them per workload
-(lowest median resumed-turn TTFT p50). Progress goes to stderr; results go to OUT_DIR/run-<time>/
-as results.json, requests.csv, summary.csv and ttft_per_round.png; the last stdout line is one JSON
-object. Exit status: 0, or 1 when `--gate`/`--soak` fail, 2 on bad arguments.
+(lowest median resumed-turn TTFT p50). LMCache runs in every configuration of `spec.LMCACHE_CONFIGS`
+(each server beside its own LMCache daemon); the final line names its best per workload and gives
+ours against it (`ttft_vs_lmcache`, `throughput_vs_lmcache`). Progress goes to stderr; results go to
+OUT_DIR/run-<time>/ as results.json, requests.csv, summary.csv and ttft_per_round.png; the last
+stdout line is one JSON object. Exit status: 0, or 1 when `--gate`/`--soak` fail, 2 on bad arguments.
 
 `--servers 2` runs instead two servers behind sglang's router (smg), in the configurations of
 `bench/cluster.py` (`--configs` picks some): sharing a tier (ours on one tier directory, writing
@@ -25,10 +27,12 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench import aggregate, cluster, gate, report, run, soak
+from benchmarks.bench import aggregate, cluster, gate, report, run, soak, systems
 from benchmarks.bench.server_process import ServerStartError
 from benchmarks.bench.spec import (
     DEVICES,
+    HICACHE,
+    LMCACHE,
     SYSTEMS,
     BenchSpec,
     Gate,
@@ -40,7 +44,7 @@ from benchmarks.bench.spec import (
     expand_systems,
     quick,
 )
-from benchmarks.bench.summary import ratios
+from benchmarks.bench.summary import best_lmcache, ratios
 
 
 def parser() -> argparse.ArgumentParser:
@@ -54,7 +58,8 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--systems", default=",".join(SYSTEMS),
-        help="comma-separated subset of %(default)s; 'hicache' = every HiCache configuration",
+        help="comma-separated subset of %(default)s; 'hicache' = every HiCache configuration, 'lmcache' every "
+        "LMCache one",
     )  # fmt: skip
     p.add_argument("--repeats", type=int, default=None,
                    help=f"runs of each system, interleaved; figures are medians (default {BenchSpec().repeats}; --quick: 1)")  # fmt: skip
@@ -77,7 +82,8 @@ def parser() -> argparse.ArgumentParser:
         "--host-budget-mb",
         type=int,
         default=shape.host_budget_mb,
-        help="our staging bound and the host pool of the *-budget HiCache configurations, MiB (default %(default)s)",
+        help="our staging bound, what the *-budget HiCache configurations add to the device pool in their host "
+        "pool, LMCache's L1; MiB (default %(default)s)",
     )
     p.add_argument("--page-size", type=int, default=shape.page_size)
     p.add_argument(
@@ -177,9 +183,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def execute(spec: BenchSpec) -> int:
+    model = run.resolve_model(spec.shape.model, spec.out_dir)
+    history = max((m.context_tokens() for m in spec.multiturn), default=0)  # a conversation's whole
+    systems.check_hicache_holds(spec.systems, spec.shape, model, history)
+    systems.check_runnable(spec.systems, spec.shape, model, spec.out_dir)
     out = (spec.out_dir / time.strftime("run-%Y%m%d-%H%M%S")).resolve()  # servers get absolute paths
     out.mkdir(parents=True, exist_ok=True)
-    model = run.resolve_model(spec.shape.model, spec.out_dir)
     replay = run.trace_requests(spec, run.vocab_size(model))
     order = run.schedule(spec.systems, spec.repeats) if spec.multiturn or replay else []
     runs: dict[str, list[run.SystemOutcome]] = {}
@@ -197,6 +206,8 @@ def execute(spec: BenchSpec) -> int:
         extra["gate"] = "fail" if failures else "pass"
         extra["gate_failures"] = failures
     extra.update(report.versus_best_keys(aggregate.versus_best(measured), measured))
+    extra["best_lmcache_config"] = {w: best_lmcache(f) for w, f in figures.items()}
+    extra["best_lmcache_config_throughput"] = {w: best_lmcache(f, "throughput") for w, f in figures.items()}
     line = report.final_line(figures, {w: ratios(f) for w, f in figures.items()}, extra)
     report.write(out, run.results(runs), figures, line, run.metrics(runs), measured)
     for f in failures:
@@ -216,4 +227,6 @@ def _extra(spec: BenchSpec, runs: dict[str, list[run.SystemOutcome]]) -> dict[st
         "page_cache": ",".join(methods) if methods else "kept",
         "rss_peak_mb": {n: max(o.rss_peak_mb for o in os_) for n, os_ in runs.items()},
         "tier_mb": {n: max(o.tier_bytes for o in os_) / 2**20 for n, os_ in runs.items()},
+        "peer_configs": {n: HICACHE[n].label for n in runs if n in HICACHE}
+        | {n: LMCACHE[n].label for n in runs if n in LMCACHE},
     }

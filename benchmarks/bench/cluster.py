@@ -29,6 +29,11 @@ per-tier hit rates and the lookup counters show what was reused from where.
   over TCP loopback with files read cold from the disk.
 - `hicache-mooncake`: `hicache-shared` with sglang's own `mooncake` L3 backend on such a store. It
   cannot run on CPU (`UNAVAILABLE_ON_CPU`): the run skips it there and says why in the final line.
+- `lmcache-shared`: two sglang servers with `--enable-lmcache` on one LMCache daemon (LMCache's way
+  to share: its multiprocess server is built to serve several engines), in the configuration
+  `STRONGEST_LMCACHE` (`lmcache-disk`: L1 + an `fs` disk tier in one directory), its L1 both
+  servers' host budgets together (ours-shared stages in two budgets too). The daemon is started for
+  the run, unpinned like the router (`bench/lmcache_process.py`).
 
 **Routing** (`Dispatch.SHUFFLED`: each round's turns sent one after another in a random order drawn
 from the workload and the round, the same for the three, as clients' turns would arrive): two of
@@ -64,7 +69,7 @@ server's CPUs (`server_cpus`; null where the CPU profile is not installed: a GPU
 
 Configurations (all, or those `--configs` names) run one after another, `repeats` times in
 interleaved order (`run.schedule`), each run on fresh servers, a fresh router, empty tier
-directories and a fresh Mooncake master.
+directories, a fresh Mooncake master and a fresh LMCache daemon.
 """
 
 from __future__ import annotations
@@ -89,6 +94,7 @@ from benchmarks.bench import aggregate, drive, pagecache, report, run, systems
 from benchmarks.bench.cluster_line import LOOKUP_COUNTERS, final_line, lookup_counters
 from benchmarks.bench.drive import Dispatch
 from benchmarks.bench.grpc_server import GrpcServer
+from benchmarks.bench.lmcache_process import LMCacheDaemon, lmcache_flags
 from benchmarks.bench.mooncake_process import MooncakeMaster
 from benchmarks.bench.probe import delta, dir_bytes, scrape
 from benchmarks.bench.router_process import RouterProcess
@@ -100,6 +106,11 @@ SERVERS = 2
 STRONGEST_HICACHE = "hicache-wait-r2"
 """The HiCache configuration of `spec.HICACHE_CONFIGS` that `hicache-shared` runs: `wait_complete`
 with sglang's default host ratio (the lowest resumed-turn TTFT of the single-server benchmark)."""
+
+STRONGEST_LMCACHE = "lmcache-disk"
+"""The LMCache configuration of `spec.LMCACHE_CONFIGS` that `lmcache-shared` runs: L1 and a disk tier
+at LMCache's default chunk (which one is strongest is not measured yet: set it from the single-server
+benchmark's `best_lmcache_config`)."""
 
 MOONCAKE_SEGMENT = 1024 * MiB
 """The DRAM each server contributes to the Mooncake Store of the `mooncake` configurations: more
@@ -123,13 +134,14 @@ class Router(Enum):
 class Store(Enum):
     DIRECTORY = "directory"  # a tier directory per server, or one shared
     MOONCAKE = "mooncake"  # a Mooncake Store: one master, each server a client
+    LMCACHE = "lmcache"  # one LMCache daemon (and its disk tier directory), each server a client
 
 
 @dataclass(frozen=True)
 class ClusterConfig:
     name: str
     system: str  # a system of `systems.build`, run on each server
-    shared: bool  # both servers on one tier directory (else one each); on Mooncake: one store
+    shared: bool  # both servers on one tier directory (else one each); on Mooncake: one store; LMCache: one daemon
     flags: tuple[str, ...] = ()  # added to the system's command line
     store: Store = Store.DIRECTORY
     router: Router = Router.ROUND_ROBIN
@@ -149,6 +161,7 @@ CONFIGS = (
     ClusterConfig("hicache-shared", STRONGEST_HICACHE, shared=True),
     ClusterConfig("ours-mooncake", "ours", shared=True, flags=WRITE_THROUGH, store=Store.MOONCAKE),
     ClusterConfig("hicache-mooncake", STRONGEST_HICACHE, shared=True, store=Store.MOONCAKE),
+    ClusterConfig("lmcache-shared", STRONGEST_LMCACHE, shared=True, store=Store.LMCACHE),
     ClusterConfig("route-round-robin", "ours", shared=False, dispatch=SHUFFLED),
     ClusterConfig("route-approx-tree", "ours", shared=False, router=Router.APPROX_TREE, dispatch=SHUFFLED),
     ClusterConfig("route-approx-tree-protected", "ours", shared=False, router=Router.APPROX_TREE_PROTECTED,
@@ -209,8 +222,8 @@ def server_cpus() -> tuple[tuple[int, ...] | None, ...]:
 def run_config(config: ClusterConfig, spec: BenchSpec, model: Path, out: Path, repeat: int,
                cpus: tuple[tuple[int, ...] | None, ...]) -> ClusterOutcome:  # fmt: skip
     """One run of one configuration: two fresh servers (server k on `cpus[k]`, started side by side),
-    a router (and a Mooncake master), every multi-turn workload; the page cache of the tier
-    directories is dropped at the rounds' barriers (clock stopped)."""
+    a router (and a Mooncake master, or an LMCache daemon), every multi-turn workload; the page cache
+    of the tier directories is dropped at the rounds' barriers (clock stopped)."""
     outcome, vocab = run.SystemOutcome(), run.vocab_size(model)
     by_server: list[dict[str, float]] = [{} for _ in range(SERVERS)]
     grpc = config.router.grpc
@@ -226,6 +239,8 @@ def run_config(config: ClusterConfig, spec: BenchSpec, model: Path, out: Path, r
         servers = [systems.build(config.system, spec.shape, model, _root(out, config, k), mooncake=mooncake)
                    for k in range(SERVERS)]  # fmt: skip
         servers = [replace(s, flags=(*s.flags, *config.flags)) for s in servers]
+        if config.store is Store.LMCACHE:
+            servers = _on_one_daemon(stack, config, servers, out, repeat)
         tiers = sorted({s.tier_dir for s in servers if s.tier_dir is not None})
 
         def drop() -> None:
@@ -254,6 +269,23 @@ def run_config(config: ClusterConfig, spec: BenchSpec, model: Path, out: Path, r
         for r in results:
             r.repeat = repeat
     return ClusterOutcome(outcome, tuple(by_server))
+
+
+def _on_one_daemon(stack: contextlib.ExitStack, config: ClusterConfig, servers: list[systems.System],
+                   out: Path, repeat: int) -> list[systems.System]:  # fmt: skip
+    """Start one LMCache daemon for `servers` (an LMCache system, on one tier directory), its L1 their
+    host budgets together, stopped when `stack` closes; the servers as its clients (no daemon of
+    their own)."""
+    own = servers[0].lmcache
+    if own is None or not config.shared:
+        raise TypeError(
+            f"{config.name}: one LMCache daemon serves servers of an LMCache system on one directory"
+        )
+    daemon = LMCacheDaemon(replace(own, l1_mb=own.l1_mb * len(servers)),
+                           out / run.log_name(f"{config.name}-lmcache", repeat))  # fmt: skip
+    stack.enter_context(daemon)
+    config_file = daemon.write_config(out / f"{config.name}-r{repeat}.lmcache.yaml")
+    return [replace(s, lmcache=None, flags=(*s.flags, *lmcache_flags(config_file))) for s in servers]
 
 
 def _router(config: ClusterConfig, procs: list[ServerProcess], shape: Shape, model: Path,
@@ -335,14 +367,18 @@ def execute(spec: BenchSpec, configs: tuple[ClusterConfig, ...] = CONFIGS) -> in
     """Each of `configs` that can run in `spec.shape` (the others are named in the final line's
     `skipped`, with why), `spec.repeats` times interleaved; writes the run's files like the
     single-server benchmark and prints the final JSON line. Exit status 0."""
-    out = (spec.out_dir / time.strftime("run-%Y%m%d-%H%M%S")).resolve()  # servers get absolute paths
-    out.mkdir(parents=True, exist_ok=True)
     model = run.resolve_model(spec.shape.model, spec.out_dir)
     skipped = {c.name: why for c in configs if (why := unavailable(c, spec.shape)) is not None}
     if len(skipped) == len(configs):
         raise SpecError(
             f"--configs: none of {', '.join(skipped)} can run here: {'; '.join(skipped.values())}"
         )
+    used = {c.system for c in configs if c.name not in skipped}
+    history = max(m.context_tokens() for m in spec.multiturn)
+    systems.check_hicache_holds(used, spec.shape, model, history)  # before any server, as the bench
+    systems.check_runnable(used, spec.shape, model, spec.out_dir)
+    out = (spec.out_dir / time.strftime("run-%Y%m%d-%H%M%S")).resolve()  # servers get absolute paths
+    out.mkdir(parents=True, exist_ok=True)
     order = run.schedule([c.name for c in configs if c.name not in skipped], spec.repeats)
     cpus = server_cpus()
     runs: dict[str, list[run.SystemOutcome]] = {}
@@ -359,7 +395,7 @@ def execute(spec: BenchSpec, configs: tuple[ClusterConfig, ...] = CONFIGS) -> in
              "shape": asdict(spec.shape), "server_cpus": [None if c is None else list(c) for c in cpus],
              "router": {n: BY_NAME[n].router.value for n in runs}, "skipped": skipped,
              "tier_mb": {n: max(o.tier_bytes for o in os_) / 2**20 for n, os_ in runs.items()
-                         if BY_NAME[n].store is Store.DIRECTORY}}  # fmt: skip
+                         if BY_NAME[n].store is not Store.MOONCAKE}}  # fmt: skip
     requests = {n: [r for rs in by.values() for r in rs] for n, by in run.results(runs).items()}
     line = final_line(figures, _lookup_totals(lookups), extra, requests)
     report.write(out, run.results(runs), figures, line, run.metrics(runs), measured)

@@ -19,6 +19,7 @@ RATIOS = (
     ("shared_vs_separate", "ours-shared", "ours-separate"),
     ("shared_vs_write_back", "ours-shared", "ours-shared-write-back"),
     ("shared_vs_hicache", "ours-shared", "hicache-shared"),
+    ("shared_vs_lmcache", "ours-shared", "lmcache-shared"),
     ("mooncake_vs_shared", "ours-mooncake", "ours-shared"),
     ("mooncake_vs_hicache", "ours-mooncake", "hicache-shared"),
     ("mooncake_vs_hicache_mooncake", "ours-mooncake", "hicache-mooncake"),

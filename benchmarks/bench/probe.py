@@ -80,10 +80,13 @@ def dir_bytes(root: Path | None) -> int:
 
 class Sampler:
     """Samples a server's RSS (MiB) and the bytes under its tier directory every `every_s` seconds
-    in a thread: `samples` is a list of (seconds since start, rss_mb, tier_bytes)."""
+    in a thread: `samples` is a list of (seconds since start, rss_mb, tier_bytes). `also`: more
+    processes whose RSS (with their children's) counts as the server's (its LMCache daemon)."""
 
-    def __init__(self, pid: int, tier: Path | None = None, every_s: float = 1.0) -> None:
-        self.pid, self.tier, self.every_s = pid, tier, every_s
+    def __init__(
+        self, pid: int, tier: Path | None = None, every_s: float = 1.0, also: tuple[int, ...] = ()
+    ) -> None:
+        self.pid, self.tier, self.every_s, self.also = pid, tier, every_s, also
         self.samples: list[tuple[float, float, int]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
@@ -103,7 +106,8 @@ class Sampler:
     def _run(self) -> None:
         t0 = time.monotonic()
         while not self._stop.is_set():
-            self.samples.append((time.monotonic() - t0, tree_rss_mb(self.pid), dir_bytes(self.tier)))
+            rss = tree_rss_mb(self.pid) + sum(tree_rss_mb(p) for p in self.also)
+            self.samples.append((time.monotonic() - t0, rss, dir_bytes(self.tier)))
             self._stop.wait(self.every_s)
 
     @property

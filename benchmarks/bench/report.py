@@ -22,8 +22,8 @@ REQUEST_FIELDS = ("system", "repeat", "workload", "key", "round", "resumed", "pr
                   "cached_storage", "error", "server")  # fmt: skip
 
 
-_RATIOS = ("ttft_vs_recompute", "ttft_vs_hicache", "ttft_vs_resident", "throughput_vs_recompute",
-           "throughput_vs_hicache", "throughput_vs_resident")  # fmt: skip
+_RATIOS = ("ttft_vs_recompute", "ttft_vs_hicache", "ttft_vs_lmcache", "ttft_vs_resident", "throughput_vs_recompute",
+           "throughput_vs_hicache", "throughput_vs_lmcache", "throughput_vs_resident")  # fmt: skip
 
 
 def clean(x: Any) -> Any:

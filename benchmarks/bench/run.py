@@ -23,7 +23,9 @@ from tqdm import tqdm
 from benchmarks.bench import drive, pagecache, systems, trace
 from benchmarks.bench.aggregate import Measured
 from benchmarks.bench.client import Result
+from benchmarks.bench.lmcache_process import LMCacheServer
 from benchmarks.bench.probe import Sampler, delta, dir_bytes, scrape
+from benchmarks.bench.server_process import ServerProcess
 from benchmarks.bench.spec import BenchSpec, SpecError
 from benchmarks.bench.summary import summarize
 from benchmarks.bench.workload import Request
@@ -106,7 +108,7 @@ def run_system(
     n = sum(m.concurrency * m.rounds for m in spec.multiturn) + len(replay)
     with (
         system.server(model, workdir / log_name(name, repeat)) as server,
-        Sampler(server.proc.pid if server.proc else 0) as rss,
+        Sampler(server.proc.pid if server.proc else 0, also=_daemons(server)) as rss,
         tqdm(total=n, desc=f"{name:>22} r{repeat}", file=sys.stderr, unit="req") as bar,
     ):
         for salt, mt in enumerate(spec.multiturn, 1):
@@ -121,6 +123,12 @@ def run_system(
         for r in results:
             r.repeat = repeat
     return outcome
+
+
+def _daemons(server: ServerProcess) -> tuple[int, ...]:
+    """The processes beside `server` whose memory is its cache's: an LMCache server's daemon (its L1)."""
+    daemon = server.daemon if isinstance(server, LMCacheServer) else None
+    return (daemon.proc.pid,) if daemon is not None and daemon.proc is not None else ()
 
 
 def measured(runs: dict[str, list[SystemOutcome]]) -> dict[str, dict[str, Measured]]:

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 
+from benchmarks.bench.lmcache_process import L2
+
 
 class SpecError(ValueError):
     """A benchmark setting that cannot work; the message is one line for the user."""
@@ -21,7 +23,14 @@ class HostPool(Enum):
 
     DEFAULT = "default"  # sglang's default --hicache-ratio for the memory mode (passed explicitly,
     # so sglang's host-memory auto-sizing cannot shrink it)
-    BUDGET = "budget"  # the run's host budget, the bound of our staging
+    # The device pool + the run's host budget (the bound of our staging). In `cache` mode HiCache's
+    # host pool holds a copy of every device-resident node and evicts only nodes already gone from the
+    # device, so only host - device is extra cache: a host pool of the budget alone (about the device
+    # pool) found 576 of 8,192 tokens (docs/RESULTS.md); this one gives HiCache the budget as extra cache.
+    BUDGET = "budget"
+
+
+SGLANG_DEFAULT_PREFETCH_POLICY = "timeout"  # --hicache-storage-prefetch-policy's default in sglang 0.5.23
 
 
 @dataclass(frozen=True)
@@ -31,39 +40,103 @@ class HiCacheConfig:
     name: str
     prefetch_policy: str  # --hicache-storage-prefetch-policy
     host: HostPool
-    memory_mode: str = "cache"  # --hicache-host-memory-mode
+    memory_mode: str = "cache"  # --hicache-host-memory-mode (sglang's default: cache)
 
     @property
     def default_ratio(self) -> float:
         return 1.2 if self.memory_mode == "buffer_only" else 2.0
 
+    @property
+    def label(self) -> str:
+        """What it is, in words, for the final line: which of its settings are sglang's defaults."""
+        policy = self.prefetch_policy + (
+            " (sglang's default)" if self.prefetch_policy == SGLANG_DEFAULT_PREFETCH_POLICY else ""
+        )
+        host = (
+            f"host pool {self.default_ratio:g} x device (sglang's default ratio)"
+            if self.host is HostPool.DEFAULT
+            else "host pool = device + the host budget"
+        )
+        return f"prefetch {policy}, {self.memory_mode} mode, {host}"
+
+    def cache_tokens(self, host_tokens: int, pool_tokens: int) -> int:
+        """Of a host pool of `host_tokens`, what can hold KV that is not on the device (a history to
+        restore): in `cache` mode the host pool also holds a copy of every device-resident node, so a
+        full device pool leaves host - device; `buffer_only` is staging only, all of it."""
+        return host_tokens if self.memory_mode == "buffer_only" else host_tokens - pool_tokens
+
 
 HICACHE_CONFIGS = (
     HiCacheConfig("hicache-wait-r2", "wait_complete", HostPool.DEFAULT),
-    HiCacheConfig("hicache-timeout-r2", "timeout", HostPool.DEFAULT),  # sglang's default policy
+    HiCacheConfig("hicache-timeout-r2", "timeout", HostPool.DEFAULT),  # sglang's defaults
     HiCacheConfig("hicache-wait-budget", "wait_complete", HostPool.BUDGET),
     HiCacheConfig("hicache-timeout-budget", "timeout", HostPool.BUDGET),
     HiCacheConfig("hicache-buffer", "wait_complete", HostPool.DEFAULT, memory_mode="buffer_only"),
 )
 """Every HiCache configuration a full run measures; the gate judges ours against the best of them
-per workload (`summary.best_hicache`)."""
+per workload (`summary.best_hicache`). `timeout` is sglang's default prefetch policy, not its
+strongest (`label`); `-budget`: host pool = device pool + the run's host budget (`HostPool.BUDGET`)."""
 HICACHE = {c.name: c for c in HICACHE_CONFIGS}
 
-SYSTEMS = ("recompute", *HICACHE, "ours", "resident")
+
+@dataclass(frozen=True)
+class LMCacheConfig:
+    """One configuration of LMCache (its multiprocess daemon beside sglang's `--enable-lmcache`) that
+    a run measures, at the memory ours gets: its L1 is the run's host budget, its disk tier (if any)
+    a directory on the same disk as ours' tier."""
+
+    name: str
+    l2: L2  # L2.NONE: L1 only; FS: `fs`, unbounded; FS_NATIVE: `fs_native` capped at ours' tier capacity
+    chunk_size: int = 256  # LMCache's default; it stores and finds whole chunks only
+    l2_store_policy: str = "default"  # `skip_l1`: a chunk leaves L1 once on disk (`DaemonSpec`)
+
+    @property
+    def label(self) -> str:
+        """What it is, in words, for the final line."""
+        disk = {L2.NONE: "no disk tier", L2.FS: "fs disk tier (unbounded)",
+                L2.FS_NATIVE: "fs_native disk tier capped at ours' tier capacity (LRU)"}[self.l2]  # fmt: skip
+        if self.l2 is not L2.NONE:
+            disk += f", L2 store policy {self.l2_store_policy}"
+        default = " (LMCache's default)" if self.chunk_size == 256 else ""
+        return f"L1 = the host budget, {disk}, chunk {self.chunk_size}{default}"
+
+
+LMCACHE_CONFIGS = (
+    LMCacheConfig("lmcache-l1", L2.NONE),
+    LMCacheConfig("lmcache-l1-c64", L2.NONE, chunk_size=64),
+    LMCacheConfig("lmcache-disk", L2.FS),
+    LMCacheConfig("lmcache-disk-c64", L2.FS, chunk_size=64),
+    LMCacheConfig("lmcache-fs-native", L2.FS_NATIVE),
+    LMCacheConfig("lmcache-fs-native-c64", L2.FS_NATIVE, chunk_size=64),
+    LMCacheConfig("lmcache-disk-skip-l1", L2.FS, l2_store_policy="skip_l1"),
+)
+"""Every LMCache configuration a full run measures: L1 only, L1 + `fs`, L1 + capped `fs_native`, each
+at LMCache's default chunk (256 tokens) and at 64, which finds shorter prefixes; and L1 + `fs` with
+`--l2-store-policy skip_l1`, which keeps L1 free for loads from disk (with LMCache's default a full L1
+refuses them); the run reports the best of them per workload (`summary.best_of`)."""
+LMCACHE = {c.name: c for c in LMCACHE_CONFIGS}
+
+SYSTEMS = ("recompute", *HICACHE, *LMCACHE, "ours", "resident")
 """(a) sglang's default cache, evicted KV is recomputed; (b) sglang HiCache with host memory and its
-`file` L3 backend, in each configuration of `HICACHE_CONFIGS`; (c) sgl_hicache's spill tier; and a
-reference: sglang's default cache with a pool that holds the whole workload (every reusable prefix a
-device hit). In `--systems`, `hicache` stands for every HiCache configuration."""
+`file` L3 backend, in each configuration of `HICACHE_CONFIGS`; (b') LMCache, in each configuration of
+`LMCACHE_CONFIGS`; (c) sgl_hicache's spill tier; and a reference: sglang's default cache with a pool
+that holds the whole workload (every reusable prefix a device hit). In `--systems`, `hicache` stands
+for every HiCache configuration and `lmcache` for every LMCache one."""
+
+FAMILIES = {"hicache": tuple(HICACHE), "lmcache": tuple(LMCACHE)}
+"""The names `--systems` expands into every configuration of a peer."""
 
 
 def expand_systems(names: str) -> tuple[str, ...]:
-    """`--systems`: comma-separated names, `hicache` meaning all of `HICACHE_CONFIGS`; in SYSTEMS order."""
+    """`--systems`: comma-separated names, `hicache`/`lmcache` meaning all of that peer's
+    configurations; in SYSTEMS order."""
     wanted = {n.strip() for n in names.split(",") if n.strip()}
-    if "hicache" in wanted:
-        wanted = (wanted - {"hicache"}) | set(HICACHE)
+    for family, members in FAMILIES.items():
+        if family in wanted:
+            wanted = (wanted - {family}) | set(members)
     unknown = sorted(wanted - set(SYSTEMS))
     if unknown:
-        raise SpecError(f"unknown system(s) {unknown}; choose from hicache, {', '.join(SYSTEMS)}")
+        raise SpecError(f"unknown system(s) {unknown}; choose from hicache, lmcache, {', '.join(SYSTEMS)}")
     return tuple(s for s in SYSTEMS if s in wanted)
 
 
@@ -73,15 +146,17 @@ DEVICES = ("cpu", "cuda")
 @dataclass(frozen=True)
 class Shape:
     """The serving setup every system shares. The defaults (with those of `MultiTurn`, `Trace` and
-    `BenchSpec.repeats`) size the full run to about 30 minutes on a quiet 2-vCPU machine with
-    SmolLM2-135M: 8 systems x 3 repeats, each a fresh server (~30 s to start and stop)."""
+    `BenchSpec.repeats`) sized the full run to about 30 minutes on a quiet 2-vCPU machine with
+    SmolLM2-135M: 8 systems x 3 repeats, each a fresh server (~30 s to start and stop); the seven
+    LMCache configurations (issue 36) make it 15 systems, about 55 minutes (not measured yet)."""
 
     model: str = "smollm2"  # smollm2 (SmolLM2-135M-Instruct), a generated size (tiny, small) or a directory
     pool_tokens: int = 2048  # --max-total-tokens: the device KV pool
-    # Our staging bound; the host pool of the *-budget HiCache configurations. 96 MiB is at least
-    # sglang's default HiCache host pool for this device pool (ratio 2: 4096 SmolLM2 tokens of
-    # 22.5 KiB = 90 MiB), so no system has less host memory than HiCache at its default, and it
-    # holds ours' eviction bursts on this workload (at 64 MiB two spills were refused for staging).
+    # Our staging bound; what the *-budget HiCache configurations add to the device pool in their
+    # host pool; LMCache's L1. 96 MiB is at least sglang's default HiCache host pool for this device
+    # pool (ratio 2: 4096 SmolLM2 tokens of 22.5 KiB = 90 MiB), so no system has less host memory
+    # than HiCache at its default, and it holds ours' eviction bursts on this workload (at 64 MiB
+    # two spills were refused for staging).
     host_budget_mb: int = 96
     # HiCache's `file` backend writes one file per page: at page size 1 that is a file per token,
     # a configuration nobody would run; 16 is served correctly by all three systems on CPU.
@@ -189,6 +264,10 @@ class BenchSpec:
             raise SpecError(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
         if self.repeats < 1:
             raise SpecError(f"repeats must be >= 1, got {self.repeats}")
+        for name in (s for s in self.systems if s in LMCACHE):
+            if LMCACHE[name].chunk_size % self.shape.page_size:
+                raise SpecError(f"{name}: its chunk of {LMCACHE[name].chunk_size} tokens is not a multiple of "
+                                f"the page size {self.shape.page_size}")  # fmt: skip
         if not self.multiturn and self.trace is None and self.soak is None:
             raise SpecError("nothing to run: no multi-turn workload, no trace and no soak")
 

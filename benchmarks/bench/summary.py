@@ -4,6 +4,7 @@ baselines."""
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -11,7 +12,7 @@ import numpy as np
 
 from benchmarks.bench.client import TIERS, Result
 from benchmarks.bench.probe import total
-from benchmarks.bench.spec import HICACHE
+from benchmarks.bench.spec import FAMILIES, HICACHE, LMCACHE
 
 NAN = float("nan")
 
@@ -92,29 +93,48 @@ def ratio(a: float, b: float) -> float:
     return a / b if b > 0 and not math.isnan(a) and not math.isnan(b) else NAN
 
 
-def best_hicache(figures: dict[str, Figures], figure: str = "ttft") -> str | None:
-    """The strongest HiCache configuration *for `figure`*: "ttft", the lowest resumed-turn TTFT p50
-    (a tie goes to the higher throughput), or "throughput", the highest throughput (a tie goes to
-    the lower TTFT); then the name. Each figure of ours is judged against the configuration best at
-    that figure, so no configuration's strength is left out. None if no configuration measured it."""
+def best_of(figures: dict[str, Figures], members: Collection[str], figure: str = "ttft") -> str | None:
+    """The strongest of a peer's configurations `members` *for `figure`*: "ttft", the lowest
+    resumed-turn TTFT p50 (a tie goes to the higher throughput), or "throughput", the highest
+    throughput (a tie goes to the lower TTFT); then the name. Each figure of ours is judged against
+    the configuration best at that figure, so no configuration's strength is left out. None if no
+    configuration measured it."""
     if figure == "ttft":
         keyed = [((f.ttft_resume_p50_ms, -f.throughput_tok_s), n) for n, f in figures.items()
-                 if n in HICACHE and not math.isnan(f.ttft_resume_p50_ms)]  # fmt: skip
+                 if n in members and not math.isnan(f.ttft_resume_p50_ms)]  # fmt: skip
     else:
         keyed = [((-f.throughput_tok_s, f.ttft_resume_p50_ms), n) for n, f in figures.items()
-                 if n in HICACHE and not math.isnan(f.throughput_tok_s)]  # fmt: skip
+                 if n in members and not math.isnan(f.throughput_tok_s)]  # fmt: skip
     return min(keyed)[1] if keyed else None
 
 
+def best_hicache(figures: dict[str, Figures], figure: str = "ttft") -> str | None:
+    """The strongest HiCache configuration for `figure` (`best_of`)."""
+    return best_of(figures, HICACHE, figure)
+
+
+def best_lmcache(figures: dict[str, Figures], figure: str = "ttft") -> str | None:
+    """The strongest LMCache configuration for `figure` (`best_of`): its chunk size and tiers."""
+    return best_of(figures, LMCACHE, figure)
+
+
 def ratios(figures: dict[str, Figures]) -> dict[str, float]:
-    """Ours over (a), the resident reference, the best HiCache configuration (`_vs_hicache`: for each
-    figure, the configuration best at it) and each HiCache configuration, for resumed-turn TTFT p50
-    and throughput, where both were measured."""
+    """Ours over (a), the resident reference, the best configuration of each peer (`_vs_hicache`,
+    `_vs_lmcache`: for each figure, the configuration best at it) and each peer configuration, for
+    resumed-turn TTFT p50 and throughput, where both were measured."""
     out: dict[str, float] = {}
     ours = figures.get("ours")
-    best = {fig: best_hicache(figures, fig) for fig in ("ttft", "throughput")}
-    for key in ("recompute", "hicache", "resident", *(n for n in figures if n in HICACHE)):
-        bases = {fig: figures.get(best[fig] or "") if key == "hicache" else figures.get(key) for fig in best}
+    best = {
+        peer: {fig: best_of(figures, members, fig) for fig in ("ttft", "throughput")}
+        for peer, members in FAMILIES.items()
+    }
+    configs = (n for n in figures if any(n in members for members in FAMILIES.values()))
+    for key in ("recompute", *FAMILIES, "resident", *configs):
+        chosen = best.get(key)
+        bases = {
+            fig: figures.get(chosen[fig] or "") if chosen else figures.get(key)
+            for fig in ("ttft", "throughput")
+        }
         out[f"ttft_vs_{key}"] = _vs(ours, bases["ttft"], "ttft_resume_p50_ms")
         out[f"throughput_vs_{key}"] = _vs(ours, bases["throughput"], "throughput_tok_s")
     return out

@@ -1,4 +1,4 @@
-"""The three systems a run compares, as server command lines over the same `Shape`.
+"""The systems a run compares, as server command lines over the same `Shape`.
 
 (a) `recompute`: `python -m sglang.launch_server` with sglang's default cache: evicted KV is gone.
 (b) `hicache-*`: the same server with `--enable-hierarchical-cache`: a host-memory L2 and the `file`
@@ -7,6 +7,10 @@
     default ratio or at the run's host budget; `buffer_only` host memory). On CPU it needs
     `--hicache-io-backend direct --hicache-mem-layout layer_first` and our compatibility patches
     (`sgl_hicache_cpu.hicache_cpu_compat`, switched on in sglang's processes by an env var).
+(b') `lmcache-*`: the same server with `--enable-lmcache`, beside its own LMCache daemon
+    (`lmcache_process.LMCacheServer`), in each configuration of `spec.LMCACHE_CONFIGS`: its L1 the
+    run's host budget, its disk tier (`fs`, or `fs_native` capped at ours' tier capacity) in a
+    directory on the same disk as ours'.
 (c) `ours`: `python -m sgl_hicache.launch_server --enable-hicache-spill` with the tier in a
     directory on the same disk and its host staging bounded by the same host budget.
 (d) `resident`: a reference, not a competitor: sglang's default cache with a device pool large
@@ -18,13 +22,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.bench.grpc_server import GrpcServer
+from benchmarks.bench.lmcache_process import ENV as LMCACHE_ENV
+from benchmarks.bench.lmcache_process import L2, DaemonSpec, LMCacheServer, not_installed
 from benchmarks.bench.server_process import ServerProcess, device_flags
-from benchmarks.bench.spec import HICACHE, HiCacheConfig, HostPool, Shape
-from sgl_hicache.config import MooncakeConfig
+from benchmarks.bench.spec import HICACHE, LMCACHE, HiCacheConfig, HostPool, Shape, SpecError
+from sgl_hicache.config import MiB, MooncakeConfig, TierConfig
 
 COMMON_FLAGS = ("--enable-metrics", "--enable-cache-report")
 HICACHE_COMPAT_ENV = {"SGL_HICACHE_CPU_HICACHE_COMPAT": "1"}
@@ -38,11 +45,18 @@ class System:
     env: tuple[tuple[str, str], ...]
     tier_dir: Path | None  # where it keeps KV on disk, if anywhere
     pool_tokens: int  # its device KV pool (--max-total-tokens)
+    lmcache: DaemonSpec | None = None  # the LMCache daemon each of its servers runs beside
 
     def server(self, model: Path, log_path: Path, cpus: tuple[int, ...] | None = None,
                grpc: bool = False) -> ServerProcess:  # fmt: skip
         """A server of this system, not started; on `cpus` only if given (`ServerProcess`); in
-        sglang's gRPC mode with its KV events published if `grpc` (`GrpcServer`)."""
+        sglang's gRPC mode with its KV events published if `grpc` (`GrpcServer`); with its own
+        LMCache daemon (started and stopped with it) if the system has one (`LMCacheServer`)."""
+        if self.lmcache is not None:
+            if grpc:
+                raise ValueError(f"{self.name}: an LMCache server in gRPC mode is not supported here")
+            return LMCacheServer(model, self.pool_tokens, self.flags, module=self.module, log_path=log_path,
+                                 env=dict(self.env), cpus=cpus, daemon_spec=self.lmcache)  # fmt: skip
         kind = GrpcServer if grpc else ServerProcess
         return kind(model, self.pool_tokens, self.flags, module=self.module, log_path=log_path,
                     env=dict(self.env), cpus=cpus)  # fmt: skip
@@ -75,6 +89,10 @@ def build(name: str, shape: Shape, model: Path, workdir: Path, *, tier_capacity_
         env = (*compat, ("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tier)))
         hicache = (*base, *hicache_flags(HICACHE[name], shape, model, mooncake))
         return System(name, "sglang.launch_server", hicache, env, tier, shape.pool_tokens)
+    if name in LMCACHE:
+        if mooncake is not None:
+            raise ValueError(f"{name}: LMCache keeps its KV in its own daemon, not on a Mooncake Store")
+        return _lmcache(name, base, tier, shape, tier_capacity_mb)
     if name == "ours":
         flags: tuple[str, ...] = (*base, "--enable-hicache-spill", "--hicache-spill-dir", str(tier),
                  "--hicache-spill-staging", f"{shape.host_budget_mb}M")  # fmt: skip
@@ -90,6 +108,28 @@ def build(name: str, shape: Shape, model: Path, workdir: Path, *, tier_capacity_
             )
         return System(name, "sgl_hicache.launch_server", flags, (), tier, shape.pool_tokens)
     raise ValueError(f"unknown system {name!r}")
+
+
+def _lmcache(
+    name: str, base: tuple[str, ...], tier: Path, shape: Shape, tier_capacity_mb: int | None
+) -> System:
+    """An LMCache configuration at ours' memory: L1 = the host budget; a capped disk tier at ours'
+    tier capacity (`tier_capacity_mb`, else the tier's default budget). SpecError for a chunk that is
+    not a multiple of the page size (sglang's connector refuses it at start)."""
+    config = LMCACHE[name]
+    if (why := not_installed()) is not None:
+        raise SpecError(f"{name}: {why}")
+    if config.chunk_size % shape.page_size:
+        raise SpecError(f"{name}: its chunk of {config.chunk_size} tokens is not a multiple of the page size "
+                        f"{shape.page_size}")  # fmt: skip
+    capacity_mb = tier_capacity_mb if tier_capacity_mb is not None else TierConfig().capacity_bytes // MiB
+    disk = config.l2 is not L2.NONE
+    daemon = DaemonSpec(l1_mb=shape.host_budget_mb, chunk_size=config.chunk_size, l2=config.l2,
+                        l2_dir=tier if disk else None,
+                        l2_capacity_mb=capacity_mb if config.l2 is L2.FS_NATIVE else None,
+                        l2_store_policy=config.l2_store_policy)  # fmt: skip
+    return System(name, "sglang.launch_server", base, tuple(LMCACHE_ENV.items()), tier if disk else None,
+                  shape.pool_tokens, lmcache=daemon)  # fmt: skip
 
 
 def hicache_flags(config: HiCacheConfig, shape: Shape, model: Path,
@@ -131,7 +171,37 @@ def _storage_flags(mooncake: MooncakeConfig | None) -> tuple[str, ...]:
 
 def _host_ratio(shape: Shape, model: Path) -> float:
     """HiCache sizes its host pool as `--hicache-ratio` times the device pool (in tokens, rounded
-    down to whole pages); this is the ratio that makes it the run's host budget (+0.5 token
-    against float rounding)."""
-    host_tokens = shape.host_budget_mb * 2**20 // kv_bytes_per_token(model)
-    return (host_tokens + 0.5) / shape.pool_tokens
+    down to whole pages); this is the ratio that makes it the device pool + the run's host budget
+    (`HostPool.BUDGET`; +0.5 token against float rounding)."""
+    return (host_tokens(HostPool.BUDGET, 0.0, shape, model) + 0.5) / shape.pool_tokens
+
+
+def host_tokens(host: HostPool, default_ratio: float, shape: Shape, model: Path) -> int:
+    """The tokens of a HiCache host pool sized `host` (at `default_ratio` for `HostPool.DEFAULT`)."""
+    if host is HostPool.DEFAULT:
+        return int(default_ratio * shape.pool_tokens)
+    return shape.pool_tokens + shape.host_budget_mb * 2**20 // kv_bytes_per_token(model)
+
+
+def check_runnable(names: Iterable[str], shape: Shape, model: Path, workdir: Path) -> None:
+    """SpecError, in one line, for the first of `names` that cannot be built here (an LMCache system
+    without LMCache installed, ...), before a run starts any server."""
+    for name in names:
+        build(name, shape, model, workdir)
+
+
+def check_hicache_holds(names: Iterable[str], shape: Shape, model: Path, history_tokens: int) -> None:
+    """SpecError, in one line, for the first HiCache configuration of `names` whose host pool cannot
+    hold, beside its copies of a full device pool, a history of `history_tokens` (what it is meant
+    to restore: it could only recompute it, and would be measured as a cache that is not one)."""
+    for name in (n for n in names if n in HICACHE):
+        config = HICACHE[name]
+        free = config.cache_tokens(
+            host_tokens(config.host, config.default_ratio, shape, model), shape.pool_tokens
+        )
+        if free < history_tokens:
+            raise SpecError(
+                f"{name}: its host pool holds {max(free, 0)} tokens beside the device pool's copies, fewer than "
+                f"the {history_tokens}-token history it is meant to restore: raise --host-budget-mb or "
+                "--pool-tokens, or leave it out"
+            )

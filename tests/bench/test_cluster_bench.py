@@ -22,8 +22,9 @@ from tqdm import tqdm
 from benchmarks.bench import cluster, cluster_line, drive, systems
 from benchmarks.bench.cli import cluster_run, main, parser, spec_from
 from benchmarks.bench.client import ROUTED_HEADER, Result
+from benchmarks.bench.lmcache_process import DaemonSpec
 from benchmarks.bench.server_process import ServerStartError
-from benchmarks.bench.spec import HICACHE, HostPool, MultiTurn, Shape, SpecError
+from benchmarks.bench.spec import HICACHE, LMCACHE, HostPool, MultiTurn, Shape, SpecError
 from benchmarks.bench.summary import Figures, summarize
 from sgl_hicache.config import MooncakeConfig
 from tests.bench.standin_http import serving
@@ -58,13 +59,14 @@ def test_servers_1_is_the_default_run() -> None:
 
 def test_the_configurations(tmp_path: Path) -> None:
     rr, approx, events = cluster.Router.ROUND_ROBIN, cluster.Router.APPROX_TREE, cluster.Router.KV_EVENTS
-    dir_, mooncake = cluster.Store.DIRECTORY, cluster.Store.MOONCAKE
+    dir_, mooncake, lmcache = cluster.Store.DIRECTORY, cluster.Store.MOONCAKE, cluster.Store.LMCACHE
     alt, shuf = drive.Dispatch.ALTERNATE, drive.Dispatch.SHUFFLED
     assert [(c.name, c.system, c.shared, c.store, c.router, c.dispatch) for c in cluster.CONFIGS] == [
         ("ours-shared", "ours", True, dir_, rr, alt), ("ours-shared-write-back", "ours", True, dir_, rr, alt),
         ("ours-separate", "ours", False, dir_, rr, alt), ("hicache-shared", "hicache-wait-r2", True, dir_, rr, alt),
         ("ours-mooncake", "ours", True, mooncake, rr, alt),
         ("hicache-mooncake", "hicache-wait-r2", True, mooncake, rr, alt),
+        ("lmcache-shared", "lmcache-disk", True, lmcache, rr, alt),
         ("route-round-robin", "ours", False, dir_, rr, shuf), ("route-approx-tree", "ours", False, dir_, approx, shuf),
         ("route-approx-tree-protected", "ours", False, dir_, cluster.Router.APPROX_TREE_PROTECTED, shuf),
         ("route-kv-events", "ours", False, dir_, events, shuf),
@@ -105,10 +107,13 @@ class FakeCluster:
     routers: list[tuple[list[str], str, tuple[str, ...]]] = field(default_factory=list)
     drives: list[tuple[drive.Dispatch, str | None]] = field(default_factory=list)  # (dispatch, model)
     masters: list[Path] = field(default_factory=list)
-    events: list[str] = field(default_factory=list)  # servers started and stopped, masters stopped
+    daemons: list[DaemonSpec] = field(default_factory=list)  # LMCache daemons started
+    events: list[str] = field(
+        default_factory=list
+    )  # servers started and stopped, masters and daemons stopped
 
     def clear(self) -> None:
-        for part in (self.servers, self.routers, self.drives, self.masters, self.events):
+        for part in (self.servers, self.routers, self.drives, self.masters, self.daemons, self.events):
             part.clear()
 
 
@@ -124,6 +129,22 @@ class FakeMaster:
 
     def __exit__(self, *exc: object) -> None:
         self.fake.events.append("stop master")
+
+
+class FakeDaemon:
+    def __init__(self, spec: DaemonSpec, log_path: Path, fake: FakeCluster) -> None:
+        self.spec, self.fake = spec, fake
+
+    def __enter__(self) -> FakeDaemon:
+        self.fake.daemons.append(self.spec)
+        return self
+
+    def write_config(self, path: Path) -> Path:
+        path.write_text("mp_host: 127.0.0.1\nmp_port: 1\n")
+        return path
+
+    def __exit__(self, *exc: object) -> None:
+        self.fake.events.append("stop daemon")
 
 
 @dataclass
@@ -189,6 +210,7 @@ def fake_cluster(monkeypatch: pytest.MonkeyPatch) -> FakeCluster:
     monkeypatch.setattr(systems.System, "server", server)
     monkeypatch.setattr(cluster, "RouterProcess", router)
     monkeypatch.setattr(cluster, "MooncakeMaster", lambda log_dir: FakeMaster(log_dir, fake))
+    monkeypatch.setattr(cluster, "LMCacheDaemon", lambda spec, log_path: FakeDaemon(spec, log_path, fake))
     monkeypatch.setattr(cluster, "GrpcServer", GrpcStandIn)
     monkeypatch.setattr(cluster, "scrape", http_metrics)
     monkeypatch.setattr(cluster.run, "vocab_size", lambda model: 1000)
@@ -260,6 +282,22 @@ def flag_value(args: tuple[str, ...], flag: str) -> str | None:
     return args[args.index(flag) + 1] if flag in args else None
 
 
+def test_a_hicache_shape_that_cannot_hold_a_conversation_is_refused_before_any_server(
+    tmp_path: Path, fake_cluster: FakeCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cluster.run, "resolve_model", lambda name, cache_dir: tmp_path)
+    config = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    args = ["--servers", "2", "--concurrency", "2", "--pool-tokens", "256", "--first-tokens", "2000",
+            "--out", str(tmp_path / "out")]  # fmt: skip
+    with pytest.raises(SpecError, match=r"^hicache-wait-r2: its host pool holds 256 tokens"):
+        cluster.execute(spec_from(parser().parse_args(args)), cluster.select("ours-shared,hicache-shared"))
+    assert fake_cluster.servers == [] and not (tmp_path / "out").exists()
+    cluster.execute(
+        spec_from(parser().parse_args(args)), cluster.select("ours-shared")
+    )  # ours: no such bound
+
+
 def test_configs_selects_and_rejects(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert [c.name for c in cluster.select("route-kv-events, ours-shared")] == [
         "ours-shared",
@@ -282,6 +320,8 @@ def test_the_final_line_names_each_servers_cpus_and_what_was_skipped(
     tmp_path: Path, fake_cluster: FakeCluster, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
 ) -> None:  # fmt: skip
     monkeypatch.setattr(cluster.run, "resolve_model", lambda name, cache_dir: tmp_path)
+    config = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64}
+    (tmp_path / "config.json").write_text(json.dumps(config))  # HiCache's host pool is checked in tokens
     args = ["--servers", "2", "--concurrency", "2", "--repeats", "1", "--out", str(tmp_path)]
     assert cluster.execute(spec_from(parser().parse_args(args))) == 0
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -293,7 +333,8 @@ def test_the_final_line_names_each_servers_cpus_and_what_was_skipped(
     assert "transfer_kv_all_layer_direct_lf_pf" in line["skipped"]["hicache-mooncake"]
     assert "hicache-mooncake" not in {s[0] for s in fake_cluster.servers} | set(line["router"])
     assert line["router"]["route-kv-events"] == cluster.Router.KV_EVENTS.value
-    assert set(line["tier_mb"]) == {c.name for c in cluster.CONFIGS if c.store is cluster.Store.DIRECTORY}
+    # every configuration's directories (an LMCache daemon's disk tier too), not a Mooncake Store
+    assert set(line["tier_mb"]) == {c.name for c in cluster.CONFIGS if c.store is not cluster.Store.MOONCAKE}
     # after each run, its requests so far (a run stopped midway keeps them): after the last, all
     (run_dir,) = tmp_path.glob("run-*")
     partial = json.loads((run_dir / "partial" / "results.json").read_text())
@@ -351,6 +392,7 @@ def test_final_line_names_each_configuration_and_the_ratios() -> None:
         "ours-shared-write-back": figures(300, 16),
         "ours-separate": figures(400, 10),
         "hicache-shared": figures(200, 5),
+        "lmcache-shared": figures(125, 8, 0.3),
         "ours-mooncake": figures(150, 25, 0.4),
         "route-round-robin": figures(600, 8, 0.1),
         "route-approx-tree": figures(500, 10, 0.2),
@@ -370,7 +412,7 @@ def test_final_line_names_each_configuration_and_the_ratios() -> None:
     line = cluster_line.final_line({"multiturn_c8": fs, "multiturn_c16": fs}, lookups, extra,
                                    {"ours-shared": []})  # fmt: skip
     json.dumps(line, allow_nan=False)
-    pairs = ("shared_vs_separate", "shared_vs_write_back", "shared_vs_hicache", "mooncake_vs_shared",
+    pairs = ("shared_vs_separate", "shared_vs_write_back", "shared_vs_hicache", "shared_vs_lmcache", "mooncake_vs_shared",
              "mooncake_vs_hicache", "mooncake_vs_hicache_mooncake", "events_vs_round_robin", "events_vs_approx_tree",
              "events_vs_round_robin_grpc", "events_vs_approx_tree_protected")  # fmt: skip
     assert set(cluster_line.RATIO_KEYS) == {f"{fig}_{p}" for p in pairs for fig in ("ttft", "throughput")}
@@ -387,6 +429,7 @@ def test_final_line_names_each_configuration_and_the_ratios() -> None:
     assert line["ttft_shared_vs_separate"] == 0.25 and line["throughput_shared_vs_separate"] == 2.0
     assert line["ttft_shared_vs_write_back"] == 0.3333 and line["throughput_shared_vs_write_back"] == 1.25
     assert line["ttft_shared_vs_hicache"] == 0.5 and line["throughput_shared_vs_hicache"] == 4.0
+    assert line["ttft_shared_vs_lmcache"] == 0.8 and line["throughput_shared_vs_lmcache"] == 2.5
     assert set(line["workloads"]) == {"multiturn_c8", "multiturn_c16"}
     assert line["headline_workload"] == "multiturn_c8" and line["servers"] == 2
     assert line["hicache_config"] == "hicache-wait-r2" and line["repeats"] == 1
@@ -481,10 +524,19 @@ def test_each_configuration_gives_its_servers_its_flags(tmp_path: Path, fake_clu
             "mooncake"
             if config.store is cluster.Store.MOONCAKE
             else None
-            if config.system == "ours"
+            if config.system == "ours" or config.system in LMCACHE
             else "file"
         )
         assert backend == [want] * 2, config.name
+        lmcache = [flag_value(f, "--lmcache-config-file") for f in commands]
+        if config.store is cluster.Store.LMCACHE:  # both on the one daemon, started for the run
+            assert len(set(lmcache)) == 1 and None not in lmcache and "--enable-lmcache" in commands[0]
+            [daemon] = fake_cluster.daemons
+            assert daemon.l1_mb == 2 * spec.shape.host_budget_mb  # both servers' host budgets
+            assert daemon.l2_dir is not None and daemon.l2_dir.parent == tmp_path / config.name
+            assert fake_cluster.events[-1] == "stop daemon"  # after the servers
+        else:
+            assert lmcache == [None] * 2 and fake_cluster.daemons == []
 
 
 def test_a_server_that_does_not_start_stops_the_other_at_once(

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import long_history as lh
+from benchmarks.bench.spec import HICACHE, LMCACHE
 
 
 def row(system: str, length: int, resume: float, resident: float, **phases: float) -> dict:
@@ -32,13 +33,20 @@ def test_ours_is_set_against_the_best_hicache_and_the_read_bound() -> None:
     # 1e9 B at 2 GB/s = 500 ms, x 1.25 = 625 ms, + the median unpack 60 ms
     assert f["ours_overhead_bound_ms_4096"] == pytest.approx(685.0)
     assert f["ours_overhead_within_bound_4096"] is True
+    with_lmcache = lh.summarize(
+        [*rows, row("lmcache-disk", 4096, 800.0, 100.0), row("lmcache-l1-c64", 4096, 700.0, 100.0)], raw=[]
+    )
+    assert with_lmcache["best_lmcache_4096"] == "lmcache-l1-c64"
+    assert with_lmcache["ours_vs_best_lmcache_4096"] == pytest.approx(450.0 / 700.0)
+    assert with_lmcache["best_hicache_4096"] == "hicache-timeout-r2"
     slow = lh.summarize([row("ours", 4096, 2000.0, 100.0, restored_bytes=1e9)], raw=[2.0])
     assert slow["ours_overhead_within_bound_4096"] is False
 
 
 def test_systems_are_checked_and_ordered() -> None:
     assert lh._systems("ours,recompute") == ["recompute", "ours"]
-    assert len(lh._systems("hicache")) == len(lh.SYSTEMS) - 2
+    assert lh._systems("hicache") == list(HICACHE)
+    assert lh._systems("ours,lmcache") == [*LMCACHE, "ours"]
     with pytest.raises(ValueError, match="resident"):
         lh._systems("ours,resident")
 

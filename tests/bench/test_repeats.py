@@ -23,6 +23,7 @@ from benchmarks.bench.cli import parser, spec_from
 from benchmarks.bench.client import Result
 from benchmarks.bench.spec import (
     HICACHE,
+    LMCACHE,
     SYSTEMS,
     Gate,
     HiCacheConfig,
@@ -136,10 +137,11 @@ def test_schedule_interleaves_and_rotates() -> None:
                      (1, "b"), (1, "c"), (1, "d"), (1, "a"),
                      (2, "c"), (2, "d"), (2, "a"), (2, "b")]  # fmt: skip
     assert run.schedule(["a", "b"], 1) == [(0, "a"), (0, "b")]
-    eight = run.schedule(SYSTEMS, 3)
+    every = run.schedule(SYSTEMS, 3)
     for r in range(3):
-        assert sorted(s for k, s in eight if k == r) == sorted(SYSTEMS)  # every pass runs every system once
-    assert len({s for k, s in eight if (k, s) in {eight[0], eight[8], eight[16]}}) == 3  # three first systems
+        assert sorted(s for k, s in every if k == r) == sorted(SYSTEMS)  # every pass runs every system once
+    firsts = {every[r * len(SYSTEMS)] for r in range(3)}
+    assert len({s for _, s in firsts}) == 3  # three first systems
 
 
 def test_final_line_keeps_todays_keys_and_adds_the_repeats_ones() -> None:
@@ -177,6 +179,7 @@ def test_cli_presets_and_system_names() -> None:
     assert spec("--quick").repeats == 1 and spec("--quick", "--repeats", "2").repeats == 2
     assert spec("--systems", "ours,hicache").systems == (*HICACHE, "ours")
     assert expand_systems("resident,recompute") == ("recompute", "resident")  # in SYSTEMS order
+    assert spec("--systems", "lmcache,ours").systems == (*LMCACHE, "ours")
     with pytest.raises(SpecError, match="unknown system"):
         expand_systems("ours,vllm")
     with pytest.raises(SpecError, match="repeats must be >= 1"):
@@ -200,8 +203,8 @@ def test_each_hicache_configuration_is_its_flags(config: HiCacheConfig, tmp_path
     assert _flag(system.flags, "--hicache-host-memory-mode") == config.memory_mode
     assert _flag(system.flags, "--hicache-storage-backend") == "file"
     host_tokens = float(_flag(system.flags, "--hicache-ratio")) * shape.pool_tokens
-    if config.host is HostPool.BUDGET:  # 64 MiB of 23040-byte tokens
-        assert int(host_tokens) == 64 * 2**20 // 23040
+    if config.host is HostPool.BUDGET:  # the device pool + 64 MiB of 23040-byte tokens
+        assert int(host_tokens) == shape.pool_tokens + 64 * 2**20 // 23040
     else:
         assert host_tokens == (1.2 if config.memory_mode == "buffer_only" else 2.0) * shape.pool_tokens
     assert dict(system.env)["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] == str(system.tier_dir)

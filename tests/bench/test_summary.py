@@ -55,6 +55,7 @@ def test_ratios_and_gate_against_the_best_hicache_configuration() -> None:
     fs = {"recompute": figures(400, 10), "hicache-timeout-budget": figures(300, 25),
           "hicache-wait-r2": figures(200, 20), "ours": figures(100, 30)}  # fmt: skip
     r = ratios({**fs, "resident": figures(80, 40)})
+    assert math.isnan(r.pop("ttft_vs_lmcache")) and math.isnan(r.pop("throughput_vs_lmcache"))  # not run
     assert r == {"ttft_vs_recompute": 0.25, "throughput_vs_recompute": 3.0,
                  "ttft_vs_hicache": 0.5, "throughput_vs_hicache": 1.2,  # the best at each figure
                  "ttft_vs_resident": 1.25, "throughput_vs_resident": 0.75,
