@@ -322,10 +322,12 @@ class SpillController:
         assert progress is not None, f"no restore in progress for {owner}"
         self.restores.stats.finished += any(progress.unpacked)
         sources = self.reads.gather(needs(progress.refs))
-        if sources is not None:
-            for i, ref, _ in progress.parts():
-                self._unpack(progress, i, sources[id(ref.extent)], ref.count)
-        self.reads.finish(progress.refs)
+        try:
+            if sources is not None:
+                for i, ref, _ in progress.parts():
+                    self._unpack(progress, i, sources[id(ref.extent)], ref.count)
+        finally:  # an unpack that raised gives the reads' staging back now, not after their TTL
+            self.reads.finish(progress.refs)
         if sources is None:
             self.metrics.inc("restore_failures")
             self.restores.drop(owner)

@@ -361,3 +361,50 @@ def test_a_reset_whose_fallback_fails_too_is_sglangs_reset(
     spilled.insert(A)
     assert spilled.match(A).device_prefix_len == len(A)
     spilled.cache.check_integrity()
+
+
+def test_disabling_spill_frees_the_slots_of_restores_in_progress(make_stack: Any) -> None:
+    """Issue 38.3: a request deferred with its restore's slots taken (early unpack), then a fallback
+    fails and spill is disabled: those slots go back to the pool, so sglang's idle memory check
+    (available + evictable + protected == pool, strict by default) still holds."""
+    import time
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+
+    from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
+
+    s = make_stack(size=512, chunk_bytes=4096)
+    tokens = list(range(300, 500))
+    s.insert(tokens)
+    s.evict_all()
+    ctl = s.cache.controller
+    ctl.tier = FaultyTier(ctl.tier, FaultSpec(latency_s=2.0))
+    m = s.match(tokens)
+    req = SimpleNamespace(last_node=m.last_device_node, rid="resume-1")
+    params = InitLoadBackParams(m.best_match_node, m.host_hit_length, req=req)
+    deadline = time.monotonic() + 20
+    while ctl.restores.held_tokens == 0:  # deferred; the first landed chunk took the slots
+        assert s.cache.init_load_back(params) is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    s.cache.disable_spill()
+    cache, allocator = s.cache, s.allocator
+    assert allocator.available_size() + cache.evictable_size() + cache.protected_size() == allocator.size
+    assert ctl.restores.held_tokens == 0
+    cache.check_integrity()
+
+
+def test_a_restore_whose_unpack_fails_gives_its_staging_back_at_once(
+    spilled: Any, caplog: Any, monkeypatch: Any
+) -> None:
+    """Issue 38.5: the unpack of a complete restore raises: the request recomputes, and the reads'
+    staging goes back now, not after the prefetch TTL."""
+    s, ctl = spilled, spilled.cache.controller
+    monkeypatch.setattr(ctl.engine, "unpack", boom)
+    m = s.match(A)
+    assert s.load_back(m)[0] == 0
+    ctl.poll()
+    assert ctl.staging.used_bytes == 0, "the failed restore's reads still hold staging"
+    monkeypatch.undo()
+    s.cache.check_integrity()
+    restores_exactly(s)
