@@ -119,11 +119,12 @@ class Retention:
             self.drop(key)
 
     def pin(self, key: RadixKey, ttl_s: float) -> None:
+        path = self._path(key)  # splits: taken on every rank, one whose spill is off too
         pins = self.pins
         if pins is None:
             return
         pin = pins.add(_tenant(key), key.cache_salt, key.raw_token_ids(), ttl_s)  # again on rank 0: same pin
-        for node in self._path(key):
+        for node in path:
             if node.evicted:
                 self.spilled(node, pin)
 

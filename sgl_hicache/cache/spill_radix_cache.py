@@ -482,14 +482,15 @@ class SpillRadixCache(RadixCache):
         I/O); its restore will find the reads under way or done. Where the tree ends before the
         prompt does, on a root other servers use, also start a lookup of their extents (lookups.py,
         `_start_lookup`). Returns the tokens on their way."""
-        if self.disable or self.controller is None:
+        if self.disable:
             return 0
         self._poll()
         self._attach_lookups()
         key = RadixKey(array("q", token_ids), extra_key, cache_salt=cache_salt).page_aligned(self.page_size)
-        last, device_len, end, matched = self._walk(key)  # the same on every TP rank (splits too)
+        # The walk may split nodes: every TP rank takes it, also one whose spill was disabled.
+        last, device_len, end, matched = self._walk(key)
         self._start_lookup(key, device_len + matched, rid)
-        if not matched:
+        if not matched or self.controller is None:
             return 0
         self.spill_metrics.inc("prefetch_requests")
         return self._start_reads([node.spill for node in self.tree.path_up(end, last) or []])
@@ -770,13 +771,21 @@ class SpillRadixCache(RadixCache):
     def disable_spill(self) -> None:
         """Spill off for good (guard.py: a fallback failed, so our state is not trusted any more):
         without a controller nothing spills, restores, prefetches or looks up, and the cache serves
-        as sglang's plain radix cache. Spilled nodes left in the tree are never restored (a request
-        matching them recomputes that part; an insert over them adopts them). Logged once."""
-        if self.controller is None:
+        as sglang's plain radix cache. Restores in progress free their slots
+        (else sglang's idle memory check finds slots nobody owns). Spilled nodes left in the tree are
+        never restored (a request matching them recomputes that part; an insert over them adopts
+        them), but the tree decisions go on as on every rank: walks that split nodes, evictions'
+        agreements. Logged once."""
+        ctl = self.controller
+        if ctl is None:
             return
         self.controller = None  # the tier finishes its writes unwatched (closed at shutdown: `io_to_close`)
         logger.error("sgl_hicache: spill disabled after an internal error in a fallback; serving as "
                      "sglang's plain radix cache from now on")  # fmt: skip
+        try:  # restores in progress own slots that nothing would count or free from now on
+            ctl.restores.clear()
+        except Exception:  # the slots stay lost (never handed out unwaited): counted and logged
+            internal_error(self, "disable_spill (freeing restores in progress)")
 
     # ---- state and accounting ----------------------------------------------------------------
 

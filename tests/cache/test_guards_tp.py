@@ -135,3 +135,56 @@ def test_a_warm_start_that_fails_on_one_rank_starts_every_rank_empty(
     finally:
         for stack in stacks:
             close_stack(stack)
+
+
+def test_a_rank_whose_spill_was_disabled_takes_the_same_tree_decisions(tmp_path: Path) -> None:
+    """Issue 38.4: a fallback that failed on rank 1 only turns its spill off (guard.fallback_failed).
+    Every rank still walks every arriving request's prompt (sglang's prefetch hook, which may split
+    nodes) and every pin and drop hint, so the trees stay identical and every collective pairs
+    (before: rank 1 skipped the walks, its next eviction had fewer victims, and the MIN collective
+    met vectors of different lengths)."""
+    from types import SimpleNamespace
+
+    from sgl_hicache.cache.hint_source import ResumeHint, RetentionHint
+    from sgl_hicache.server import hooks
+
+    group = ThreadedAgreement.Group(2)
+    stacks = [build_stack(tmp_path / f"rank{r}", size=160) for r in range(2)]
+    seen: list[list[int]] = [[], []]
+    try:
+        for rank, stack in enumerate(stacks):
+            agreement = ThreadedAgreement(group, rank)
+            reduce = agreement._reduce
+
+            def recorded(values: list[int], rank: int = rank, reduce: Any = reduce) -> Any:
+                seen[rank].append(len(values))
+                return reduce(values)
+
+            agreement._reduce = recorded  # type: ignore[method-assign]
+            stack.cache.agreement = agreement
+            match = stack.match
+
+            def hinted(
+                tokens: list[int], salt: str | None = None, stack: Any = stack, match: Any = match
+            ) -> Any:
+                hints = [
+                    ResumeHint(tokens[: len(tokens) // 2], None, None),
+                    RetentionHint("pin", tokens[: len(tokens) * 3 // 4], None, None, 60.0),
+                    RetentionHint("drop", tokens[:3] + [999], None, None, None),
+                ]
+                hooks.apply_hints(SimpleNamespace(tree_cache=stack.cache), [*hints, "a request"])
+                stack.cache.prefetch(tokens, rid="arriving")  # sglang's hook for an arriving request
+                return match(tokens, salt)
+
+            stack.match = hinted  # type: ignore[method-assign]
+        stacks[1].cache.disable_spill()
+        steps = conversation_steps(5)
+        records: list[list[Any]] = [[], []]
+        run_ranks(group, lambda r: run_rank(stacks[r], steps, records[r]), timeout_s=300)
+        assert records[0] == records[1]
+        assert seen[0] == seen[1] and max(seen[0]) > 1, "no eviction agreement met several victims"
+        assert stacks[0].metrics.totals.get("internal_errors", 0) == 0
+        assert stacks[1].metrics.totals.get("internal_errors", 0) == 0
+    finally:
+        for stack in stacks:
+            close_stack(stack)
