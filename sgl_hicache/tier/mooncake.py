@@ -10,6 +10,8 @@ mooncake_client.py), and every load verifies it as a file load does. The contrac
   MISMATCH, and dropped. Writers inside the cluster are inside the trust boundary.
 - Capacity is the master's: no budget here (`capacity_bytes` unused, `evictions` 0). What it
   evicts, what another client removed, and everything after a master restart is a clean MISS.
+  So is a load whose chunk fails while another client re-publishes its key: a failed load drops
+  (and counts as corrupt) only a header still exactly the one it verified (`_still`).
 - Index: the keys this process stored or loaded; it proves nothing (`shared` is always True), so
   the cache stores again on eviction, and a store that finds a header of its key that verifies and
   every chunk it names writes nothing (else it rewrites every object, each replacing its name).
@@ -110,10 +112,15 @@ class MooncakeTier(IndexedTier):
             self._counters.add("store_failures")
         self._completions.post(Completion(ticket, op, key, status, nbytes, detail))
 
-    def _classify(self, op: Op, key: ExtentKey, err: Exception) -> Status:
+    def _classify(self, op: Op, key: ExtentKey, err: Exception, seen: objects.Opened | None = None) -> Status:
         """The status of a failed job, after its side effects: a bad extent dropped, a failure of the
-        store logged (rate-limited), a key that did not load forgotten."""
+        store logged (rate-limited), a key that did not load forgotten. `seen`: the header the load
+        verified, if it got that far (its chunks then failed)."""
         if isinstance(err, objects.Gone):
+            status = Status.MISS
+        elif isinstance(err, FormatError) and seen is not None and not self._still(key, seen):
+            # The key was re-published (or removed) while the load read it: a chunk of the new
+            # publish fails the old header's checksum. A race, not corruption: nothing is removed.
             status = Status.MISS
         elif isinstance(err, FormatError):
             status = Status.MISMATCH if isinstance(err, Mismatch) else Status.CORRUPT
@@ -193,6 +200,7 @@ class MooncakeTier(IndexedTier):
         return ticket
 
     def _load_job(self, ticket: Ticket, key: ExtentKey, dest: memoryview, nbytes: int | None) -> None:
+        ext: objects.Opened | None = None
         try:
             ext = objects.open_header(self._client, self._names, self._ns.id, key, self._seal, self._scratch)
             want = ext.header.payload_len if nbytes is None else nbytes
@@ -207,12 +215,19 @@ class MooncakeTier(IndexedTier):
             self._counters.add("load_bytes", want)
             self._post(ticket, Op.LOAD, key, Status.OK, want)
         except Exception as e:
-            self._post(ticket, Op.LOAD, key, self._classify(Op.LOAD, key, e), 0, str(e))
+            self._post(ticket, Op.LOAD, key, self._classify(Op.LOAD, key, e, ext), 0, str(e))
 
     def _land(self, ticket: Ticket, n: int) -> None:
         with self._lock:
             if ticket in self._loading:
                 self._loading[ticket] = n
+
+    def _still(self, key: ExtentKey, seen: objects.Opened) -> bool:
+        """Whether `key`'s header is still the one a failed load verified (then its failure is the
+        extent's). The store has no compare-and-delete: a re-publish landing between this check and
+        `_drop`'s remove still loses its header (a miss for every reader, stored again on the next
+        spill; never wrong bytes). The window is one round trip, not a whole load."""
+        return objects.header_is(self._client, self._names, key, seen.raw)
 
     def _drop(self, key: ExtentKey) -> None:
         """Remove a bad extent's header (a rewrite of the key replaces its chunks)."""

@@ -126,10 +126,12 @@ def present(client: StoreClient, names: Names, ns: NamespaceId, key: ExtentKey, 
 
 
 class Opened:
-    """An extent's header read from the store and verified (not its chunks yet)."""
+    """An extent's header read from the store and verified (not its chunks yet); `raw`: the header
+    object's bytes as read, to tell later whether the key was re-published since (`header_is`)."""
 
-    def __init__(self, header: Header, tokens: bytes | None, chunks: list[Chunk], aliases: tuple[Alias, ...]):
-        self.header, self.tokens, self.chunks, self.aliases = header, tokens, chunks, aliases
+    def __init__(self, header: Header, tokens: bytes | None, chunks: list[Chunk], aliases: tuple[Alias, ...],
+                 raw: bytes) -> None:  # fmt: skip
+        self.header, self.tokens, self.chunks, self.aliases, self.raw = header, tokens, chunks, aliases, raw
 
 
 def open_header(client: StoreClient, names: Names, ns: NamespaceId, key: ExtentKey, seal: Seal,
@@ -147,7 +149,13 @@ def open_header(client: StoreClient, names: Names, ns: NamespaceId, key: ExtentK
     check_identity(header, ns, key)
     if size != header.header_len:
         raise FormatError(f"header object of {size} bytes, its header says {header.header_len}")
-    return Opened(header, tokens, chunks, aliases)
+    return Opened(header, tokens, chunks, aliases, bytes(buf))
+
+
+def header_is(client: StoreClient, names: Names, key: ExtentKey, seen: bytes) -> bool:
+    """Whether `key`'s header object is still exactly `seen`: False if it was replaced (another
+    client re-published the key), removed, or the store did not answer (nothing is proven then)."""
+    return client.get(names.header(key)) == seen
 
 
 def read_chunks(client: StoreClient, names: Names, ext: Opened, dest: memoryview, want: int, scratch: Scratch,

@@ -1,0 +1,153 @@
+"""Mooncake tier: a load that straddles a re-publish of its key is a race, not corruption (issue 38.2).
+
+Server A loads key K (header, then chunk by chunk) while server B re-publishes K with its own bytes
+(chunks first, header last). A chunk of B's then fails the checksum of the header A verified. The
+load must act only on what it saw (the file tier's rule, test_load_races.py): B's header is not the
+one A verified, so A's load is a clean MISS, counted as a miss (not a checksum failure, which
+operators alert on), and B's good header stays. A chunk truly corrupted under an unchanged header
+is still CORRUPT, counted, and its header removed.
+
+An in-memory store stands in for the Mooncake client (`StoreClient`'s methods): no master needed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import sgl_hicache.tier.mooncake as mc
+from sgl_hicache.config import MooncakeConfig, SpillBackend, TierConfig
+from sgl_hicache.tier import ROOT_KEY, ExtentKey, Status
+from sgl_hicache.tier.mooncake_client import Names, Reply
+from tests.tier.common import CHUNK, NS, key_for, payload_for, tokens_for
+
+NBYTES = 4 * CHUNK
+GONE, TOO_LARGE = -704, -600  # OBJECT_NOT_FOUND, INVALID_PARAMS (mooncake_client.py)
+
+
+class FakeStore:
+    """Objects by name; every write replaces its object, as Mooncake's upsert does. `before_get`,
+    if set, runs before each `get_into` (with the object's name)."""
+
+    def __init__(self) -> None:
+        self.objs: dict[str, bytes] = {}
+        self.lock = threading.Lock()
+        self.before_get: Callable[[str], None] | None = None
+
+    def write_from(self, name: str, data: memoryview) -> Reply:
+        return self.write(name, bytes(data))
+
+    def write(self, name: str, data: bytes) -> Reply:
+        with self.lock:
+            self.objs[name] = bytes(data)
+        return Reply()
+
+    def size(self, name: str) -> Reply:
+        with self.lock:
+            obj = self.objs.get(name)
+        return Reply(code=GONE) if obj is None else Reply(n=len(obj))
+
+    def get_into(self, name: str, dest: memoryview) -> Reply:
+        if self.before_get is not None:
+            self.before_get(name)
+        with self.lock:
+            obj = self.objs.get(name)
+        if obj is None:
+            return Reply(code=GONE)
+        if len(obj) > dest.nbytes:
+            return Reply(code=TOO_LARGE)
+        dest[: len(obj)] = obj
+        return Reply(n=len(obj))
+
+    def get(self, name: str) -> bytes | None:
+        with self.lock:
+            return self.objs.get(name)
+
+    def exist(self, names: list[str]) -> list[int]:
+        with self.lock:
+            return [1 if n in self.objs else 0 for n in names]
+
+    def remove(self, name: str) -> Reply:
+        with self.lock:
+            gone = self.objs.pop(name, None)
+        return Reply() if gone is not None else Reply(code=GONE)
+
+    def register(self, buf: memoryview) -> Reply:
+        return Reply()
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def servers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[FakeStore, mc.MooncakeTier, mc.MooncakeTier]]:  # fmt: skip
+    """One store, and two servers (tiers) that are clients of it, sealed with one secret."""
+    store = FakeStore()
+    monkeypatch.setattr(mc, "connect", lambda cfg: store)
+    cfg = TierConfig(
+        backend=SpillBackend.MOONCAKE, mooncake=MooncakeConfig(master="127.0.0.1:1"),
+        directory=tmp_path / "tier", chunk_bytes=CHUNK, io_threads=2,
+    )  # fmt: skip
+    a, b = mc.MooncakeTier(cfg, NS), mc.MooncakeTier(cfg, NS)
+    yield store, a, b
+    a.close(5)
+    b.close(5)
+
+
+def store_as(tier: mc.MooncakeTier, i: int, data: np.ndarray) -> ExtentKey:
+    key = key_for(i)
+    assert tier.wait(tier.submit_store(key, data, tokens_for(i), ROOT_KEY), 10).status is Status.OK
+    return key
+
+
+def load(tier: mc.MooncakeTier, key: ExtentKey) -> tuple[Status, np.ndarray]:
+    dest = np.zeros(NBYTES, dtype=np.uint8)
+    return tier.wait(tier.submit_load(key, dest), 10).status, dest
+
+
+def test_a_load_that_straddles_a_republish_is_a_miss_and_keeps_the_new_extent(
+    servers: tuple[FakeStore, mc.MooncakeTier, mc.MooncakeTier],
+) -> None:
+    store, a, b = servers
+    names, theirs = Names(NS.id), payload_for(2, NBYTES)
+    key = store_as(a, 1, payload_for(1, NBYTES))  # A's bytes for K (same tokens, other KV bytes)
+    assert store.remove(names.chunk(key, 3)).ok  # the master evicts a chunk of K: B will store K again
+    republished: list[Status] = []
+
+    def b_republishes(name: str) -> None:  # while A's load reads K's chunks
+        if name == names.chunk(key, 2) and not republished:
+            republished.append(b.wait(b.submit_store(key, theirs, tokens_for(1), ROOT_KEY), 10).status)
+
+    store.before_get = b_republishes
+    status, _ = load(a, key)
+    store.before_get = None
+
+    assert republished == [Status.OK]
+    assert status is Status.MISS
+    assert a.stats().checksum_failures == 0 and a.stats().misses == 1
+    assert names.header(key) in store.objs  # B's header was not removed
+    status, got = load(b, key)
+    assert status is Status.OK and np.array_equal(got, theirs)
+    status, got = load(a, key)  # and A, loading again, reads B's extent
+    assert status is Status.OK and np.array_equal(got, theirs)
+
+
+def test_a_corrupt_chunk_under_an_unchanged_header_is_corrupt_and_dropped(
+    servers: tuple[FakeStore, mc.MooncakeTier, mc.MooncakeTier],
+) -> None:
+    store, a, b = servers
+    names, data = Names(NS.id), payload_for(1, NBYTES)
+    key = store_as(a, 1, data)
+    bad = data[2 * CHUNK : 3 * CHUNK].copy()
+    bad[100] ^= 1
+    assert store.write(names.chunk(key, 2), bad.tobytes()).ok  # same length, one bit flipped
+
+    status, _ = load(a, key)
+    assert status is Status.CORRUPT
+    assert a.stats().checksum_failures == 1 and a.stats().misses == 0
+    assert names.header(key) not in store.objs  # dropped: never served to anyone
+    assert load(b, key)[0] is Status.MISS
