@@ -47,7 +47,7 @@ from sgl_hicache.tier.base import (
 from sgl_hicache.tier.completions import CompletionQueue
 from sgl_hicache.tier.directio import as_view
 from sgl_hicache.tier.faults import Counters, FaultLog, logger
-from sgl_hicache.tier.format import FormatError, Mismatch, Seal
+from sgl_hicache.tier.format import FormatError, Mismatch, NewerFormat, Seal
 from sgl_hicache.tier.keys import ROOT_KEY, ExtentKey, Namespace, chain_key_from_digest, check_key
 from sgl_hicache.tier.lookup import LookupQueue, run_lookup_in
 from sgl_hicache.tier.mooncake_client import Names, connect
@@ -118,6 +118,9 @@ class MooncakeTier(IndexedTier):
         verified, if it got that far (its chunks then failed)."""
         if isinstance(err, objects.Gone):
             status = Status.MISS
+        elif isinstance(err, NewerFormat):  # a newer server's extent: kept for it, never corrupt
+            status = Status.MISS
+            self._counters.add("newer_extents")
         elif isinstance(err, FormatError) and seen is not None and not self._still(key, seen):
             # The key was re-published (or removed) while the load read it: a chunk of the new
             # publish fails the old header's checksum. A race, not corruption: nothing is removed.

@@ -32,6 +32,7 @@ from sgl_hicache.tier.format import (
     FormatError,
     Header,
     Mismatch,
+    NewerFormat,
     Seal,
     align_up,
     decode_aliases,
@@ -115,10 +116,13 @@ def remove_extent(client: StoreClient, names: Names, ns: NamespaceId, key: Exten
 
 def present(client: StoreClient, names: Names, ns: NamespaceId, key: ExtentKey, seal: Seal,
             scratch: Scratch) -> bool:  # fmt: skip
-    """Whether a header of `key` that verifies (ours) and every chunk it names are in the store.
+    """Whether a header of `key` that verifies (ours) and every chunk it names are in the store, or a
+    header of a newer format version (a newer server's, which this version never overwrites).
     Raises StoreFailed."""
     try:
         ext = open_header(client, names, ns, key, seal, scratch)
+    except NewerFormat:  # a newer server's extent of this key: never overwritten by this version
+        return True
     except (Gone, FormatError):
         return False
     found = client.exist([names.chunk(key, i) for i in range(len(ext.chunks))])

@@ -151,3 +151,32 @@ def test_a_corrupt_chunk_under_an_unchanged_header_is_corrupt_and_dropped(
     assert a.stats().checksum_failures == 1 and a.stats().misses == 0
     assert names.header(key) not in store.objs  # dropped: never served to anyone
     assert load(b, key)[0] is Status.MISS
+
+
+def test_a_header_of_a_newer_format_version_is_a_miss_and_never_removed_nor_overwritten(
+    servers: tuple[FakeStore, mc.MooncakeTier, mc.MooncakeTier], tmp_path: Path
+) -> None:
+    """Issue 38.10 on the store: a newer server's extent (its header's version raised, re-sealed) is
+    skipped and counted in `newer_extents`, not dropped as corrupt, and a store of its key by this
+    version leaves it as it is."""
+    from sgl_hicache.tier import format as fmt
+    from sgl_hicache.tier.format import FIXED_SIZE, MAC_BYTES, Seal
+    from sgl_hicache.tier.trust import SECRET_NAME
+
+    store, a, b = servers
+    names, data = Names(NS.id), payload_for(1, NBYTES)
+    key = store_as(b, 1, data)
+    header = bytearray(store.objs[names.header(key)])
+    header[8:10] = (fmt.VERSION + 1).to_bytes(2, "little")
+    maced = FIXED_SIZE - MAC_BYTES
+    header[maced:FIXED_SIZE] = Seal((tmp_path / "tier" / SECRET_NAME).read_bytes()).header(
+        bytes(header[:maced])
+    )
+    assert store.write(names.header(key), bytes(header)).ok
+
+    status, _ = load(a, key)
+    assert status is Status.MISS
+    assert a.stats().newer_extents == 1 and a.stats().checksum_failures == 0
+    assert store.objs[names.header(key)] == bytes(header)  # kept
+    store_as(a, 1, data)  # this version stores K: the newer header is left in place
+    assert store.objs[names.header(key)] == bytes(header)
