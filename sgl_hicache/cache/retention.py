@@ -45,7 +45,7 @@ from sgl_hicache.cache.pins import Pin, Pins, tier_bytes
 from sgl_hicache.cache.spill_state import Extent, ExtentState, SpillRef
 from sgl_hicache.cache.tree import SpillTree
 from sgl_hicache.config import SpillConfig
-from sgl_hicache.tier.base import Ticket
+from sgl_hicache.tier.base import Ticket, Tier
 from sgl_hicache.tier.keys import ExtentKey, tenant_of
 
 logger = logging.getLogger(__name__)
@@ -55,6 +55,7 @@ class Host(Protocol):
     """What retention needs of the cache (`SpillRadixCache` is one)."""
 
     controller: SpillController | None
+    io_to_close: SpillController | None  # the controller also after spill was disabled (its tier stays open)
     tree: SpillTree
     spill_config: SpillConfig
     spill_metrics: SpillMetrics
@@ -158,10 +159,11 @@ class Retention:
             refs, more = self._drop_subtree(top)
             released, extents = released + refs, extents + more
         self._forget(released, extents)
-        if self.host.controller is None:
+        tier = self._tier
+        if tier is None:
             return
         try:
-            self.jobs.append(self.host.controller.tier.submit_purge(cache_salt))
+            self.jobs.append(tier.submit_purge(cache_salt))
         except NotImplementedError as e:  # a backend that cannot list a salt's extents (mooncake)
             self.host.spill_metrics.inc("purges_incomplete")
             if not self._purge_refusal_logged:
@@ -203,12 +205,19 @@ class Retention:
     def wait_jobs(self, timeout_s: float = 30.0) -> None:
         """Block until the tier has finished the removals and purges submitted so far (tests: a
         tier's integrity is checked only when nothing is in flight)."""
-        tier = self.host.controller.tier if self.host.controller is not None else None
+        tier = self._tier
         while self.jobs and tier is not None:
             with contextlib.suppress(KeyError):  # already taken by a poll: finished
                 tier.wait(self.jobs.popleft(), timeout_s)
 
     # ---- helpers -----------------------------------------------------------------------------
+
+    @property
+    def _tier(self) -> Tier | None:
+        """The tier that removals and purges go to: also after spill was disabled (a deletion asked
+        for is still owed; with TP > 1 no other rank purges this rank's namespace)."""
+        ctl = self.host.controller or self.host.io_to_close
+        return ctl.tier if ctl is not None else None
 
     def _path(self, key: RadixKey) -> list[TreeNode]:
         """The nodes holding `key`'s tokens, top down (split where it ends inside one, as a match
@@ -268,12 +277,13 @@ class Retention:
         self._remove([e for e in unique if e.state is ExtentState.ON_TIER])
 
     def _remove(self, extents: list[Extent]) -> None:
-        if not extents or self.host.controller is None:
+        tier = self._tier
+        if not extents or tier is None:
             return
         keys = [e.key for e in extents]
         if self._pins is not None:
             self._pins.forget_extents(keys)
-        self.jobs.append(self.host.controller.tier.submit_remove(keys))
+        self.jobs.append(tier.submit_remove(keys))
 
 
 def _key(ids: list[int], extra_key: str | None, cache_salt: str | None, page_size: int) -> RadixKey:

@@ -330,3 +330,19 @@ def test_the_extent_of_a_dropped_conversation_goes_with_its_last_node(make_stack
     eventually(lambda: e not in on_disk(s), s)
     assert restored(s, d) == 0
     s.cache.check_integrity()
+
+
+def test_a_purge_after_spill_was_disabled_still_removes_the_salts_extents(make_stack: Any) -> None:
+    """A purge is a deletion owed to a tenant: a server (or, with TP > 1, a rank: each purges only
+    its own namespace) whose spill a failed fallback disabled still purges its tier, which stays
+    open until shutdown."""
+    s = make_stack()
+    salted = list(range(7000, 7040))
+    s.insert(salted, salt="tenant-x")
+    s.insert(A)
+    s.evict_all()
+    x, a = extent_key(s, salted, "tenant-x"), extent_key(s, A)
+    s.cache.disable_spill()
+    purge(s, "tenant-x")
+    s.cache.retention.wait_jobs()
+    assert x not in on_disk(s) and a in on_disk(s)
