@@ -655,7 +655,7 @@ class SpillRadixCache(RadixCache):
         slots = self._alloc_slots(sum(ref.count for ref in refs), anchor)
         if slots is None:
             return False
-        if not all(
+        if self.controller is None or not all(  # None: the eviction that made room disabled spill
             node.evicted and node.spill is ref and self.tree.attached(node)
             for node, ref in zip(nodes, refs, strict=True)
         ):

@@ -408,3 +408,30 @@ def test_a_restore_whose_unpack_fails_gives_its_staging_back_at_once(
     monkeypatch.undo()
     s.cache.check_integrity()
     restores_exactly(s)
+
+
+def test_a_restore_whose_eviction_disables_spill_strands_no_slot(make_stack: Any, monkeypatch: Any) -> None:
+    """The eviction that makes room for a restore frees slots, then raises, and its fallback raises
+    too: spill is disabled inside the restore's allocation. The slots it allocated go back to the
+    pool (before: the restore registered them with a controller that was gone, AttributeError, and
+    sglang's strict idle memory check found 216 + 0 + 0 != 256)."""
+    s = make_stack(size=256)
+    s.insert(A)
+    s.evict_all()
+    s.insert(list(range(1000, 1240)))  # the pool nearly full: A's restore must evict
+    cache = s.cache
+    victims = type(cache)._victims
+    calls: list[int] = []
+
+    def once(self: Any, n: int) -> Any:  # the eviction's own walk, then its fallback's, which fails
+        calls.append(n)
+        if len(calls) > 1:
+            raise RuntimeError("injected (fallback)")
+        return victims(self, n)
+
+    monkeypatch.setattr(type(cache), "_victims", once)
+    monkeypatch.setattr(cache, "update_eviction_metrics", boom)
+    loaded, _ = s.load_back(s.match(A))
+    assert cache.controller is None and loaded == 0
+    alloc = s.allocator
+    assert alloc.available_size() + cache.evictable_size() + cache.protected_size() == alloc.size
