@@ -26,6 +26,7 @@ mooncake_client.py), and every load verifies it as a file load does. The contrac
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -57,6 +58,9 @@ from sgl_hicache.tier.scheduler import IoScheduler
 from sgl_hicache.tier.store import StoreRequest, prepare
 from sgl_hicache.tier.trust import open_trusted
 
+REPUBLISH_GRACE_S = 1.0
+"""How long a load whose chunk failed under an unchanged header waits for a re-publish under way to
+write its header (`MooncakeTier._still`) before it counts the extent as corrupt."""
 _NOT_COUNTED = ("extents", "bytes_stored", "direct_io", "volume_free_bytes")
 _COUNTER_OF = {Status.MISS: "misses", Status.CORRUPT: "checksum_failures", Status.MISMATCH: "mismatches",
                Status.NO_SPACE: "no_space", Status.IO_ERROR: "io_errors"}  # fmt: skip
@@ -226,11 +230,21 @@ class MooncakeTier(IndexedTier):
                 self._loading[ticket] = n
 
     def _still(self, key: ExtentKey, seen: objects.Opened) -> bool:
-        """Whether `key`'s header is still the one a failed load verified (then its failure is the
-        extent's). The store has no compare-and-delete: a re-publish landing between this check and
-        `_drop`'s remove still loses its header (a miss for every reader, stored again on the next
-        spill; never wrong bytes). The window is one round trip, not a whole load."""
-        return objects.header_is(self._client, self._names, key, seen.raw)
+        """Whether `key`'s header is still the one a failed load verified, also `REPUBLISH_GRACE_S`
+        later (then its failure is the extent's). A writer puts every chunk before the header, so a
+        load can meet a re-publish still under way: new chunks under the old header. The grace lets
+        that publish reach its header (a failure path only: it holds one I/O thread that long). A
+        store that does not answer proves nothing: not still (a miss, nothing removed). The store
+        has no compare-and-delete: a re-publish landing after the last check and before `_drop`'s
+        remove still loses its header (a miss for every reader, stored again on the next spill;
+        never wrong bytes), and one slower than the grace is counted as corrupt."""
+        try:
+            if not objects.header_is(self._client, self._names, key, seen.raw):
+                return False
+            time.sleep(REPUBLISH_GRACE_S)
+            return objects.header_is(self._client, self._names, key, seen.raw)
+        except Exception:
+            return False
 
     def _drop(self, key: ExtentKey) -> None:
         """Remove a bad extent's header (a rewrite of the key replaces its chunks)."""

@@ -180,3 +180,46 @@ def test_a_header_of_a_newer_format_version_is_a_miss_and_never_removed_nor_over
     assert store.objs[names.header(key)] == bytes(header)  # kept
     store_as(a, 1, data)  # this version stores K: the newer header is left in place
     assert store.objs[names.header(key)] == bytes(header)
+
+
+def test_a_load_that_meets_a_republish_still_under_way_is_a_miss(
+    servers: tuple[FakeStore, mc.MooncakeTier, mc.MooncakeTier],
+) -> None:
+    """The likelier race: B has written some of its chunks but not yet its header when A's load
+    reads one of them, so the header A re-reads at once is still the old one. A waits the grace
+    for the publish to reach its header: a MISS, nothing removed, nothing counted as corrupt."""
+    store, a, b = servers
+    names, theirs = Names(NS.id), payload_for(2, NBYTES)
+    key = store_as(a, 1, payload_for(1, NBYTES))
+    assert store.remove(names.chunk(key, 3)).ok  # so B's store rewrites every object
+    publish: list[threading.Thread] = []
+    looked = threading.Event()
+    get = store.get
+
+    def get_header(name: str) -> bytes | None:  # A re-reads the header after its chunk failed
+        found = get(name)
+        looked.set()
+        return found
+
+    store.get = get_header  # type: ignore[method-assign]
+
+    def b_is_publishing(name: str) -> None:
+        if name == names.chunk(key, 2) and not publish:
+            store.write(names.chunk(key, 2), theirs[2 * CHUNK : 3 * CHUNK].tobytes())  # B's chunk 2 first
+
+            def rest() -> None:  # then, once A has seen the old header, the rest and the header
+                assert looked.wait(10)
+                assert b.wait(b.submit_store(key, theirs, tokens_for(1), ROOT_KEY), 10).status is Status.OK
+
+            publish.append(threading.Thread(target=rest))
+            publish[0].start()
+
+    store.before_get = b_is_publishing
+    status, _ = load(a, key)
+    store.before_get = None
+    publish[0].join(10)
+
+    assert status is Status.MISS
+    assert a.stats().checksum_failures == 0
+    status, got = load(a, key)
+    assert status is Status.OK and np.array_equal(got, theirs)
