@@ -30,7 +30,6 @@ import torch
 
 from sgl_hicache.cache.device import Copy, CopyEngine
 from sgl_hicache.cache.spill_state import SpillRef
-from sgl_hicache.tier.keys import ExtentKey
 
 
 @dataclass(eq=False)
@@ -87,10 +86,6 @@ class Restores:
 
     def held_slots(self) -> list[torch.Tensor]:
         return [p.slots for p in self._by_owner.values()]
-
-    def extent_keys(self) -> set[ExtentKey]:
-        """The keys of the extents the restores in progress read from."""
-        return {ref.extent.key for p in self._by_owner.values() for ref in p.refs}
 
     def get(self, owner: object) -> RestoreProgress | None:
         return self._by_owner.get(owner)

@@ -259,16 +259,15 @@ class Retention:
         return released, extents
 
     def _extents_in_use(self) -> set[ExtentKey]:
-        """Keys of the extents a node left in the tree, or a restore in progress, still points into.
-        After a split, the kept half and the dropped half of a node share one extent: it goes only
-        with the last node pointing into it (a later drop of that one)."""
-        ctl = self.host.controller
-        restoring = ctl.restores.extent_keys() if ctl is not None else set()
-        return self.host.tree.extent_keys_in_use() | restoring
+        """Keys of the extents a node left in the tree still points into. After a split, the kept
+        half and the dropped half of a node share one extent: it goes only with the last node
+        pointing into it (a later drop of that one). A restore in progress of nodes still in the tree
+        is covered by them; one of dropped nodes is never handed over (its chain changed)."""
+        return self.host.tree.extent_keys_in_use()
 
     def _forget(self, released: list[SpillRef], extents: Sequence[Extent] = ()) -> None:
         """Release the reads of removed nodes' refs and remove `extents` from the tier, but for those
-        something left still points into (`_extents_in_use`: those stay, and so do their reads)."""
+        a node left still points into (`_extents_in_use`: those stay, and so do their reads)."""
         in_use = self._extents_in_use()
         if self.host.controller is not None:
             self.host.controller.finish_reads([r for r in released if r.extent.key not in in_use])
