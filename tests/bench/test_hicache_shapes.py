@@ -5,7 +5,6 @@ refused in one line, by the benchmark and by long_history, before any server sta
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -15,16 +14,6 @@ from benchmarks.bench import cli, systems
 from benchmarks.bench.spec import HICACHE, LMCACHE, Shape, SpecError
 
 KV_BYTES = 30 * 2 * 3 * 64 * 2  # per token, of the model below: 23040
-
-
-@pytest.fixture
-def model(tmp_path: Path) -> Path:
-    m = tmp_path / "m"
-    m.mkdir()
-    m.joinpath("config.json").write_text(json.dumps(
-        {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
-         "hidden_size": 576, "vocab_size": 1000}))  # fmt: skip
-    return m
 
 
 def test_timeout_is_labelled_as_sglangs_default_and_budget_as_device_plus_budget() -> None:

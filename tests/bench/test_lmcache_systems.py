@@ -24,16 +24,6 @@ def _flag(args: list[str] | tuple[str, ...], name: str) -> str:
     return args[list(args).index(name) + 1]
 
 
-@pytest.fixture
-def model(tmp_path: Path) -> Path:
-    m = tmp_path / "m"
-    m.mkdir()
-    m.joinpath("config.json").write_text(json.dumps(
-        {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
-         "hidden_size": 576, "vocab_size": 1000}))  # fmt: skip
-    return m
-
-
 @pytest.mark.parametrize("config", list(LMCACHE.values()), ids=lambda c: c.name)
 def test_each_lmcache_configuration_is_its_daemon(config: LMCacheConfig, model: Path, tmp_path: Path) -> None:
     shape = Shape(pool_tokens=2048, host_budget_mb=96, page_size=16)

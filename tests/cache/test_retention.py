@@ -284,6 +284,24 @@ def test_a_purge_after_a_restart_leaves_no_orphan_to_attach(make_stack: Any, tmp
     assert m.host_hit_length == 0, "a purged extent was attached from the warm start's orphans"
 
 
+C = list(range(100, 164))  # conversation C: 64 tokens
+D = C[:32] + list(range(500, 532))  # conversation D: C's first 32 tokens, then its own
+
+
+def split_c_under_d(s: Stack, evicted_again: bool) -> bytes:
+    """C spilled as one extent E; a match of D splits C into C1 (E, 0..32) and C2 (E, 32..64), and
+    C1 is restored keeping its clean ref into E; D is inserted below C1 (and, `evicted_again`,
+    everything is evicted: D's tail gets its own extent, C1 points at E again). Returns E's key."""
+    s.insert(C)
+    s.evict_all()
+    e = extent_key(s, C)
+    s.load_back(s.match(D), rid="d1")
+    s.insert(D)
+    if evicted_again:
+        s.evict_all()
+    return e
+
+
 @pytest.mark.parametrize("evicted_again", [True, False], ids=["head-spilled", "head-resident"])
 def test_a_drop_keeps_an_extent_that_a_kept_node_still_points_into(
     make_stack: Any, evicted_again: bool
@@ -291,44 +309,29 @@ def test_a_drop_keeps_an_extent_that_a_kept_node_still_points_into(
     """Issue 38.1: C spilled as one extent E; D shares C's first 32 tokens, so a match of D splits C
     into C1 (E, 0..32) and C2 (E, 32..64). Dropping C takes C2 only (C1 is D's too): E must stay,
     since C1 points into it (spilled again, or resident with its clean copy there)."""
-    c = list(range(100, 164))
-    d = c[:32] + list(range(500, 532))
     s = make_stack()
-    s.insert(c)
-    s.evict_all()
-    e = extent_key(s, c)
-    s.load_back(s.match(d), rid="d1")  # splits C; C1 restored, keeping its clean ref into E
-    s.insert(d)
-    if evicted_again:
-        s.evict_all()  # D's tail gets its own extent; C1 points at E again
-    drop(s, c)
+    e = split_c_under_d(s, evicted_again)
+    drop(s, C)
     s.cache.retention.wait_jobs()
     s.cache.poll()
     assert e in on_disk(s)
-    assert s.match(c[:40]).device_prefix_len + s.match(c[:40]).host_hit_length == 32
+    assert s.match(C[:40]).device_prefix_len + s.match(C[:40]).host_hit_length == 32
     s.evict_all()
-    assert restored(s, d) == len(d)
+    assert restored(s, D) == len(D)
     s.cache.check_integrity()
 
 
 def test_the_extent_of_a_dropped_conversation_goes_with_its_last_node(make_stack: Any) -> None:
     """Issue 38.1, the other side: once no node points into a shared extent, dropping its last
     holder removes its file."""
-    c = list(range(100, 164))
-    d = c[:32] + list(range(500, 532))
     s = make_stack()
-    s.insert(c)
-    s.evict_all()
-    e = extent_key(s, c)
-    s.load_back(s.match(d), rid="d1")
-    s.insert(d)
-    s.evict_all()
-    drop(s, c)
+    e = split_c_under_d(s, evicted_again=True)
+    drop(s, C)
     s.cache.retention.wait_jobs()
     assert e in on_disk(s)
-    drop(s, d)
+    drop(s, D)
     eventually(lambda: e not in on_disk(s), s)
-    assert restored(s, d) == 0
+    assert restored(s, D) == 0
     s.cache.check_integrity()
 
 
