@@ -36,6 +36,8 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
+from benchmarks.bench.model_modules import registry_env
+
 CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--skip-server-warmup")
 # `stop()` signals the whole group, so sglang's launcher sees its scheduler die and takes it for a
 # crash: by default it then sleeps 5 s for py-spy and CUDA core dumps before it exits (and only
@@ -99,8 +101,8 @@ class ServerProcess:
         ]  # fmt: skip
 
     def start(self, timeout_s: float = 180.0) -> ServerProcess:
-        env = {**NO_CRASH_DIAGNOSTICS, **os.environ, **({"SGLANG_USE_CPU_ENGINE": "1"} if self.on_cpu else {}),
-               **self.env}  # fmt: skip
+        env = {**NO_CRASH_DIAGNOSTICS, **registry_env(self.model_path), **os.environ,
+               **({"SGLANG_USE_CPU_ENGINE": "1"} if self.on_cpu else {}), **self.env}  # fmt: skip
         if self.on_cpu:  # --device cpu --tp-size N: the CPU profile's platform and thread binding
             from sgl_hicache_cpu.cpu_tp_env import cpu_tp_env
 
