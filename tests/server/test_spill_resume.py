@@ -22,6 +22,7 @@ import pytest
 
 from benchmarks.bench.server_process import ServerProcess
 from sgl_hicache.tier.trust import SECRET_NAME
+from tests.promql import exported_names, iter_exprs, unexported
 from tests.server.conftest import SPILL_FLAGS, eventually, metrics, post_json, raw_metrics
 from tests.server.greedy import TOP2
 
@@ -29,7 +30,10 @@ pytestmark = pytest.mark.server
 
 POOL = 1024  # device KV pool, tokens
 EXTRA_LABELS = {"team": "kv"}  # --extra-metric-labels: sglang's own series carry them, ours too
-DASHBOARD = Path(__file__).resolve().parents[2] / "examples" / "grafana" / "sgl_hicache.json"
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD = ROOT / "examples" / "grafana" / "sgl_hicache.json"
+ALERT_RULES = ROOT / "examples" / "prometheus" / "sgl_hicache_alerts.yml"
+GUIDE = ROOT / "docs" / "OPERATIONS.md"
 PROMPT = 300
 
 
@@ -147,6 +151,27 @@ def test_metrics_have_sglangs_shape_and_the_dashboard_queries_exist(server: Any)
         }
     queried = set(re.findall(r"sglang:[a-z_]+", json.dumps(json.loads(DASHBOARD.read_text())["panels"])))
     assert len(queried) >= 20 and queried <= exported, sorted(queried - exported)
+
+
+def test_every_alert_rule_and_guide_query_reads_metrics_this_server_exports(server: Any) -> None:
+    """Issue 40 (5): every metric name the alert rules file's expressions and the operator's guide's
+    PromQL read is one this spilling server exports; a misspelt one would be reported. Counters are
+    exported at 0 before their first event (an alert's increase() needs the series):
+    `purges_incomplete`, which the file tier never counts, is there at 0."""
+    with urllib.request.urlopen(server.base_url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    exported = exported_names(text)
+    exprs = dict(iter_exprs(ALERT_RULES, GUIDE))
+    assert len(exprs) >= 20, sorted(exprs)
+    assert unexported(exprs, exported) == {}
+    misspelt = {"misspelt": "increase(sglang:hicache_spill_tier_io_error_total[10m]) > 0"}
+    assert unexported(misspelt, exported) == {"misspelt": ["sglang:hicache_spill_tier_io_error_total"]}
+    zero = [
+        v
+        for k, v in raw_metrics(server.base_url).items()
+        if k.startswith("sglang:hicache_spill_purges_incomplete_total{")
+    ]
+    assert zero == [0.0], zero
 
 
 def test_prefetch_at_arrival_feeds_the_restore(server: Any) -> None:

@@ -19,9 +19,11 @@ import pytest
 
 from sgl_hicache.config import MiB, SpillConfig
 from sgl_hicache.tier import ROOT_KEY, Status, Tier
+from tests.promql import alert_rules
 from tests.tier.common import key_for, payload_for, tokens_for
 
 ROOT = Path(__file__).resolve().parents[2]
+RULES = ROOT / "examples" / "prometheus" / "sgl_hicache_alerts.yml"
 VOLUME = "size=8m,mode=0700"
 MIN_FREE = 4 * MiB
 EXTENT = 1 * MiB  # payload bytes per extent: four fit above MIN_FREE, the rest evict for room
@@ -76,11 +78,11 @@ def refreshed(tier: Tier, directory: Path) -> int:
 
 
 def documented_alert(name: str) -> tuple[str, float]:
-    """The counter and threshold of alert `name` in docs/OPERATIONS.md, whose rule must read
-    `expr: increase(<counter>[<window>]) > <threshold>`."""
-    text = (ROOT / "docs" / "OPERATIONS.md").read_text()
-    m = re.search(rf"alert: {name}\n\s+expr: increase\((sglang:[a-z_]+)\[\w+\]\) > ([0-9.]+)\n", text)
-    assert m, f"docs/OPERATIONS.md gives no alert {name} of the form increase(counter[window]) > N"
+    """The counter and threshold of alert `name` in the rules file, whose expression must read
+    `increase(<counter>[<window>]) > <threshold>`."""
+    (expr,) = [rule.expr for rule in alert_rules(RULES) if rule.alert == name]
+    m = re.fullmatch(r"increase\((sglang:[a-z_]+)\[\w+\]\) > ([0-9.]+)", expr.strip())
+    assert m, f"{RULES.name}: alert {name} is not of the form increase(counter[window]) > N: {expr}"
     return m.group(1), float(m.group(2))
 
 
