@@ -52,7 +52,8 @@ our servers, each on its own tier directory with our default policy, behind thre
   routing with the transport; against this one it does not. The answers from smg over gRPC name
   no split of cached tokens by tier: those hit rates are total only (`Result.cached` None).
 
-Both `cache_aware` routers run with smg's worker overload protection off (`CACHE_AWARE_FLAGS`): its
+Both `cache_aware` routers poll their workers' load each second and run with smg's worker overload
+protection off (`CACHE_AWARE_FLAGS`): its
 KV-usage ceiling reads sglang's token usage, which counts a pool full of cached prefixes as used,
 and would veto the matched server on every warm pool. `route-approx-tree-protected` is the
 approximate tree with smg's defaults (protection on: a server at 0.8 KV usage or 8 waiting requests
@@ -150,7 +151,13 @@ class ClusterConfig:
 
 WRITE_THROUGH = ("--hicache-spill-write-policy", "write_through")
 EVENTS_MEDIUM = ("--hicache-spill-kv-events-medium", "cpu_pinned")
-CACHE_AWARE_FLAGS = ("--disable-worker-overload-protection",)
+# smg's cache_aware sends a request that matches no worker's prefix well enough (a new conversation)
+# to the least loaded worker, ties to the first in its list; it reads a worker's load from its load
+# monitor (sglang's /v1/loads), polled every 10 s by default, not from the requests it has in
+# flight. A round of this workload lasts a few seconds, so with the default every new conversation
+# found both loads equal and went to the first server (21 of 24 requests in a --quick run); polled
+# each second they split 12/12 (docs/RESULTS.md, "Routing"). A user would poll as often.
+CACHE_AWARE_FLAGS = ("--disable-worker-overload-protection", "--load-monitor-interval", "1")
 
 
 SHUFFLED = Dispatch.SHUFFLED
