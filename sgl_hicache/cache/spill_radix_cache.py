@@ -57,7 +57,7 @@ from sgl_hicache.cache.controller import Refused, SpillController
 from sgl_hicache.cache.events import TierEvents
 from sgl_hicache.cache.guard import contained, internal_error, last_resort, nothing
 from sgl_hicache.cache.hint_source import HintSource, ResumeHint, RetentionHint
-from sgl_hicache.cache.metrics import DropReason, SpillMetrics
+from sgl_hicache.cache.metrics import DropReason, SpillMetrics, written_per_restored
 from sgl_hicache.cache.reads import Readiness
 from sgl_hicache.cache.restores import EarlyUnpackStats
 from sgl_hicache.cache.retention import Retention
@@ -792,10 +792,14 @@ class SpillRadixCache(RadixCache):
     def report(self, idle: bool) -> dict[str, Any]:
         """Counters, staging, tier stats and an integrity verdict (for `GET /server_info`)."""
         io = self.controller.report() if self.controller is not None else _NO_CONTROLLER
+        written = io["tier"]["written_bytes"] if io["tier"] is not None else 0
         return {
             "spilled_tokens_in_tree": self.tree.spilled_tokens,
             "counters": dict(self.spill_metrics.totals),
             **io,
+            "tier_written_per_restored_byte": written_per_restored(
+                written, self.spill_metrics.totals["restored_bytes"]
+            ),
             "integrity": self._integrity_verdict(idle),
             "tp_agreement": {
                 "ranks": self.agreement.size,
