@@ -79,6 +79,7 @@ class DropReason(enum.StrEnum):
     UNNAMEABLE = "unnameable"  # a token id no key can name (outside 0..2**32-1)
     INTERNAL_ERROR = "internal_error"  # our logic raised: contained, dropped as sglang would
     TP_DISAGREEMENT = "tp_disagreement"  # another TP rank could not spill it
+    NOT_ADMITTED = "not_admitted"  # --hicache-spill-admission: not reused, hinted, pinned nor long
 
 
 COUNTERS = {
