@@ -388,16 +388,13 @@ class SpillConfig:
     )
     admission: SpillAdmission = option(
         SpillAdmission.ALL,
-        "which nodes the tier is written: all (every evicted node; write-through and clean-ahead "
-        "every cached one), or reused (only nodes a later request reused, on a resume hint's path, "
-        "pinned, or at least --hicache-spill-admission-min-tokens long; others are dropped on "
-        "eviction, as sglang's plain cache drops them)",
+        "which nodes the tier is written: all, or reused (only those a later request reused, "
+        "hinted, pinned or long; others are dropped on eviction)",
         "--hicache-spill-admission",
     )
     admission_min_tokens: int = option(
         0,
-        "with --hicache-spill-admission reused: nodes of at least this many tokens are written "
-        "whether reused or not; 0: none for its length",
+        "with admission reused: nodes this long are written, reused or not; 0: none for its length",
         "--hicache-spill-admission-min-tokens",
     )
 

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
 from sgl_hicache.cache.agreement import SingleRank
 from sgl_hicache.cache.hint_source import RetentionHint
