@@ -119,6 +119,22 @@ class WritePolicy(enum.StrEnum):
     WRITE_THROUGH = "write_through"
 
 
+class SpillAdmission(enum.StrEnum):
+    """Which nodes the tier is written (cache/write_admission.py): an SSD wears with what is written.
+
+    ALL: every node an eviction meets (`min_spill_tokens` aside), and ahead of eviction every node
+    write-through and clean-ahead reach. REUSED: only a node that was reused (a request later than
+    the one that cached it matched it: its hit count is 2 or more, as HiCache's
+    `write_through_selective` counts them), is on the path of a resume hint, is pinned, has at least
+    `admission_min_tokens` tokens, already has its copy on the tier, or holds spilled children
+    (dropping it would drop them). Any other node an eviction meets is dropped, as sglang's plain
+    cache drops it (recomputed if needed again), and write-through and clean-ahead skip it.
+    """
+
+    ALL = "all"
+    REUSED = "reused"
+
+
 class KvEventsMedium(enum.StrEnum):
     """The medium a spilled node's pages are announced under in KV cache events (cache/events.py).
 
@@ -370,6 +386,17 @@ class SpillConfig:
         "for servers sharing a tier behind a router)",
         "--hicache-spill-write-policy",
     )
+    admission: SpillAdmission = option(
+        SpillAdmission.ALL,
+        "which nodes the tier is written: all, or reused (only those a later request reused, "
+        "hinted, pinned or long; others are dropped on eviction)",
+        "--hicache-spill-admission",
+    )
+    admission_min_tokens: int = option(
+        0,
+        "with admission reused: nodes this long are written, reused or not; 0: none for its length",
+        "--hicache-spill-admission-min-tokens",
+    )
 
     kv_events_medium: KvEventsMedium = option(
         KvEventsMedium.DISK,
@@ -400,6 +427,11 @@ class SpillConfig:
             self.min_spill_tokens >= 1,
             "min_spill_tokens",
             f"min spill tokens must be >= 1, got {self.min_spill_tokens}",
+        )
+        _require(
+            self.admission_min_tokens >= 0,
+            "admission_min_tokens",
+            f"admission min tokens must be >= 0, got {self.admission_min_tokens}",
         )
         _require(
             self.prefetch_timeout_s > 0,

@@ -14,6 +14,8 @@ before):
 - **clean-ahead** (`clean_ahead`, from the idle hook) under write-back on a root only we use: the
   coldest evictable nodes, in sglang's eviction order, until they and the free slots make
   `SpillConfig.clean_ahead` of the device pool.
+Neither writes a node the write admission rule does not admit (write_admission.py): its eviction
+would drop it.
 The cache calls these through its guarded methods (guard.py): nothing here is called by sglang.
 """
 
@@ -29,6 +31,7 @@ from sgl_hicache.cache.controller import Refused, SpillController
 from sgl_hicache.cache.metrics import DropReason, SpillMetrics
 from sgl_hicache.cache.retention import Retention
 from sgl_hicache.cache.spill_state import ExtentState, SpillRef
+from sgl_hicache.cache.write_admission import WriteAdmission
 from sgl_hicache.config import SpillConfig, WritePolicy
 
 LOOK_EVERY_S = 0.1  # an idle loop spins: look for victims to write ahead at most this often
@@ -41,6 +44,7 @@ class Host(Protocol):
     spill_config: SpillConfig
     spill_metrics: SpillMetrics
     retention: Retention
+    write_admission: WriteAdmission
     root_node: TreeNode
     token_to_kv_pool_allocator: Any
     eviction_strategy: Any
@@ -88,8 +92,8 @@ class CleanCopies:
     def write_through(self, node: TreeNode) -> None:
         """Write the resident nodes from the root to `node` that have no copy on the tier, top down,
         and keep them resident with a clean reference. Stops at the first that cannot be written
-        (write-through's share of staging full): its descendants' extents would follow a gap no warm
-        start or lookup can cross."""
+        (write-through's share of staging full) or is not admitted (write_admission.py): its
+        descendants' extents would follow a gap no warm start or lookup can cross."""
         host, ctl = self.host, self.host.controller
         if host.disable or ctl is None:
             return
@@ -100,6 +104,8 @@ class CleanCopies:
                 todo.append(node)
             node = node.parent
         for node in reversed(todo):
+            if host.write_admission.reason(node) is None:
+                return
             if self._write(node, "written_through_tokens") is not None:
                 return
 
@@ -149,12 +155,14 @@ class CleanCopies:
 
     def _write_ahead(self, node: TreeNode) -> DropReason | None:
         """Give resident `node` a clean copy on the tier (None: it has one now, or its eviction will
-        drop it anyway), or say why it has none: STAGING_FULL (not now: the walk stops), TOO_LARGE
-        (larger than write-through's share of staging: written at its eviction), or why it cannot
-        be stored at all."""
+        drop it anyway: too short, or not admitted), or say why it has none: STAGING_FULL (not now:
+        the walk stops), TOO_LARGE (larger than write-through's share of staging: written at its
+        eviction), or why it cannot be stored at all."""
         host, ctl = self.host, self.host.controller
         assert ctl is not None
         if self.is_clean(node) or host.too_short(node, host.retention.pin_of(node)):
+            return None
+        if host.write_admission.reason(node) is None:
             return None
         refused = ctl.background_fit(len(node.value))
         if refused is not None:

@@ -322,9 +322,12 @@ class SpillController:
         assert progress is not None, f"no restore in progress for {owner}"
         self.restores.stats.finished += any(progress.unpacked)
         sources = self.reads.gather(needs(progress.refs))
+        from_tier = 0  # bytes of refs whose source is a verified read, not their write's staging
         try:
             if sources is not None:
                 for i, ref, _ in progress.parts():
+                    if sources[id(ref.extent)] is not ref.extent.staged:
+                        from_tier += packed_nbytes(self.view, ref.count)
                     self._unpack(progress, i, sources[id(ref.extent)], ref.count)
         finally:  # an unpack that raised gives the reads' staging back now, not after their TTL
             self.reads.finish(progress.refs)
@@ -333,6 +336,7 @@ class SpillController:
             self.restores.drop(owner)
             return False
         self.metrics.inc("restored_tokens", progress.tokens)
+        self.metrics.inc("restored_bytes", from_tier)
         return True
 
     def _unpack(self, progress: RestoreProgress, i: int, buf: torch.Tensor, upto: int) -> None:

@@ -16,6 +16,7 @@ whatever `--extra-metric-labels` adds); a family of reasons is one counter with 
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,11 @@ TIER_COUNTERS = {  # TierStats running totals: (metric name, help), exported as 
         "--hicache-spill-min-free free on its volume (the volume is full below the budget)",
     ),
     "recreations": ("tier_recreations", "times the tier directory was removed and re-created"),
+    "written_bytes": (
+        "tier_written_bytes",
+        "bytes written to the tier: extent payloads as stored and their headers (files or Mooncake "
+        "objects); a store that found its extent there already writes none",
+    ),
     "newer_extents": (
         "tier_newer_extents",
         "extents of a newer format version met and kept (a newer "
@@ -55,6 +61,11 @@ STAGING_GAUGES = {
     "staging_peak_bytes": "the most host staging in use at once since start (size --hicache-spill-staging by it)",
     "staging_capacity_bytes": "host staging there is (--hicache-spill-staging)",
 }
+AMPLIFICATION_GAUGE = (
+    "tier_written_per_restored_byte",
+    "bytes written to the tier per byte restored from it (tier_written_bytes / restored_bytes): write "
+    "amplification; +Inf while written to but never restored from, 0 before the first write",
+)
 RESTORE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -68,6 +79,7 @@ class DropReason(enum.StrEnum):
     UNNAMEABLE = "unnameable"  # a token id no key can name (outside 0..2**32-1)
     INTERNAL_ERROR = "internal_error"  # our logic raised: contained, dropped as sglang would
     TP_DISAGREEMENT = "tp_disagreement"  # another TP rank could not spill it
+    NOT_ADMITTED = "not_admitted"  # --hicache-spill-admission: not reused, hinted, pinned nor long
 
 
 COUNTERS = {
@@ -89,7 +101,8 @@ COUNTERS = {
     "spills_refused_too_large": "evicted nodes dropped because they are larger than all of staging "
     "(raise --hicache-spill-staging)",
     "restored_tokens": "tokens restored from the tier into the device pool",
-    "restored_bytes": "packed KV bytes read back for restores",
+    "restored_bytes": "packed KV bytes read from the tier, verified and unpacked into the device pool by "
+    "restores that completed (a restore from staging, its write still under way, reads none)",
     "restore_failures": "restores abandoned (miss, corruption, I/O error, timeout, no memory): recomputed",
     "corrupt_extents": "extents that failed verification on read (checksum, MAC, truncation, header)",
     "lost_extents": "extents gone when read (evicted or removed by another process, a store restarted): clean misses",
@@ -143,6 +156,12 @@ COUNTERS = {
 NOT_EXPORTED = ("dropped_tokens", "spills_refused_staging_full", "spills_refused_too_large")
 
 
+def written_per_restored(written: float, restored: float) -> float | None:
+    """Write amplification: bytes written to the tier per byte restored from it (None while nothing
+    was restored)."""
+    return written / restored if restored else None
+
+
 def sglang_labels(server_args: Any, tp_rank: int) -> dict[str, str]:
     """The labels sglang's own collectors put on a scheduler's series (`model_name`, `tp_rank`,
     `pp_rank`; our backend refuses pipeline parallelism, so `pp_rank` is 0) and the operator's
@@ -169,6 +188,7 @@ class SpillMetrics:
     tier_gauges: dict[str, Any] | None = None  # TierStats field -> Gauge child, when exported
     tier_counters: dict[str, Any] | None = None  # TierStats field -> Counter child, when exported
     staging_gauges: dict[str, Any] | None = None
+    amplification: Any = None  # Gauge child of AMPLIFICATION_GAUGE, when exported
     _tier_seen: dict[str, int] = field(default_factory=dict)  # last TierStats totals mirrored
 
     @classmethod
@@ -210,6 +230,7 @@ class SpillMetrics:
             tier_gauges={k: gauge(n, doc).labels(**labels) for k, (n, doc) in TIER_GAUGES.items()},
             tier_counters={k: counter(n, doc).labels(**labels) for k, (n, doc) in TIER_COUNTERS.items()},
             staging_gauges={n: gauge(n, doc).labels(**labels) for n, doc in STAGING_GAUGES.items()},
+            amplification=gauge(*AMPLIFICATION_GAUGE).labels(**labels),
         )
 
     def observe_restore(self, seconds: float) -> None:
@@ -229,6 +250,10 @@ class SpillMetrics:
                 if grown > 0:
                     counter.inc(grown)
                 self._tier_seen[stat] = now
+        if self.amplification is not None:
+            written = int(getattr(stats, "written_bytes", 0))
+            ratio = written_per_restored(written, self.totals["restored_bytes"])
+            self.amplification.set(ratio if ratio is not None else math.inf if written else 0.0)
 
     def set_staging(self, used: int, peak: int, capacity: int) -> None:
         if self.staging_gauges is not None:

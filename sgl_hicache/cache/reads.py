@@ -175,7 +175,6 @@ class ExtentReads:
         if not read.done.ok:
             self._lose(read)
             return None
-        self.metrics.inc("restored_bytes", read.done.nbytes)
         return read.buf
 
     def start(self, extent: Extent, tokens: int, prefetch: bool) -> PendingRead | None:

@@ -57,13 +57,14 @@ from sgl_hicache.cache.controller import Refused, SpillController
 from sgl_hicache.cache.events import TierEvents
 from sgl_hicache.cache.guard import contained, internal_error, last_resort, nothing
 from sgl_hicache.cache.hint_source import HintSource, ResumeHint, RetentionHint
-from sgl_hicache.cache.metrics import DropReason, SpillMetrics
+from sgl_hicache.cache.metrics import DropReason, SpillMetrics, written_per_restored
 from sgl_hicache.cache.reads import Readiness
 from sgl_hicache.cache.restores import EarlyUnpackStats
 from sgl_hicache.cache.retention import Retention
 from sgl_hicache.cache.spill_state import ExtentState, SpillRef
 from sgl_hicache.cache.tree import SpillTree
 from sgl_hicache.cache.warm_start import WarmStart, tree_digest
+from sgl_hicache.cache.write_admission import WriteAdmission
 from sgl_hicache.config import PrefetchPolicy, SpillConfig, WritePolicy
 from sgl_hicache.tier import ExtentKey, NamespaceId, chain_key
 from sgl_hicache.tier.keys import PathHasher, tenant_of
@@ -102,6 +103,8 @@ class SpillRadixCache(RadixCache):
         self.tree = SpillTree(self, config.kv_events_medium)
         self.warm = WarmStart(self.tree, namespace_id)
         self.retention = Retention(self)  # pin, drop, purge hints (retention.py)
+        self.write_admission = WriteAdmission(config.admission, config.admission_min_tokens,
+                                              self.retention.pin_of)  # what the tier is written  # fmt: skip
         self.clean = CleanCopies(self)  # write-through and clean-ahead (clean_copies.py)
         super().__init__(params)  # calls reset(), which attaches the tier's extents (warm start)
 
@@ -132,7 +135,9 @@ class SpillRadixCache(RadixCache):
 
     def _split_node(self, key: RadixKey, child: TreeNode, split_len: int) -> TreeNode:
         self.clean.changed()
-        return self.tree.split(key, child, split_len)
+        head = self.tree.split(key, child, split_len)
+        self.write_admission.split(head, child)
+        return head
 
     def _match_prefix_helper(self, node: TreeNode, key: RadixKey) -> tuple[list[torch.Tensor], TreeNode]:
         return self.tree.match_resident(node, key)
@@ -301,6 +306,8 @@ class SpillRadixCache(RadixCache):
             return None
         if self.too_short(node, pin):
             return DropReason.TOO_SHORT
+        if self.write_admission.reason(node) is None:  # dropped as sglang's plain cache drops it
+            return DropReason.NOT_ADMITTED
         ref = self.store_node(node)
         if isinstance(ref, DropReason):
             return ref
@@ -477,11 +484,12 @@ class SpillRadixCache(RadixCache):
     # ---- prefetch at arrival ----------------------------------------------------------------
 
     def prefetch(self, token_ids: Any, extra_key: str | None = None, cache_salt: str | None = None,
-                 rid: str | None = None) -> int:  # fmt: skip
+                 rid: str | None = None, hinted: bool = False) -> int:  # fmt: skip
         """Start reading the spilled continuation of this prompt's cached prefix (never blocks on
         I/O); its restore will find the reads under way or done. Where the tree ends before the
         prompt does, on a root other servers use, also start a lookup of their extents (lookups.py,
-        `_start_lookup`). Returns the tokens on their way."""
+        `_start_lookup`). `hinted`: a client's resume hint (not a request's arrival), whose path
+        the tier is written from now on (write_admission.py). Returns the tokens on their way."""
         if self.disable:
             return 0
         self._poll()
@@ -489,6 +497,9 @@ class SpillRadixCache(RadixCache):
         key = RadixKey(array("q", token_ids), extra_key, cache_salt=cache_salt).page_aligned(self.page_size)
         # The walk may split nodes: every TP rank takes it, also one whose spill was disabled.
         last, device_len, end, matched = self._walk(key)
+        if hinted:  # the same walk and marks on every rank
+            self.write_admission.hinted(self.tree.path_up(end, self.root_node) or [])
+            self.clean.changed()
         self._start_lookup(key, device_len + matched, rid)
         if not matched or self.controller is None:
             return 0
@@ -792,10 +803,14 @@ class SpillRadixCache(RadixCache):
     def report(self, idle: bool) -> dict[str, Any]:
         """Counters, staging, tier stats and an integrity verdict (for `GET /server_info`)."""
         io = self.controller.report() if self.controller is not None else _NO_CONTROLLER
+        written = io["tier"]["written_bytes"] if io["tier"] is not None else 0
         return {
             "spilled_tokens_in_tree": self.tree.spilled_tokens,
             "counters": dict(self.spill_metrics.totals),
             **io,
+            "tier_written_per_restored_byte": written_per_restored(
+                written, self.spill_metrics.totals["restored_bytes"]
+            ),
             "integrity": self._integrity_verdict(idle),
             "tp_agreement": {
                 "ranks": self.agreement.size,

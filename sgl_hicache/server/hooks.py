@@ -199,7 +199,7 @@ def apply_hints(scheduler: Any, recv_reqs: Any = None, *args: Any, **kwargs: Any
 
 @contained
 def prefetch_hint(cache: Any, hint: Any) -> None:
-    cache.prefetch(*hint)
+    cache.prefetch(*hint, hinted=True)
 
 
 @contained

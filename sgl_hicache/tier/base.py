@@ -164,6 +164,10 @@ class TierStats:
     newer_extents: int = (
         0  # extents of a newer format version met (scan, load, purge) and kept, never deleted
     )
+    # Bytes this process wrote to the tier: each extent's payload as stored (padded, compressed) and
+    # its header, as files or Mooncake objects; a store that found its extent there already writes none
+    # (what wears an SSD; divided by the cache's `restored_bytes`: write amplification).
+    written_bytes: int = 0
 
 
 class Tier(abc.ABC):

@@ -181,9 +181,10 @@ class MooncakeTier(IndexedTier):
 
     def _write(self, req: StoreRequest) -> None:
         if not objects.present(self._client, self._names, self._ns.id, req.key, self._seal, self._scratch):
-            objects.write_objects(
+            written = objects.write_objects(
                 self._client, self._names, prepare(req, self._cfg), self._cfg, self._ns, self._seal
             )
+            self._counters.add("written_bytes", written)
             objects.publish_aliases(self._client, self._names, req)
         info = ExtentInfo(req.key, req.parent, req.token_count, req.payload.nbytes, req.payload.nbytes)
         with self._lock:

@@ -83,8 +83,8 @@ class Scratch:
 
 
 def write_objects(client: StoreClient, names: Names, prep: Prepared, cfg: TierConfig, ns: Namespace,
-                  seal: Seal) -> None:  # fmt: skip
-    """Put every chunk, then the sealed header (the publish). Raises StoreFailed."""
+                  seal: Seal) -> int:  # fmt: skip
+    """Put every chunk, then the sealed header (the publish); the bytes put. Raises StoreFailed."""
     req, chunks = prep.req, []
     for i, data in enumerate(prep.stored):
         view = memoryview(data).cast("B")
@@ -92,6 +92,7 @@ def write_objects(client: StoreClient, names: Names, prep: Prepared, cfg: TierCo
         _checked(client.write_from(names.chunk(req.key, i), view), "chunk write")
     sealed = sealed_header(prep, cfg, ns, chunks, seal)
     _checked(client.write(names.header(req.key), sealed), "header write")
+    return sum(c.length for c in chunks) + len(sealed)
 
 
 def publish_aliases(client: StoreClient, names: Names, req: StoreRequest) -> None:

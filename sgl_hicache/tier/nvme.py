@@ -207,6 +207,7 @@ class NvmeTier(IndexedTier):
             return self._fail(Op.STORE, ticket, req.key, e)
         self._counters.add("stores")
         self._counters.add("store_bytes", req.payload.nbytes)
+        self._counters.add("written_bytes", prep.file_bytes)
         return Completion(ticket, Op.STORE, req.key, Status.OK, req.payload.nbytes)
 
     # -- loads --------------------------------------------------------------------------------

@@ -10,7 +10,9 @@ evictions, prefetches, flushes (a weight update: new ids from then on), restarts
 disk again), and another process deleting, corrupting or rewriting extent files.
 
 Runs at page size 1 and 16, and with two caches sharing one tier directory (writing back on
-eviction, and writing through when they cache). Steps per run: the
+eviction, and writing through when they cache); under either write admission rule (issue 37: a
+node the rule does not admit is dropped at eviction and recomputed when needed again, never a
+wrong answer), drawn at the start and changed between steps. Steps per run: the
 `SGL_HICACHE_FUZZ_EXAMPLES` environment variable (default: CI size; `make fuzz` runs more).
 """
 
@@ -33,7 +35,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import sgl_hicache.cache.clean_copies as clean_copies
-from sgl_hicache.config import WritePolicy
+from sgl_hicache.cache.write_admission import WriteAdmission
+from sgl_hicache.config import SpillAdmission, WritePolicy
 from tests.cache.conftest import Stack, build_stack, close_stack, fill_kv, read_kv
 from tests.cache.fake_device import RecordingStreams, reuse_freed_slots_first
 from tests.cache.router_view import RouterView, tree_view
@@ -41,7 +44,11 @@ from tests.cache.router_view import RouterView, tree_view
 EXAMPLES = int(os.environ.get("SGL_HICACHE_FUZZ_EXAMPLES", "20"))
 STEPS = 100
 SALTS = (None, None, None, "alice")  # mostly the default tenant
-RARE = st.integers(0, 3)  # flush, restart and tampering act when this draws 0: a quarter of their turns
+RARE = st.integers(0, 3)
+RULES = st.sampled_from(list(SpillAdmission))
+BOUNDS = st.sampled_from(
+    [0, 8, 24]
+)  # admission_min_tokens: prompts add 1..24 tokens a turn  # flush, restart and tampering act when this draws 0: a quarter of their turns
 
 
 class Reference:
@@ -81,6 +88,7 @@ class SpillCacheMachine(RuleBasedStateMachine):
     servers_sharing = 1
     write_policy = WritePolicy.WRITE_BACK
     tier_capacity = 1 << 30
+    admission = (SpillAdmission.ALL, 0)  # drawn at the start (`first_conversation`)
 
     def __init__(self) -> None:
         from sgl_hicache.tier import lookup
@@ -99,6 +107,7 @@ class SpillCacheMachine(RuleBasedStateMachine):
         return build_stack(
             self.dir / "tier", size=self.pool_tokens, page_size=self.page_size, chunk_bytes=4096,
             write_policy=self.write_policy, kv_events=True, capacity_bytes=self.tier_capacity,
+            admission=self.admission[0], admission_min_tokens=self.admission[1],
         )  # fmt: skip
 
     def teardown(self) -> None:
@@ -112,9 +121,12 @@ class SpillCacheMachine(RuleBasedStateMachine):
 
     # ---- requests -------------------------------------------------------------------------
 
-    @initialize(seed=st.integers(0, 2**16))
-    def first_conversation(self, seed: int) -> None:
+    @initialize(seed=st.integers(0, 2**16), rule=RULES, min_tokens=BOUNDS)
+    def first_conversation(self, seed: int, rule: SpillAdmission, min_tokens: int) -> None:
         self.rng = random.Random(seed)
+        self.admission = (rule, min_tokens)  # restarts keep it
+        for server in self.servers:
+            _admit_by(server.stack.cache, rule, min_tokens)
 
     def _new_tokens(
         self, data: Any, convs: list[tuple[list[int], str | None]] | None = None
@@ -262,16 +274,23 @@ class SpillCacheMachine(RuleBasedStateMachine):
         cache.poll()
         cache.clean_ahead()
 
+    @rule(which=st.integers(0, 1), rule=RULES, min_tokens=BOUNDS)
+    def the_admission_rule_changes(self, which: int, rule: SpillAdmission, min_tokens: int) -> None:
+        """Issue 37: from now on this cache writes the tier only what `rule` admits (reused, hinted,
+        pinned, long, ...); whatever it drops is recomputed when needed again."""
+        _admit_by(self.servers[which % len(self.servers)].stack.cache, rule, min_tokens)
+
     @rule(which=st.integers(0, 1))
     def writes_land(self, which: int) -> None:
         io = self.servers[which % len(self.servers)].stack.cache.controller
         io.wait_writes()
 
     @precondition(lambda self: bool(self.convs))
-    @rule(data=st.data(), which=st.integers(0, 1))
-    def prefetch(self, data: Any, which: int) -> None:
+    @rule(data=st.data(), which=st.integers(0, 1), hinted=st.booleans())
+    def prefetch(self, data: Any, which: int, hinted: bool) -> None:
+        """An arrival's prefetch, or a client's resume hint (whose path the tier is then written)."""
         tokens, salt = self.convs[data.draw(st.integers(0, len(self.convs) - 1), label="conv")]
-        self.servers[which % len(self.servers)].stack.cache.prefetch(tokens, None, salt)
+        self.servers[which % len(self.servers)].stack.cache.prefetch(tokens, None, salt, hinted=hinted)
 
     @precondition(lambda self: bool(self.convs) and self.servers_sharing == 1)
     @rule(data=st.data(), which=st.integers(0, 1), kind=st.sampled_from(["pin", "drop", "purge"]))
@@ -359,6 +378,12 @@ class SpillCacheMachine(RuleBasedStateMachine):
             assert server.router.view() == tree_view(server.stack.cache), "the router's view is not the tree"
 
 
+def _admit_by(cache: Any, rule: SpillAdmission, min_tokens: int) -> None:
+    """Switch `cache`'s write admission rule (the hints' marks stay on the nodes)."""
+    cache.spill_config = replace(cache.spill_config, admission=rule, admission_min_tokens=min_tokens)
+    cache.write_admission = WriteAdmission(rule, min_tokens, cache.retention.pin_of)
+
+
 def _reads(pool: Any, slots: torch.Tensor, want: list[int]) -> None:
     """A forward reading `slots` finds exactly the reference KV there."""
     assert read_kv(pool, slots) == want, "a forward read KV that is not its prefix's"
@@ -404,6 +429,7 @@ class SpillCacheOnAFakeDevice(SpillCacheMachine):
         stack = build_stack(
             self.dir / "tier", size=self.pool_tokens, page_size=self.page_size, chunk_bytes=4096,
             write_policy=self.write_policy, streams=RecordingStreams(), kv_events=True,
+            admission=self.admission[0], admission_min_tokens=self.admission[1],
         )  # fmt: skip
         reuse_freed_slots_first(stack.allocator)
         return stack

@@ -70,7 +70,7 @@ class TwoCachesOnMooncake(TwoCachesOneDirectory):
                           chunk_bytes=4096, io_threads=2)  # fmt: skip
         return build_stack(
             self.dir / "tier", size=self.pool_tokens, page_size=self.page_size, write_policy=self.write_policy,
-            kv_events=True, tier=tier,
+            kv_events=True, tier=tier, admission=self.admission[0], admission_min_tokens=self.admission[1],
         )  # fmt: skip
 
     def _spilled_keys(self) -> list[bytes]:

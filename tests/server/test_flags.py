@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sgl_hicache.config import ConfigError, Fsync, GiB, KvEventsMedium, MiB, PrefetchPolicy
+from sgl_hicache.config import ConfigError, Fsync, GiB, KvEventsMedium, MiB, PrefetchPolicy, SpillAdmission
 from sgl_hicache.launch_server import parse
 from sgl_hicache.server.flags import EXTRA_CONFIG, config_from, flag_names, settings
 from sgl_hicache.server.handoff import ENV_CONFIG, export_config, import_config
@@ -38,7 +38,8 @@ def test_every_setting_has_one_flag_or_key_and_an_env() -> None:
         "--enable-hicache-spill", "--hicache-spill-dir", "--hicache-spill-capacity", "--hicache-spill-min-free",
         "--hicache-spill-staging", "--hicache-spill-prefetch-policy", "--hicache-spill-prefetch-timeout",
         "--hicache-spill-write-policy", "--hicache-spill-backend", "--hicache-spill-mooncake-config",
-        "--hicache-spill-kv-events-medium", EXTRA_CONFIG,
+        "--hicache-spill-kv-events-medium", "--hicache-spill-admission", "--hicache-spill-admission-min-tokens",
+        EXTRA_CONFIG,
     }  # fmt: skip
     assert {s.key for s in settings() if s.key} == KNOBS
     assert all((s.flag is None) != (s.key is None) for s in settings())
@@ -93,6 +94,35 @@ def test_a_bare_size_is_in_gb_as_sglangs_hicache_size(
 def test_sglangs_prefetch_policy_names_and_our_old_alias(name: str, member: PrefetchPolicy) -> None:
     assert parse(["--hicache-spill-prefetch-policy", name])[0].prefetch_policy is member
     assert config_from(None, {"SGL_HICACHE_SPILL_PREFETCH_POLICY": name}).prefetch_policy is member
+
+
+def test_the_write_admission_rule_by_flag_or_environment() -> None:
+    """Issue 37: the default stays `all` (today's behaviour) until measured otherwise."""
+    assert parse(["--enable-hicache-spill"])[0].admission is SpillAdmission.ALL
+    config, _ = parse(["--enable-hicache-spill", "--hicache-spill-admission", "reused",
+                       "--hicache-spill-admission-min-tokens", "4096"])  # fmt: skip
+    assert (config.admission, config.admission_min_tokens) == (SpillAdmission.REUSED, 4096)
+    env = {"SGL_HICACHE_SPILL_ADMISSION": "reused", "SGL_HICACHE_SPILL_ADMISSION_MIN_TOKENS": "64"}
+    assert (config_from(None, env).admission, config_from(None, env).admission_min_tokens) == (
+        SpillAdmission.REUSED, 64,
+    )  # fmt: skip
+
+
+ADMISSION_BAD = [
+    (["--hicache-spill-admission", "often"],
+     "--hicache-spill-admission: invalid choice 'often' (choose from all, reused)"),
+    (["--hicache-spill-admission-min-tokens", "-1"],
+     "--hicache-spill-admission-min-tokens: admission min tokens must be >= 0, got -1"),
+    (["--hicache-spill-admission-min-tokens", "4k"],
+     "--hicache-spill-admission-min-tokens: expected an integer, got '4k'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "message"), ADMISSION_BAD, ids=[a[-1] for a, _ in ADMISSION_BAD])
+def test_a_bad_admission_rule_exits_2_with_one_line(args: list[str], message: str, tmp_path: Path) -> None:
+    result = launch("--enable-hicache-spill", *args, env={"TMPDIR": str(tmp_path)})
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and message in lines[0], result.stderr
 
 
 def test_kv_events_medium_by_flag_or_environment() -> None:

@@ -26,9 +26,11 @@ class Cache(SpillRadixCache):
         taken, self.waiting = self.waiting, []
         return taken
 
-    def prefetch(self, token_ids: Any, extra_key: str | None = None, cache_salt: str | None = None) -> int:
+    def prefetch(self, token_ids: Any, extra_key: str | None = None, cache_salt: str | None = None,
+                 rid: str | None = None, hinted: bool = False) -> int:  # fmt: skip
         if self.fail:
             raise RuntimeError("prefetch failed")
+        assert hinted and rid is None, "a client's hint, not an arrival: its path is admitted to the tier"
         self.prefetched.append(ResumeHint(token_ids, extra_key, cache_salt))
         return len(token_ids)
 

@@ -133,7 +133,7 @@ class Cache:
         self.applied: list[Any] = []
         self.retention = SimpleNamespace(apply=self.applied.append)
 
-    def prefetch(self, *hint: Any) -> int:
+    def prefetch(self, *hint: Any, hinted: bool = False) -> int:
         self.applied.append(ResumeHint(*hint))
         return 0
 

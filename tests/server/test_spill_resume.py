@@ -124,6 +124,19 @@ def test_resume_restores_history_with_output_identical_to_resident_run(server: A
     assert series['sglang:hicache_spill_tier_used_bytes{tp_rank="0"}'] > 0
     assert series['sglang:hicache_spill_tier_extents{tp_rank="0"}'] > 0
 
+    # Issue 37: the bytes written to the tier are its files (the first test: no other extents yet),
+    # and their ratio to the bytes restored is exported as a gauge.
+    def written_is_on_disk() -> bool:
+        return counter(base, "tier_written_bytes") == sum(
+            p.stat().st_size for p in extent_files(server.tier_dir)
+        )
+
+    def ratio_exported() -> bool:
+        ratio = metrics(base).get('sglang:hicache_spill_tier_written_per_restored_byte{tp_rank="0"}')
+        return ratio == counter(base, "tier_written_bytes") / counter(base, "restored_bytes")
+
+    assert eventually(written_is_on_disk) and eventually(ratio_exported)
+
 
 def test_metrics_have_sglangs_shape_and_the_dashboard_queries_exist(server: Any) -> None:
     """Issue 28: our series carry sglang's labels (and --extra-metric-labels), running totals are

@@ -102,6 +102,38 @@ def test_misses_rejections_and_caller_bugs(make_tier: MakeTier) -> None:
         tier.wait(tier.submit_store(key, payload_for(1, 10_000), [1, 2], ROOT_KEY) + 1000, 1)
 
 
+@pytest.mark.parametrize("compression", [Compression.NONE, Compression.ZSTD])
+def test_written_bytes_are_what_a_store_put_and_a_store_of_a_present_key_puts_none(
+    make_tier: MakeTier, compression: Compression
+) -> None:
+    """Issue 37: `written_bytes` counts every byte a store put on the tier (payload as stored and
+    header), read back here from the store itself; a store that finds its extent writes nothing."""
+    writer, other = make_tier(compression=compression), make_tier()
+    nbytes = 3 * CHUNK + 4097
+    key = store(writer, 8, nbytes)
+    written = writer.stats().written_bytes
+    assert written == stored_bytes(writer, key) and written > (
+        nbytes if compression is Compression.NONE else 0
+    )
+    store(writer, 8, nbytes)
+    store(other, 8, nbytes)  # another server's store of the same extent
+    assert writer.stats().written_bytes == written and other.stats().written_bytes == 0
+
+
+def stored_bytes(tier: IndexedTier, key: ExtentKey) -> int:
+    """The bytes `key` occupies in its store: its file, or its header and chunk objects."""
+    names = getattr(tier, "_names", None)
+    if names is None:
+        from sgl_hicache.tier.paths import ExtentPaths
+
+        return ExtentPaths(tier._cfg.directory, tier.namespace.id).extent(key).stat().st_size  # type: ignore[attr-defined]
+    client = tier._client  # type: ignore[attr-defined]
+    size, chunks = client.size(names.header(key)).n, 0
+    while (reply := client.size(names.chunk(key, chunks))).ok:
+        size, chunks = size + reply.n, chunks + 1
+    return size  # type: ignore[no-any-return]
+
+
 def test_duplicate_stores_and_each_completion_once(make_tier: MakeTier) -> None:
     tier = make_tier()
     key = key_of(tier, 4)
