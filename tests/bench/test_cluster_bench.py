@@ -253,7 +253,9 @@ def test_each_configuration_has_its_router_store_and_dispatch(
             policy == "cache_aware" and not protected
         )
         # a new conversation goes to the least loaded worker: loads read each second, not each 10
-        assert (flag_value(extra, "--load-monitor-interval") == "1") == (policy == "cache_aware" and not protected)
+        assert (flag_value(extra, "--load-monitor-interval") == "1") == (
+            policy == "cache_aware" and not protected
+        )
         if grpc == {True}:  # smg tokenizes for gRPC workers, in blocks of a page
             assert flag_value(extra, "--block-size") == str(spec.shape.page_size)
             assert flag_value(extra, "--model-path") == str(model)
