@@ -194,7 +194,7 @@ def execute(spec: BenchSpec) -> int:
     runs: dict[str, list[run.SystemOutcome]] = {}
     for repeat, name in order:  # each system's list is in repeat order
         runs.setdefault(name, []).append(run.run_system(name, spec, model, out, replay, repeat))
-    measured = run.measured(runs)
+    measured = run.measured(runs, systems.kv_bytes_per_token(model))
     figures = aggregate.medians(measured)
     extra: dict[str, Any] = _extra(spec, runs)
     failures = gate.check(spec.gate, figures) if spec.gate else []

@@ -71,10 +71,12 @@ class WriteMeter:
         self._start = NAN
 
     def total(self) -> float:
-        """Bytes written so far by every process of the trees (each counted once); NaN if a root is
-        gone or cannot be read. A process below a root that is gone by the time it is read is left
-        out: its counts are its parent's once reaped."""
+        """Bytes written so far by every process of the trees (each counted once); NaN if there is no
+        root, or one is gone or cannot be read. A process below a root that is gone by the time it is
+        read is left out: its counts are its parent's once reaped."""
         roots = list(self.roots())
+        if not roots:
+            return NAN
         pids = dict.fromkeys(p for root in roots for p in self.below(root))
         counts = {p: self.read(p) for p in pids}
         if any(counts.get(root) is None for root in roots):

@@ -17,9 +17,9 @@ from benchmarks.bench.aggregate import COUNTS, Measured, VersusBest
 from benchmarks.bench.client import TIERS, Result
 from benchmarks.bench.summary import Figures, pct
 
-REQUEST_FIELDS = ("system", "repeat", "workload", "key", "round", "resumed", "prompt_tokens", "sent_s", "ttft_ms",
-                  "latency_ms", "output_tokens", "cached_tokens", "cached_device", "cached_host",
-                  "cached_storage", "error", "server")  # fmt: skip
+REQUEST_FIELDS = ("system", "repeat", "workload", "key", "round", "resumed", "prompt_tokens", "prefix_tokens",
+                  "sent_s", "ttft_ms", "latency_ms", "output_tokens", "cached_tokens", "cached_device",
+                  "cached_host", "cached_storage", "error", "server")  # fmt: skip
 
 
 _RATIOS = ("ttft_vs_recompute", "ttft_vs_hicache", "ttft_vs_lmcache", "ttft_vs_resident", "throughput_vs_recompute",

@@ -23,11 +23,12 @@ from tqdm import tqdm
 from benchmarks.bench import drive, pagecache, systems, trace
 from benchmarks.bench.aggregate import Measured
 from benchmarks.bench.client import Result
+from benchmarks.bench.disk_writes import WriteMeter
 from benchmarks.bench.lmcache_process import LMCacheServer
 from benchmarks.bench.probe import Sampler, delta, dir_bytes, scrape
 from benchmarks.bench.server_process import ServerProcess
 from benchmarks.bench.spec import BenchSpec, SpecError
-from benchmarks.bench.summary import summarize
+from benchmarks.bench.summary import NAN, summarize
 from benchmarks.bench.workload import Request
 
 
@@ -36,6 +37,9 @@ class SystemOutcome:
     results: dict[str, list[Result]] = field(default_factory=dict)  # per workload
     wall_s: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # /metrics deltas per workload
+    written: dict[str, float] = field(
+        default_factory=dict
+    )  # bytes written to disk per workload (NaN: unknown)
     rss_peak_mb: float = 0.0
     tier_bytes: int = 0  # on disk at the end of the run
     page_cache: set[str] = field(default_factory=set)  # how the page cache was dropped
@@ -111,10 +115,12 @@ def run_system(
         Sampler(server.proc.pid if server.proc else 0, also=_daemons(server)) as rss,
         tqdm(total=n, desc=f"{name:>22} r{repeat}", file=sys.stderr, unit="req") as bar,
     ):
+        meter = WriteMeter(lambda: _processes(server))
         for salt, mt in enumerate(spec.multiturn, 1):
-            _record(outcome, server.base_url, drive.multiturn(server.base_url, mt, vocab, salt, drop, bar))
+            work = drive.multiturn(server.base_url, mt, vocab, salt, drop, bar)
+            _record(outcome, server.base_url, work, meter)
         if replay:
-            _record(outcome, server.base_url, drive.replay(server.base_url, replay, drop, bar, evict))
+            _record(outcome, server.base_url, drive.replay(server.base_url, replay, drop, bar, evict), meter)
         outcome.tier_bytes = dir_bytes(system.tier_dir)
     outcome.rss_peak_mb = rss.peak_rss_mb
     if system.tier_dir is not None:
@@ -125,18 +131,27 @@ def run_system(
     return outcome
 
 
+def _processes(server: ServerProcess) -> tuple[int, ...]:
+    """The roots of the process trees whose disk writes are the system's: the server's and its daemons'."""
+    return ((server.proc.pid,) if server.proc is not None else ()) + _daemons(server)
+
+
 def _daemons(server: ServerProcess) -> tuple[int, ...]:
     """The processes beside `server` whose memory is its cache's: an LMCache server's daemon (its L1)."""
     daemon = server.daemon if isinstance(server, LMCacheServer) else None
     return (daemon.proc.pid,) if daemon is not None and daemon.proc is not None else ()
 
 
-def measured(runs: dict[str, list[SystemOutcome]]) -> dict[str, dict[str, Measured]]:
-    """Per workload and system, the figures of every repeat."""
+def measured(
+    runs: dict[str, list[SystemOutcome]], kv_bytes_per_token: int = 0
+) -> dict[str, dict[str, Measured]]:
+    """Per workload and system, the figures of every repeat (`kv_bytes_per_token`: the model's, for
+    the bytes restored; 0: not known)."""
     out: dict[str, dict[str, Measured]] = {}
     for name, outcomes in runs.items():
         for w in outcomes[0].results:
-            per_repeat = tuple(summarize(o.results[w], o.wall_s[w], o.metrics[w]) for o in outcomes)
+            per_repeat = tuple(summarize(o.results[w], o.wall_s[w], o.metrics[w], o.written.get(w, NAN),
+                                         kv_bytes_per_token) for o in outcomes)  # fmt: skip
             out.setdefault(w, {})[name] = Measured(per_repeat)
     return out
 
@@ -166,9 +181,15 @@ def log_name(system: str, repeat: int) -> str:
     return f"{system}-r{repeat}.log"
 
 
-def _record(outcome: SystemOutcome, base_url: str, work: Coroutine[Any, Any, drive.Driven]) -> None:
+def _record(outcome: SystemOutcome, base_url: str, work: Coroutine[Any, Any, drive.Driven],
+            meter: WriteMeter | None = None) -> None:  # fmt: skip
+    """Run `work` (a workload on the server at `base_url`) and keep what it measured, with how
+    `/metrics` moved and (given a `meter`) the bytes the system wrote to disk meanwhile."""
     before = scrape(base_url)  # `work` starts only below
+    if meter is not None:
+        meter.start()
     driven = asyncio.run(work)
+    outcome.written[driven.workload] = meter.stop() if meter is not None else NAN
     outcome.metrics[driven.workload] = delta(scrape(base_url), before)
     outcome.results[driven.workload] = driven.results
     outcome.wall_s[driven.workload] = driven.wall_s

@@ -116,5 +116,6 @@ def to_requests(records: list[TraceRecord], spec: Trace, vocab: int) -> list[Req
             key=f"t{i}", group=used[0], round=reused, input_ids=tuple(ids[:n_in]),
             output_tokens=max(1, round(r.output_length * spec.token_scale)),
             resumed=2 * reused >= len(used), at_s=(r.timestamp_ms - t0) / 1e3 * spec.time_scale,
+            prefix_tokens=min(n_in, reused * block),
         ))  # fmt: skip
     return out

@@ -85,6 +85,7 @@ def test_a_root_that_cannot_be_read_makes_the_figure_nan() -> None:
     meter = WriteMeter(lambda: (1, 4), read=counts.get, below=below.__getitem__)
     assert meter.total() == 157.0, "5 is gone by the time it is read: left out (its counts fold into 4's)"
     assert math.isnan(WriteMeter(lambda: (1, 3), read=counts.get, below=below.__getitem__).total())
+    assert math.isnan(WriteMeter(lambda: (), read=counts.get, below=below.__getitem__).total()), "no root"
     gone = WriteMeter(lambda: (9,), read=counts.get, below=lambda pid: [])
     gone.start()
     assert math.isnan(gone.stop())
