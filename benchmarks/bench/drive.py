@@ -148,27 +148,27 @@ async def _agent(session: aiohttp.ClientSession, base_url: str, loop: AgentLoop,
 
 
 async def replay(base_url: str, requests: list[Request], drop: Callable[[], object], bar: tqdm,
-                 evict: Callable[[], object] | None = None) -> Driven:  # fmt: skip
-    """The open-loop replay: something is always in flight, so the page cache is dropped before the
-    clock starts and then `evict`ed (clean pages only: nothing written on the clock) every
-    `DROP_EVERY_S` inside the timed window, the same for every system."""
+                 evict: Callable[[], object] | None = None, name: str = "trace") -> Driven:  # fmt: skip
+    """The open-loop replay (the workload `name`): something is always in flight, so the page cache
+    is dropped before the clock starts and then `evict`ed (clean pages only: nothing written on the
+    clock) every `DROP_EVERY_S` inside the timed window, the same for every system."""
     await asyncio.to_thread(drop)  # before the clock starts
     async with new_session() as session:
         t0 = time.perf_counter()
         dropper = asyncio.create_task(_drop_every(evict or drop, DROP_EVERY_S))
         try:
-            done = await asyncio.gather(*(_at(session, base_url, r, t0, bar) for r in requests))
+            done = await asyncio.gather(*(_at(session, base_url, r, t0, bar, name) for r in requests))
         finally:
             dropper.cancel()
         wall = time.perf_counter() - t0
-    return Driven("trace", list(done), wall)
+    return Driven(name, list(done), wall)
 
 
 async def _at(
-    session: aiohttp.ClientSession, base_url: str, request: Request, t0: float, bar: tqdm
+    session: aiohttp.ClientSession, base_url: str, request: Request, t0: float, bar: tqdm, workload: str
 ) -> Result:
     await asyncio.sleep(max(0.0, t0 + request.at_s - time.perf_counter()))
-    return await _one(session, base_url, request, "trace", t0, bar)
+    return await _one(session, base_url, request, workload, t0, bar)
 
 
 async def _one(session: aiohttp.ClientSession, base_url: str, request: Request, workload: str, t0: float,

@@ -54,6 +54,19 @@ def final_line(workloads: dict[str, dict[str, Figures]], ratios: dict[str, dict[
     return clean(line)  # type: ignore[no-any-return]
 
 
+PER_SYSTEM = ("ttft_p50_ms", "ttft_resume_p50_ms", "ttft_resume_p90_ms", "throughput_tok_s", "resumed_resident",
+              "resumed_restored", "resumed_recomputed", "tokens_restored", "tokens_recomputed", "disk_write_mb",
+              "write_per_restored")  # fmt: skip
+"""The figures the final line gives for every system on every workload (`per_system`)."""
+
+
+def per_system(workloads: dict[str, dict[str, Figures]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per workload and system, the figures of `PER_SYSTEM` (medians over repeats; turn counts summed)."""
+    return {
+        w: {s: {k: getattr(f, k) for k in PER_SYSTEM} for s, f in fs.items()} for w, fs in workloads.items()
+    }
+
+
 def versus_best_keys(vs: VersusBest, measured: dict[str, dict[str, Measured]]) -> dict[str, Any]:
     """The final line's figures against the best HiCache configuration (medians over repeats, per
     workload and "overall"), their per-repeat ranges, and the headline workload's spreads."""
@@ -166,7 +179,7 @@ def _plot(path: Path, results: dict[str, dict[str, list[Result]]]) -> None:
                 rounds, [pct([r.ttft_ms for r in ok if r.round == k], 50) for k in rounds], "o-", label=system
             )
         ax.set_title(name)
-        ax.set_xlabel("round" if name != "trace" else "blocks reused")
+        ax.set_xlabel("round" if name.startswith(("multiturn", "agents")) else "blocks reused")
         ax.set_ylabel("TTFT p50 (ms)")
         ax.set_yscale("log")
         ax.legend()

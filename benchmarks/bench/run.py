@@ -21,6 +21,7 @@ from typing import Any
 from tqdm import tqdm
 
 from benchmarks.bench import drive, pagecache, systems, trace
+from benchmarks.bench.agents import send_order
 from benchmarks.bench.aggregate import Measured
 from benchmarks.bench.client import Result
 from benchmarks.bench.disk_writes import WriteMeter
@@ -85,17 +86,36 @@ def vocab_size(model: Path) -> int:
     return int(json.loads((model / "config.json").read_text())["vocab_size"])
 
 
-def trace_requests(spec: BenchSpec, vocab: int) -> list[Request]:
-    return [] if spec.trace is None else trace.to_requests(trace.load(spec.trace), spec.trace, vocab)
+@dataclass(frozen=True)
+class Replay:
+    """One trace's requests, replayed as the workload `name`."""
+
+    name: str
+    requests: list[Request]
+
+
+def trace_requests(spec: BenchSpec, vocab: int) -> list[Replay]:
+    return [Replay(t.name, trace.to_requests(trace.load(t), t, vocab)) for t in spec.traces]
+
+
+def history_tokens(spec: BenchSpec, replays: list[Replay]) -> int:
+    """The longest history a request of the run resumes: a conversation's whole, an agent's context
+    before its last turn, a trace request's prefix sent before."""
+    agents = (
+        max((max(spec.agents.plan(i)) for i in range(spec.agents.count)), default=0) if spec.agents else 0
+    )
+    return max([agents, *(m.context_tokens() for m in spec.multiturn),
+                *(r.prefix_tokens for replay in replays for r in replay.requests)])  # fmt: skip
 
 
 def run_system(
-    name: str, spec: BenchSpec, model: Path, workdir: Path, replay: list[Request], repeat: int = 0
+    name: str, spec: BenchSpec, model: Path, workdir: Path, replays: list[Replay], repeat: int = 0
 ) -> SystemOutcome:
     """One run of one system: a fresh server, every workload, results tagged with `repeat`; the
     page cache is dropped at the workloads' barriers, outside their timed windows."""
     tokens = sum(m.concurrency * (m.context_tokens() + m.question_tokens) for m in spec.multiturn)
-    tokens += sum(len(r.input_ids) + r.output_tokens for r in replay)
+    tokens += sum(len(r.input_ids) + r.output_tokens for replay in replays for r in replay.requests)
+    tokens += spec.agents.total_tokens() if spec.agents else 0
     system = systems.build(name, spec.shape, model, workdir, workload_tokens=tokens)
     outcome = SystemOutcome()
     vocab = vocab_size(model)
@@ -109,7 +129,8 @@ def run_system(
         if spec.drop_page_cache:
             pagecache.drop(tiers, write_back=False)
 
-    n = sum(m.concurrency * m.rounds for m in spec.multiturn) + len(replay)
+    n = sum(m.concurrency * m.rounds for m in spec.multiturn) + sum(len(r.requests) for r in replays)
+    n += len(send_order(spec.agents)) if spec.agents else 0
     with (
         system.server(model, workdir / log_name(name, repeat)) as server,
         Sampler(server.proc.pid if server.proc else 0, also=_daemons(server)) as rss,
@@ -119,8 +140,16 @@ def run_system(
         for salt, mt in enumerate(spec.multiturn, 1):
             work = drive.multiturn(server.base_url, mt, vocab, salt, drop, bar)
             _record(outcome, server.base_url, work, meter)
-        if replay:
-            _record(outcome, server.base_url, drive.replay(server.base_url, replay, drop, bar, evict), meter)
+        if spec.agents is not None:
+            _record(
+                outcome,
+                server.base_url,
+                drive.agents(server.base_url, spec.agents, vocab, 1, drop, bar),
+                meter,
+            )
+        for replay in replays:
+            work = drive.replay(server.base_url, replay.requests, drop, bar, evict, replay.name)
+            _record(outcome, server.base_url, work, meter)
         outcome.tier_bytes = dir_bytes(system.tier_dir)
     outcome.rss_peak_mb = rss.peak_rss_mb
     if system.tier_dir is not None:
