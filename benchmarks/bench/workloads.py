@@ -155,6 +155,6 @@ def described(spec: BenchSpec) -> dict[str, object]:
                          "max_context": a.max_context, "token_scale": a.token_scale,
                          "scaled_max_context": a.scaled(a.max_context), "turns": len(agent_loops.send_order(a))}  # fmt: skip
     for t in spec.traces:
-        out[t.name] = {"file": t.path.name if t.path else "synthesized", "requests": t.requests,
+        out[t.name] = {"file": t.path.name if t.path else "synthesized", "requests_at_most": t.requests,
                        "cut": t.cut.value, "token_scale": t.token_scale, "time_scale": t.time_scale}  # fmt: skip
     return out
