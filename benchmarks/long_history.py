@@ -49,16 +49,19 @@ from typing import Any
 from benchmarks.bench import pagecache
 from benchmarks.bench.probe import dir_bytes, spill_state
 from benchmarks.bench.report import replaced_whole
-from benchmarks.bench.run import resolve_model
+from benchmarks.bench.run import resolve_model, vocab_size
 from benchmarks.bench.spec import FAMILIES, HICACHE, LMCACHE, Shape, SpecError
 from benchmarks.bench.systems import System, build, check_hicache_holds, host_tokens, kv_bytes_per_token
+from benchmarks.bench.workload import token_ids
 from benchmarks.harness import emit, gbps, log
-from benchmarks.resume import seq, spill_counters, ttft
+from benchmarks.resume import spill_counters, ttft
 from sgl_hicache.config import TierConfig
 from sgl_hicache.tier.directio import O_DIRECT, alloc_aligned
 
 QUESTION = 96  # a new user message of 1.5 pages at page 64: the turn runs past the tree (a lookup)
 FILLER = 512  # tokens per unrelated prompt: cheap to prefill, many of them fill the pools
+HISTORY_SEED, FILLER_SEED = 10**9, 2 * 10**9  # token-id seeds of histories and other work, apart from
+# each other and from the questions' (< 10**4), so no prompt of one kind starts another's
 PHASES = (
     "restore_wait_seconds",
     "restore_read_seconds",
@@ -81,8 +84,8 @@ def filler_tokens(system: System, shape: Shape, model: Path) -> int:
     return shape.pool_tokens + host + shape.pool_tokens // 2
 
 
-def other_work(base: str, tokens: int, seed: int) -> None:
-    prompts = [seq(seed * 1000 + i, FILLER) for i in range(-(-tokens // FILLER))]
+def other_work(base: str, tokens: int, seed: int, vocab: int) -> None:
+    prompts = [token_ids(FILLER_SEED + seed * 10_000 + i, FILLER, vocab) for i in range(-(-tokens // FILLER))]
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda ids: ttft(base, ids), prompts))
 
@@ -98,14 +101,19 @@ def run_server(system: System, shape: Shape, model: Path, lengths: list[int], re
     """Every measurement of one system in one round, as rows."""
     rows: list[dict[str, Any]] = []
     log_path = workdir / f"{system.name}-r{round_}.log"
+    vocab = vocab_size(model)
+
+    def seq(seed: int, n: int) -> list[int]:  # ids within the model's vocabulary (tiny: 1,024)
+        return token_ids(seed, n, vocab)
+
     with system.server(model, log_path).start(timeout_s=600) as server:
         base = server.base_url
         for length in lengths:
-            history = seq(round_ * 100 + length, length)
+            history = seq(HISTORY_SEED + round_ * 100_000 + length, length)
             ttft(base, history)
             resident_ms, _ = ttft(base, history + seq(7, QUESTION))
             for rep in range(repeats):
-                other_work(base, filler_tokens(system, shape, model), seed=round_ * 1000 + rep + length)
+                other_work(base, filler_tokens(system, shape, model), round_ * 1000 + rep + length, vocab)
                 settle(system, base)
                 pagecache.drop([d for d in [system.tier_dir] if d is not None], whole_cache=False)
                 before = spill_counters(base) if system.name == "ours" else {}

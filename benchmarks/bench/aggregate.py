@@ -18,7 +18,7 @@ import numpy as np
 
 from benchmarks.bench.summary import NAN, Figures, best_hicache, ratio
 
-COUNTS = ("requests", "errors", "resumed")
+COUNTS = ("requests", "errors", "resumed", "resumed_resident", "resumed_restored", "resumed_recomputed")
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,14 @@
 """`python -m sgl_hicache.bench`: ours vs sglang's default cache vs sglang HiCache vs LMCache, side by side.
 
 Each system serves the same model (default: SmolLM2-135M-Instruct) with the same device pool,
-host-memory budget and token-level workloads (closed-loop multi-turn chat at each concurrency, then
-a Mooncake-format trace replay), `--repeats` times in interleaved order. HiCache runs in every
+host-memory budget and token-level workloads, `--repeats` times in interleaved order. `--workload`
+(`bench/workloads.py`): `chat` (the default: closed-loop multi-turn chat at each concurrency, then a
+Mooncake-format trace replay), `agents` (agent loops whose contexts grow by tool results and leave
+device and host memory between turns) or `mooncake-trace` (Mooncake's FAST'25 synthetic trace,
+arrival-bound and saturated); the final line says its token scale (`workload`) and gives, per
+workload and system (`figures`), resumed-turn TTFT p50/p90, throughput, where resumed turns found
+their prefix, tokens restored and recomputed, and disk bytes written per byte restored
+(`bench/disk_writes.py`). HiCache runs in every
 configuration of `spec.HICACHE_CONFIGS`; the gate judges ours against the best of them per workload
 (lowest median resumed-turn TTFT p50). LMCache runs in every configuration of `spec.LMCACHE_CONFIGS`
 (each server beside its own LMCache daemon); the final line names its best per workload and gives
@@ -27,7 +33,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench import aggregate, cluster, gate, report, run, soak, systems
+from benchmarks.bench import agents, aggregate, cluster, gate, report, run, soak, systems, workloads
+from benchmarks.bench.agents import Agents
 from benchmarks.bench.server_process import ServerStartError
 from benchmarks.bench.spec import (
     DEVICES,
@@ -45,6 +52,7 @@ from benchmarks.bench.spec import (
     quick,
 )
 from benchmarks.bench.summary import best_lmcache, ratios
+from benchmarks.bench.workloads import AGENTS_QUICK, MOONCAKE, MOONCAKE_QUICK, SATURATE
 
 
 def parser() -> argparse.ArgumentParser:
@@ -75,15 +83,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--pool-tokens",
         type=int,
-        default=shape.pool_tokens,
-        help="device KV pool, tokens (default %(default)s)",
+        help=f"device KV pool, tokens (default {shape.pool_tokens}; agents: one long context x1.25; "
+        "mooncake-trace: its longest request x1.25, at least that)",
     )
     p.add_argument(
         "--host-budget-mb",
         type=int,
-        default=shape.host_budget_mb,
         help="our staging bound, what the *-budget HiCache configurations add to the device pool in their host "
-        "pool, LMCache's L1; MiB (default %(default)s)",
+        f"pool, LMCache's L1; MiB (default {shape.host_budget_mb}; agents: the device pool's KV)",
     )
     p.add_argument("--page-size", type=int, default=shape.page_size)
     p.add_argument(
@@ -97,9 +104,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--output-tokens", type=int, default=mt.output_tokens)
     p.add_argument("--trace", type=Path, help="Mooncake-format JSONL trace (default: a synthesized one)")
     p.add_argument("--no-trace", action="store_true", help="skip the trace replay")
-    p.add_argument("--trace-requests", type=int, default=tr.requests)
-    p.add_argument("--time-scale", type=float, default=tr.time_scale)
-    p.add_argument("--token-scale", type=float, default=tr.token_scale)
+    p.add_argument("--trace-requests", type=int,
+                   help=f"replay at most this many (default {tr.requests}; mooncake-trace: whole conversations, "
+                   f"{MOONCAKE.requests}, --quick {MOONCAKE_QUICK.requests})")  # fmt: skip
+    p.add_argument("--time-scale", type=float,
+                   help=f"arrival times x this (default {tr.time_scale:g}; mooncake-trace: {MOONCAKE.time_scale:g}, "
+                   f"--quick {MOONCAKE_QUICK.time_scale:g}; its saturated replay {SATURATE} x closer)")  # fmt: skip
+    p.add_argument("--token-scale", type=float,
+                   help=f"token counts x this (default {tr.token_scale:g}; agents: {Agents().token_scale:g}, --quick "
+                   f"{AGENTS_QUICK.token_scale:g}; mooncake-trace: {MOONCAKE.token_scale:g})")  # fmt: skip
+    workloads.add_arguments(p)
     p.add_argument("--gate", action="store_true", help="apply the gate's thresholds to the exit status")
     p.add_argument("--soak", type=float, default=0.0, metavar="MINUTES", help="then soak ours for MINUTES")
     p.add_argument(
@@ -122,19 +136,22 @@ def parser() -> argparse.ArgumentParser:
 
 
 def spec_from(args: argparse.Namespace) -> BenchSpec:
-    shape = Shape(model=args.model, pool_tokens=args.pool_tokens, host_budget_mb=args.host_budget_mb,
-                  page_size=args.page_size, device=args.device)  # fmt: skip
+    """The run `args` ask for; SpecError for settings that cannot work (`workloads` for each workload's)."""
+    workloads.refuse_foreign_flags(args, parser())
     concurrencies = _ints(args.concurrency, "--concurrency")
-    turns = {"rounds": args.rounds, "first_tokens": args.first_tokens, "question_tokens": args.question_tokens,
-             "output_tokens": args.output_tokens}  # fmt: skip
-    multiturn = tuple(MultiTurn(concurrency=c, **turns) for c in concurrencies)
-    soak_load = MultiTurn(concurrency=concurrencies[0] if concurrencies else MultiTurn().concurrency, **turns)
-    trace = None if args.no_trace else Trace(path=args.trace, requests=args.trace_requests,
-                                              time_scale=args.time_scale, token_scale=args.token_scale)  # fmt: skip
+    multiturn, traces = workloads.chat_from(args, concurrencies)
+    agents = workloads.agents_from(args) if args.workload == "agents" else None
+    if args.workload != "chat":
+        multiturn, traces = (), workloads.mooncake_from(args) if args.workload == "mooncake-trace" else ()
+    pool = args.pool_tokens or workloads.pool_tokens(agents, traces, args.page_size)
+    shape = Shape(model=args.model, pool_tokens=pool, host_budget_mb=args.host_budget_mb or Shape().host_budget_mb,
+                  page_size=args.page_size, device=args.device)  # fmt: skip
+    soak_load = (multiturn or workloads.chat_from(args, [MultiTurn().concurrency])[0])[0]
     spec = BenchSpec(
-        shape=shape, multiturn=multiturn, trace=trace, systems=expand_systems(args.systems),
+        shape=shape, multiturn=multiturn, traces=traces, agents=agents, systems=expand_systems(args.systems),
         gate=Gate() if args.gate else None, soak=Soak(minutes=args.soak, load=soak_load) if args.soak > 0 else None,
         out_dir=args.out, drop_page_cache=not args.keep_page_cache,
+        host_budget_fits_pool=agents is not None and args.host_budget_mb is None, workload=args.workload,
     )  # fmt: skip
     spec = quick(spec) if args.quick else spec
     return spec if args.repeats is None else replace(spec, repeats=args.repeats)
@@ -156,6 +173,8 @@ def cluster_run(args: argparse.Namespace, spec: BenchSpec) -> bool:
         if args.configs is not None:
             raise SpecError("--configs names configurations of --servers 2")
         return False
+    if spec.workload != "chat":
+        raise SpecError(f"--servers 2 runs the chat workload's conversations, not --workload {spec.workload}")
     if not spec.multiturn:
         raise SpecError("--servers 2 runs the multi-turn workloads: give --concurrency")
     clashes = [flag for flag, on in (("--systems", args.systems != parser().get_default("systems")),
@@ -184,17 +203,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def execute(spec: BenchSpec) -> int:
     model = run.resolve_model(spec.shape.model, spec.out_dir)
-    history = max((m.context_tokens() for m in spec.multiturn), default=0)  # a conversation's whole
-    systems.check_hicache_holds(spec.systems, spec.shape, model, history)
+    spec = workloads.fit_host(spec, model)
+    replays = run.trace_requests(spec, run.vocab_size(model))
+    systems.check_hicache_holds(spec.systems, spec.shape, model, run.history_tokens(spec, replays))
+    if spec.agents is not None:
+        agents.check_leaves_memory(spec.agents, spec.systems, spec.shape, model)
     systems.check_runnable(spec.systems, spec.shape, model, spec.out_dir)
     out = (spec.out_dir / time.strftime("run-%Y%m%d-%H%M%S")).resolve()  # servers get absolute paths
     out.mkdir(parents=True, exist_ok=True)
-    replay = run.trace_requests(spec, run.vocab_size(model))
-    order = run.schedule(spec.systems, spec.repeats) if spec.multiturn or replay else []
+    print(f"workload {spec.workload}: {json.dumps(workloads.described(spec))}; pool {spec.shape.pool_tokens} "
+          f"tokens, host budget {spec.shape.host_budget_mb} MiB", file=sys.stderr)  # fmt: skip
+    order = run.schedule(spec.systems, spec.repeats) if spec.multiturn or replays or spec.agents else []
     runs: dict[str, list[run.SystemOutcome]] = {}
     for repeat, name in order:  # each system's list is in repeat order
-        runs.setdefault(name, []).append(run.run_system(name, spec, model, out, replay, repeat))
-    measured = run.measured(runs)
+        runs.setdefault(name, []).append(run.run_system(name, spec, model, out, replays, repeat))
+    measured = run.measured(runs, systems.kv_bytes_per_token(model))
     figures = aggregate.medians(measured)
     extra: dict[str, Any] = _extra(spec, runs)
     failures = gate.check(spec.gate, figures) if spec.gate else []
@@ -208,6 +231,7 @@ def execute(spec: BenchSpec) -> int:
     extra.update(report.versus_best_keys(aggregate.versus_best(measured), measured))
     extra["best_lmcache_config"] = {w: best_lmcache(f) for w, f in figures.items()}
     extra["best_lmcache_config_throughput"] = {w: best_lmcache(f, "throughput") for w, f in figures.items()}
+    extra["figures"] = report.per_system(figures)
     line = report.final_line(figures, {w: ratios(f) for w, f in figures.items()}, extra)
     report.write(out, run.results(runs), figures, line, run.metrics(runs), measured)
     for f in failures:
@@ -221,6 +245,7 @@ def _extra(spec: BenchSpec, runs: dict[str, list[run.SystemOutcome]]) -> dict[st
     return {
         "out_dir": str(spec.out_dir),
         "model": spec.shape.model,
+        "workload": {"name": spec.workload, **workloads.described(spec)},
         "repeats": spec.repeats,
         "order": [f"{name}/r{r}" for r, name in run.schedule(spec.systems, spec.repeats)] if runs else [],
         "shape": asdict(spec.shape),

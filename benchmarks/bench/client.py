@@ -42,6 +42,7 @@ class Result:
     error: str | None = None
     repeat: int = 0  # which of the run's repeats
     server: str | None = None  # behind smg: the worker it routed the request to (`ROUTED_HEADER`)
+    prefix_tokens: int = 0  # `Request.prefix_tokens`: of the prompt, what a cache could hold
 
 
 async def generate(session: aiohttp.ClientSession, base_url: str, request: Request, workload: str, t0: float,
@@ -60,7 +61,8 @@ async def generate(session: aiohttp.ClientSession, base_url: str, request: Reque
 
 async def _generate(session: aiohttp.ClientSession, base_url: str, request: Request, workload: str, t0: float,
                     dispatched: asyncio.Event | None, model: str | None) -> Result:  # fmt: skip
-    result = Result(request.key, workload, request.round, request.resumed, len(request.input_ids))
+    result = Result(request.key, workload, request.round, request.resumed, len(request.input_ids),
+                    prefix_tokens=request.prefix_tokens)  # fmt: skip
     body: dict[str, Any] = {} if model is None else {"model": model}
     body |= {
         "input_ids": list(request.input_ids),

@@ -21,6 +21,7 @@ from enum import Enum
 import aiohttp
 from tqdm import tqdm
 
+from benchmarks.bench.agents import AgentLoop, Agents, Cycle
 from benchmarks.bench.client import Result, generate, new_session
 from benchmarks.bench.spec import MultiTurn
 from benchmarks.bench.workload import Conversation, Request
@@ -101,28 +102,73 @@ async def _in_order(session: aiohttp.ClientSession, base_url: str, turns: list[R
     return list(await asyncio.gather(*tasks))
 
 
+async def agents(base_url: str, spec: Agents, vocab: int, salt: int, drop: Callable[[], object],
+                 bar: tqdm) -> Driven:  # fmt: skip
+    """The agent loops side by side, each sending once the one before it in the `Cycle` has sent; a
+    failed turn stops its agent. The loops never all pause, so the page cache is dropped only before
+    the clock starts."""
+    loops = [AgentLoop.open(spec, i, vocab, salt) for i in range(spec.count)]
+    cycle, changed = Cycle(spec.count), asyncio.Condition()
+    await asyncio.to_thread(drop)
+    async with new_session() as session:
+        t0 = time.perf_counter()
+        done = await asyncio.gather(
+            *(_agent(session, base_url, loop, cycle, changed, t0, bar) for loop in loops)
+        )
+        wall = time.perf_counter() - t0
+    return Driven(spec.name, [r for rs in done for r in rs], wall)
+
+
+async def _agent(session: aiohttp.ClientSession, base_url: str, loop: AgentLoop, cycle: Cycle,
+                 changed: asyncio.Condition, t0: float, bar: tqdm) -> list[Result]:  # fmt: skip
+    """One agent's turns: each waits for the agent's place in `cycle`, is sent (the cycle moves on once
+    the server took it), answered, and followed by the tool's run (`think_s`)."""
+    results: list[Result] = []
+    try:
+        while (turn := loop.next_turn()) is not None:
+            async with changed:
+                await changed.wait_for(lambda: cycle.current == loop.index)
+            dispatched = asyncio.Event()
+            sending = asyncio.create_task(_one(session, base_url, turn, loop.spec.name, t0, bar, dispatched))
+            await dispatched.wait()
+            async with changed:
+                cycle.sent(loop.index)
+                changed.notify_all()
+            results.append(await sending)
+            if results[-1].error is not None:
+                break
+            loop.answered(turn, results[-1].output_ids)
+            if not loop.done:
+                await asyncio.sleep(loop.spec.think_s)
+    finally:
+        async with changed:
+            cycle.leave(loop.index)
+            changed.notify_all()
+    return results
+
+
 async def replay(base_url: str, requests: list[Request], drop: Callable[[], object], bar: tqdm,
-                 evict: Callable[[], object] | None = None) -> Driven:  # fmt: skip
-    """The open-loop replay: something is always in flight, so the page cache is dropped before the
-    clock starts and then `evict`ed (clean pages only: nothing written on the clock) every
-    `DROP_EVERY_S` inside the timed window, the same for every system."""
+                 evict: Callable[[], object] | None = None, name: str = "trace") -> Driven:  # fmt: skip
+    """The open-loop replay (the workload `name`): something is always in flight, so the page cache
+    is dropped before the clock starts and then `evict`ed (clean pages only: nothing written on the
+    clock) every `DROP_EVERY_S` inside the timed window, the same for every system."""
     await asyncio.to_thread(drop)  # before the clock starts
     async with new_session() as session:
         t0 = time.perf_counter()
         dropper = asyncio.create_task(_drop_every(evict or drop, DROP_EVERY_S))
         try:
-            done = await asyncio.gather(*(_at(session, base_url, r, t0, bar) for r in requests))
+            done = await asyncio.gather(*(_at(session, base_url, r, t0, bar, name) for r in requests))
         finally:
             dropper.cancel()
         wall = time.perf_counter() - t0
-    return Driven("trace", list(done), wall)
+    return Driven(name, list(done), wall)
 
 
 async def _at(
-    session: aiohttp.ClientSession, base_url: str, request: Request, t0: float, bar: tqdm
+    session: aiohttp.ClientSession, base_url: str, request: Request, t0: float, bar: tqdm, workload: str
 ) -> Result:
     await asyncio.sleep(max(0.0, t0 + request.at_s - time.perf_counter()))
-    return await _one(session, base_url, request, "trace", t0, bar)
+    return await _one(session, base_url, request, workload, t0, bar)
 
 
 async def _one(session: aiohttp.ClientSession, base_url: str, request: Request, workload: str, t0: float,

@@ -17,9 +17,9 @@ from benchmarks.bench.aggregate import COUNTS, Measured, VersusBest
 from benchmarks.bench.client import TIERS, Result
 from benchmarks.bench.summary import Figures, pct
 
-REQUEST_FIELDS = ("system", "repeat", "workload", "key", "round", "resumed", "prompt_tokens", "sent_s", "ttft_ms",
-                  "latency_ms", "output_tokens", "cached_tokens", "cached_device", "cached_host",
-                  "cached_storage", "error", "server")  # fmt: skip
+REQUEST_FIELDS = ("system", "repeat", "workload", "key", "round", "resumed", "prompt_tokens", "prefix_tokens",
+                  "sent_s", "ttft_ms", "latency_ms", "output_tokens", "cached_tokens", "cached_device",
+                  "cached_host", "cached_storage", "error", "server")  # fmt: skip
 
 
 _RATIOS = ("ttft_vs_recompute", "ttft_vs_hicache", "ttft_vs_lmcache", "ttft_vs_resident", "throughput_vs_recompute",
@@ -52,6 +52,19 @@ def final_line(workloads: dict[str, dict[str, Figures]], ratios: dict[str, dict[
         **extra,
     }
     return clean(line)  # type: ignore[no-any-return]
+
+
+PER_SYSTEM = ("ttft_p50_ms", "ttft_resume_p50_ms", "ttft_resume_p90_ms", "queue_mean_ms", "throughput_tok_s",
+              "resumed_resident", "resumed_restored", "resumed_recomputed", "tokens_restored", "tokens_recomputed",
+              "disk_write_mb", "write_per_restored")  # fmt: skip
+"""The figures the final line gives for every system on every workload (`per_system`)."""
+
+
+def per_system(workloads: dict[str, dict[str, Figures]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per workload and system, the figures of `PER_SYSTEM` (medians over repeats; turn counts summed)."""
+    return {
+        w: {s: {k: getattr(f, k) for k in PER_SYSTEM} for s, f in fs.items()} for w, fs in workloads.items()
+    }
 
 
 def versus_best_keys(vs: VersusBest, measured: dict[str, dict[str, Measured]]) -> dict[str, Any]:
@@ -166,7 +179,7 @@ def _plot(path: Path, results: dict[str, dict[str, list[Result]]]) -> None:
                 rounds, [pct([r.ttft_ms for r in ok if r.round == k], 50) for k in rounds], "o-", label=system
             )
         ax.set_title(name)
-        ax.set_xlabel("round" if name != "trace" else "blocks reused")
+        ax.set_xlabel("round" if name.startswith(("multiturn", "agents")) else "blocks reused")
         ax.set_ylabel("TTFT p50 (ms)")
         ax.set_yscale("log")
         ax.legend()

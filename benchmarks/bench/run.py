@@ -21,13 +21,15 @@ from typing import Any
 from tqdm import tqdm
 
 from benchmarks.bench import drive, pagecache, systems, trace
+from benchmarks.bench.agents import send_order
 from benchmarks.bench.aggregate import Measured
 from benchmarks.bench.client import Result
+from benchmarks.bench.disk_writes import WriteMeter
 from benchmarks.bench.lmcache_process import LMCacheServer
 from benchmarks.bench.probe import Sampler, delta, dir_bytes, scrape
 from benchmarks.bench.server_process import ServerProcess
 from benchmarks.bench.spec import BenchSpec, SpecError
-from benchmarks.bench.summary import summarize
+from benchmarks.bench.summary import NAN, summarize
 from benchmarks.bench.workload import Request
 
 
@@ -36,6 +38,9 @@ class SystemOutcome:
     results: dict[str, list[Result]] = field(default_factory=dict)  # per workload
     wall_s: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # /metrics deltas per workload
+    written: dict[str, float] = field(
+        default_factory=dict
+    )  # bytes written to disk per workload (NaN: unknown)
     rss_peak_mb: float = 0.0
     tier_bytes: int = 0  # on disk at the end of the run
     page_cache: set[str] = field(default_factory=set)  # how the page cache was dropped
@@ -81,17 +86,36 @@ def vocab_size(model: Path) -> int:
     return int(json.loads((model / "config.json").read_text())["vocab_size"])
 
 
-def trace_requests(spec: BenchSpec, vocab: int) -> list[Request]:
-    return [] if spec.trace is None else trace.to_requests(trace.load(spec.trace), spec.trace, vocab)
+@dataclass(frozen=True)
+class Replay:
+    """One trace's requests, replayed as the workload `name`."""
+
+    name: str
+    requests: list[Request]
+
+
+def trace_requests(spec: BenchSpec, vocab: int) -> list[Replay]:
+    return [Replay(t.name, trace.to_requests(trace.load(t), t, vocab)) for t in spec.traces]
+
+
+def history_tokens(spec: BenchSpec, replays: list[Replay]) -> int:
+    """The longest history a request of the run resumes: a conversation's whole, an agent's context
+    before its last turn, a trace request's prefix sent before."""
+    agents = (
+        max((max(spec.agents.plan(i)) for i in range(spec.agents.count)), default=0) if spec.agents else 0
+    )
+    return max([agents, *(m.context_tokens() for m in spec.multiturn),
+                *(r.prefix_tokens for replay in replays for r in replay.requests)])  # fmt: skip
 
 
 def run_system(
-    name: str, spec: BenchSpec, model: Path, workdir: Path, replay: list[Request], repeat: int = 0
+    name: str, spec: BenchSpec, model: Path, workdir: Path, replays: list[Replay], repeat: int = 0
 ) -> SystemOutcome:
     """One run of one system: a fresh server, every workload, results tagged with `repeat`; the
     page cache is dropped at the workloads' barriers, outside their timed windows."""
     tokens = sum(m.concurrency * (m.context_tokens() + m.question_tokens) for m in spec.multiturn)
-    tokens += sum(len(r.input_ids) + r.output_tokens for r in replay)
+    tokens += sum(len(r.input_ids) + r.output_tokens for replay in replays for r in replay.requests)
+    tokens += spec.agents.total_tokens() if spec.agents else 0
     system = systems.build(name, spec.shape, model, workdir, workload_tokens=tokens)
     outcome = SystemOutcome()
     vocab = vocab_size(model)
@@ -105,16 +129,27 @@ def run_system(
         if spec.drop_page_cache:
             pagecache.drop(tiers, write_back=False)
 
-    n = sum(m.concurrency * m.rounds for m in spec.multiturn) + len(replay)
+    n = sum(m.concurrency * m.rounds for m in spec.multiturn) + sum(len(r.requests) for r in replays)
+    n += len(send_order(spec.agents)) if spec.agents else 0
     with (
         system.server(model, workdir / log_name(name, repeat)) as server,
         Sampler(server.proc.pid if server.proc else 0, also=_daemons(server)) as rss,
         tqdm(total=n, desc=f"{name:>22} r{repeat}", file=sys.stderr, unit="req") as bar,
     ):
+        meter = WriteMeter(lambda: _processes(server))
         for salt, mt in enumerate(spec.multiturn, 1):
-            _record(outcome, server.base_url, drive.multiturn(server.base_url, mt, vocab, salt, drop, bar))
-        if replay:
-            _record(outcome, server.base_url, drive.replay(server.base_url, replay, drop, bar, evict))
+            work = drive.multiturn(server.base_url, mt, vocab, salt, drop, bar)
+            _record(outcome, server.base_url, work, meter)
+        if spec.agents is not None:
+            _record(
+                outcome,
+                server.base_url,
+                drive.agents(server.base_url, spec.agents, vocab, 1, drop, bar),
+                meter,
+            )
+        for replay in replays:
+            work = drive.replay(server.base_url, replay.requests, drop, bar, evict, replay.name)
+            _record(outcome, server.base_url, work, meter)
         outcome.tier_bytes = dir_bytes(system.tier_dir)
     outcome.rss_peak_mb = rss.peak_rss_mb
     if system.tier_dir is not None:
@@ -125,18 +160,27 @@ def run_system(
     return outcome
 
 
+def _processes(server: ServerProcess) -> tuple[int, ...]:
+    """The roots of the process trees whose disk writes are the system's: the server's and its daemons'."""
+    return ((server.proc.pid,) if server.proc is not None else ()) + _daemons(server)
+
+
 def _daemons(server: ServerProcess) -> tuple[int, ...]:
     """The processes beside `server` whose memory is its cache's: an LMCache server's daemon (its L1)."""
     daemon = server.daemon if isinstance(server, LMCacheServer) else None
     return (daemon.proc.pid,) if daemon is not None and daemon.proc is not None else ()
 
 
-def measured(runs: dict[str, list[SystemOutcome]]) -> dict[str, dict[str, Measured]]:
-    """Per workload and system, the figures of every repeat."""
+def measured(
+    runs: dict[str, list[SystemOutcome]], kv_bytes_per_token: int = 0
+) -> dict[str, dict[str, Measured]]:
+    """Per workload and system, the figures of every repeat (`kv_bytes_per_token`: the model's, for
+    the bytes restored; 0: not known)."""
     out: dict[str, dict[str, Measured]] = {}
     for name, outcomes in runs.items():
         for w in outcomes[0].results:
-            per_repeat = tuple(summarize(o.results[w], o.wall_s[w], o.metrics[w]) for o in outcomes)
+            per_repeat = tuple(summarize(o.results[w], o.wall_s[w], o.metrics[w], o.written.get(w, NAN),
+                                         kv_bytes_per_token) for o in outcomes)  # fmt: skip
             out.setdefault(w, {})[name] = Measured(per_repeat)
     return out
 
@@ -166,9 +210,15 @@ def log_name(system: str, repeat: int) -> str:
     return f"{system}-r{repeat}.log"
 
 
-def _record(outcome: SystemOutcome, base_url: str, work: Coroutine[Any, Any, drive.Driven]) -> None:
+def _record(outcome: SystemOutcome, base_url: str, work: Coroutine[Any, Any, drive.Driven],
+            meter: WriteMeter | None = None) -> None:  # fmt: skip
+    """Run `work` (a workload on the server at `base_url`) and keep what it measured, with how
+    `/metrics` moved and (given a `meter`) the bytes the system wrote to disk meanwhile."""
     before = scrape(base_url)  # `work` starts only below
+    if meter is not None:
+        meter.start()
     driven = asyncio.run(work)
+    outcome.written[driven.workload] = meter.stop() if meter is not None else NAN
     outcome.metrics[driven.workload] = delta(scrape(base_url), before)
     outcome.results[driven.workload] = driven.results
     outcome.wall_s[driven.workload] = driven.wall_s

@@ -10,8 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from benchmarks.bench.lmcache_process import L2
+
+if TYPE_CHECKING:  # agents.py builds on this module (SpecError, Shape)
+    from benchmarks.bench.agents import Agents
 
 
 class SpecError(ValueError):
@@ -202,6 +206,15 @@ class MultiTurn:
         return self.first_tokens + (self.rounds - 1) * self.question_tokens + self.rounds * self.output_tokens
 
 
+class Cut(Enum):
+    """Which requests of a trace file a replay keeps, at most `Trace.requests` of them."""
+
+    FIRST = "first"  # the first lines
+    # whole conversations (the requests that share their first hash id), in the order of their first
+    # request, each one that still fits: a conversation's later turns are what a cache serves
+    CONVERSATIONS = "conversations"
+
+
 @dataclass(frozen=True)
 class Trace:
     """Open-loop replay of a Mooncake-format trace (a file, or one synthesized from `seed`)."""
@@ -211,6 +224,9 @@ class Trace:
     time_scale: float = 0.5  # arrival times are multiplied by this
     token_scale: float = 0.125  # block, input and output lengths are multiplied by this
     seed: int = 0
+    name: str = "trace"  # the workload's name in results
+    salt: int = 0  # token ids differ between replays of different salts (of one trace, on one server)
+    cut: Cut = Cut.FIRST
 
     def __post_init__(self) -> None:
         if self.requests < 1:
@@ -219,10 +235,6 @@ class Trace:
             raise SpecError("trace time and token scales must be > 0")
         if self.path is not None and not Path(self.path).is_file():
             raise SpecError(f"trace file not found: {self.path}")
-
-    @property
-    def name(self) -> str:
-        return "trace"
 
 
 @dataclass(frozen=True)
@@ -250,13 +262,18 @@ class Soak:
 class BenchSpec:
     shape: Shape = field(default_factory=Shape)
     multiturn: tuple[MultiTurn, ...] = (MultiTurn(concurrency=8),)
-    trace: Trace | None = field(default_factory=Trace)
+    traces: tuple[Trace, ...] = (Trace(),)  # replayed in this order, after the multi-turn workloads
+    agents: Agents | None = None  # the agent loops (`bench/agents.py`), after the multi-turn workloads
     systems: tuple[str, ...] = SYSTEMS
     gate: Gate | None = None
     soak: Soak | None = None
     out_dir: Path = Path("out/bench")
     drop_page_cache: bool = True
     repeats: int = 3  # each system runs this many times, in interleaved order (run.schedule)
+    # The host budget is still to be sized to hold as much KV as the device pool, once the model is
+    # known (`workloads.fit_host`): the agents workload without --host-budget-mb
+    host_budget_fits_pool: bool = False
+    workload: str = "chat"  # its name (`workloads.WORKLOADS`)
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.systems if s not in SYSTEMS]
@@ -268,15 +285,13 @@ class BenchSpec:
             if LMCACHE[name].chunk_size % self.shape.page_size:
                 raise SpecError(f"{name}: its chunk of {LMCACHE[name].chunk_size} tokens is not a multiple of "
                                 f"the page size {self.shape.page_size}")  # fmt: skip
-        if not self.multiturn and self.trace is None and self.soak is None:
-            raise SpecError("nothing to run: no multi-turn workload, no trace and no soak")
+        if not self.multiturn and not self.traces and self.agents is None and self.soak is None:
+            raise SpecError("nothing to run: no multi-turn workload, no trace, no agents and no soak")
 
 
 def quick(spec: BenchSpec) -> BenchSpec:
-    """The `--quick` preset: one repeat, the first multi-turn workload, at most 12 trace requests."""
-    return replace(
-        spec,
-        multiturn=spec.multiturn[:1],
-        trace=None if spec.trace is None else replace(spec.trace, requests=min(spec.trace.requests, 12)),
-        repeats=1,
-    )
+    """The `--quick` preset: one repeat, the first multi-turn workload, at most 12 requests of a trace
+    cut at its first lines (a trace cut in whole conversations and the agents come in their own quick
+    sizes: `workloads`)."""
+    traces = tuple(replace(t, requests=min(t.requests, 12)) if t.cut is Cut.FIRST else t for t in spec.traces)
+    return replace(spec, multiturn=spec.multiturn[:1], traces=traces, repeats=1)

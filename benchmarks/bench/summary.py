@@ -40,6 +40,17 @@ class Figures:
     # before any prefill starts
     queue_mean_ms: float
     wall_s: float
+    # Resumed turns by where most of their reusable prefix (`Result.prefix_tokens`) was found: on the
+    # device (resident), in host memory or on disk (restored), nowhere (recomputed: prefilled again)
+    resumed_resident: int
+    resumed_restored: int
+    resumed_recomputed: int
+    tokens_restored: float  # prompt tokens served from host memory or disk
+    tokens_recomputed: float  # of resumed turns' reusable prefixes, the tokens prefilled again
+    disk_write_mb: float  # written to disk by the system's processes over the workload (`disk_writes`)
+    # disk bytes written per byte restored (tokens_restored x the model's KV bytes per token); NaN
+    # where nothing was restored
+    write_per_restored: float
 
     def to_json(self) -> dict[str, Any]:
         return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(self).items()}
@@ -49,12 +60,16 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else NAN
 
 
-def summarize(results: list[Result], wall_s: float, metrics: dict[str, float]) -> Figures:
+def summarize(results: list[Result], wall_s: float, metrics: dict[str, float], written_bytes: float = NAN,
+              kv_bytes_per_token: int = 0) -> Figures:  # fmt: skip
+    """`written_bytes`: what the system wrote to disk over the workload (NaN: not measured);
+    `kv_bytes_per_token`: the model's, to turn restored tokens into bytes."""
     ok = [r for r in results if r.error is None]
     resumed = [r.ttft_ms for r in ok if r.resumed]
     prompt = sum(r.prompt_tokens for r in ok) or 1
     split = [r.cached for r in ok]
     by_tier = {t: NAN if None in split else sum(c[t] for c in split if c is not None) / prompt for t in TIERS}
+    restored = NAN if None in split else float(sum(c["host"] + c["storage"] for c in split if c is not None))
     return Figures(
         requests=len(results),
         errors=len(results) - len(ok),
@@ -72,7 +87,32 @@ def summarize(results: list[Result], wall_s: float, metrics: dict[str, float]) -
         restore_gbps=restore_gbps(metrics),
         queue_mean_ms=queue_mean_ms(metrics),
         wall_s=wall_s,
+        **{f"resumed_{k}": n for k, n in resumed_sources(ok).items()},
+        tokens_restored=restored,
+        tokens_recomputed=float(sum(max(0, r.prefix_tokens - r.cached_tokens) for r in ok if r.resumed)),
+        disk_write_mb=written_bytes / 2**20,
+        write_per_restored=ratio(written_bytes, restored * kv_bytes_per_token),
     )
+
+
+SOURCES = ("resident", "restored", "recomputed")
+
+
+def source(r: Result) -> str | None:
+    """Where most of a request's reusable prefix came from: the device ("resident"), host memory or
+    disk ("restored"), or nowhere ("recomputed"); a tie goes to the first of those. None where the
+    answer named no split by tier or there was no prefix to reuse."""
+    if r.cached is None or r.prefix_tokens <= 0:
+        return None
+    device, lower = r.cached["device"], r.cached["host"] + r.cached["storage"]
+    missing = max(0, r.prefix_tokens - device - lower)
+    return max((device, 2, "resident"), (lower, 1, "restored"), (missing, 0, "recomputed"))[2]
+
+
+def resumed_sources(results: list[Result]) -> dict[str, int]:
+    """How many resumed turns of `results` found their prefix where (`source`)."""
+    found = [source(r) for r in results if r.resumed]
+    return {s: found.count(s) for s in SOURCES}
 
 
 def restore_gbps(metrics: dict[str, float]) -> float:

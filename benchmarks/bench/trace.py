@@ -5,7 +5,10 @@ A trace is JSONL, one request per line: `{"timestamp": ms, "input_length": n, "o
 (the format of Mooncake's published traces, e.g. `conversation_trace.jsonl`). The token ids of a
 block are derived from its hash id, so equal ids give equal tokens. `token_scale` shrinks blocks,
 inputs and outputs alike (a 512-token block becomes `round(512 * token_scale)` tokens) and
-`time_scale` stretches or compresses arrival times, so a production trace fits this machine.
+`time_scale` stretches or compresses arrival times, so a production trace fits this machine. A
+replay's `salt` changes every block's token ids, so two replays of one trace on one server share no
+KV. `Cut.CONVERSATIONS` keeps whole conversations of a file (`whole_conversations`) where the first
+lines would keep mostly first turns.
 
 The synthesized trace (`synthesize`) is multi-turn chat in that format: sessions that share one
 system-prompt block, each turn repeating the session's earlier blocks plus new ones.
@@ -14,12 +17,13 @@ system-prompt block, each turn repeating the session's earlier blocks plus new o
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.bench.spec import SpecError, Trace
+from benchmarks.bench.spec import Cut, SpecError, Trace
 from benchmarks.bench.workload import Request, token_ids
 
 BLOCK_TOKENS = 512
@@ -95,26 +99,58 @@ def synthesize(n: int, seed: int) -> list[TraceRecord]:
 
 
 def load(spec: Trace) -> list[TraceRecord]:
-    return read(spec.path, spec.requests) if spec.path is not None else synthesize(spec.requests, spec.seed)
+    if spec.path is None:
+        return synthesize(spec.requests, spec.seed)
+    if spec.cut is Cut.CONVERSATIONS:
+        return whole_conversations(read(spec.path, sys.maxsize), spec.requests)
+    return read(spec.path, spec.requests)
+
+
+def whole_conversations(records: list[TraceRecord], limit: int) -> list[TraceRecord]:
+    """Of `records`, every request of whole conversations (the requests that share their first hash
+    id), conversations taken in the order of their first request, each one that still fits in
+    `limit` requests; in time order. SpecError if none fits."""
+    conversations: dict[int, list[TraceRecord]] = {}
+    for r in sorted(records, key=lambda r: r.timestamp_ms):
+        conversations.setdefault(r.hash_ids[0], []).append(r)
+    kept: list[TraceRecord] = []
+    for turns in conversations.values():
+        if len(kept) + len(turns) <= limit:
+            kept += turns
+    if not kept:
+        raise SpecError(f"no conversation of the trace has at most {limit} requests")
+    return sorted(kept, key=lambda r: r.timestamp_ms)
+
+
+def _lengths(r: TraceRecord, spec: Trace) -> tuple[int, int, int]:
+    """(block, input, output) tokens of `r` scaled by `spec.token_scale`."""
+    block = max(1, round(BLOCK_TOKENS * spec.token_scale))
+    n_in = min(max(1, round(r.input_length * spec.token_scale)), len(r.hash_ids) * block)
+    return block, n_in, max(1, round(r.output_length * spec.token_scale))
+
+
+def longest(records: list[TraceRecord], spec: Trace) -> int:
+    """The most tokens one request of `records` holds once scaled: its prompt and its answer."""
+    return max(n_in + n_out for _, n_in, n_out in (_lengths(r, spec) for r in records))
 
 
 def to_requests(records: list[TraceRecord], spec: Trace, vocab: int) -> list[Request]:
     """Scaled, time-ordered requests. A request is `resumed` when at least half of its blocks are a
     prefix an earlier request already sent (its conversation comes back), not merely a shared
     system prompt."""
-    block = max(1, round(BLOCK_TOKENS * spec.token_scale))
     t0 = min(r.timestamp_ms for r in records)
     seen: set[tuple[int, ...]] = set()
     out = []
     for i, r in enumerate(sorted(records, key=lambda r: r.timestamp_ms)):
-        n_in = min(max(1, round(r.input_length * spec.token_scale)), len(r.hash_ids) * block)
+        block, n_in, n_out = _lengths(r, spec)
         used = r.hash_ids[: -(-n_in // block)]
-        ids = [t for h in used for t in token_ids(SEED_BLOCK + h, block, vocab)]
+        ids = [t for h in used for t in token_ids(SEED_BLOCK * (1 + spec.salt) + h, block, vocab)]
         reused = next((k for k in range(len(used), 0, -1) if used[:k] in seen), 0)
         seen.update(used[:k] for k in range(1, len(used) + 1))
         out.append(Request(
             key=f"t{i}", group=used[0], round=reused, input_ids=tuple(ids[:n_in]),
-            output_tokens=max(1, round(r.output_length * spec.token_scale)),
+            output_tokens=n_out,
             resumed=2 * reused >= len(used), at_s=(r.timestamp_ms - t0) / 1e3 * spec.time_scale,
+            prefix_tokens=min(n_in, reused * block),
         ))  # fmt: skip
     return out

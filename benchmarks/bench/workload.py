@@ -23,6 +23,9 @@ class Request:
     output_tokens: int
     resumed: bool  # its prefix was served before (a cache could reuse it)
     at_s: float = 0.0  # trace: arrival time after the replay starts
+    # Of `input_ids`, the leading tokens an earlier request of its conversation sent or got back (what
+    # a cache could hold when it comes; 0 for a first turn)
+    prefix_tokens: int = 0
 
 
 def token_ids(seed: int, n: int, vocab: int) -> list[int]:
@@ -57,6 +60,7 @@ class Conversation:
             input_ids=tuple(prompt),
             output_tokens=output_tokens,
             resumed=self.rounds_done > 0,
+            prefix_tokens=len(self.history) if self.rounds_done else 0,
         )
 
     def answered(self, request: Request, output_ids: list[int]) -> None:

@@ -64,3 +64,28 @@ def test_soak_alone_passes_and_reports(tmp_path: Path) -> None:
     assert 0 < line["soak_tier_peak_mb"] <= 512
     assert line["soak_rss_peak_mb"] >= line["soak_rss_start_mb"] > 0
     assert line["soak_restored_after_restart"] > 0, "the server SIGKILLed halfway restarted warm"
+
+
+@pytest.mark.slow  # two fresh servers: 8.4 min on this 2-core box under load; the parts have fast tests
+@pytest.mark.timeout(1800)
+def test_agents_workload_end_to_end(tmp_path: Path) -> None:
+    """`--workload agents --quick` on the tiny model (12 agents at token scale 1/16: a host budget of
+    1 MiB holds 4,096 of its tokens, so shorter contexts would stay in memory): every turn answered,
+    ours restores resumed turns' contexts from its tier and recompute cannot, each resumed turn is
+    counted where it found its prefix, and ours' disk writes are set against what it restored."""
+    cmd = [sys.executable, "-m", "sgl_hicache.bench", "--model", "tiny", "--workload", "agents", "--quick",
+           "--systems", "ours,recompute", "--agents", "12", "--token-scale", "0.0625", "--out", str(tmp_path)]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1700)
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = json.loads(p.stdout.strip().splitlines()[-1])
+    assert line["errors"] == 0 and line["headline_workload"] == "agents"
+    assert line["workload"]["agents"]["token_scale"] == 0.0625 and line["workload"]["agents"]["count"] == 12
+    assert line["ttft_vs_recompute"] > 0 and line["throughput_vs_recompute"] > 0
+    ours, recompute = line["figures"]["agents"]["ours"], line["figures"]["agents"]["recompute"]
+    resumed = line["workload"]["agents"]["turns"] - 12
+    for f in (ours, recompute):
+        assert f["resumed_resident"] + f["resumed_restored"] + f["resumed_recomputed"] == resumed
+    assert ours["resumed_restored"] > 0 and ours["tokens_restored"] > 0
+    assert ours["disk_write_mb"] > 0 and ours["write_per_restored"] > 0
+    assert recompute["resumed_restored"] == 0 and recompute["tokens_restored"] == 0
+    assert recompute["write_per_restored"] is None, "nothing restored: no ratio"

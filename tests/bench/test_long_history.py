@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from sgl_hicache_cpu.cpu_prefix_attention import ENV_VAR as PREFIX_ATTENTION_ENV
 
 from benchmarks import long_history as lh
-from benchmarks.bench.spec import HICACHE, LMCACHE
+from benchmarks.bench import lmcache_process
+from benchmarks.bench.lmcache_process import L2, LMCacheServer
+from benchmarks.bench.spec import HICACHE, LMCACHE, Shape
+from benchmarks.bench.systems import kv_bytes_per_token
 
 
 def row(system: str, length: int, resume: float, resident: float, **phases: float) -> dict:
@@ -72,3 +77,72 @@ def test_rows_are_saved_whole_and_a_failed_save_does_not_stop_the_run(
     lh.save_rows(tmp_path, first)
     assert "could not save rows" in capsys.readouterr().err
     assert json.loads((tmp_path / "rows.json").read_text()) == second, "the last good save stays"
+
+
+def _tiny_vocab_model(tmp_path: Path, vocab: int) -> Path:
+    m = tmp_path / "tiny"
+    m.mkdir()
+    m.joinpath("config.json").write_text(json.dumps(
+        {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64,
+         "vocab_size": vocab}))  # fmt: skip
+    return m
+
+
+def test_every_token_sent_is_in_the_models_vocabulary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--model tiny` (vocabulary 1,024) crashed: the prompts held ids up to 8,099. Every id of every
+    request of a round (history, resident turns, other work, resumes) is now below the vocabulary."""
+    vocab = 1024
+    model = _tiny_vocab_model(tmp_path, vocab)
+    sent: list[list[int]] = []
+
+    def ttft(base: str, ids: list[int]) -> tuple[float, int]:
+        sent.append(ids)
+        return 1.0, 0
+
+    class Server:
+        base_url = "http://127.0.0.1:1"
+
+        def start(self, timeout_s: float) -> Server:
+            return self
+
+        def __enter__(self) -> Server:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+    system = SimpleNamespace(name="recompute", tier_dir=None, server=lambda model, log: Server())
+    monkeypatch.setattr(lh, "ttft", ttft)
+    monkeypatch.setattr(lh, "settle", lambda system, base: None)
+    shape = Shape(model=str(model), pool_tokens=1024, host_budget_mb=1, page_size=16)
+    rows = lh.run_server(system, shape, model, [512], 1, 0, tmp_path)  # type: ignore[arg-type]
+    assert len(rows) == 1 and len(sent) > 4
+    assert min(min(ids) for ids in sent) >= 0
+    assert max(max(ids) for ids in sent) < vocab
+
+
+def test_lmcache_systems_run_beside_their_daemons(tmp_path: Path) -> None:
+    """long_history takes every LMCache configuration: each server is built with its own daemon (L1
+    the host budget, a disk tier in the run's directory where it has one), on the CPU profile's
+    prefix attention like the others, and its other work overflows the device pool and that L1."""
+    if lmcache_process.not_installed():
+        pytest.skip("LMCache is not installed here")
+    model = _tiny_vocab_model(tmp_path, 1024)
+    names = lh._systems("lmcache,ours")
+    workdir, _, shape, systems = lh.prepare(tmp_path / "out", "long-", str(model), names, 1024, 64, "cpu")
+    assert [s.name for s in systems] == [*LMCACHE, "ours"]
+    for system in systems[:-1]:
+        server = system.server(model, workdir / "s.log")
+        assert isinstance(server, LMCacheServer) and server.daemon is not None, system.name
+        assert "--enable-lmcache" in server.command()
+        assert (
+            dict(system.env)[PREFIX_ATTENTION_ENV] == "1"
+            and dict(system.env)["LMCACHE_TRACK_USAGE"] == "false"
+        )
+        assert server.daemon.spec.l1_mb == shape.host_budget_mb
+        disk = LMCACHE[system.name].l2 is not L2.NONE
+        assert (server.daemon.spec.l2_dir is not None) == disk and (system.tier_dir is not None) == disk
+        l1_tokens = shape.host_budget_mb * 2**20 // kv_bytes_per_token(model)
+        assert lh.filler_tokens(system, shape, model) > shape.pool_tokens + l1_tokens
