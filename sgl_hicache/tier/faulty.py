@@ -137,23 +137,26 @@ class FaultyTier(IndexedTier):
     def submit_store(
         self, key: ExtentKey, payload: Buffer, tokens: Sequence[int] | np.ndarray, parent: ExtentKey,
         *, store_tokens: bool = True, aliases: Sequence[tuple[int, bytes]] = (), cache_salt: str | None = None,
+        group_layers: int = 0,
     ) -> Ticket:  # fmt: skip
         ticket, release_at, fail, _, _ = self._draw()
         if fail:
             return self._inject_failure(ticket, Op.STORE, key, release_at)
         with self._lock:  # held so that _pump cannot see the inner completion before its plan
             inner = self._inner.submit_store(key, payload, tokens, parent, store_tokens=store_tokens,
-                                             aliases=aliases, cache_salt=cache_salt)  # fmt: skip
+                                             aliases=aliases, cache_salt=cache_salt,
+                                             group_layers=group_layers)  # fmt: skip
             self._plans[inner] = _Plan(ticket, release_at)
         return ticket
 
-    def submit_load(self, key: ExtentKey, dest: Buffer, nbytes: int | None = None) -> Ticket:
+    def submit_load(self, key: ExtentKey, dest: Buffer, nbytes: int | None = None,
+                    group_layers: int | None = None) -> Ticket:  # fmt: skip
         ticket, release_at, fail, corrupt, silent = self._draw()
         if fail:
             return self._inject_failure(ticket, Op.LOAD, key, release_at)
         view = as_view(dest, writable=True)
         with self._lock:
-            inner = self._inner.submit_load(key, view, nbytes)
+            inner = self._inner.submit_load(key, view, nbytes, group_layers)
             self._plans[inner] = _Plan(ticket, release_at, view if corrupt or silent else None, silent)
             if not (corrupt or silent):  # a load bound to be corrupted never shows verified bytes
                 total = view.nbytes if nbytes is None else nbytes

@@ -108,11 +108,13 @@ def fill_kv(pool: Any, slots: torch.Tensor, ids: list[int]) -> None:
             buf.view(torch.int16)[slots] = marker_bits(vals.to(buf.device), layer, which)
 
 
-def read_kv(pool: Any, slots: torch.Tensor) -> list[int]:
-    """The id whose marker each slot holds; asserts every element of every layer agrees with it."""
-    k0 = pool.k_buffer[0].view(torch.int16)[slots].to(torch.int64)
-    ids = k0[:, 0, 0] | (k0[:, 0, 1] << MARK_BITS)
-    for layer in range(LAYERS):
+def read_kv(pool: Any, slots: torch.Tensor, layers: range | None = None) -> list[int]:
+    """The id whose marker each slot holds; asserts every element of every layer (of `layers`, by
+    default all) agrees with it."""
+    layers = range(LAYERS) if layers is None else layers
+    k0 = pool.k_buffer[layers[0]].view(torch.int16)[slots].to(torch.int64)
+    ids = k0[:, 0, 0] | (k0[:, 0, 1] << MARK_BITS)  # every layer's K holds the id there
+    for layer in layers:
         for which, buf in enumerate((pool.k_buffer[layer], pool.v_buffer[layer])):
             got = buf.view(torch.int16)[slots]
             assert torch.equal(got, marker_bits(ids, layer, which)), (
@@ -127,7 +129,6 @@ def build_stack(tier_dir: Path, size: int = 256, spill: bool = True, chunk_bytes
     """A real sglang pool and allocator under a SpillRadixCache whose tier lives in `tier_dir`
     (`streams`: the copy streams' stand-in, see fake_device.py; default the CPU's; `kv_events`:
     record sglang's KV cache events, as `--kv-events-config` does)."""
-    from sgl_hicache.kernels import from_sglang_pool
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -136,6 +137,7 @@ def build_stack(tier_dir: Path, size: int = 256, spill: bool = True, chunk_bytes
     from sgl_hicache.cache.metrics import SpillMetrics
     from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
     from sgl_hicache.config import SpillConfig, TierConfig
+    from sgl_hicache.kernels import from_sglang_pool
     from sgl_hicache.server.factory import open_controller
     from sgl_hicache.tier import KVDtype, KVLayout, Namespace
 
