@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 class Readiness(enum.Enum):
     READY = "ready"  # every byte is in staging or read and verified
+    LAYERWISE = (
+        "layerwise"  # reads in flight, the first layer group of each landed (a layer-wise restore may start)
+    )
     PENDING = "pending"  # reads in flight
     FAILED = "failed"  # a read failed or could not start: recompute
 
