@@ -176,3 +176,112 @@ def test_a_load_reports_its_layer_groups_verified_in_group_order(make_stack: Any
         time.sleep(0.01)
     assert all(g1 == 0 or g0 == len(B) for g0, g1 in seen), "group 1 landed before group 0 was whole"
     assert seen == sorted(seen) and any(g0 == len(B) and g1 < len(B) for g0, g1 in seen)
+
+
+C = list(range(700, 900))
+
+
+def test_two_resumed_requests_in_one_forward_only_the_failed_ones_reader_is_retracted(
+    make_stack: Any,
+) -> None:
+    """Two layer-wise restores in progress in one forward (one batch); B's second group fails:
+    only B's request is retracted and its nodes dropped, C's request reads every layer restored."""
+    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+
+    from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
+
+    s = make_stack(size=1024, chunk_bytes=CHUNK, layerwise_restore=True)
+    for seq in (B, C):
+        s.insert(seq)
+    s.evict_all()
+    tier = FaultyTier(s.cache.controller.tier, FaultSpec(latency_s=LATENCY_S, late_fault_rate=1.0))
+    lates = iter([True, False])  # B's load fails late, C's does not
+    tier._draw_late = lambda: next(lates)  # type: ignore[method-assign]
+    s.cache.controller.tier = tier
+    reqs, params = [], []
+    for seq, rid in ((B, "b"), (C, "c")):
+        m = s.match(seq)
+        s.cache.prefetch(seq, rid=rid)
+        req = SimpleNamespace(last_node=m.last_device_node, rid=rid)
+        reqs.append(req)
+        params.append(InitLoadBackParams(m.best_match_node, m.host_hit_length, req=req))
+    answers: list[Any] = [None, None]
+    deadline = time.monotonic() + 30
+    while None in answers:  # one scheduling round admits both, in any order
+        for i, p in enumerate(params):
+            if answers[i] is None:
+                answers[i] = s.cache.init_load_back(p)
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    for req, (loaded, node) in zip(reqs, answers, strict=True):
+        assert loaded == 200
+        req.last_node = node
+        s.cache.inc_lock_ref(node)
+    assert len(s.cache.layerwise.active) == 2
+    slots = [s.cache.path_device_indices(r.last_node) for r in reqs]
+    seen = [forward(s, sl) for sl in slots]  # one forward reads both: each layer waits for both
+    assert seen[1] == [expected_kv(C)] * LAYERS and seen[0][0] == expected_kv(B)
+    assert s.cache.after_forward(reqs) == [reqs[0]]
+    s.cache.dec_lock_ref(reqs[0].last_node)
+    s.cache.drop_failed_layerwise()
+    assert s.match(B).device_prefix_len == 0 and s.match(C).device_prefix_len == len(C)
+    s.cache.dec_lock_ref(reqs[1].last_node)
+    s.cache.check_integrity()
+
+
+def test_a_group_failing_on_one_tp_rank_retracts_on_every_rank(tmp_path: Any) -> None:
+    """Two TP ranks (threads, a MIN collective between them): rank 1's load fails after its first
+    group, rank 0's lands whole. Both admit layer-wise (agreed), both retract the request (agreed),
+    and both end with the same tree."""
+    import threading
+
+    from sgl_hicache.cache.warm_start import tree_digest
+    from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
+    from tests.cache.conftest import build_stack, close_stack
+    from tests.cache.test_tp_agreement import ThreadedAgreement
+
+    group = ThreadedAgreement.Group(2)
+    stacks = [
+        build_stack(tmp_path / f"rank{r}", size=512, chunk_bytes=CHUNK, layerwise_restore=True)
+        for r in range(2)
+    ]
+    results: list[Any] = [None, None]
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        s = stacks[r]
+        try:
+            s.cache.agreement = ThreadedAgreement(group, r)
+            s.insert(B)
+            s.evict_all()
+            spec = FaultSpec(latency_s=LATENCY_S, late_fault_rate=float(r == 1))
+            s.cache.controller.tier = FaultyTier(s.cache.controller.tier, spec)
+            (loaded, node), req, _ = admit(s)
+            forward(s, s.cache.path_device_indices(node))
+            retracted = s.cache.after_forward([req])
+            s.cache.dec_lock_ref(req.last_node)
+            s.cache.drop_failed_layerwise()
+            results[r] = (
+                loaded,
+                retracted == [req],
+                s.match(B).device_prefix_len,
+                tree_digest(s.cache.root_node),
+            )
+        except BaseException as e:  # reported below
+            errors.append(e)
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    try:
+        assert not any(t.is_alive() for t in threads), "a rank hung"
+        if errors:
+            raise errors[0]
+        assert results[0] == results[1] and results[0][:3] == (len(B), True, 0), results
+        assert stacks[0].metrics.totals["tp_disagreements"] >= 1
+    finally:
+        for s in stacks:
+            close_stack(s)
