@@ -242,7 +242,7 @@ class SpillRadixCache(RadixCache):
         """A restore whose readiness could not be judged recomputes (its verdict is still agreed)."""
         return Readiness.FAILED
 
-    def _pending(self, _nodes: list[TreeNode], ready: Readiness) -> Readiness:
+    def _pending(self, nodes: list[TreeNode], ready: Readiness) -> Readiness:
         """Layer-wise readiness could not be judged: the restore waits for all its bytes, as without."""
         return Readiness.PENDING if ready is Readiness.LAYERWISE else ready
 

@@ -170,10 +170,10 @@ class Header:
 
 
 class Piece(NamedTuple):
-    """What a load of a prefix takes of one chunk: chunk `index` (raw bytes [raw_off, raw_off +
-    raw_len) of the payload), its first `need` bytes, which go to `dest_off` in the destination."""
+    """What a load of a prefix takes of one chunk: chunk number `chunk` (raw bytes [raw_off, raw_off
+    + raw_len) of the payload), its first `need` bytes, which go to `dest_off` in the destination."""
 
-    index: int
+    chunk: int
     raw_off: int
     raw_len: int
     need: int
@@ -202,7 +202,8 @@ def section_lengths(payload_len: int, token_count: int, page_size: int, num_laye
 
 def chunk_spans(sections: Sequence[int], chunk_bytes: int) -> list[tuple[int, int]]:
     """(raw offset, raw length) of each chunk: every section cut into `chunk_bytes` pieces."""
-    out, start = [], 0
+    out: list[tuple[int, int]] = []
+    start = 0
     for length in sections:
         out.extend((start + o, min(chunk_bytes, length - o)) for o in range(0, length, chunk_bytes))
         start += length

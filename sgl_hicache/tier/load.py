@@ -136,18 +136,18 @@ def finish_plan(h: Header, plan: Plan, dest: memoryview, want: int) -> None:
 def read_chunk(ext: OpenExtent, piece: Piece, dest: memoryview) -> int:
     """Load `piece` (its chunk's first `need` bytes) into `dest` at its place, verified; returns
     the bytes loaded."""
-    h, chunk = ext.header, ext.chunks[piece.index]
+    h, chunk = ext.header, ext.chunks[piece.chunk]
     file_off = h.header_len + chunk.offset
     target = dest[piece.dest_off : piece.dest_off + chunk.length]
     in_place = h.compression is Compression.NONE and piece.need == piece.raw_len
     if in_place and (not ext.direct or is_aligned(target)):
         pread_exact(ext.fd, target, file_off)
-        verify_chunk(target, chunk, piece.index)
+        verify_chunk(target, chunk, piece.chunk)
         return piece.need
     buf = _scratch(align_up(chunk.length) if ext.direct else chunk.length)
     pread_exact(ext.fd, buf, file_off)
     stored = buf[: chunk.length]
-    verify_chunk(stored, chunk, piece.index)
+    verify_chunk(stored, chunk, piece.chunk)
     raw = decode_chunk(stored, h.compression, piece.raw_len)
     dest[piece.dest_off : piece.dest_off + piece.need] = raw[: piece.need]
     return piece.need

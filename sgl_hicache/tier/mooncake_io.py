@@ -172,7 +172,7 @@ def read_chunks(client: StoreClient, names: Names, ext: Opened, dest: memoryview
     h = ext.header
     plan = plan_load(h, want, group_layers)
     for piece in plan.pieces:
-        end = _read_chunk(client, names.chunk(h.key, piece.index), ext, piece, dest, scratch)
+        end = _read_chunk(client, names.chunk(h.key, piece.chunk), ext, piece, dest, scratch)
         if plan.convert is None:
             landed(end)
     finish_plan(h, plan, dest, want)
@@ -182,12 +182,12 @@ def read_chunks(client: StoreClient, names: Names, ext: Opened, dest: memoryview
 def _read_chunk(client: StoreClient, name: str, ext: Opened, piece: Piece, dest: memoryview,
                 scratch: Scratch) -> int:  # fmt: skip
     """`piece` of its chunk into `dest`; returns the end of the bytes landed so far."""
-    h, chunk = ext.header, ext.chunks[piece.index]
+    h, chunk = ext.header, ext.chunks[piece.chunk]
     whole = h.compression is Compression.NONE and piece.need == piece.raw_len
     at = piece.dest_off
     target = dest[at : at + chunk.length] if whole else scratch.get(chunk.length)
     got = _get_exact(client, name, target, chunk.length)
-    verify_chunk(got, chunk, piece.index)
+    verify_chunk(got, chunk, piece.chunk)
     if not whole:
         dest[at : at + piece.need] = decode_chunk(got, h.compression, piece.raw_len)[: piece.need]
     return at + piece.need
