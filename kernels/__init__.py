@@ -5,7 +5,9 @@
     pack_kv(view, slots, out)                          # gather every layer's KV at `slots`
     unpack_kv(view, slots[:m], out)                    # scatter (a prefix of) it back
 
-The packed layout is page-major (see `layout.py` and docs/KERNELS.md). `backend="auto"` runs Triton
+The packed layout is page-major, or with `group_layers` layer-grouped: one page-major section per
+group of that many layers (see `layout.py` and docs/KERNELS.md); `view.groups(group_layers)` gives
+each group's sub-view and byte ranges, so one group unpacks alone. `backend="auto"` runs Triton
 on CUDA/ROCm devices and torch on CPU; "triton" / "torch" force one (Triton on CPU tensors needs
 TRITON_INTERPRET=1 set before `sgl_hicache.kernels.pack_triton` is first imported).
 """
@@ -16,7 +18,15 @@ from typing import Literal
 
 import torch
 
-from .layout import KVKind, KVPoolView, packed_nbytes, page_bytes
+from .layout import (
+    DEFAULT_LAYER_GROUPS,
+    KVKind,
+    KVPoolView,
+    LayerGroups,
+    default_group_layers,
+    packed_nbytes,
+    page_bytes,
+)
 from .pack_torch import pack_kv_torch, unpack_kv_torch
 from .plan import plan_copy, trusted_plan, zero_padding
 from .sglang_pools import from_sglang_pool
@@ -24,9 +34,12 @@ from .sglang_pools import from_sglang_pool
 Backend = Literal["auto", "torch", "triton"]
 
 __all__ = [
+    "DEFAULT_LAYER_GROUPS",
     "Backend",
     "KVKind",
     "KVPoolView",
+    "LayerGroups",
+    "default_group_layers",
     "from_sglang_pool",
     "pack_kv",
     "packed_nbytes",
@@ -42,6 +55,7 @@ def pack_kv(
     *,
     backend: Backend = "auto",
     trusted: bool = False,
+    group_layers: int = 0,
 ) -> None:
     """Gather the KV of every layer at `slots` into `out[:packed_nbytes(view, len(slots))]`.
 
@@ -51,7 +65,14 @@ def pack_kv(
     checks sync once with the host; the copy itself is queued on the current stream, like any kernel.
     `trusted`: the slots come straight from sglang's allocator (in range, whole aligned pages): the
     checks of their values are skipped, so a GPU call never syncs with the host (see `plan.trusted_plan`).
+    `group_layers`: write the layer-grouped layout (one section per group; 0: page-major).
     """
+    groups = view.groups(group_layers)
+    if groups.count > 1:
+        for g, sub in enumerate(groups.subviews):
+            lo, hi = groups.section(g, len(slots))
+            pack_kv(sub, slots, out[lo:hi], backend=backend, trusted=trusted)
+        return
     plan = trusted_plan(view, slots, out) if trusted else plan_copy(view, slots, out, scatter=False)
     if plan.n_tokens == 0:
         return
@@ -71,13 +92,27 @@ def unpack_kv(
     *,
     backend: Backend = "auto",
     trusted: bool = False,
+    group_layers: int = 0,
+    packed_tokens: int | None = None,
+    group: int | None = None,
 ) -> None:
     """Scatter packed KV back into the pool at `slots`: token i of `slots` takes token i of `packed`.
 
     `packed` may hold more tokens than `slots` (an extent of which only a prefix is restored): only
     the first `packed_nbytes(view, len(slots))` bytes are read. Raises ValueError on bad arguments
     and on duplicate slots. Empty `slots` is a no-op. `trusted`: as for `pack_kv`.
+    `group_layers`: `packed` is layer-grouped, a buffer of `packed_tokens` tokens (default
+    `len(slots)`; its sections' places depend on it); `group`: unpack that group's layers only.
     """
+    groups = view.groups(group_layers)
+    if groups.count > 1 or group is not None:
+        total = len(slots) if packed_tokens is None else packed_tokens
+        if total < len(slots):
+            raise ValueError(f"a packed buffer of {total} tokens cannot restore {len(slots)}")
+        for g in range(groups.count) if group is None else (group,):
+            lo, hi = groups.section(g, total)
+            unpack_kv(groups.subviews[g], slots, packed[lo:hi], backend=backend, trusted=trusted)
+        return
     plan = trusted_plan(view, slots, packed) if trusted else plan_copy(view, slots, packed, scatter=True)
     if plan.n_tokens == 0:
         return

@@ -11,6 +11,13 @@ Every page occupies `page_bytes(view)` bytes, including a partial last page (its
 padding), so the position of token i's rows depends on i alone, never on how many tokens were packed:
 a prefix of pages is a prefix of bytes, and any prefix of the slots unpacks from the same buffer.
 With page_size 1 the layout is token-major.
+
+Layer-grouped layout (`LayerGroups`, format v6): the layers are cut into groups of `group_layers`
+consecutive layers (the last may be shorter), and the packed bytes of n tokens are one section per
+group, back to back, each the page-major layout above of its own layers only (a sub-view,
+`KVPoolView.layer_range`). A load can then finish and verify group 0 before group 1 (layer-wise
+restore), and a prefix of pages is a prefix of every section. One group of every layer is exactly
+the page-major layout.
 """
 
 from __future__ import annotations
@@ -129,9 +136,89 @@ class KVPoolView:
         ]
         return torch.tensor(rows, dtype=torch.int64).to(self.device)
 
+    @functools.cached_property
+    def _group_layouts(self) -> dict[int, LayerGroups]:
+        return {}
+
+    def groups(self, group_layers: int) -> LayerGroups:
+        """The layer-grouped layout of this view with `group_layers` layers per group (0, or at least
+        every layer: one group, the page-major layout). Built once per value."""
+        n = len(self.layers)
+        key = group_layers if 0 < group_layers < n else n
+        if key not in self._group_layouts:
+            self._group_layouts[key] = LayerGroups(self, key)
+        return self._group_layouts[key]
+
+    def layer_range(self, lo: int, hi: int) -> KVPoolView:
+        """The view of layers [lo, hi) only (local indices; sglang's `start_layer + lo` first)."""
+        if not 0 <= lo < hi <= len(self.layers):
+            raise ValueError(f"layer range [{lo}, {hi}) outside [0, {len(self.layers)})")
+        if (lo, hi) == (0, len(self.layers)):
+            return self
+        return KVPoolView(self.kind, self.layers[lo:hi], self.page_size, self.dtype, self.heads, self.head_dim,
+                          self.v_head_dim, self.start_layer + lo)  # fmt: skip
+
     def alignment(self) -> int:
         """Largest of 16/8/4/2/1 bytes dividing every row and buffer address (16: 16-byte vectors)."""
         return common_alignment(self.row_bytes, [b.data_ptr() for b in self.buffers])
+
+
+DEFAULT_LAYER_GROUPS = 4
+"""Extents are written in this many layer groups (format v6): a layer-wise restore can start the
+forward once the first quarter of the layers has landed."""
+
+
+def default_group_layers(num_layers: int, groups: int = DEFAULT_LAYER_GROUPS) -> int:
+    """Layers per group for at most `groups` groups of `num_layers` layers: ceil(num_layers / groups)."""
+    return max(1, -(-num_layers // max(1, groups)))
+
+
+class LayerGroups:
+    """The layer-grouped packed layout of one view (see the module doc). Group g holds local layers
+    `ranges[g]`; its section in a packed buffer of n tokens starts after the sections of the groups
+    before it, each `ceil(n / page_size)` pages of its own layers."""
+
+    def __init__(self, view: KVPoolView, group_layers: int) -> None:
+        n = len(view.layers)
+        self.view = view
+        self.group_layers = group_layers if 0 < group_layers < n else n
+        self.ranges = tuple((lo, min(n, lo + self.group_layers)) for lo in range(0, n, self.group_layers))
+        self.subviews = tuple(view.layer_range(lo, hi) for lo, hi in self.ranges)
+        self.page_bytes = tuple(page_bytes(sub) for sub in self.subviews)
+        self._before = tuple(sum(self.page_bytes[:g]) for g in range(len(self.ranges)))
+
+    @property
+    def count(self) -> int:
+        return len(self.ranges)
+
+    def group_of(self, layer: int) -> int:
+        """The group of local layer `layer`."""
+        return min(self.count - 1, max(0, layer) // self.group_layers)
+
+    def section(self, group: int, n_tokens: int) -> tuple[int, int]:
+        """Byte range of `group`'s section in a packed buffer of `n_tokens` tokens."""
+        pages = -(-n_tokens // self.view.page_size)
+        start = pages * self._before[group]
+        return start, start + pages * self.page_bytes[group]
+
+    def span(self, group: int, n_tokens: int, first: int, end: int) -> tuple[int, int]:
+        """Byte range of tokens [first, end) of `group` in a packed buffer of `n_tokens` tokens
+        (`first` a multiple of the page size): a packed buffer of the group's sub-view on its own."""
+        if first % self.view.page_size or not 0 <= first <= end <= n_tokens:
+            raise ValueError(f"tokens [{first}, {end}) of {n_tokens}: not a page-aligned range")
+        start = self.section(group, n_tokens)[0]
+        sub = self.subviews[group]
+        return start + packed_nbytes(sub, first), start + packed_nbytes(sub, end)
+
+    def landed(self, n_tokens: int, nbytes: int) -> list[int]:
+        """Per group, how many leading tokens lie within the first `nbytes` bytes of a packed buffer
+        of `n_tokens` tokens (whole pages, or all of them)."""
+        out = []
+        for g in range(self.count):
+            start, end = self.section(g, n_tokens)
+            pages = max(0, min(nbytes, end) - start) // self.page_bytes[g] if end > start else 0
+            out.append(n_tokens if nbytes >= end else min(n_tokens, pages * self.view.page_size))
+        return out
 
 
 def common_alignment(sizes: tuple[int, ...] | list[int], addresses: list[int]) -> int:

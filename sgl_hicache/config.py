@@ -405,6 +405,16 @@ class SpillConfig:
         "cache_aware), so that it routes a resumed conversation to the server holding it spilled",
         "--hicache-spill-kv-events-medium",
     )
+    layer_groups: int = tuning(
+        4,
+        "extents are written in this many layer groups, each verified alone; 1: page-major (format v5)",
+    )
+    layerwise_restore: bool = option(
+        False,
+        "a resumed request's prefill starts once its restore's first layer group landed; each layer "
+        "waits for its own",
+        "--hicache-spill-layerwise",
+    )
 
     def __post_init__(self) -> None:
         _require(
@@ -437,6 +447,11 @@ class SpillConfig:
             self.prefetch_timeout_s > 0,
             "prefetch_timeout_s",
             f"prefetch timeout must be > 0, got {self.prefetch_timeout_s}",
+        )
+        _require(
+            1 <= self.layer_groups <= 64,
+            "layer_groups",
+            f"layer groups must be in 1..64, got {self.layer_groups}",
         )
 
     @property

@@ -93,9 +93,11 @@ def build(name: str, shape: Shape, model: Path, workdir: Path, *, tier_capacity_
         if mooncake is not None:
             raise ValueError(f"{name}: LMCache keeps its KV in its own daemon, not on a Mooncake Store")
         return _lmcache(name, base, tier, shape, tier_capacity_mb)
-    if name == "ours":
+    if name in ("ours", "ours-layerwise"):  # the latter: layer-wise restore (issue 37)
         flags: tuple[str, ...] = (*base, "--enable-hicache-spill", "--hicache-spill-dir", str(tier),
                  "--hicache-spill-staging", f"{shape.host_budget_mb}M")  # fmt: skip
+        if name == "ours-layerwise":
+            flags += ("--hicache-spill-layerwise",)
         if tier_capacity_mb is not None:
             flags += ("--hicache-spill-capacity", f"{tier_capacity_mb}M")
         if mooncake is not None:

@@ -41,11 +41,11 @@ import torch
 from sgl_hicache.cache.device import Copy, CopyEngine, Streams, streams_for
 from sgl_hicache.cache.lookups import FoundSegments, Lookups
 from sgl_hicache.cache.metrics import SpillMetrics
-from sgl_hicache.cache.reads import ExtentReads, Readiness, needs
+from sgl_hicache.cache.reads import ExtentReads, Landing, Readiness, needs
 from sgl_hicache.cache.restores import RestoreProgress, Restores
 from sgl_hicache.cache.spill_state import Extent, ExtentState, SpillRef
 from sgl_hicache.cache.staging import StagingPool
-from sgl_hicache.kernels import KVPoolView, packed_nbytes
+from sgl_hicache.kernels import DEFAULT_LAYER_GROUPS, KVPoolView, default_group_layers, packed_nbytes
 from sgl_hicache.tier import Completion, ExtentKey, Ticket, Tier
 from sgl_hicache.tier.base import LookupResult
 
@@ -79,13 +79,16 @@ class _Store:
 
 class SpillController:
     def __init__(self, tier: Tier, view: KVPoolView, staging: StagingPool, metrics: SpillMetrics, timeout_s: float,
-                 allocator: Any, prefetch_ttl_s: float = 30.0, streams: Streams | None = None) -> None:  # fmt: skip
+                 allocator: Any, prefetch_ttl_s: float = 30.0, streams: Streams | None = None,
+                 layer_groups: int = DEFAULT_LAYER_GROUPS) -> None:  # fmt: skip
         self.view = view
         self.staging = staging
         self.metrics = metrics
         self.timeout_s = timeout_s
-        self.engine = CopyEngine(view, streams or streams_for(view.device))
-        self.reads = ExtentReads(tier, view, staging, metrics, prefetch_ttl_s, self.retire)
+        # every extent this controller writes and reads is laid out in these layer groups (format v6)
+        self.layout = view.groups(default_group_layers(len(view.layers), layer_groups))
+        self.engine = CopyEngine(view, streams or streams_for(view.device), self.layout)
+        self.reads = ExtentReads(tier, view, staging, metrics, prefetch_ttl_s, self.retire, self.layout)
         self.restores = Restores(allocator, self.engine, prefetch_ttl_s)
         self.lookups = Lookups()
         self._packing: list[_Store] = []  # stores whose pack is not done yet (submitted by `poll`)
@@ -161,11 +164,17 @@ class SpillController:
         try:
             ticket = self.tier.submit_store(extent.key, extent.staged.numpy(), request.tokens, request.parent,
                                             store_tokens=request.store_tokens, aliases=request.aliases,
-                                            cache_salt=request.cache_salt)  # fmt: skip
+                                            cache_salt=request.cache_salt,
+                                            group_layers=self._stored_groups)  # fmt: skip
         except BaseException:  # nothing was queued (a submit raises before queueing): nobody holds it
             self._lose(extent)
             raise
         self._writing[ticket] = extent
+
+    @property
+    def _stored_groups(self) -> int:
+        """The `group_layers` of the extents this controller writes (0: page-major, one group)."""
+        return self.layout.group_layers if self.layout.count > 1 else 0
 
     def _refused(self, tokens: int, nbytes: int, limit: int | None) -> Refused:
         if limit is not None and nbytes <= limit:
@@ -295,40 +304,52 @@ class SpillController:
     def finish_reads(self, refs: Sequence[SpillRef]) -> None:
         self.reads.finish(refs)
 
-    def landed_tokens(self, refs: Sequence[SpillRef]) -> int:
-        """Tokens of `refs` whose bytes are verified in host memory now (see `unpack_landed`)."""
-        return sum(max(0, min(ref.count, self.reads.landed(ref.extent)[1] - ref.offset)) for ref in refs)
+    def landed_tokens(self, refs: Sequence[SpillRef], group: int | None = None) -> int:
+        """Tokens of `refs` whose bytes are verified in host memory now (see `unpack_landed`): in
+        layer group `group`, or in the group that has most."""
+        total = 0
+        for ref in refs:
+            landing = self.reads.landed(ref.extent)
+            if landing is not None:
+                have = landing.groups if group is None else (landing.groups[group],)
+                total += max(0, min(ref.count, max(have) - ref.offset))
+        return total
 
-    def unpack_landed(self, owner: object) -> int:
-        """Unpack into `owner`'s restore whatever of its refs is verified in host memory and not
-        unpacked yet (a prefix of each ref, whole pages); returns the tokens unpacked now."""
-        progress = self.restores.get(owner)
+    def unpack_landed(
+        self, owner: object, progress: RestoreProgress | None = None, fence: list[Any] | None = None
+    ) -> int:
+        """Unpack into `owner`'s restore (or `progress`, a layer-wise one, whose unpacks wait for
+        `fence` only) whatever of its refs is verified in host memory and not unpacked yet (a prefix
+        of each ref in each layer group, whole pages); returns the tokens unpacked now (in layer
+        groups: a token counts once all its groups are)."""
+        progress = progress or self.restores.get(owner)
         assert progress is not None, f"no restore in progress for {owner}"
         done = 0
         for i, ref, _ in progress.parts():
-            buf, landed = self.reads.landed(ref.extent)
-            upto = max(0, min(ref.count, landed - ref.offset))
-            if buf is not None and upto > progress.unpacked[i]:
-                done += upto - progress.unpacked[i]
-                self._unpack(progress, i, buf, upto)
+            landing = self.reads.landed(ref.extent)
+            if landing is None:
+                continue
+            for g, landed in enumerate(landing.groups):
+                upto = max(0, min(ref.count, landed - ref.offset))
+                if upto > progress.unpacked[i][g]:
+                    done += upto - progress.unpacked[i][g]
+                    self._unpack(progress, i, g, landing, upto, fence)
         if done:
             self.restores.stats.steps += 1
-            self.restores.stats.tokens += done
-        return done
+            self.restores.stats.tokens += done // progress.groups
+        return done // progress.groups
 
     def complete(self, owner: object) -> bool:
         """Finish `owner`'s restore (see the module doc); all or nothing."""
         progress = self.restores.get(owner)
         assert progress is not None, f"no restore in progress for {owner}"
-        self.restores.stats.finished += any(progress.unpacked)
+        self.restores.stats.finished += progress.any_unpacked
         sources = self.reads.gather(needs(progress.refs))
-        from_tier = 0  # bytes of refs whose source is a verified read, not their write's staging
         try:
             if sources is not None:
                 for i, ref, _ in progress.parts():
-                    if sources[id(ref.extent)] is not ref.extent.staged:
-                        from_tier += packed_nbytes(self.view, ref.count)
-                    self._unpack(progress, i, sources[id(ref.extent)], ref.count)
+                    for g in range(progress.groups):
+                        self._unpack(progress, i, g, sources[id(ref.extent)], ref.count)
         finally:  # an unpack that raised gives the reads' staging back now, not after their TTL
             self.reads.finish(progress.refs)
         if sources is None:
@@ -336,32 +357,36 @@ class SpillController:
             self.restores.drop(owner)
             return False
         self.metrics.inc("restored_tokens", progress.tokens)
-        self.metrics.inc("restored_bytes", from_tier)
         return True
 
-    def _unpack(self, progress: RestoreProgress, i: int, buf: torch.Tensor, upto: int) -> None:
-        """Tokens [unpacked, upto) of ref i of `progress`, from its extent's packed bytes in `buf`:
-        exactly those bytes are copied."""
-        ref, start = progress.refs[i], progress.unpacked[i]
+    def _unpack(self, progress: RestoreProgress, i: int, g: int, landing: Landing, upto: int,
+                fence: list[Any] | None = None) -> None:  # fmt: skip
+        """Tokens [unpacked, upto) of ref i of `progress` in layer group g, from its extent's packed
+        bytes (`landing`: a buffer of `landing.tokens` tokens): exactly those bytes are copied."""
+        ref, start = progress.refs[i], progress.unpacked[i][g]
         if upto <= start:
             return
         first = sum(r.count for r in progress.refs[:i])
-        src = buf[packed_nbytes(self.view, ref.offset + start) : packed_nbytes(self.view, ref.offset + upto)]
+        lo, hi = self.layout.span(g, landing.tokens, ref.offset + start, ref.offset + upto)
+        src, buf = landing.buf[lo:hi], landing.buf
         slots = progress.slots[first + start : first + upto]
         t0 = time.perf_counter()
         try:
-            copy = self.engine.unpack(slots, src, after=ref.extent.pack)
+            copy = self.engine.unpack(slots, src, after=ref.extent.pack, group=g, fence=fence)
         except BaseException:  # chunks enqueued before the raise still write the slots, read `buf`
-            self._reading(progress, buf, self.engine.load_barrier())
+            self._reading(progress, buf, self.engine.load_barrier(), g)
             raise
         self.metrics.inc("restore_unpack_seconds", time.perf_counter() - t0)
-        self._reading(progress, buf, copy)
-        progress.unpacked[i] = upto
+        if buf is not ref.extent.staged:  # read from the tier and verified, not its write's staging
+            self.metrics.inc("restored_bytes", hi - lo)
+        self._reading(progress, buf, copy, g)
+        progress.unpacked[i][g] = upto
 
-    def _reading(self, progress: RestoreProgress, buf: torch.Tensor, copy: Copy) -> None:
-        """`copy` is the last unpack into `progress`'s slots and from staging block `buf`: freeing
-        the slots and releasing the block wait for it."""
+    def _reading(self, progress: RestoreProgress, buf: torch.Tensor, copy: Copy, group: int) -> None:
+        """`copy` is the last unpack into `progress`'s slots (of layer group `group`) and from
+        staging block `buf`: freeing the slots and releasing the block wait for it."""
         progress.last_copy = copy
+        progress.group_copies[group] = copy
         if buf.numel():
             self._readers[buf.data_ptr()] = copy
 

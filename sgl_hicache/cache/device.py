@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from sgl_hicache.kernels import KVPoolView, pack_kv, packed_nbytes, unpack_kv
+from sgl_hicache.kernels import KVPoolView, LayerGroups, pack_kv, packed_nbytes, unpack_kv
 
 TEMP_BYTES = 256 << 20
 """Device temp per copy: a node up to this size is gathered whole, so the forward waits for the
@@ -156,10 +156,12 @@ class Copy:
 
 class CopyEngine:
     """Packs and unpacks of one pool's KV, ordered against sglang's forward (see the module doc).
-    Scheduler thread only; never blocks."""
+    Scheduler thread only; never blocks. Packed bytes are in `layout`'s layer groups (one section
+    per group, kernels/layout.py); an unpack moves one group's layers."""
 
-    def __init__(self, view: KVPoolView, streams: Streams) -> None:
+    def __init__(self, view: KVPoolView, streams: Streams, layout: LayerGroups | None = None) -> None:
         self.view = view
+        self.layout = layout or view.groups(0)
         self.streams = streams
         self._write = streams.new_stream()
         self._load = streams.new_stream()
@@ -174,11 +176,19 @@ class CopyEngine:
         """Where forwards run: the streams handed over, else the calling thread's current stream."""
         return self._forward or [self.streams.current()]
 
-    def _fence(self, ours: Any) -> None:
-        """`ours` waits for what the forward streams and the current stream have enqueued so far."""
+    def fence(self) -> list[Any]:
+        """Events of what the forward streams and the current stream have enqueued so far."""
         current = self.streams.current()
-        for stream in [*self._forwards(), *([current] if current not in self._forward else [])]:
-            self.streams.wait(ours, self.streams.record(stream))
+        return [
+            self.streams.record(s)
+            for s in [*self._forwards(), *([current] if current not in self._forward else [])]
+        ]
+
+    def _fence(self, ours: Any, fence: list[Any] | None = None) -> None:
+        """`ours` waits for what the forward streams and the current stream have enqueued so far
+        (or for `fence`, recorded earlier by `fence()`)."""
+        for event in self.fence() if fence is None else fence:
+            self.streams.wait(ours, event)
 
     def forward_waits(self, copy: Copy | None) -> None:
         """Every forward enqueued from now on runs after `copy` (slots it writes are handed over or
@@ -193,16 +203,22 @@ class CopyEngine:
         as this returns (later forwards wait for the gather); `dest` holds the bytes once the copy
         is done."""
         self._fence(self._write)
+        groups = self.layout.group_layers
         if not self.streams.asynchronous:
-            self.streams.launch(self._write, lambda: pack_kv(self.view, slots, dest, trusted=True))
+            self.streams.launch(
+                self._write, lambda: pack_kv(self.view, slots, dest, trusted=True, group_layers=groups)
+            )
             return Copy(self.streams.record(self._write), self.streams)
         self.streams.keep(slots, self._write)
-        for start, end, lo, hi in self._chunks(len(slots)):
+        pieces = [(g, *chunk) for g in range(self.layout.count) for chunk in self._chunks(len(slots), g)]
+        for i, (g, start, end, lo, hi) in enumerate(pieces):
             box: list[torch.Tensor] = []  # the chunk's device temp, allocated on our stream
-            self.streams.launch(self._write, _gather(self.view, slots[start:end], hi - lo, box))
-            if end == len(slots):
+            sub = self.layout.subviews[g]
+            self.streams.launch(self._write, _gather(sub, slots[start:end], hi - lo, box))
+            if i == len(pieces) - 1:
                 self.forward_waits(Copy(self.streams.record(self._write), self.streams))
-            self.streams.launch(self._write, _to_host(dest[lo:hi], box))
+            base = self.layout.section(g, len(slots))[0]
+            self.streams.launch(self._write, _to_host(dest[base + lo : base + hi], box))
         return Copy(self.streams.record(self._write), self.streams)
 
     def write_barrier(self) -> Copy:
@@ -215,30 +231,36 @@ class CopyEngine:
         unpack that raised midway may have left there)."""
         return Copy(self.streams.record(self._load), self.streams)
 
-    def unpack(self, slots: torch.Tensor, src: torch.Tensor, after: Copy | None = None) -> Copy:
-        """Scatter packed KV from host `src` into `slots` (token i of `slots` takes token i of
-        `src`), after `after` (the pack that fills `src`, if it may still run). Nothing reads the
+    def unpack(self, slots: torch.Tensor, src: torch.Tensor, after: Copy | None = None, group: int = 0,
+               fence: list[Any] | None = None) -> Copy:  # fmt: skip
+        """Scatter the packed KV of layer group `group` (`layout.span`: a packed buffer of that
+        group's layers alone) from host `src` into `slots` (token i of `slots` takes token i of
+        `src`), after `after` (the pack that fills `src`, if it may still run) and after the
+        forwards enqueued so far (or `fence`, from `fence()` when the slots were allocated: a
+        layer-wise restore's unpacks run beside the forward that reads them). Nothing reads the
         slots until `forward_waits` is called with the returned copy."""
-        self._fence(self._load)
+        self._fence(self._load, fence)
         if after is not None:
             self.streams.wait(self._load, after.event)
+        sub = self.layout.subviews[group]
         if not self.streams.asynchronous:
-            self.streams.launch(self._load, lambda: unpack_kv(self.view, slots, src, trusted=True))
+            self.streams.launch(self._load, lambda: unpack_kv(sub, slots, src, trusted=True))
             return Copy(self.streams.record(self._load), self.streams)
         self.streams.keep(slots, self._load)
-        for start, end, lo, hi in self._chunks(len(slots)):
-            self.streams.launch(self._load, _scatter(self.view, slots[start:end], src[lo:hi]))
+        for start, end, lo, hi in self._chunks(len(slots), group):
+            self.streams.launch(self._load, _scatter(sub, slots[start:end], src[lo:hi]))
         return Copy(self.streams.record(self._load), self.streams)
 
-    def _chunks(self, n: int) -> list[tuple[int, int, int, int]]:
-        """(first token, end token, first byte, end byte) of page-aligned pieces of at most
-        TEMP_BYTES (at least one page) covering n tokens."""
-        page = self.view.page_size
-        per = max(1, TEMP_BYTES // packed_nbytes(self.view, page)) * page
+    def _chunks(self, n: int, group: int = 0) -> list[tuple[int, int, int, int]]:
+        """(first token, end token, first byte, end byte in the group's own packed bytes) of
+        page-aligned pieces of at most TEMP_BYTES (at least one page) covering n tokens of layer
+        group `group`."""
+        sub, page = self.layout.subviews[group], self.view.page_size
+        per = max(1, TEMP_BYTES // packed_nbytes(sub, page)) * page
         out = []
         for start in range(0, n, per):
             end = min(n, start + per)
-            out.append((start, end, packed_nbytes(self.view, start), packed_nbytes(self.view, end)))
+            out.append((start, end, packed_nbytes(sub, start), packed_nbytes(sub, end)))
         return out
 
 

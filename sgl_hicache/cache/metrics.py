@@ -128,6 +128,15 @@ COUNTERS = {
     "lookup_stale": "lookup claims whose extent was gone (evicted or deleted by its writer): clean misses",
     "lookups_waited": "admission rounds a request skipped while its cross-server lookup ran",
     "restores_too_late": "restores given up because their reads outlasted the prefetch policy's limit",
+    # Layer-wise restores (--hicache-spill-layerwise, cache/layerwise.py):
+    "layerwise_restores": "restores admitted layer-wise (the prefill starting once their first layer group landed)",
+    "layerwise_overlapped_restores": "layer-wise restores admitted before their last layer group landed: "
+    "the prefill ran while later layers were still read",
+    "layerwise_failed_restores": "layer-wise restores whose later group failed (miss, corrupt, I/O error, timeout) "
+    "after the prefill started: its requests were retracted and recomputed",
+    "layerwise_retracted_requests": "requests retracted after a forward that read a failed layer-wise restore",
+    "layerwise_dropped_tokens": "tokens of failed layer-wise restores dropped from the tree",
+    "layerwise_wait_seconds": "seconds forwards waited for layer groups of restores in progress (I/O not hidden)",
     # Where a resumed turn's time goes (wall seconds on the scheduler's clock; a benchmark takes
     # their growth over one turn, `python -m benchmarks.long_history`):
     "restore_wait_seconds": "seconds admitted requests waited (deferred, the rest of the batch running) "

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sgl_hicache.kernels import KVPoolView, packed_nbytes
+from sgl_hicache.kernels import LayerGroups, packed_nbytes
 from sgl_hicache.tier.format import file_bound
 from sgl_hicache.tier.keys import ExtentKey, token_digest
 from sgl_hicache.tier.lookup import block_tokens
@@ -46,15 +46,24 @@ class Pin:
     nbytes: int  # extent file bytes of its tokens, all TP ranks (`file_bytes`)
 
 
-def file_bytes(tokens: int, packed: int, chunk_bytes: int, page_size: int) -> int:
-    """The bytes on one rank's tier of the extent file holding `tokens` tokens of `packed` KV bytes,
-    at most (uncompressed, with token ids and every alias a writer records: lookup.alias_marks)."""
-    return file_bound(packed, tokens, chunk_bytes, tokens // block_tokens(page_size) + 2)
+def file_bytes(
+    tokens: int, packed: int, chunk_bytes: int, page_size: int, sections: Sequence[int] = ()
+) -> int:
+    """The bytes on one rank's tier of the extent file holding `tokens` tokens of `packed` KV bytes
+    (in `sections`, one per layer group; default one), at most (uncompressed, with token ids and
+    every alias a writer records: lookup.alias_marks)."""
+    return file_bound(packed, tokens, chunk_bytes, tokens // block_tokens(page_size) + 2, sections or None)
 
 
-def tier_bytes(view: KVPoolView, chunk_bytes: int, page_size: int, ranks: int) -> Callable[[int], int]:
-    """`Pins`' `bytes_of`: the `file_bytes` of n tokens of `view`'s KV on each of `ranks` TP ranks."""
-    return lambda n: file_bytes(n, packed_nbytes(view, n), chunk_bytes, page_size) * ranks
+def tier_bytes(layout: LayerGroups, chunk_bytes: int, page_size: int, ranks: int) -> Callable[[int], int]:
+    """`Pins`' `bytes_of`: the `file_bytes` of n tokens of the KV laid out in `layout`'s layer groups
+    on each of `ranks` TP ranks."""
+
+    def bytes_of(n: int) -> int:
+        sections = [hi - lo for lo, hi in (layout.section(g, n) for g in range(layout.count))]
+        return file_bytes(n, packed_nbytes(layout.view, n), chunk_bytes, page_size, sections) * ranks
+
+    return bytes_of
 
 
 class Pins:

@@ -7,9 +7,10 @@ Contract (every method runs on the scheduler thread and never blocks on I/O):
 - a failed read marks its extent LOST (its nodes are pruned on their next visit), counted once;
 - a read is good only if the tier says OK *and* it holds exactly the bytes asked for: anything
   else (a short completion included) is a MISMATCH, never KV;
-- `landed` says how many leading tokens of an extent are verified in host memory right now (a
-  staged extent still being written, a finished read, or the verified prefix of a read in flight);
-  nothing else may be read from a buffer before its read completed OK;
+- `landed` says, per layer group, how many leading tokens of an extent are verified in host memory
+  right now (a staged extent still being written, a finished read, or the verified prefix of a read
+  in flight: a grouped payload lands group 0 first); nothing else may be read from a buffer before
+  its read completed OK;
 - a read's buffer goes back through `release` (the controller's: it waits for any unpack still
   copying from it), never straight to staging.
 """
@@ -27,7 +28,7 @@ import torch
 from sgl_hicache.cache.metrics import SpillMetrics
 from sgl_hicache.cache.spill_state import Extent, ExtentState, SpillRef
 from sgl_hicache.cache.staging import StagingPool
-from sgl_hicache.kernels import KVPoolView, packed_nbytes, page_bytes
+from sgl_hicache.kernels import KVPoolView, LayerGroups, packed_nbytes
 from sgl_hicache.tier import Completion, Status, Ticket, Tier
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 class Readiness(enum.Enum):
     READY = "ready"  # every byte is in staging or read and verified
+    LAYERWISE = (
+        "layerwise"  # reads in flight, the first layer group of each landed (a layer-wise restore may start)
+    )
     PENDING = "pending"  # reads in flight
     FAILED = "failed"  # a read failed or could not start: recompute
 
@@ -56,6 +60,16 @@ class PendingRead:
     deferred: bool = False  # a restore already found it pending
 
 
+@dataclass(frozen=True)
+class Landing:
+    """What of an extent is at hand: `buf` holds the packed bytes of its first `tokens` tokens (the
+    controller's layer-grouped layout), of which `groups[g]` leading tokens of group g are verified."""
+
+    buf: torch.Tensor
+    tokens: int
+    groups: tuple[int, ...]
+
+
 def needs(refs: Sequence[SpillRef]) -> dict[int, tuple[Extent, int]]:
     """Per extent (by identity): the extent and how many of its leading tokens the refs need."""
     out: dict[int, tuple[Extent, int]] = {}
@@ -67,9 +81,11 @@ def needs(refs: Sequence[SpillRef]) -> dict[int, tuple[Extent, int]]:
 
 class ExtentReads:
     def __init__(self, tier: Tier, view: KVPoolView, staging: StagingPool, metrics: SpillMetrics,
-                 ttl_s: float, release: Callable[[torch.Tensor], None]) -> None:  # fmt: skip
+                 ttl_s: float, release: Callable[[torch.Tensor], None],
+                 layout: LayerGroups | None = None) -> None:  # fmt: skip
         self.tier = tier
         self.view = view
+        self.layout = layout or view.groups(0)  # the layer groups every buffer is laid out in
         self.staging = staging
         self.release = release
         self.metrics = metrics
@@ -129,31 +145,49 @@ class ExtentReads:
                     self.metrics.inc("restore_deferrals")
         return state, waited
 
-    def landed(self, extent: Extent) -> tuple[torch.Tensor | None, int]:
-        """The buffer holding `extent`'s packed bytes and how many of its leading tokens are verified
-        in it now (whole pages, or all the read covers); (None, 0) when nothing is."""
+    def landed(self, extent: Extent) -> Landing | None:
+        """The buffer holding `extent`'s packed bytes and, per layer group, how many of its leading
+        tokens are verified in it now (whole pages, or all the read covers); None when nothing is."""
+        groups = self.layout.count
         if extent.state is ExtentState.WRITING and extent.staged is not None:
-            return extent.staged, extent.tokens
+            return Landing(extent.staged, extent.tokens, (extent.tokens,) * groups)
         read = self._reads.get(id(extent))
         if read is None or not read.usable or (read.done is not None and not read.done.ok):
-            return None, 0
+            return None
         if read.done is not None:
-            return read.buf, read.tokens
-        pages = self.tier.landed(read.ticket) // page_bytes(self.view)
-        return read.buf, min(read.tokens, pages * self.view.page_size)
+            return Landing(read.buf, read.tokens, (read.tokens,) * groups)
+        nbytes = self.tier.landed(read.ticket)
+        return Landing(read.buf, read.tokens, tuple(self.layout.landed(read.tokens, nbytes)))
 
-    def gather(self, wanted: dict[int, tuple[Extent, int]]) -> dict[int, torch.Tensor] | None:
+    def failed(self, extent: Extent) -> bool:
+        """Whether the read of `extent` completed and failed (or was given up): it will never land."""
+        if extent.state is ExtentState.WRITING and extent.staged is not None:
+            return False
+        read = self._reads.get(id(extent))
+        if read is None or not read.usable:
+            return True
+        if read.done is not None and not read.done.ok:
+            self._lose(read)
+            return True
+        return False
+
+    def running(self, extent: Extent) -> PendingRead | None:
+        """The read of `extent` still running (its completion not taken yet), if any."""
+        read = self._reads.get(id(extent))
+        return read if read is not None and read.usable and read.done is None else None
+
+    def gather(self, wanted: dict[int, tuple[Extent, int]]) -> dict[int, Landing] | None:
         """The packed bytes of every wanted extent, from staging or a read completed and verified;
         None if any is not at hand now. Never starts a read and never waits: between `readiness`
         saying READY and this call, the eviction that made room for the restore may have finished a
         write (its staging released) or abandoned a read; the restore then recomputes (counted in
         `restores_overtaken`) and the extent's next restore reads it again."""
-        sources: dict[int, torch.Tensor] = {}
+        sources: dict[int, Landing] = {}
         for eid, (extent, need) in wanted.items():
-            buf = self._at_hand(extent, need)
-            if buf is None:
+            landing = self._at_hand(extent, need)
+            if landing is None:
                 return None
-            sources[eid] = buf
+            sources[eid] = landing
         self._count_read_span(wanted)
         return sources
 
@@ -165,9 +199,10 @@ class ExtentReads:
                 "restore_read_seconds", max(r.finished for r in used) - min(r.started for r in used)
             )
 
-    def _at_hand(self, extent: Extent, need: int) -> torch.Tensor | None:
+    def _at_hand(self, extent: Extent, need: int) -> Landing | None:
+        groups = self.layout.count
         if extent.state is ExtentState.WRITING and extent.staged is not None:
-            return extent.staged
+            return Landing(extent.staged, extent.tokens, (extent.tokens,) * groups)
         read = self._reads.get(id(extent))
         if read is None or not read.usable or read.tokens < need or read.done is None:
             self.metrics.inc("restores_overtaken")
@@ -175,7 +210,7 @@ class ExtentReads:
         if not read.done.ok:
             self._lose(read)
             return None
-        return read.buf
+        return Landing(read.buf, read.tokens, (read.tokens,) * groups)
 
     def start(self, extent: Extent, tokens: int, prefetch: bool) -> PendingRead | None:
         """The read of `extent`'s first `tokens` tokens: the one under way, or a new one."""
@@ -194,7 +229,9 @@ class ExtentReads:
         if buf is None:
             return None
         try:
-            ticket = self.tier.submit_load(extent.key, buf.numpy(), nbytes)
+            ticket = self.tier.submit_load(
+                extent.key, buf.numpy(), nbytes, group_layers=self.layout.group_layers
+            )
         except BaseException:  # nothing was queued (a submit raises before queueing): nobody holds it
             self.release(buf)
             raise

@@ -34,22 +34,34 @@ from sgl_hicache.cache.spill_state import SpillRef
 
 @dataclass(eq=False)
 class RestoreProgress:
-    """The slots of one restore (its refs' tokens back to back), per ref how many of its leading
-    tokens are unpacked into them, and the last unpack enqueued."""
+    """The slots of one restore (its refs' tokens back to back), per ref and layer group how many of
+    its leading tokens are unpacked into them, and the last unpack enqueued (`group_copies`: per
+    group, the last unpack of that group's layers)."""
 
     refs: tuple[SpillRef, ...]
     slots: torch.Tensor
+    groups: int = 1
     started: float = field(default_factory=time.monotonic)
-    unpacked: list[int] = field(default_factory=list)
+    unpacked: list[list[int]] = field(default_factory=list)
     last_copy: Copy | None = None
+    group_copies: list[Copy | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         assert len(self.slots) == sum(ref.count for ref in self.refs), "one slot per token of the refs"
-        self.unpacked = self.unpacked or [0] * len(self.refs)
+        self.unpacked = self.unpacked or [[0] * self.groups for _ in self.refs]
+        self.group_copies = self.group_copies or [None] * self.groups
 
     @property
     def tokens(self) -> int:
         return len(self.slots)
+
+    def group_done(self, group: int) -> bool:
+        """Whether every token of every ref is unpacked in layer group `group`."""
+        return all(done[group] == ref.count for done, ref in zip(self.unpacked, self.refs, strict=True))
+
+    @property
+    def any_unpacked(self) -> bool:
+        return any(any(done) for done in self.unpacked)
 
     def parts(self) -> Iterator[tuple[int, SpillRef, torch.Tensor]]:
         """Each ref's index, the ref and its slice of the slots."""
@@ -76,6 +88,7 @@ class Restores:
     def __init__(self, allocator: Any, engine: CopyEngine, ttl_s: float) -> None:
         self.allocator = allocator
         self.engine = engine
+        self.groups = engine.layout.count
         self.ttl_s = ttl_s
         self.stats = EarlyUnpackStats()
         self._by_owner: dict[object, RestoreProgress] = {}
@@ -93,7 +106,7 @@ class Restores:
     def open(self, owner: object, refs: tuple[SpillRef, ...], slots: torch.Tensor) -> RestoreProgress:
         """Register fresh `slots` for `owner`'s restore of `refs`: the table owns them from now on."""
         assert owner not in self._by_owner, f"{owner} already has a restore in progress"
-        progress = RestoreProgress(refs, slots)
+        progress = RestoreProgress(refs, slots, self.groups)
         self._by_owner[owner] = progress
         return progress
 

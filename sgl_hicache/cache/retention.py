@@ -77,9 +77,9 @@ class Retention:
         """The pins, once there is a tier to keep them (None without one: pins are refused)."""
         ctl = self.host.controller
         if self._pins is None and ctl is not None:
-            cfg, ranks, view = self.host.spill_config, self.host.agreement.size, ctl.view
+            cfg, ranks, layout = self.host.spill_config, self.host.agreement.size, ctl.layout
             budget = int(cfg.pin_share * cfg.tier.capacity_bytes)
-            self._pins = Pins(budget, tier_bytes(view, cfg.tier.chunk_bytes, self.host.page_size, ranks))
+            self._pins = Pins(budget, tier_bytes(layout, cfg.tier.chunk_bytes, self.host.page_size, ranks))
         return self._pins
 
     # ---- taking hints (the scheduler of TP rank 0) --------------------------------------------

@@ -57,9 +57,10 @@ from sgl_hicache.cache.controller import Refused, SpillController
 from sgl_hicache.cache.events import TierEvents
 from sgl_hicache.cache.guard import contained, internal_error, last_resort, nothing
 from sgl_hicache.cache.hint_source import HintSource, ResumeHint, RetentionHint
+from sgl_hicache.cache.layerwise import LayerCounter, Layerwise, LayerwiseRestore
 from sgl_hicache.cache.metrics import DropReason, SpillMetrics, written_per_restored
 from sgl_hicache.cache.reads import Readiness
-from sgl_hicache.cache.restores import EarlyUnpackStats
+from sgl_hicache.cache.restores import EarlyUnpackStats, RestoreProgress
 from sgl_hicache.cache.retention import Retention
 from sgl_hicache.cache.spill_state import ExtentState, SpillRef
 from sgl_hicache.cache.tree import SpillTree
@@ -106,7 +107,12 @@ class SpillRadixCache(RadixCache):
         self.write_admission = WriteAdmission(config.admission, config.admission_min_tokens,
                                               self.retention.pin_of)  # what the tier is written  # fmt: skip
         self.clean = CleanCopies(self)  # write-through and clean-ahead (clean_copies.py)
+        self.layerwise: Layerwise | None = None  # layer-wise restores in progress (layerwise.py)
+        self._failed_layerwise: list[LayerwiseRestore] = []  # failed: their nodes go once unlocked
+        self._waiting_layer = False  # inside the forward's wait (no advance from a nested poll)
         super().__init__(params)  # calls reset(), which attaches the tier's extents (warm start)
+        if config.layerwise_restore and controller is not None:
+            self._start_layerwise(controller)
 
     @property
     def spilled_tokens(self) -> int:
@@ -191,6 +197,14 @@ class SpillRadixCache(RadixCache):
         """sglang's own reset (an empty tree; spill is off by then, so no key epoch matters)."""
         RadixCache.reset(self)
         self.tree.cleared()
+        self._forget_layerwise()
+
+    def _forget_layerwise(self) -> None:
+        """The tree is empty (a reset): no layer-wise restore is left to end (sglang resets when idle)."""
+        if getattr(self, "layerwise", None) is not None:
+            assert self.layerwise is not None
+            self.layerwise.active, self.layerwise.ended = [], []
+        self._failed_layerwise = []
 
     @last_resort(_nothing_kept)
     def _empty_reset(self) -> None:
@@ -232,6 +246,10 @@ class SpillRadixCache(RadixCache):
     def _not_ready(self, *_args: Any) -> Readiness:
         """A restore whose readiness could not be judged recomputes (its verdict is still agreed)."""
         return Readiness.FAILED
+
+    def _pending(self, nodes: list[TreeNode], ready: Readiness) -> Readiness:
+        """Layer-wise readiness could not be judged: the restore waits for all its bytes, as without."""
+        return Readiness.PENDING if ready is Readiness.LAYERWISE else ready
 
     def _not_completed(self, owner: object) -> bool:
         """A restore that failed midway: all or nothing, so nothing (its slots stay in the table,
@@ -586,10 +604,18 @@ class SpillRadixCache(RadixCache):
             return 0, anchor if anchor is not None else self.root_node
         spilled = [n for n in chain if n.evicted]
         if spilled:
-            ready = self._agreed_readiness(spilled, self._restore_readiness(spilled, rid))
+            ready = self._agreed_readiness(
+                spilled, self._layerwise_ready(spilled, self._restore_readiness(spilled, rid))
+            )
             if ready is None:  # a rank found an extent lost: every rank drops the spilled chain
                 self._drop_lost(spilled)
                 return 0, anchor
+            if ready is Readiness.LAYERWISE:  # the prefill starts; each layer waits for its group
+                if not self._restore_layerwise(spilled, rid, anchor):
+                    return 0, anchor
+                if params.req is not None:
+                    params.req.host_hit_is_storage = True
+                return params.host_hit_length, params.best_match_node
             if ready is Readiness.PENDING:  # unpack what landed meanwhile, never wait
                 if self.agreement.size == 1 and rid is not None:  # early unpack acts at a local moment
                     self._unpack_early(spilled, rid, anchor)
@@ -608,12 +634,24 @@ class SpillRadixCache(RadixCache):
     def _agreed_readiness(self, nodes: list[TreeNode], ready: Readiness) -> Readiness | None:
         """The readiness every rank agrees on (the least ready); None: some rank's extent is LOST."""
         lost = any(node.spill.extent.state is ExtentState.LOST for node in nodes)
-        code = {Readiness.READY: 3, Readiness.PENDING: 2}.get(ready, 0 if lost else 1)
+        codes = {Readiness.READY: 4, Readiness.LAYERWISE: 3, Readiness.PENDING: 2}
+        code = codes.get(ready, 0 if lost else 1)
         agreed = self.agreement.min([code])[0]
         self.spill_metrics.inc("tp_disagreements", int(agreed != code))
         if agreed == 0 and self.agreement.size > 1:
             return None
-        return {3: Readiness.READY, 2: Readiness.PENDING}.get(agreed, Readiness.FAILED)
+        return {v: k for k, v in codes.items()}.get(agreed, Readiness.FAILED)
+
+    @contained("init_load_back (layer-wise readiness)", _pending)
+    def _layerwise_ready(self, nodes: list[TreeNode], ready: Readiness) -> Readiness:
+        """PENDING becomes LAYERWISE (with layer-wise restore on) once every read of the restore has
+        landed its first layer group: the prefill may start, each layer waiting for its own."""
+        if ready is not Readiness.PENDING or self.layerwise is None or self.controller is None:
+            return ready
+        refs = [node.spill for node in nodes]
+        if self.controller.landed_tokens(refs, group=0) == sum(ref.count for ref in refs):
+            return Readiness.LAYERWISE
+        return ready
 
     def _drop_lost(self, nodes: list[TreeNode]) -> None:
         """After an agreed loss: the first spilled node of the chain goes, with its subtree."""
@@ -708,6 +746,202 @@ class SpillRadixCache(RadixCache):
             raise
         return True
 
+    # ---- layer-wise restore (layerwise.py) ---------------------------------------------------
+
+    def _start_layerwise(self, ctl: SpillController) -> None:
+        """The table of layer-wise restores, and the counter sglang's KV pool consults before
+        attention reads a layer (`register_layer_transfer_counter`, as HiCache's)."""
+        self.layerwise = Layerwise(
+            ctl.layout.group_of, ctl.timeout_s, self.spill_metrics,
+            unpack=lambda progress, fence: ctl.unpack_landed(None, progress, fence),
+            failed=self._layerwise_read_failed, poll=ctl.poll, forward_waits=ctl.engine.forward_waits,
+            settle=self._layerwise_settled, fail=self._layerwise_failed,
+        )  # fmt: skip
+        kv = self.token_to_kv_pool_allocator.get_kvcache()
+        kv.register_layer_transfer_counter(LayerCounter(len(ctl.view.layers), self.layerwise_wait))
+
+    def _restore_layerwise(self, nodes: list[TreeNode], rid: str | None, anchor: TreeNode | None) -> bool:
+        """Admit the restore of `nodes` before its later layer groups landed: its slots go to the
+        nodes now (locked until it settles), what landed is unpacked, and the rest is unpacked as
+        the forward reaches each group (`layerwise_wait`). All or nothing across TP ranks, as
+        `_restore`: a rank that cannot take its slots makes every rank recompute."""
+        assert self.controller is not None and self.layerwise is not None
+        ctl, owner = self.controller, _owner(rid)
+        refs = tuple(node.spill for node in nodes)
+        opened = ctl.restores.current(owner, refs) is not None or self._open_restore(
+            owner, nodes, refs, anchor
+        )
+        ok = opened and self._unpack_layerwise_start(owner)
+        if not self.agreement.all_ok(ok):
+            self.spill_metrics.inc("restore_failures")
+            ctl.restores.drop(owner)
+            ctl.finish_reads(refs)
+            self.spill_metrics.inc("tp_disagreements", int(ok))
+            return False
+        progress = ctl.restores.get(owner)
+        assert progress is not None  # agreed ok implies this rank's ok
+        fence = ctl.engine.fence()  # every forward that could write these slots is before it
+        landed = next((g for g in range(progress.groups) if not progress.group_done(g)), progress.groups)
+        values = [slots.clone() for _, _, slots in progress.parts()]
+        ctl.restores.hand_over(owner)
+        try:
+            self.tree.mark_resident(nodes, values)
+        except BaseException:  # those marked keep their KV's slots: they are dropped as failed below
+            for node, value in zip(nodes, values, strict=True):
+                if node.evicted:
+                    self.token_to_kv_pool_allocator.free(value)
+            raise
+        self.inc_lock_ref(nodes[-1])  # never evicted (packed) nor dropped while it lands
+        self.layerwise.start(owner, nodes, progress, fence, landed)
+        return True
+
+    @contained("init_load_back (layer-wise unpack)", _not_completed)
+    def _unpack_layerwise_start(self, owner: object) -> bool:
+        assert self.controller is not None
+        self.controller.unpack_landed(owner)
+        return True
+
+    def _layerwise_read_failed(self, progress: RestoreProgress) -> str | None:
+        assert self.controller is not None
+        for ref in progress.refs:
+            if self.controller.reads.failed(ref.extent):
+                return f"read of extent {ref.extent.key.hex()} failed"
+        return None
+
+    def _layerwise_settled(self, restore: LayerwiseRestore) -> None:
+        """Every group unpacked: the reads' staging goes back, later forwards wait for the last copy,
+        and the nodes are ordinary resident nodes (their lock released)."""
+        ctl = self.controller
+        if ctl is not None:
+            ctl.engine.forward_waits(restore.progress.last_copy)
+            ctl.finish_reads(restore.progress.refs)
+        self.spill_metrics.inc("restored_tokens", restore.progress.tokens)
+        self.spill_metrics.observe_restore(time.monotonic() - restore.progress.started)
+        self._unlock_layerwise(restore)
+
+    def _layerwise_failed(self, restore: LayerwiseRestore) -> None:
+        """A group cannot land: nothing more is unpacked; its nodes stay locked and are never
+        matched (`poisoned`) until `after_forward` has had their readers retracted and drops them."""
+        ctl = self.controller
+        if ctl is not None:
+            ctl.engine.forward_waits(ctl.engine.load_barrier())
+            ctl.finish_reads(restore.progress.refs)
+        self.spill_metrics.inc("restore_failures")
+        self.spill_metrics.inc("layerwise_failed_restores")
+        self._poison(restore)
+
+    def _poison(self, restore: LayerwiseRestore) -> None:
+        for node in self._layerwise_chain(restore):
+            node.layerwise_poisoned = True
+        if restore not in self._failed_layerwise:
+            self._failed_layerwise.append(restore)
+
+    def _unlock_layerwise(self, restore: LayerwiseRestore) -> None:
+        if not restore.unlocked:
+            restore.unlocked = True
+            self.dec_lock_ref(restore.nodes[-1])
+
+    def _layerwise_chain(self, restore: LayerwiseRestore) -> list[TreeNode]:
+        """The nodes holding the restore's slots now: its chain, with any node split from one since."""
+        return self.tree.path_up(restore.nodes[-1], restore.anchor) or list(restore.nodes)
+
+    def layerwise_wait(self, layer: int) -> None:
+        """sglang's KV pool, before attention reads local layer `layer` (`LayerCounter`): every
+        layer-wise restore in progress has that layer's group unpacked (or failed). Never raises:
+        an error of ours fails every restore in progress (their requests recompute)."""
+        lw = self.layerwise
+        if lw is None or not lw.active:
+            return
+        self._waiting_layer = True
+        try:
+            lw.wait_layer(layer)
+        except Exception:
+            internal_error(self, "layer-wise wait")
+            self._fail_all_layerwise()
+        finally:
+            self._waiting_layer = False
+
+    def _fail_all_layerwise(self) -> None:
+        assert self.layerwise is not None
+        try:
+            self.layerwise.fail_all("internal error")
+        except Exception:
+            internal_error(self, "layer-wise wait (failing its restores)")
+            for restore in self.layerwise.active:  # at least never served: retracted, dropped
+                restore.failed = restore.failed or "internal error"
+                self._poison(restore)
+                self.layerwise.ended.append(restore)
+            self.layerwise.active = []
+
+    def after_forward(self, reqs: list[Any]) -> list[Any]:
+        """After a forward (the scheduler's hook): every layer-wise restore in progress ends (blocks
+        for its last reads); those that failed on any TP rank fail on all (agreed, in admission
+        order); returns the requests of `reqs` whose prefix holds a failed restore's nodes: they read
+        KV that is not what the tree says, so the caller retracts them (they recompute) and then
+        calls `drop_failed_layerwise`. Never raises: an error of ours fails every restore of the
+        forward."""
+        lw = self.layerwise
+        if lw is None:
+            return []
+        try:
+            lw.settle_all()
+        except Exception:
+            internal_error(self, "after forward (layer-wise settle)")
+            self._fail_all_layerwise()
+        ended = lw.take_ended()
+        if ended:
+            ok = [int(r.failed is None) for r in ended]
+            agreed = self.agreement.min(ok) if self.agreement.size > 1 else ok
+            for restore, mine, all_ok in zip(ended, ok, agreed, strict=True):
+                if mine and not all_ok:  # another rank's failed: this rank's KV is right, but all retract
+                    self.spill_metrics.inc("tp_disagreements")
+                    restore.failed = "failed on another TP rank"
+                    self._poison(restore)
+        if not self._failed_layerwise:
+            return []
+        poisoned = {id(node) for r in self._failed_layerwise for node in self._layerwise_chain(r)}
+        affected = [req for req in reqs if self._path_holds(getattr(req, "last_node", None), poisoned)]
+        self.spill_metrics.inc("layerwise_retracted_requests", len(affected))
+        return affected
+
+    def _path_holds(self, node: TreeNode | None, ids: set[int]) -> bool:
+        while node is not None and node is not self.root_node:
+            if id(node) in ids:
+                return True
+            node = node.parent
+        return False
+
+    def drop_failed_layerwise(self) -> None:
+        """Drop the nodes of failed layer-wise restores (their slots hold KV of some layers only),
+        once no request holds them: after `after_forward`'s requests were retracted. A chain still
+        held waits (never matched meanwhile: poisoned) for the next call."""
+        keep = []
+        for restore in self._failed_layerwise:
+            self._unlock_layerwise(restore)
+            chain = [n for n in self._layerwise_chain(restore) if self.tree.attached(n) and not n.evicted]
+            if not chain:
+                continue
+            if any(node.lock_ref > 0 for node in chain) or not self._drop_subtree(chain[0], dry_run=True):
+                keep.append(restore)
+                continue
+            self.spill_metrics.inc("layerwise_dropped_tokens", self._drop_subtree(chain[0]))
+        self._failed_layerwise = keep
+
+    def _drop_subtree(self, node: TreeNode, dry_run: bool = False) -> int:
+        """Remove resident `node` and everything below it (resident nodes freed bottom up, spilled
+        ones pruned); with `dry_run`, only whether every resident one is unlocked. Returns tokens."""
+        if dry_run:
+            return int(node.lock_ref == 0 and all(
+                c.evicted or self._drop_subtree(c, dry_run=True) for c in node.children.values()
+            ))  # fmt: skip
+        dropped = 0
+        for child in list(node.children.values()):
+            if child.evicted:
+                dropped += self.tree.prune(child)
+            else:
+                dropped += self._drop_subtree(child)
+        return dropped + self.tree.drop(node)
+
     @contained("init_load_back (restore)", _not_completed)
     def _complete(self, owner: object) -> bool:
         return self.controller is not None and self.controller.complete(owner)
@@ -744,6 +978,7 @@ class SpillRadixCache(RadixCache):
         is attached by a restart (the weights in memory may no longer be the ones on disk)."""
         super().reset()
         self.tree.cleared()
+        self._forget_layerwise()
         self.warm.forget()
         if self.controller is not None:
             self.controller.clear()
@@ -797,6 +1032,8 @@ class SpillRadixCache(RadixCache):
             ctl.restores.clear()
         except Exception:  # the slots stay lost (never handed out unwaited): counted and logged
             internal_error(self, "disable_spill (freeing restores in progress)")
+        if self.layerwise is not None and self.layerwise.active:  # their requests are retracted
+            self._fail_all_layerwise()
 
     # ---- state and accounting ----------------------------------------------------------------
 
@@ -861,6 +1098,8 @@ class SpillRadixCache(RadixCache):
         """Take finished I/O and copies (never changes the tree; lookups attach in `_attach_lookups`)."""
         if self.controller is not None:
             self.controller.poll()
+            if self.layerwise is not None and not self._waiting_layer:
+                self.layerwise.advance()
             self.retention.poll()
             self.tree.events.gone.collect(self.controller.tier)
             self._forget_old_deferrals()

@@ -171,8 +171,8 @@ class SpillTree:
         values = []
         while len(key) > 0:
             child = node.children.get(key.child_key(self.page_size))
-            if child is None or child.evicted:
-                break
+            if child is None or child.evicted or getattr(child, "layerwise_poisoned", False):
+                break  # a failed layer-wise restore's node: some layers of its KV are not there
             child.last_access_time = now
             n = child.key.match(key, page_size=self.page_size)
             if n < len(child.key):

@@ -34,7 +34,7 @@ from typing import NamedTuple
 from sgl_hicache.cli.walk import NsFiles, UsageError, classify, directory_seal, key_of, namespace_dirs
 from sgl_hicache.tier.directio import O_DIRECT, ShortIO, alloc_aligned
 from sgl_hicache.tier.filelock import NoLocks
-from sgl_hicache.tier.format import FormatError, NewerFormat, Seal
+from sgl_hicache.tier.format import FormatError, NewerFormat, Seal, load_pieces
 from sgl_hicache.tier.keys import ExtentKey, NamespaceId
 from sgl_hicache.tier.ledger import LEDGER_NAME, close_ledger, open_ledger
 from sgl_hicache.tier.load import open_extent, read_chunk
@@ -79,8 +79,8 @@ def _read_all(path: str, ns: NamespaceId, key: ExtentKey, direct: bool, seal: Se
     ext = open_extent(path, ns, key, direct, seal)
     try:
         dest = _scratch(ext.header.payload_len)
-        for i in range(len(ext.chunks)):
-            read_chunk(ext, i, dest, ext.header.payload_len)
+        for piece in load_pieces(ext.header, ext.header.payload_len):
+            read_chunk(ext, piece, dest)
     finally:
         os.close(ext.fd)
 

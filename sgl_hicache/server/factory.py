@@ -132,5 +132,13 @@ def open_controller(
         staging.pin()
     tier.register_host_memory(staging.arena)  # a Mooncake tier's transfers then go straight from it
     return SpillController(
-        tier, view, staging, metrics, config.io_timeout_s, allocator, config.prefetch_ttl_s, streams
+        tier,
+        view,
+        staging,
+        metrics,
+        config.io_timeout_s,
+        allocator,
+        config.prefetch_ttl_s,
+        streams,
+        config.layer_groups,
     )

@@ -79,6 +79,16 @@ calls `register_exit_hook` (5 and 12).
    ours polls it every `SIGTERM_POLL_S` first, then runs sglang's, which finds it set and drains at
    once. Why: SIGTERM to an idle server took up to 5 s longer than SIGINT to begin; sglang offers
    no event to wait on.
+13. `Scheduler.run_batch`, AFTER: the forward has run (been launched, on a GPU); the cache ends the
+   layer-wise restores it read (`SpillRadixCache.after_forward`: waits for their last groups) and
+   names the requests that read a failed one, which are retracted (`retract.py`: their KV released
+   without caching it, `reset_for_retract`), and the failed nodes are dropped. Why: a late group
+   that fails after the prefill started must not end in an answer from a mix of restored and
+   missing KV; sglang's own retraction is for decode, and a forward cannot be stopped midway.
+14. `Scheduler.get_next_batch_to_run`, BEFORE: the retracted requests leave the last batch before
+   sglang merges it into the running batch (retract.py).
+15. `Scheduler.process_batch_result`, AFTER: once their batch's result was processed (committing
+   nothing of them: `is_retracted`), the retracted requests go back to the waiting queue.
 `tests/server/test_concurrent_clients.py`, `tests/server/test_spill_resume.py`,
 `tests/server/test_hostile_hints.py` and `tests/server/test_shutdown.py` prove they still hold for
 the pinned version.
@@ -113,6 +123,9 @@ LOOP_TARGET = "sglang.srt.managers.scheduler.Scheduler.run_event_loop"
 SIGTERM_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.sigterm_watchdog"
 SIGTERM_POLL_S = 0.1
 IDLE_TARGET = "sglang.srt.managers.scheduler.Scheduler.on_idle"
+RUN_BATCH_TARGET = "sglang.srt.managers.scheduler.Scheduler.run_batch"
+NEXT_BATCH_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run"
+RESULT_TARGET = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
 WEIGHTS_TARGET = (
     "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
     ".record_weight_version_after_update"
@@ -120,7 +133,7 @@ WEIGHTS_TARGET = (
 # Every target `register_scheduler_hooks` patches, one entry per registration in its order
 # (ADMIT_TARGET once: hooks 6 and 10 are one); `sglang_seam.SEAM` checks each, and EXIT_TARGET.
 TARGETS = (TARGET, PREFETCH_TARGET, HINTS_OUT_TARGET, HINTS_IN_TARGET, ADMIT_TARGET, RELEASE_TARGET, LOOP_TARGET,
-           WEIGHTS_TARGET, IDLE_TARGET)  # fmt: skip
+           WEIGHTS_TARGET, IDLE_TARGET, RUN_BATCH_TARGET, NEXT_BATCH_TARGET, RESULT_TARGET)  # fmt: skip
 STATE_KEY = "hicache_spill"
 
 HOOK_ERRORS: Counter[str] = Counter()  # hook name -> exceptions it contained, in this process
@@ -324,8 +337,49 @@ def new_epoch_after_weight_update(result: Any, updater: Any, *args: Any, **kwarg
     return result
 
 
+def _layerwise_cache(scheduler: Any) -> Any:
+    from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
+
+    cache = getattr(scheduler, "tree_cache", None)
+    return cache if isinstance(cache, SpillRadixCache) and cache.layerwise is not None else None
+
+
+@contained
+def after_forward(result: Any, scheduler: Any, batch: Any = None, *args: Any, **kwargs: Any) -> Any:
+    """Hook 13: end the forward's layer-wise restores; retract the requests that read a failed one."""
+    from sgl_hicache.server import retract
+
+    cache = _layerwise_cache(scheduler)
+    if cache is None:
+        return result
+    affected = cache.after_forward(list(getattr(batch, "reqs", None) or []))
+    if affected:
+        retract.retract(scheduler, affected)
+    cache.drop_failed_layerwise()
+    return result
+
+
+@contained
+def leave_last_batch(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """Hook 14: retracted requests are not merged into the running batch."""
+    from sgl_hicache.server import retract
+
+    if _layerwise_cache(scheduler) is not None:
+        retract.leave_last_batch(scheduler)
+
+
+@contained
+def requeue_retracted(result: Any, scheduler: Any, batch: Any = None, *args: Any, **kwargs: Any) -> Any:
+    """Hook 15: retracted requests go back to the waiting queue once their batch's result was processed."""
+    from sgl_hicache.server import retract
+
+    if _layerwise_cache(scheduler) is not None:
+        retract.requeue(scheduler, batch)
+    return result
+
+
 def register_scheduler_hooks() -> None:
-    """Hooks 1-3 and 6-11, applied at once: in a scheduler process that selected our backend, before
+    """Hooks 1-3, 6-11 and 13-15, applied at once: in a scheduler process that selected our backend, before
     its Scheduler is built (plugin.py; sglang's `load_plugins` has applied hooks already)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -338,6 +392,9 @@ def register_scheduler_hooks() -> None:
     HookRegistry.register(LOOP_TARGET, at_loop_start, HookType.BEFORE)
     HookRegistry.register(WEIGHTS_TARGET, new_epoch_after_weight_update, HookType.AFTER)
     HookRegistry.register(IDLE_TARGET, poll_when_idle, HookType.AFTER)
+    HookRegistry.register(RUN_BATCH_TARGET, after_forward, HookType.AFTER)
+    HookRegistry.register(NEXT_BATCH_TARGET, leave_last_batch, HookType.BEFORE)
+    HookRegistry.register(RESULT_TARGET, requeue_retracted, HookType.AFTER)
     HookRegistry.apply_hooks()  # patches only targets not patched yet
 
 

@@ -186,8 +186,10 @@ class Tier(abc.ABC):
     (load) the buffer before then, except the verified prefix of a load that `landed` reports. For direct I/O the buffer should come from
     `sgl_hicache.tier.alloc_aligned` (unaligned buffers work, through a bounce copy).
 
-    Payloads are page-major (page p of all layers before page p+1), so the first n pages are a byte
-    prefix: `submit_load(..., nbytes=n * page_bytes)` reads and verifies only what covers it.
+    Payloads are page-major (page p of all layers before page p+1), or layer-grouped (format v6:
+    one page-major section per group of layers), so the first n pages are a byte prefix of every
+    section: `submit_load(..., nbytes=n * page_bytes)` reads and verifies only what covers it, and
+    `landed` reports a grouped load's verified bytes group by group.
 
     Where a promise below names files, a directory or its budget, that is the file tier's
     (`nvme.py`); another backend keeps the same promise on its own objects and says how in its
@@ -220,9 +222,15 @@ class Tier(abc.ABC):
     def submit_store(
         self, key: ExtentKey, payload: Buffer, tokens: Sequence[int] | np.ndarray, parent: ExtentKey,
         *, store_tokens: bool = True, aliases: Sequence[tuple[int, bytes]] = (), cache_salt: str | None = None,
+        group_layers: int = 0,
     ) -> Ticket:  # fmt: skip
         """Queue writing `payload` as extent `key`, which must be `chain_key(ns, parent, tokens)`
         (ValueError otherwise: the key names exactly what the extent holds, see keys.py).
+
+        `group_layers` > 0: `payload` is layer-grouped (docs/FORMAT.md, v6: one page-major section
+        per group of that many of the namespace's layers), whole pages of equal layers (ValueError
+        otherwise); each section is cut into its own chunks, so a load verifies group 0 before
+        group 1. 0: page-major, any length.
 
         `cache_salt`: the tenant salt of the request that computed it, recorded as a keyed tag (never
         the salt itself), so that `submit_purge` of that salt finds the extent.
@@ -254,12 +262,18 @@ class Tier(abc.ABC):
         """
 
     @abc.abstractmethod
-    def submit_load(self, key: ExtentKey, dest: Buffer, nbytes: int | None = None) -> Ticket:
+    def submit_load(self, key: ExtentKey, dest: Buffer, nbytes: int | None = None,
+                    group_layers: int | None = None) -> Ticket:  # fmt: skip
         """Queue reading the first `nbytes` payload bytes (all if None) of `key` into `dest`.
 
         Never blocks. Only chunks covering the prefix are read and verified; an OK completion has
         exactly `nbytes` (or the payload length, if None). `dest` must hold that many bytes, else
-        REJECTED. A file not sealed with this directory's secret (header or meta MAC wrong: not
+        REJECTED. A page-major payload's prefix is a byte prefix; a layer-grouped one's (v6) is the
+        first m pages of every group's section (`nbytes` m whole pages, else REJECTED), delivered
+        back to back (the layout of m tokens), group 0 first. `group_layers`: deliver the bytes in
+        that grouping (0: page-major) whatever the file's, rearranged once every chunk is verified
+        (such a load lands nothing early); None: the file's own. REJECTED where the payload is not
+        whole pages of equal layers. A file not sealed with this directory's secret (header or meta MAC wrong: not
         written by a holder of the secret), and any checksum, truncation, version or namespace
         mismatch, drops the extent and reports CORRUPT; a file whose recorded parent, token count
         and token digest do not hash to `key`, or whose payload is shorter than `nbytes`, is

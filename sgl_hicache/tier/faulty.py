@@ -14,6 +14,12 @@ in submission order, so a test that submits the same sequence sees the same faul
   the one failure the cache cannot catch. Server differential tests use it to show they detect
   wrong KV. Such a load, like a corrupted one, never shows verified bytes through `landed`. Drawn
   only when the rate is above 0, so existing seeds keep their fault sequences.
+- late_fault_rate (loads): the load shows only its first `late_fault_share` of bytes verified through
+  `landed` (its first layer groups, in a grouped layout), then fails as `late_fault_status` says:
+  "corrupt" (CORRUPT, the extent discarded, as a chunk failing its checksum), "miss" (MISS, the
+  extent gone), "io_error" (IO_ERROR), or "stall" (its completion held `late_stall_s` longer: a read
+  that outlasts the caller's timeout). A fault after the caller started using the verified part:
+  what a layer-wise restore must survive. Drawn only when the rate is above 0.
 """
 
 from __future__ import annotations
@@ -53,13 +59,30 @@ class FaultSpec:
     fail_rate: float = 0.0
     corrupt_rate: float = 0.0
     silent_corrupt_rate: float = 0.0
+    late_fault_rate: float = 0.0
+    late_fault_share: float = 0.5
+    late_fault_status: str = "corrupt"
+    late_stall_s: float = 60.0
 
     def __post_init__(self) -> None:
-        for name in ("fail_rate", "corrupt_rate", "silent_corrupt_rate"):
+        if self.late_fault_status not in LATE_FAULTS:
+            raise ValueError(
+                f"late_fault_status must be one of {sorted(LATE_FAULTS)}, got {self.late_fault_status!r}"
+            )
+        for name in (
+            "fail_rate",
+            "corrupt_rate",
+            "silent_corrupt_rate",
+            "late_fault_rate",
+            "late_fault_share",
+        ):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.latency_s < 0 or self.jitter_s < 0:
             raise ValueError("latency and jitter must be >= 0")
+
+
+LATE_FAULTS = {"corrupt": Status.CORRUPT, "miss": Status.MISS, "io_error": Status.IO_ERROR, "stall": None}
 
 
 @dataclass(frozen=True)
@@ -68,6 +91,7 @@ class _Plan:
     release_at: float
     corrupt_into: memoryview | None = None
     silent: bool = False  # corrupt_into is flipped but the completion stays OK
+    late: memoryview | None = None  # a late fault (`late_fault_*`): the destination, past its share
 
 
 def flip_silently(dest: memoryview, nbytes: int) -> None:
@@ -87,11 +111,13 @@ class _Progress:
     release_at: float
     total: int
     verified: int = 0  # the most the wrapped tier reported (all of it once it completed OK)
+    cap: int | None = None  # a late fault: never more than this is shown
 
     def paced(self, now: float) -> int:
         span = self.release_at - self.start
         share = 1.0 if span <= 0 else min(1.0, (now - self.start) / span)
-        return min(self.verified, int(self.total * share))
+        shown = min(self.verified, int(self.total * share))
+        return shown if self.cap is None else min(shown, self.cap)
 
 
 class FaultyTier(IndexedTier):
@@ -105,7 +131,7 @@ class FaultyTier(IndexedTier):
         self._ready: dict[Ticket, Completion] = {}
         self._issued: set[Ticket] = set()
         self._progress: dict[Ticket, _Progress] = {}  # outer load ticket -> its progress
-        self.injected = {"failures": 0, "corruptions": 0, "silent_corruptions": 0}
+        self.injected = {"failures": 0, "corruptions": 0, "silent_corruptions": 0, "late_faults": 0}
 
     @property
     def namespace(self) -> Namespace:
@@ -126,6 +152,11 @@ class FaultyTier(IndexedTier):
             silent = rate > 0 and self._rng.random() < rate
             return ticket, time.monotonic() + delay, fail, corrupt, silent and not corrupt
 
+    def _draw_late(self) -> bool:
+        rate = self._spec.late_fault_rate
+        with self._lock:
+            return rate > 0 and self._rng.random() < rate
+
     def _inject_failure(self, ticket: Ticket, op: Op, key: ExtentKey, release_at: float) -> Ticket:
         with self._lock:
             self.injected["failures"] += 1
@@ -137,27 +168,33 @@ class FaultyTier(IndexedTier):
     def submit_store(
         self, key: ExtentKey, payload: Buffer, tokens: Sequence[int] | np.ndarray, parent: ExtentKey,
         *, store_tokens: bool = True, aliases: Sequence[tuple[int, bytes]] = (), cache_salt: str | None = None,
+        group_layers: int = 0,
     ) -> Ticket:  # fmt: skip
         ticket, release_at, fail, _, _ = self._draw()
         if fail:
             return self._inject_failure(ticket, Op.STORE, key, release_at)
         with self._lock:  # held so that _pump cannot see the inner completion before its plan
             inner = self._inner.submit_store(key, payload, tokens, parent, store_tokens=store_tokens,
-                                             aliases=aliases, cache_salt=cache_salt)  # fmt: skip
+                                             aliases=aliases, cache_salt=cache_salt,
+                                             group_layers=group_layers)  # fmt: skip
             self._plans[inner] = _Plan(ticket, release_at)
         return ticket
 
-    def submit_load(self, key: ExtentKey, dest: Buffer, nbytes: int | None = None) -> Ticket:
+    def submit_load(self, key: ExtentKey, dest: Buffer, nbytes: int | None = None,
+                    group_layers: int | None = None) -> Ticket:  # fmt: skip
         ticket, release_at, fail, corrupt, silent = self._draw()
         if fail:
             return self._inject_failure(ticket, Op.LOAD, key, release_at)
+        late = self._draw_late() and not (corrupt or silent)
         view = as_view(dest, writable=True)
         with self._lock:
-            inner = self._inner.submit_load(key, view, nbytes)
-            self._plans[inner] = _Plan(ticket, release_at, view if corrupt or silent else None, silent)
+            inner = self._inner.submit_load(key, view, nbytes, group_layers)
+            self._plans[inner] = _Plan(ticket, release_at, view if corrupt or silent else None, silent,
+                                       view if late else None)  # fmt: skip
             if not (corrupt or silent):  # a load bound to be corrupted never shows verified bytes
                 total = view.nbytes if nbytes is None else nbytes
-                self._progress[ticket] = _Progress(inner, time.monotonic(), release_at, total)
+                cap = int(total * self._spec.late_fault_share) if late else None
+                self._progress[ticket] = _Progress(inner, time.monotonic(), release_at, total, cap=cap)
         return ticket
 
     def landed(self, ticket: Ticket) -> int:
@@ -185,11 +222,14 @@ class FaultyTier(IndexedTier):
             with self._lock:
                 plan = self._plans.pop(c.ticket)
             out = replace(c, ticket=plan.ticket)
+            release_at = plan.release_at
             if plan.corrupt_into is not None and c.ok:
                 out = self._corrupt(out, plan.corrupt_into, plan.silent)
+            elif plan.late is not None and c.ok:
+                out, release_at = self._late(out, plan.late, release_at)
             with self._lock:
-                self._held.append((plan.release_at, out))
-                if c.ok and plan.ticket in self._progress:
+                self._held.append((release_at, out))
+                if out.ok and plan.ticket in self._progress:
                     self._progress[plan.ticket].verified = c.nbytes
         now = time.monotonic()
         with self._lock:
@@ -209,6 +249,22 @@ class FaultyTier(IndexedTier):
         with self._lock:
             self.injected["corruptions"] += 1
         return replace(c, status=Status.CORRUPT, nbytes=0, detail="injected corruption")
+
+    def _late(self, c: Completion, dest: memoryview, release_at: float) -> tuple[Completion, float]:
+        """A late fault: after its share of bytes, the load fails (or stalls)."""
+        with self._lock:
+            self.injected["late_faults"] += 1
+        status = LATE_FAULTS[self._spec.late_fault_status]
+        if status is None:  # a stall: the same completion, much later
+            return c, release_at + self._spec.late_stall_s
+        shown = int(c.nbytes * self._spec.late_fault_share)
+        if c.nbytes > shown:  # the bytes past the verified share are undefined, as after a bad chunk
+            dest[shown : c.nbytes] = bytes(c.nbytes - shown)
+        if status in (Status.CORRUPT, Status.MISS):
+            self._inner.discard(c.key)
+        return replace(
+            c, status=status, nbytes=0, detail=f"injected late {self._spec.late_fault_status}"
+        ), release_at
 
     def get_finished(self) -> list[Completion]:
         self._pump()

@@ -13,8 +13,13 @@ Authenticity (`Seal`): `meta_mac` = blake2b-128 keyed with the directory's secre
 header_mac alone vouches for the fixed header (the startup scan); with meta_mac it vouches for the
 meta and so for every chunk checksum: only a holder of the secret could have written the file.
 
-Chunk i holds raw payload bytes [i * chunk_bytes, (i + 1) * chunk_bytes); its checksum covers the
-bytes as stored (compressed or not), so a prefix read verifies only the chunks it touches.
+Payload layout (v6, `group_layers`, the fixed header's former reserved u16): 0 (every file before
+v6) is page-major; g > 0 cuts the layers into groups of g and stores one section per group, each the
+page-major layout of its own layers (kernels/layout.py `LayerGroups`). Each section is cut into
+chunks of `chunk_bytes` raw bytes (its last chunk may be short), in section order, so every chunk
+belongs to one group and is verified alone; its checksum covers the bytes as stored (compressed or
+not). A prefix of n pages is a prefix of every section (`load_pieces`): a load reads and verifies
+only the chunks it touches, group 0's first.
 """
 
 from __future__ import annotations
@@ -32,8 +37,14 @@ from sgl_hicache.config import Compression
 from sgl_hicache.tier.keys import KEY_BYTES, ExtentKey, KVDtype, KVLayout, NamespaceId, token_digest
 
 MAGIC = b"SGLHCEXT"
-VERSION = 5  # 5: the salt tag in the meta ("s"); 4: path-key aliases ("a"); 3: keyed header MACs
-READABLE_VERSIONS = (3, 4, 5)  # v3/v4: no salt tag (a purge removes those without token ids); v3: no aliases
+VERSION = 6  # 6: layer-grouped payloads; 5: the salt tag in the meta ("s"); 4: path-key aliases ("a"); 3: keyed MACs
+READABLE_VERSIONS = (
+    3,
+    4,
+    5,
+    6,
+)  # v3-v5: page-major; v3/v4: no salt tag (a purge removes those without token ids); v3: no aliases
+GROUPS_VERSION = 6  # the first version whose payload may be layer-grouped
 SALT_TAG_VERSION = 5  # the first version whose files say whether (and whose) cache_salt wrote them
 ALIGN = 4096
 EXTENT_SUFFIX = ".ext"
@@ -131,14 +142,133 @@ class Header:
     header_len: int = 0
     meta_len: int = 0
     meta_mac: bytes = bytes(MAC_BYTES)
+    group_layers: int = 0  # v6: layers per group of the payload; 0 (every older file): page-major
 
     @property
     def file_size(self) -> int:
         return self.header_len + self.stored_len
 
+    @property
+    def sections(self) -> tuple[int, ...]:
+        """Raw bytes of each layer group's section of the payload (one: page-major). Raises
+        FormatError for a grouped payload that does not split into equal layer-pages."""
+        lay = self.layout
+        try:
+            return section_lengths(
+                self.payload_len, self.token_count, lay.page_size, lay.num_layers, self.group_layers
+            )
+        except ValueError as e:
+            raise FormatError(str(e)) from None
+
+    def raw_chunks(self) -> list[tuple[int, int]]:
+        """(raw payload offset, raw length) of every chunk, in chunk-table order."""
+        return chunk_spans(self.sections, self.chunk_bytes)
+
     def chunk_count(self, nbytes: int) -> int:
-        """Chunks covering the first `nbytes` raw payload bytes."""
-        return -(-min(nbytes, self.payload_len) // self.chunk_bytes)
+        """Chunks a load of the first `nbytes` payload bytes reads (`load_pieces`)."""
+        return len(load_pieces(self, nbytes))
+
+
+class Piece(NamedTuple):
+    """What a load of a prefix takes of one chunk: chunk number `chunk` (raw bytes [raw_off, raw_off
+    + raw_len) of the payload), its first `need` bytes, which go to `dest_off` in the destination."""
+
+    chunk: int
+    raw_off: int
+    raw_len: int
+    need: int
+    dest_off: int
+
+
+def normal_groups(group_layers: int, num_layers: int) -> int:
+    """Layers per group, 0 or at least `num_layers` (one group: page-major) as `num_layers`."""
+    return group_layers if 0 < group_layers < num_layers else num_layers
+
+
+def section_lengths(payload_len: int, token_count: int, page_size: int, num_layers: int,
+                    group_layers: int) -> tuple[int, ...]:  # fmt: skip
+    """Raw bytes of each layer group's section of a payload of `token_count` tokens (whole pages of
+    `num_layers` equal layers). Page-major (`group_layers` 0 or >= num_layers): one section, any
+    length. Raises ValueError if a grouped payload is not whole pages of equal layers."""
+    g = normal_groups(group_layers, num_layers)
+    if g == num_layers:
+        return (payload_len,)
+    pages = -(-token_count // page_size)
+    if pages == 0 or payload_len % (pages * num_layers):
+        raise ValueError(f"a payload of {payload_len} B is not {pages} pages of {num_layers} equal layers")
+    layer = payload_len // (pages * num_layers)
+    return tuple(pages * layer * (min(num_layers, lo + g) - lo) for lo in range(0, num_layers, g))
+
+
+def chunk_spans(sections: Sequence[int], chunk_bytes: int) -> list[tuple[int, int]]:
+    """(raw offset, raw length) of each chunk: every section cut into `chunk_bytes` pieces."""
+    out: list[tuple[int, int]] = []
+    start = 0
+    for length in sections:
+        out.extend((start + o, min(chunk_bytes, length - o)) for o in range(0, length, chunk_bytes))
+        start += length
+    return out
+
+
+def load_pieces(h: Header, want: int) -> list[Piece]:
+    """The chunks a load of the first `want` bytes of `h`'s payload (in its own layout) reads, in
+    order, and where their bytes go. Page-major: a byte prefix. Grouped: `want` is m whole pages
+    (`want / payload_len` of the pages); the destination holds the m-page prefix of each section,
+    back to back (the layout of m tokens), group 0 first. Raises Mismatch for more than the
+    payload, ValueError for a grouped load of part of a page."""
+    if want > h.payload_len:
+        raise Mismatch(f"extent holds {h.payload_len} payload bytes, {want} requested")
+    sections, spans = h.sections, h.raw_chunks()
+    if len(sections) == 1:
+        return [Piece(i, off, n, min(n, want - off), off) for i, (off, n) in enumerate(spans) if off < want]
+    pages = -(-h.token_count // h.layout.page_size)
+    page = h.payload_len // pages
+    if want % page:
+        raise ValueError(f"a grouped extent loads whole pages of {page} B, not {want} B")
+    share, pieces, i, sec_start, dest = want // page, [], 0, 0, 0
+    for length in sections:
+        need_sec = length // pages * share
+        while i < len(spans) and spans[i][0] < sec_start + length:
+            off, n = spans[i]
+            inside = off - sec_start
+            if inside < need_sec:
+                pieces.append(Piece(i, off, n, min(n, need_sec - inside), dest + inside))
+            i += 1
+        sec_start += length
+        dest += need_sec
+    return pieces
+
+
+def regroup(buf: memoryview, pages: int, num_layers: int, src_groups: int, dst_groups: int) -> None:
+    """Rearrange `buf` (`pages` whole pages of `num_layers` equal layers, laid out in groups of
+    `src_groups` layers) in place into groups of `dst_groups` (0: page-major). Raises ValueError if
+    `buf` is not whole pages of equal layers."""
+    src, dst = normal_groups(src_groups, num_layers), normal_groups(dst_groups, num_layers)
+    if src == dst or not buf.nbytes:
+        return
+    if pages <= 0 or buf.nbytes % (pages * num_layers):
+        raise ValueError(f"{buf.nbytes} B are not {pages} pages of {num_layers} equal layers")
+    raw = np.frombuffer(buf, dtype=np.uint8)
+    layer = buf.nbytes // (pages * num_layers)
+    canon = np.empty((pages, num_layers, layer), dtype=np.uint8)  # [page, layer, bytes]
+    _sections(raw, pages, num_layers, layer, src, canon, read=True)
+    out = np.empty_like(raw)
+    _sections(out, pages, num_layers, layer, dst, canon, read=False)
+    raw[:] = out
+
+
+def _sections(flat: np.ndarray, pages: int, num_layers: int, layer: int, groups: int, canon: np.ndarray,
+              read: bool) -> None:  # fmt: skip
+    start = 0
+    for lo in range(0, num_layers, groups):
+        hi = min(num_layers, lo + groups)
+        n = pages * (hi - lo) * layer
+        section = flat[start : start + n].reshape(pages, hi - lo, layer)
+        if read:
+            canon[:, lo:hi] = section
+        else:
+            section[...] = canon[:, lo:hi]
+        start += n
 
 
 def header_bound(token_bytes: int, n_chunks: int, n_aliases: int = 0) -> int:
@@ -148,12 +278,13 @@ def header_bound(token_bytes: int, n_chunks: int, n_aliases: int = 0) -> int:
     return align_up(FIXED_SIZE + 16 + token_bytes + 5 + n_chunks * _CHUNK_ENTRY_MAX + aliases + salt)
 
 
-def file_bound(payload_len: int, token_count: int, chunk_bytes: int, n_aliases: int) -> int:
+def file_bound(payload_len: int, token_count: int, chunk_bytes: int, n_aliases: int,
+               sections: Sequence[int] | None = None) -> int:  # fmt: skip
     """The bytes of an uncompressed extent file of these sizes with its token ids (the most its
-    header may take: `header_bound`; each chunk padded to 4096). A compressed one is usually smaller."""
-    full, last = divmod(payload_len, chunk_bytes)
-    n_chunks = full + (last > 0)
-    return header_bound(4 * token_count, n_chunks, n_aliases) + full * align_up(chunk_bytes) + align_up(last)
+    header may take: `header_bound`; each chunk padded to 4096; `sections`: the raw bytes of each
+    layer group's section, default one). A compressed one is usually smaller."""
+    spans = chunk_spans(sections or (payload_len,), chunk_bytes)
+    return header_bound(4 * token_count, len(spans), n_aliases) + sum(align_up(n) for _, n in spans)
 
 
 def encode_header(
@@ -184,8 +315,8 @@ def _pack(h: Header) -> bytes:
     return _FIXED.pack(
         MAGIC, VERSION, 0, h.header_len, h.namespace, h.key, h.parent,
         lay.num_layers, lay.num_heads, lay.head_dim, lay.page_size, int(lay.dtype),
-        _COMPRESSION_CODES[h.compression], 0, h.token_count, h.chunk_bytes,
-        h.chunk_count(h.payload_len), h.payload_len, h.stored_len, h.meta_len, h.token_digest,
+        _COMPRESSION_CODES[h.compression], h.group_layers, h.token_count, h.chunk_bytes,
+        len(h.raw_chunks()), h.payload_len, h.stored_len, h.meta_len, h.token_digest,
         h.created_ns, h.meta_mac, bytes(MAC_BYTES),
     )  # fmt: skip
 
@@ -230,6 +361,7 @@ def decode_fixed(buf: bytes | memoryview, seal: Seal | None) -> Header:
         namespace=NamespaceId(f[4]), key=ExtentKey(f[5]), parent=ExtentKey(f[6]), layout=layout,
         compression=_CODE_COMPRESSION[f[12]], token_count=f[14], token_digest=f[20], chunk_bytes=f[15],
         payload_len=f[17], stored_len=f[18], created_ns=f[21], header_len=f[3], meta_len=f[19], meta_mac=f[22],
+        group_layers=f[13] if f[1] >= GROUPS_VERSION else 0,  # reserved (0) before v6
     )  # fmt: skip
     _check_sizes(header, n_chunks=f[16])
     return header
@@ -253,7 +385,9 @@ def _check_version(magic: bytes, version: int, sealed: bool) -> None:
 def _check_sizes(h: Header, n_chunks: int) -> None:
     if h.chunk_bytes <= 0 or h.chunk_bytes % ALIGN or h.header_len % ALIGN:
         raise FormatError("header lengths are not 4096-aligned")
-    if h.header_len < FIXED_SIZE + h.meta_len or n_chunks != h.chunk_count(h.payload_len):
+    if h.group_layers > h.layout.num_layers:
+        raise FormatError(f"layer groups of {h.group_layers} of {h.layout.num_layers} layers")
+    if h.header_len < FIXED_SIZE + h.meta_len or n_chunks != len(h.raw_chunks()):
         raise FormatError("inconsistent header lengths")
 
 
@@ -270,14 +404,16 @@ def decode_meta(
         raise FormatError(f"undecodable meta: {e}") from None
     if tokens is not None and (not isinstance(tokens, bytes) or len(tokens) != 4 * header.token_count):
         raise FormatError("meta token ids do not match the header's count")
-    if len(chunks) != header.chunk_count(header.payload_len):
+    spans = header.raw_chunks()
+    if len(chunks) != len(spans):
         raise FormatError("meta does not match header")
-    for i, c in enumerate(chunks):
+    stored = 0  # an uncompressed chunk is stored at the 4096-aligned end of the one before
+    for c, (_, raw) in zip(chunks, spans, strict=True):
         if c.offset % ALIGN or c.offset + c.length > header.stored_len:
             raise FormatError("chunk table out of bounds")
-        raw = min(header.chunk_bytes, header.payload_len - i * header.chunk_bytes)
-        if header.compression is Compression.NONE and (c.offset, c.length) != (i * header.chunk_bytes, raw):
+        if header.compression is Compression.NONE and (c.offset, c.length) != (stored, raw):
             raise FormatError("uncompressed chunk table does not match the payload layout")
+        stored += align_up(raw)
     if tokens is not None and token_digest(np.frombuffer(tokens, dtype="<u4")) != header.token_digest:
         raise Mismatch("the extent's token ids do not hash to its token digest")
     return tokens, chunks

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import xxhash
 import zstandard
@@ -27,11 +28,15 @@ from sgl_hicache.tier.format import (
     FormatError,
     Header,
     Mismatch,
+    Piece,
     Seal,
     align_up,
     decode_aliases,
     decode_fixed,
     decode_meta,
+    load_pieces,
+    normal_groups,
+    regroup,
 )
 from sgl_hicache.tier.index import Entry
 from sgl_hicache.tier.keys import ExtentKey, NamespaceId, chain_key_from_digest
@@ -98,25 +103,54 @@ def _read_header(
     return header, tokens, chunks, decode_aliases(header, buf, seal)
 
 
-def read_chunk(ext: OpenExtent, index: int, dest: memoryview, want: int) -> int:
-    """Load chunk `index`'s part of the first `want` payload bytes into `dest`; returns bytes loaded."""
-    h, chunk = ext.header, ext.chunks[index]
-    raw_off = index * h.chunk_bytes
-    raw_len = min(h.chunk_bytes, h.payload_len - raw_off)
-    need = min(raw_len, want - raw_off)
+class Plan(NamedTuple):
+    """How a load of the first `want` payload bytes runs: the chunk `pieces` (`format.load_pieces`)
+    and, when the caller wants another layer grouping than the file's (`convert` layers per group,
+    `pages` whole pages), the rearrangement done once every piece is verified."""
+
+    pieces: list[Piece]
+    convert: int | None = None
+    pages: int = 0
+
+
+def plan_load(h: Header, want: int, group_layers: int | None) -> Plan:
+    """The load plan of `want` bytes of `h`'s payload delivered in groups of `group_layers` layers
+    (None: the file's own layout). Raises Mismatch for more than the payload holds, ValueError for
+    a grouping that cannot be delivered (part of a page, a payload of unequal layers)."""
+    pieces = load_pieces(h, want)
+    layers = h.layout.num_layers
+    if group_layers is None or normal_groups(group_layers, layers) == normal_groups(h.group_layers, layers):
+        return Plan(pieces)
+    pages = -(-h.token_count // h.layout.page_size)
+    if not pages or h.payload_len % (pages * layers) or want % (h.payload_len // pages):
+        raise ValueError(f"{want} B of extent {h.key.hex()} cannot be delivered in layer groups")
+    return Plan(pieces, group_layers, want // (h.payload_len // pages))
+
+
+def finish_plan(h: Header, plan: Plan, dest: memoryview, want: int) -> None:
+    """After every piece was verified: rearrange `dest[:want]` into the layout the caller asked for."""
+    if plan.convert is not None:
+        regroup(dest[:want], plan.pages, h.layout.num_layers, h.group_layers, plan.convert)
+
+
+def read_chunk(ext: OpenExtent, piece: Piece, dest: memoryview) -> int:
+    """Load `piece` (its chunk's first `need` bytes) into `dest` at its place, verified; returns
+    the bytes loaded."""
+    h, chunk = ext.header, ext.chunks[piece.chunk]
     file_off = h.header_len + chunk.offset
-    target = dest[raw_off : raw_off + chunk.length]
-    in_place = h.compression is Compression.NONE and need == raw_len
+    target = dest[piece.dest_off : piece.dest_off + chunk.length]
+    in_place = h.compression is Compression.NONE and piece.need == piece.raw_len
     if in_place and (not ext.direct or is_aligned(target)):
         pread_exact(ext.fd, target, file_off)
-        verify_chunk(target, chunk, index)
-        return need
+        verify_chunk(target, chunk, piece.chunk)
+        return piece.need
     buf = _scratch(align_up(chunk.length) if ext.direct else chunk.length)
     pread_exact(ext.fd, buf, file_off)
     stored = buf[: chunk.length]
-    verify_chunk(stored, chunk, index)
-    dest[raw_off : raw_off + need] = decode_chunk(stored, h.compression, raw_len)[:need]
-    return need
+    verify_chunk(stored, chunk, piece.chunk)
+    raw = decode_chunk(stored, h.compression, piece.raw_len)
+    dest[piece.dest_off : piece.dest_off + piece.need] = raw[: piece.need]
+    return piece.need
 
 
 def verify_chunk(data: memoryview, chunk: Chunk, index: int) -> None:
@@ -137,30 +171,38 @@ def decode_chunk(stored: memoryview, compression: Compression, raw_len: int) -> 
 
 
 class LoadState:
-    """A load in flight: chunk jobs count down `remaining`; the first error wins. Chunks finish in
-    any order; `landed` is the verified prefix (the leading run of chunks that passed their check)."""
+    """A load in flight: piece jobs count down `remaining`; the first error wins. Pieces finish in
+    any order; `landed` is the verified prefix of the destination: the bytes of the leading run of
+    pieces that passed their check (pieces go to the destination in order, layer group by layer
+    group, so that is a byte prefix of it). A load that rearranges its bytes at the end lands
+    nothing before then."""
 
     def __init__(self, ticket: Ticket, key: ExtentKey, ext: OpenExtent, dest: memoryview, want: int,
-                 seen: Entry | None) -> None:  # fmt: skip
+                 seen: Entry | None, plan: Plan) -> None:  # fmt: skip
         self.ticket, self.key, self.ext, self.dest, self.want = ticket, key, ext, dest, want
         self.seen = seen  # the key's index entry when the load began (`NvmeTier._fail`)
-        self.remaining = ext.header.chunk_count(want)
+        self.plan = plan
+        self.pieces = plan.pieces
+        self.remaining = len(self.pieces)
         self.error: Exception | None = None
         self.lock = threading.Lock()
         self._verified = [False] * self.remaining
-        self._prefix_chunks = 0
+        self._prefix = 0
 
     def chunk_done(self, index: int, error: Exception | None) -> bool:
-        """Record chunk `index`'s outcome; True for the last one."""
+        """Record piece `index`'s outcome; True for the last one."""
         with self.lock:
             self.error = self.error or error
             self._verified[index] = error is None
-            while self._prefix_chunks < len(self._verified) and self._verified[self._prefix_chunks]:
-                self._prefix_chunks += 1
+            while self._prefix < len(self._verified) and self._verified[self._prefix]:
+                self._prefix += 1
             self.remaining -= 1
             return self.remaining == 0
 
     @property
     def landed(self) -> int:
         with self.lock:
-            return min(self.want, self._prefix_chunks * self.ext.header.chunk_bytes)
+            if self.plan.convert is not None or not self._prefix:
+                return 0
+            last = self.pieces[self._prefix - 1]
+            return min(self.want, last.dest_off + last.need)

@@ -146,10 +146,12 @@ class MooncakeTier(IndexedTier):
     def submit_store(
         self, key: ExtentKey, payload: Buffer, tokens: Sequence[int] | np.ndarray, parent: ExtentKey,
         *, store_tokens: bool = True, aliases: Sequence[tuple[int, bytes]] = (), cache_salt: str | None = None,
+        group_layers: int = 0,
     ) -> Ticket:  # fmt: skip
         view = as_view(payload, writable=False)
         tag = None if cache_salt is None else self._seal.salt(cache_salt)
-        req = StoreRequest.of(check_key(key), check_key(parent), tokens, view, store_tokens, aliases, tag)
+        req = StoreRequest.of(check_key(key), check_key(parent), tokens, view, store_tokens, aliases, tag,
+                              group_layers, self._ns.layout)  # fmt: skip
         if chain_key_from_digest(self._ns.id, parent, req.token_count, req.token_digest) != key:
             raise ValueError("an extent key must be chain_key(namespace, parent, tokens) of what it holds")
         ticket = self._completions.issue()
@@ -192,7 +194,8 @@ class MooncakeTier(IndexedTier):
         self._counters.add("stores")
         self._counters.add("store_bytes", req.payload.nbytes)
 
-    def submit_load(self, key: ExtentKey, dest: Buffer, nbytes: int | None = None) -> Ticket:
+    def submit_load(self, key: ExtentKey, dest: Buffer, nbytes: int | None = None,
+                    group_layers: int | None = None) -> Ticket:  # fmt: skip
         view = as_view(dest, writable=True)
         check_key(key)
         ticket = self._completions.issue()
@@ -204,10 +207,11 @@ class MooncakeTier(IndexedTier):
             why = "tier closed" if closed else f"destination of {view.nbytes} B cannot hold {nbytes} B"
             self._post(ticket, Op.LOAD, key, Status.REJECTED, 0, why)
         else:
-            self._io.submit_read(lambda: self._load_job(ticket, key, view, nbytes))
+            self._io.submit_read(lambda: self._load_job(ticket, key, view, nbytes, group_layers))
         return ticket
 
-    def _load_job(self, ticket: Ticket, key: ExtentKey, dest: memoryview, nbytes: int | None) -> None:
+    def _load_job(self, ticket: Ticket, key: ExtentKey, dest: memoryview, nbytes: int | None,
+                  group_layers: int | None) -> None:  # fmt: skip
         ext: objects.Opened | None = None
         try:
             ext = objects.open_header(self._client, self._names, self._ns.id, key, self._seal, self._scratch)
@@ -215,7 +219,14 @@ class MooncakeTier(IndexedTier):
             if want > dest.nbytes:
                 self._post(ticket, Op.LOAD, key, Status.REJECTED, 0, f"destination too small for {want} B")
                 return
-            objects.read_chunks(self._client, self._names, ext, dest, want, self._scratch, lambda n: self._land(ticket, n))  # fmt: skip
+            try:
+                objects.read_chunks(self._client, self._names, ext, dest, want, self._scratch,
+                                    lambda n: self._land(ticket, n), group_layers)  # fmt: skip
+            except ValueError as e:  # a layer grouping this extent cannot be delivered in
+                if isinstance(e, FormatError):
+                    raise
+                self._post(ticket, Op.LOAD, key, Status.REJECTED, 0, str(e))
+                return
             h = ext.header
             with self._lock:
                 self._index.remember(ExtentInfo(key, h.parent, h.token_count, h.payload_len, h.file_size))

@@ -31,8 +31,8 @@ from sgl_hicache.tier.format import (
     Chunk,
     FormatError,
     Header,
-    Mismatch,
     NewerFormat,
+    Piece,
     Seal,
     align_up,
     decode_aliases,
@@ -40,7 +40,7 @@ from sgl_hicache.tier.format import (
     decode_meta,
 )
 from sgl_hicache.tier.keys import ExtentKey, Namespace, NamespaceId
-from sgl_hicache.tier.load import check_identity, decode_chunk, verify_chunk
+from sgl_hicache.tier.load import check_identity, decode_chunk, finish_plan, plan_load, verify_chunk
 from sgl_hicache.tier.mooncake_client import Names, Reply, StoreClient
 from sgl_hicache.tier.store import Prepared, StoreRequest, sealed_header
 
@@ -164,30 +164,34 @@ def header_is(client: StoreClient, names: Names, key: ExtentKey, seen: bytes) ->
 
 
 def read_chunks(client: StoreClient, names: Names, ext: Opened, dest: memoryview, want: int, scratch: Scratch,
-                landed: Callable[[int], None]) -> None:  # fmt: skip
-    """Read and verify the chunks covering the first `want` payload bytes into `dest`, in order,
-    reporting each verified prefix to `landed`. Raises Gone, StoreFailed, FormatError."""
+                landed: Callable[[int], None], group_layers: int | None = None) -> None:  # fmt: skip
+    """Read and verify the chunks covering the first `want` payload bytes into `dest`, in order
+    (layer group by layer group: load.py's plan, delivered in groups of `group_layers` layers, None:
+    the extent's own), reporting each verified prefix of `dest` to `landed` (at the end only, for a
+    load that rearranges its bytes). Raises Gone, StoreFailed, FormatError; ValueError for a
+    grouping that cannot be delivered."""
     h = ext.header
-    if want > h.payload_len:
-        raise Mismatch(f"extent holds {h.payload_len} payload bytes, {want} requested")
-    for index in range(h.chunk_count(want)):
-        landed(_read_chunk(client, names.chunk(h.key, index), ext, index, dest, want, scratch))
+    plan = plan_load(h, want, group_layers)
+    for piece in plan.pieces:
+        end = _read_chunk(client, names.chunk(h.key, piece.chunk), ext, piece, dest, scratch)
+        if plan.convert is None:
+            landed(end)
+    finish_plan(h, plan, dest, want)
+    landed(want)
 
 
-def _read_chunk(client: StoreClient, name: str, ext: Opened, index: int, dest: memoryview, want: int,
+def _read_chunk(client: StoreClient, name: str, ext: Opened, piece: Piece, dest: memoryview,
                 scratch: Scratch) -> int:  # fmt: skip
-    """Chunk `index`'s part of the first `want` bytes into `dest`; returns the bytes landed so far."""
-    h, chunk = ext.header, ext.chunks[index]
-    raw_off = index * h.chunk_bytes
-    raw_len = min(h.chunk_bytes, h.payload_len - raw_off)
-    need = min(raw_len, want - raw_off)
-    whole = h.compression is Compression.NONE and need == raw_len
-    target = dest[raw_off : raw_off + chunk.length] if whole else scratch.get(chunk.length)
+    """`piece` of its chunk into `dest`; returns the end of the bytes landed so far."""
+    h, chunk = ext.header, ext.chunks[piece.chunk]
+    whole = h.compression is Compression.NONE and piece.need == piece.raw_len
+    at = piece.dest_off
+    target = dest[at : at + chunk.length] if whole else scratch.get(chunk.length)
     got = _get_exact(client, name, target, chunk.length)
-    verify_chunk(got, chunk, index)
+    verify_chunk(got, chunk, piece.chunk)
     if not whole:
-        dest[raw_off : raw_off + need] = decode_chunk(got, h.compression, raw_len)[:need]
-    return raw_off + need
+        dest[at : at + piece.need] = decode_chunk(got, h.compression, piece.raw_len)[: piece.need]
+    return at + piece.need
 
 
 def _get_exact(client: StoreClient, name: str, target: memoryview, length: int) -> memoryview:

@@ -55,7 +55,7 @@ from sgl_hicache.tier.index import Entry, OverBudget
 from sgl_hicache.tier.integrity import check_files
 from sgl_hicache.tier.keys import ROOT_KEY, ExtentKey, Namespace, chain_key_from_digest, check_key
 from sgl_hicache.tier.ledger import Ledger, close_ledger, open_ledger
-from sgl_hicache.tier.load import LoadState, OpenExtent, open_extent, read_chunk
+from sgl_hicache.tier.load import LoadState, OpenExtent, finish_plan, open_extent, plan_load, read_chunk
 from sgl_hicache.tier.lookup import LookupQueue, run_lookup
 from sgl_hicache.tier.paths import ExtentPaths
 from sgl_hicache.tier.publish import Publisher
@@ -155,10 +155,12 @@ class NvmeTier(IndexedTier):
     def submit_store(
         self, key: ExtentKey, payload: Buffer, tokens: Sequence[int] | np.ndarray, parent: ExtentKey,
         *, store_tokens: bool = True, aliases: Sequence[tuple[int, bytes]] = (), cache_salt: str | None = None,
+        group_layers: int = 0,
     ) -> Ticket:  # fmt: skip
         view = as_view(payload, writable=False)
         tag = None if cache_salt is None else self._seal.salt(cache_salt)
-        req = StoreRequest.of(check_key(key), check_key(parent), tokens, view, store_tokens, aliases, tag)
+        req = StoreRequest.of(check_key(key), check_key(parent), tokens, view, store_tokens, aliases, tag,
+                              group_layers, self._ns.layout)  # fmt: skip
         if chain_key_from_digest(self._ns_id, parent, req.token_count, req.token_digest) != key:
             raise ValueError("an extent key must be chain_key(namespace, parent, tokens) of what it holds")
         ticket = self._completions.issue()
@@ -212,9 +214,10 @@ class NvmeTier(IndexedTier):
 
     # -- loads --------------------------------------------------------------------------------
 
-    def submit_load(self, key: ExtentKey, dest: Buffer, nbytes: int | None = None) -> Ticket:
+    def submit_load(self, key: ExtentKey, dest: Buffer, nbytes: int | None = None,
+                    group_layers: int | None = None) -> Ticket:  # fmt: skip
         view, ticket = as_view(dest, writable=True), self._completions.issue()
-        job = partial(self._open_job, ticket, check_key(key), view, nbytes)
+        job = partial(self._open_job, ticket, check_key(key), view, nbytes, group_layers)
         with self._lock:
             closed = self._closed
             if not closed:
@@ -223,7 +226,8 @@ class NvmeTier(IndexedTier):
             self._completions.post(Completion(ticket, Op.LOAD, key, Status.REJECTED, 0, "closed"))
         return ticket
 
-    def _open_job(self, ticket: Ticket, key: ExtentKey, dest: memoryview, nbytes: int | None) -> None:
+    def _open_job(self, ticket: Ticket, key: ExtentKey, dest: memoryview, nbytes: int | None,
+                  group_layers: int | None) -> None:  # fmt: skip
         with self._lock:
             self._index.pin(key)
             seen = self._index.get(key)
@@ -241,26 +245,32 @@ class NvmeTier(IndexedTier):
                 self._fail(Op.LOAD, ticket, key, Mismatch(f"{length} B < {want} B requested"), seen)
             )
             return
-        if dest.nbytes < want:
+        try:
+            plan = plan_load(ext.header, want, group_layers)
+            if dest.nbytes < want:
+                raise ValueError(f"dest {dest.nbytes} B < {want} B")
+        except ValueError as e:
             self._close_load(ext, key)
-            self._completions.post(
-                Completion(ticket, Op.LOAD, key, Status.REJECTED, 0, f"dest {dest.nbytes} B < {want} B")
-            )
+            self._completions.post(Completion(ticket, Op.LOAD, key, Status.REJECTED, 0, str(e)))
             return
-        load = LoadState(ticket, key, ext, dest, want, seen)
+        except FormatError as e:
+            self._close_load(ext, key)
+            self._completions.post(self._fail(Op.LOAD, ticket, key, e, seen))
+            return
+        load = LoadState(ticket, key, ext, dest, want, seen, plan)
         with self._lock:
             self._loading[ticket] = load
         if load.remaining == 0:
             self._end_load(load)
             return
-        for i in range(1, load.remaining):
+        for i in range(1, load.remaining):  # in order: the I/O threads take group 0's chunks first
             self._io.submit_read(partial(self._chunk_job, load, i))
         self._chunk_job(load, 0)
 
     def _chunk_job(self, load: LoadState, index: int) -> None:
         error: Exception | None = None
         try:
-            read_chunk(load.ext, index, load.dest, load.want)
+            read_chunk(load.ext, load.pieces[index], load.dest)
         except Exception as e:  # I/O errors, and bugs: logged by _fail, never lost
             error = e
         if load.chunk_done(index, error):
@@ -268,6 +278,11 @@ class NvmeTier(IndexedTier):
 
     def _end_load(self, load: LoadState) -> None:
         self._close_load(load.ext, load.key)
+        if load.error is None:
+            try:
+                finish_plan(load.ext.header, load.plan, load.dest, load.want)
+            except Exception as e:  # a bug: logged by _fail, never lost
+                load.error = e
         if load.error is not None:
             self._completions.post(self._fail(Op.LOAD, load.ticket, load.key, load.error, load.seen))
             return

@@ -30,8 +30,18 @@ import zstandard
 from sgl_hicache.config import Compression, Fsync, TierConfig
 from sgl_hicache.tier.aliases import write_aliases
 from sgl_hicache.tier.directio import O_DIRECT, alloc_aligned, is_aligned, pwritev_exact
-from sgl_hicache.tier.format import Alias, Chunk, Header, Seal, align_up, encode_header, header_bound
-from sgl_hicache.tier.keys import KEY_BYTES, ExtentKey, Namespace, token_digest, tokens_to_bytes
+from sgl_hicache.tier.format import (
+    Alias,
+    Chunk,
+    Header,
+    Seal,
+    align_up,
+    chunk_spans,
+    encode_header,
+    header_bound,
+    section_lengths,
+)
+from sgl_hicache.tier.keys import KEY_BYTES, ExtentKey, KVLayout, Namespace, token_digest, tokens_to_bytes
 from sgl_hicache.tier.paths import FILE_MODE, ExtentPaths
 
 GROUP_BYTES = 16 << 20  # hashed, then written in one pwritev
@@ -58,15 +68,20 @@ class StoreRequest:
     payload: memoryview  # format "B", contiguous
     aliases: tuple[Alias, ...] = ()  # recorded in the meta and published (aliases.py)
     salt_tag: bytes | None = None  # format.Seal.salt of the writer's cache_salt (purge.py)
+    group_layers: int = 0  # the payload's layer groups (format v6); 0: page-major
+    sections: tuple[int, ...] = ()  # raw bytes of each group's section (empty: one, the payload)
 
     @classmethod
     def of(
         cls, key: ExtentKey, parent: ExtentKey, tokens: Sequence[int] | np.ndarray, payload: memoryview,
         store_tokens: bool = True, aliases: Sequence[tuple[int, bytes]] = (), salt_tag: bytes | None = None,
+        group_layers: int = 0, layout: KVLayout | None = None,
     ) -> StoreRequest:  # fmt: skip
         """The request to store `payload` as `key` with header fields for `tokens` (not checked
-        against `key`: the tier does that). Raises ValueError for token ids outside u32, and for
-        aliases out of 1..len(tokens), not increasing, or not 16-byte keys."""
+        against `key`: the tier does that); `group_layers` > 0: `payload` is layer-grouped, whole
+        pages of `layout`'s layers. Raises ValueError for token ids outside u32, for aliases out of
+        1..len(tokens), not increasing, or not 16-byte keys, and for a grouped payload that is not
+        whole pages of equal layers."""
         data = tokens_to_bytes(tokens)
         count = len(data) // 4
         marks = tuple(Alias(int(o), bytes(k)) for o, k in aliases)
@@ -76,7 +91,15 @@ class StoreRequest:
         if any(len(a.path_key) != KEY_BYTES for a in marks):
             raise ValueError("alias path keys are 16 bytes")
         digest = token_digest(tokens)
-        return cls(key, parent, count, digest, data if store_tokens else None, payload, marks, salt_tag)
+        sections: tuple[int, ...] = ()
+        if group_layers:
+            if layout is None or group_layers > layout.num_layers:
+                raise ValueError(f"layer groups of {group_layers} layers need the namespace's layout")
+            sections = section_lengths(
+                payload.nbytes, count, layout.page_size, layout.num_layers, group_layers
+            )
+        return cls(key, parent, count, digest, data if store_tokens else None, payload, marks, salt_tag,
+                   group_layers if len(sections) > 1 else 0, sections if len(sections) > 1 else ())  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -98,8 +121,10 @@ class Prepared:
 
 
 def prepare(req: StoreRequest, cfg: TierConfig) -> Prepared:
-    """Split (and compress) the payload; no I/O, no checksums yet. Knows the exact file size."""
-    pieces = [req.payload[o : o + cfg.chunk_bytes] for o in range(0, req.payload.nbytes, cfg.chunk_bytes)]
+    """Split (and compress) the payload, each layer group's section into its own chunks; no I/O, no
+    checksums yet. Knows the exact file size."""
+    spans = chunk_spans(req.sections or (req.payload.nbytes,), cfg.chunk_bytes)
+    pieces = [req.payload[o : o + n] for o, n in spans]
     stored: list[memoryview | bytes] = list(pieces)
     if cfg.compression is Compression.ZSTD:
         stored = [_compressor(cfg.zstd_level).compress(p) for p in pieces]
@@ -191,7 +216,7 @@ def sealed_header(prep: Prepared, cfg: TierConfig, ns: Namespace, chunks: list[C
         namespace=ns.id, key=req.key, parent=req.parent, layout=ns.layout, compression=cfg.compression,
         token_count=req.token_count, token_digest=req.token_digest, chunk_bytes=cfg.chunk_bytes,
         payload_len=req.payload.nbytes, stored_len=prep.stored_len, created_ns=time.time_ns(),
-        header_len=prep.header_len,
+        header_len=prep.header_len, group_layers=req.group_layers,
     )  # fmt: skip
     return encode_header(header, req.tokens, chunks, seal, req.aliases, req.salt_tag)
 

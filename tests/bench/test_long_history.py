@@ -146,3 +146,34 @@ def test_lmcache_systems_run_beside_their_daemons(tmp_path: Path) -> None:
         assert (server.daemon.spec.l2_dir is not None) == disk and (system.tier_dir is not None) == disk
         l1_tokens = shape.host_budget_mb * 2**20 // kv_bytes_per_token(model)
         assert lh.filler_tokens(system, shape, model) > shape.pool_tokens + l1_tokens
+
+
+def test_new_token_counts_key_their_figures_and_give_the_hidden_share() -> None:
+    """Issue 37: per new-token count, ours and ours-layerwise against resident and the peers, and the
+    share of the restore's read time that did not add to the resumed TTFT."""
+
+    def at(system: str, n: int, resume: float, resident: float, read: float) -> dict:
+        return row(system, 16384, resume, resident, read=read) | {"new_tokens": n}
+
+    rows = [
+        at("ours", 256, 6500.0, 4700.0, read=1.8),  # 1,800 ms of overhead: nothing hidden
+        at("ours-layerwise", 256, 5150.0, 4700.0, read=1.8),  # 450 of 1,800 ms exposed: 3/4 hidden
+        at("ours-layerwise", 0, 3000.0, 3100.0, read=1.8),  # faster than resident (noise): clamped
+        at("hicache-wait-r2", 256, 7000.0, 4700.0, read=0.0),
+        row("ours", 16384, 2000.0, 1000.0, read=2.0),  # the default question: keyed by length only
+    ]
+    f = lh.summarize(rows, raw=[])
+    assert f["ours_hidden_share_16384_n256"] == 0.0
+    assert f["ours-layerwise_hidden_share_16384_n256"] == pytest.approx(0.75)
+    assert f["ours-layerwise_hidden_share_16384_n0"] == 1.0
+    assert f["ours-layerwise_vs_resident_16384_n256"] == pytest.approx(5150 / 4700)
+    assert f["ours-layerwise_vs_best_hicache_16384_n256"] == pytest.approx(5150 / 7000)
+    assert f["ours_read_ms_16384"] == 2000.0 and f["ours_hidden_share_16384"] == pytest.approx(0.5)
+    assert "ours-layerwise_resume_ms_16384_n0" in f and "ours_resume_ms_16384_n0" not in f
+
+
+def test_new_tokens_are_checked_and_layerwise_is_a_system(capsys: pytest.CaptureFixture[str]) -> None:
+    assert lh.main(["--new-tokens", "0,-1"]) == 2
+    assert "new tokens" in capsys.readouterr().err
+    assert lh._systems("ours-layerwise,ours") == ["ours", "ours-layerwise"]
+    assert lh.key(8192, lh.QUESTION) == "8192" and lh.key(8192, 0) == "8192_n0"

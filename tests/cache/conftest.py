@@ -103,16 +103,18 @@ def fill_kv(pool: Any, slots: torch.Tensor, ids: list[int]) -> None:
     """Write the lossless marker of each id (see `marker_bits`) into every element of its slot."""
     vals = torch.tensor(ids, dtype=torch.int64)
     assert all(0 <= i < MARK_MAX for i in ids), "marker ids out of range"
-    for layer in range(LAYERS):
+    for layer in range(len(pool.k_buffer)):
         for which, buf in enumerate((pool.k_buffer[layer], pool.v_buffer[layer])):
             buf.view(torch.int16)[slots] = marker_bits(vals.to(buf.device), layer, which)
 
 
-def read_kv(pool: Any, slots: torch.Tensor) -> list[int]:
-    """The id whose marker each slot holds; asserts every element of every layer agrees with it."""
-    k0 = pool.k_buffer[0].view(torch.int16)[slots].to(torch.int64)
-    ids = k0[:, 0, 0] | (k0[:, 0, 1] << MARK_BITS)
-    for layer in range(LAYERS):
+def read_kv(pool: Any, slots: torch.Tensor, layers: range | None = None) -> list[int]:
+    """The id whose marker each slot holds; asserts every element of every layer (of `layers`, by
+    default all) agrees with it."""
+    layers = range(len(pool.k_buffer)) if layers is None else layers
+    k0 = pool.k_buffer[layers[0]].view(torch.int16)[slots].to(torch.int64)
+    ids = k0[:, 0, 0] | (k0[:, 0, 1] << MARK_BITS)  # every layer's K holds the id there
+    for layer in layers:
         for which, buf in enumerate((pool.k_buffer[layer], pool.v_buffer[layer])):
             got = buf.view(torch.int16)[slots]
             assert torch.equal(got, marker_bits(ids, layer, which)), (
@@ -123,7 +125,8 @@ def read_kv(pool: Any, slots: torch.Tensor) -> list[int]:
 
 def build_stack(tier_dir: Path, size: int = 256, spill: bool = True, chunk_bytes: int = 4 << 20,
                 page_size: int = 1, capacity_bytes: int = 1 << 30, streams: Any = None,
-                device: str = "cpu", kv_events: bool = False, **overrides: Any) -> Stack:  # fmt: skip
+                device: str = "cpu", kv_events: bool = False, layers: int = LAYERS,
+                **overrides: Any) -> Stack:  # fmt: skip
     """A real sglang pool and allocator under a SpillRadixCache whose tier lives in `tier_dir`
     (`streams`: the copy streams' stand-in, see fake_device.py; default the CPU's; `kv_events`:
     record sglang's KV cache events, as `--kv-events-config` does)."""
@@ -139,7 +142,7 @@ def build_stack(tier_dir: Path, size: int = 256, spill: bool = True, chunk_bytes
     from sgl_hicache.server.factory import open_controller
     from sgl_hicache.tier import KVDtype, KVLayout, Namespace
 
-    pool = MHATokenToKVPool(size, page_size, torch.bfloat16, HEADS, HEAD_DIM, LAYERS, device, False)
+    pool = MHATokenToKVPool(size, page_size, torch.bfloat16, HEADS, HEAD_DIM, layers, device, False)
     if page_size == 1:
         allocator = TokenToKVPoolAllocator(size, torch.bfloat16, device, pool, need_sort=False)
     else:
@@ -158,7 +161,7 @@ def build_stack(tier_dir: Path, size: int = 256, spill: bool = True, chunk_bytes
     )
     config = replace(SpillConfig(tier=tier), enabled=True, min_spill_tokens=4, **overrides)
     view = from_sglang_pool(pool)
-    ns = Namespace("test-model", KVLayout(LAYERS, HEADS, HEAD_DIM, KVDtype.BF16, page_size))
+    ns = Namespace("test-model", KVLayout(layers, HEADS, HEAD_DIM, KVDtype.BF16, page_size))
     metrics = SpillMetrics()
     controller = open_controller(config, ns, view, metrics, allocator, streams=streams) if spill else None
     cache = SpillRadixCache(params, config, metrics, controller, ns.id)

@@ -188,13 +188,14 @@ def test_other_epoch_is_not_found(pair: tuple[Stack, Stack]) -> None:
 
 
 def test_v3_extents_still_load(make_stack: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Format v4 adds aliases only: a v3 file (no aliases) is read and restored after a restart."""
+    """Format v4 adds aliases, v6 layer groups: a v3 file (no aliases, a page-major payload) is read
+    and restored after a restart, its bytes rearranged into the reader's layer groups."""
     from sgl_hicache.tier import format as fmt
 
     monkeypatch.setattr(fmt, "VERSION", 3)
-    a = spill_on_a(make_stack(tmp_path / "shared", size=512), split_at=())
+    a = spill_on_a(make_stack(tmp_path / "shared", size=512, layer_groups=1), split_at=())
     a.cache.controller.tier.close()
-    monkeypatch.setattr(fmt, "VERSION", 4)
+    monkeypatch.setattr(fmt, "VERSION", 6)
     head = next((tmp_path / "shared").rglob("*.ext")).read_bytes()[:16]
     assert int.from_bytes(head[8:10], "little") == 3
     b = make_stack(tmp_path / "shared", size=512)  # warm start attaches the v3 extent

@@ -60,10 +60,12 @@ def test_landed_chunks_are_unpacked_while_later_ones_are_read(make_stack: Any) -
     deadline = time.monotonic() + 30
     while (answer := s.cache.init_load_back(params)) is None:
         progress = s.cache.controller.restores.get(RID)
-        if progress is not None and progress.unpacked[0]:
-            n = progress.unpacked[0]
-            assert read_kv(s.pool, progress.slots[:n]) == expected_kv(B[:n]), "early unpack wrote wrong KV"
-            seen_partial.append(n)
+        if progress is not None and any(progress.unpacked[0]):
+            layout = s.cache.controller.layout
+            for g, n in enumerate(progress.unpacked[0]):  # each layer group's verified prefix
+                got = read_kv(s.pool, progress.slots[:n], range(*layout.ranges[g])) if n else []
+                assert got == expected_kv(B[:n]), "early unpack wrote wrong KV"
+            seen_partial.append(list(progress.unpacked[0]))
         assert m.best_match_node.evicted and time.monotonic() < deadline
         time.sleep(0.005)
     loaded, last = answer
@@ -165,13 +167,13 @@ class LateBytes:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def submit_load(self, key: Any, dest: Any, nbytes: Any = None) -> Any:
+    def submit_load(self, key: Any, dest: Any, nbytes: Any = None, group_layers: Any = None) -> Any:
         import numpy as np
 
         from sgl_hicache.tier import alloc_aligned
 
         private = np.frombuffer(alloc_aligned(max(dest.nbytes, 1)), dtype=np.uint8)[: dest.nbytes]
-        ticket = self.inner.submit_load(key, private, nbytes)
+        ticket = self.inner.submit_load(key, private, nbytes, group_layers)
         self.loads[ticket] = (private, dest)
         return ticket
 

@@ -409,7 +409,7 @@ def _rewrite_with_other_tokens(path: Path, s: Stack) -> None:
     from sgl_hicache.tier.store import StoreRequest, prepare, write_extent
 
     header = decode_fixed(path.read_bytes()[:4096], None)
-    tier = s.cache.controller.tier
+    tier = s.tier  # the tier itself (the controller's may be wrapped in a FaultyTier)
     payload = np.full(header.payload_len, 7, dtype=np.uint8)
     tokens = [99] * header.token_count
     req = StoreRequest.of(ExtentKey(header.key), ExtentKey(header.parent), tokens, memoryview(payload))
@@ -598,6 +598,85 @@ class TwoCachesOneDirectory(SpillCacheMachine):
         self.tampered = True  # the other cache's spilled nodes may have pointed at those files
 
 
+class SpillCacheLayerwise(SpillCacheMachine):
+    """Layer-wise restore (issue 37): reads are slow (a FaultyTier paces them), so a retried
+    admission often finds only the first layer group landed and starts the forward; a quarter of
+    the loads fail after their first group (a late corrupt chunk). The forward reads its prefix
+    layer by layer through the KV pool's own wait, as sglang's attention does: every layer it reads
+    must hold the reference KV, unless the cache then names the request as having read a failed
+    restore, which is then retracted (its KV freed, never cached) and recomputes later."""
+
+    def _stack(self) -> Stack:
+        from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
+
+        stack = build_stack(
+            self.dir / "tier", size=self.pool_tokens, page_size=self.page_size, chunk_bytes=4096,
+            write_policy=self.write_policy, kv_events=True, layerwise_restore=True,
+        )  # fmt: skip
+        spec = FaultSpec(latency_s=0.1, late_fault_rate=0.5, late_fault_share=0.5)
+        stack.cache.controller.tier = FaultyTier(stack.cache.controller.tier, spec)
+        return stack
+
+    @rule(pick=st.integers(0, 10**6), pause=st.sampled_from([0.002, 0.06, 0.07, 0.15]))
+    def retry_deferred_later(self, pick: int, pause: float) -> None:
+        """A retry after `pause`: at 60-70 ms a read has landed its first layer group (of two: half
+        of the 100 ms latency) but not its last, so its request is admitted layer-wise."""
+        server = next((s for s in self.servers if s.pending), None)
+        if server is None:
+            return
+        rid = sorted(server.pending)[pick % len(server.pending)]
+        tokens, salt = server.pending.pop(rid)
+        time.sleep(pause)
+        self._admit(server, rid, tokens, salt)
+
+    def _run(self, server: Server, node: Any, tokens: list[int], salt: str | None) -> None:
+        from types import SimpleNamespace
+
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        s = server.stack
+        prefix = s.cache.path_device_indices(node)
+        need = len(tokens) - len(prefix)
+        want = self.ref.kv(server.version, salt, tokens)
+        retracted = False
+        s.cache.inc_lock_ref(node)
+        try:
+            if s.allocator.available_size() < need:
+                s.cache.evict(EvictParams(num_tokens=need - s.allocator.available_size()))
+            new = s.allocator.alloc(need) if need else torch.empty(0, dtype=torch.int64)
+            if new is None:
+                s.cache.after_forward([])  # no forward: what it admitted ends all the same
+                return
+            wrong = []
+            for layer in range(len(s.pool.k_buffer)):  # the forward, layer by layer
+                s.pool.get_key_buffer(layer)
+                try:
+                    ok = read_kv(s.pool, prefix, range(layer, layer + 1)) == want[: len(prefix)]
+                except AssertionError:
+                    ok = False
+                if not ok:
+                    wrong.append(layer)
+            fill_kv(s.pool, new, want[len(prefix) :])
+            if s.cache.after_forward([SimpleNamespace(last_node=node)]):
+                s.allocator.free(new)  # retracted: nothing it computed is cached
+                retracted = True
+                return
+            assert not wrong, f"a forward read KV that is not its prefix's in layers {wrong}"
+            values = torch.cat([prefix.to(torch.int64), new.to(torch.int64)])
+            result = s.cache.insert(
+                InsertParams(key=RadixKey(array("q", tokens), cache_salt=salt), value=values)
+            )
+            if result.prefix_len > len(prefix):
+                s.allocator.free(values[len(prefix) : result.prefix_len])
+        finally:
+            s.cache.dec_lock_ref(node)
+            s.cache.drop_failed_layerwise()
+            if retracted:
+                self.rids += 1
+                server.pending[f"r{self.rids}"] = (tokens, salt)
+
+
 class TwoCachesWriteThrough(TwoCachesOneDirectory):
     """Both caches write KV when they cache it: a conversation resident on one is found by the other."""
 
@@ -620,3 +699,5 @@ TestTwoCachesOneDirectory = TwoCachesOneDirectory.TestCase
 TestTwoCachesOneDirectory.settings = _SETTINGS
 TestTwoCachesWriteThrough = TwoCachesWriteThrough.TestCase
 TestTwoCachesWriteThrough.settings = _SETTINGS
+TestSpillCacheLayerwise = SpillCacheLayerwise.TestCase
+TestSpillCacheLayerwise.settings = _SETTINGS

@@ -19,7 +19,7 @@ ROOT = HERE.parents[1]
 
 @pytest.mark.interpret
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="already inside the interpreter run")
-@pytest.mark.parametrize("test_file", ["test_pack.py", "test_sglang_pools.py"])
+@pytest.mark.parametrize("test_file", ["test_pack.py", "test_groups.py", "test_sglang_pools.py"])
 def test_triton_cases_under_interpreter(test_file: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     cmd = [

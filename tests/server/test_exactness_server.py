@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import random
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,9 +148,10 @@ def replay(base: str, sent: list[Sent], stop_at_first_difference: bool = False) 
     return replies
 
 
-def spill_server(model: Path, tmp: Path, page: int, env: dict[str, str] | None = None) -> ServerProcess:
+def spill_server(model: Path, tmp: Path, page: int, env: dict[str, str] | None = None,
+                 extra: tuple[str, ...] = ()) -> ServerProcess:  # fmt: skip
     args = (*SPILL_FLAGS, "--page-size", str(page), "--enable-hicache-spill",
-            "--hicache-spill-dir", str(tmp / "tier"), "--hicache-spill-min-free", "0")  # fmt: skip
+            "--hicache-spill-dir", str(tmp / "tier"), "--hicache-spill-min-free", "0", *extra)  # fmt: skip
     return ServerProcess(model, POOL, args, log_path=tmp / "server.log", env=env or {})
 
 
@@ -241,6 +243,55 @@ def restored_again(sent: list[Sent], replies: list[dict[str, Any]]) -> int:
         for ids_j, lo_j, hi_j in ranges[i + 1 :]:
             pairs += max(lo_i, lo_j) < min(hi_i, hi_j, common_prefix(ids_i, ids_j))
     return pairs
+
+
+LAYERWISE_REQUESTS = 32  # enough for forks and revisits served from the tier, at CI's cost
+LAYERWISE_COUNTERS = ("restored_tokens", "internal_errors", "layerwise_restores", "layerwise_overlapped_restores",
+                      "layerwise_failed_restores", "layerwise_retracted_requests")  # fmt: skip
+
+
+def layerwise_run(model: Path, tmp: Path, sent: list[Sent], faults: dict[str, Any],
+                  extra: tuple[str, ...] = ()) -> tuple[list[Any], dict[str, float]]:  # fmt: skip
+    env = {"SGL_HICACHE_TEST_FAULTS": json.dumps(faults)}
+    with spill_server(model, tmp, 16, env, ("--hicache-spill-layerwise", *extra)) as ours:
+        replies = replay(ours.base_url, sent)
+        counters = {n: counter(ours.base_url, n) for n in LAYERWISE_COUNTERS}
+        with urllib.request.urlopen(ours.base_url + "/server_info", timeout=60) as r:
+            state = json.loads(r.read())["internal_states"][0]["hicache_spill"]
+    assert state["hook_errors"] == {} and counters["internal_errors"] == 0, (state["hook_errors"], counters)
+    return replies, counters
+
+
+def test_layerwise_restore_matches_the_never_evicting_reference(
+    transcript: list[Sent], tiny_model: Path, tmp_path: Path
+) -> None:
+    """Issue 37: with layer-wise restore over a slow tier (every read paced over 0.4 s, as a slow
+    disk lands its chunks), resumed prefills start once the first layer group of their restore
+    landed, while later groups are still read (`layerwise_overlapped_restores`), and every answer
+    is the never-evicting reference's."""
+    sent = transcript[:LAYERWISE_REQUESTS]
+    replies, counters = layerwise_run(tiny_model, tmp_path, sent, {"latency_s": 0.4})
+    failures = differences(sent, replies, 16)
+    assert not failures, "\n".join(failures)
+    assert counters["layerwise_overlapped_restores"] > 0, counters
+    assert counters["layerwise_failed_restores"] == 0, counters
+
+
+@pytest.mark.slow  # the fault path of the test above on a real server (the model-based test covers it in CI)
+@pytest.mark.parametrize("chunked", [(), ("--chunked-prefill-size", "32")], ids=["whole", "chunked"])
+def test_layerwise_restores_failing_late_are_retracted_and_recomputed(
+    transcript: list[Sent], tiny_model: Path, tmp_path: Path, chunked: tuple[str, ...]
+) -> None:
+    """Issue 37: half of the loads fail after their first layer group landed (a late corrupt
+    chunk), often after the prefill started: those requests are retracted and recomputed, and
+    every answer is still the reference's (hits may be lost: `lost_from=0`). Also with chunked
+    prefill (32 tokens a chunk): a retracted request may be the one whose first chunk ran."""
+    sent = transcript[: REQUESTS[16]]
+    faults = {"latency_s": 0.6, "late_fault_rate": 0.5, "late_fault_share": 0.5}
+    replies, counters = layerwise_run(tiny_model, tmp_path, sent, faults, chunked)
+    failures = differences(sent, replies, 16, lost_from=0)
+    assert not failures, "\n".join(failures)
+    assert counters["layerwise_retracted_requests"] > 0, counters
 
 
 @pytest.mark.slow  # the control of the test above: it can fail (run by make test-slow)

@@ -43,7 +43,7 @@ def test_the_header_carries_a_keyed_tag_never_the_salt(
     tier = make_tier()
     assert store(tier, 1, "tenant-secret-salt") is Status.OK
     data = next((tmp_path / "tier").rglob("*.ext")).read_bytes()
-    assert int.from_bytes(data[8:10], "little") == fmt.VERSION == 5
+    assert int.from_bytes(data[8:10], "little") == fmt.VERSION == 6
     assert b"tenant-secret-salt" not in data
 
 
