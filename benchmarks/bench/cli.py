@@ -27,7 +27,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench import aggregate, cluster, gate, report, run, soak, systems
+from benchmarks.bench import aggregate, cluster, disk_speed, gate, report, run, soak, systems
 from benchmarks.bench.server_process import ServerStartError
 from benchmarks.bench.spec import (
     DEVICES,
@@ -87,6 +87,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--page-size", type=int, default=shape.page_size)
     p.add_argument(
+        "--disk-read-mib-s", type=float, default=None, metavar="MIB_S",
+        help="the disk's cold read speed that hicache-timeout-tuned's prefetch timeouts are derived from "
+        "(default: measured under --out at the start of a run that has it, 64 MiB read once)",
+    )  # fmt: skip
+    p.add_argument(
         "--concurrency",
         default=",".join(str(m.concurrency) for m in BenchSpec().multiturn),
         help="multi-turn concurrencies, comma-separated; '' for none (default %(default)s)",
@@ -123,7 +128,7 @@ def parser() -> argparse.ArgumentParser:
 
 def spec_from(args: argparse.Namespace) -> BenchSpec:
     shape = Shape(model=args.model, pool_tokens=args.pool_tokens, host_budget_mb=args.host_budget_mb,
-                  page_size=args.page_size, device=args.device)  # fmt: skip
+                  page_size=args.page_size, device=args.device, disk_read_mib_s=args.disk_read_mib_s)  # fmt: skip
     concurrencies = _ints(args.concurrency, "--concurrency")
     turns = {"rounds": args.rounds, "first_tokens": args.first_tokens, "question_tokens": args.question_tokens,
              "output_tokens": args.output_tokens}  # fmt: skip
@@ -186,6 +191,7 @@ def execute(spec: BenchSpec) -> int:
     model = run.resolve_model(spec.shape.model, spec.out_dir)
     history = max((m.context_tokens() for m in spec.multiturn), default=0)  # a conversation's whole
     systems.check_hicache_holds(spec.systems, spec.shape, model, history)
+    spec = replace(spec, shape=disk_speed.measured_shape(spec.shape, spec.systems, spec.out_dir))
     systems.check_runnable(spec.systems, spec.shape, model, spec.out_dir)
     out = (spec.out_dir / time.strftime("run-%Y%m%d-%H%M%S")).resolve()  # servers get absolute paths
     out.mkdir(parents=True, exist_ok=True)

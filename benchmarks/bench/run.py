@@ -174,7 +174,9 @@ def _record(outcome: SystemOutcome, base_url: str, work: Coroutine[Any, Any, dri
     driven = asyncio.run(work)
     after = _scrape_alive(base_url)
     if after is None:
-        print(f"bench: {base_url} does not answer after {driven.workload} (its server died?)", file=sys.stderr)
+        print(
+            f"bench: {base_url} does not answer after {driven.workload} (its server died?)", file=sys.stderr
+        )
     outcome.metrics[driven.workload] = {} if before is None or after is None else delta(after, before)
     outcome.results[driven.workload] = driven.results
     outcome.wall_s[driven.workload] = driven.wall_s

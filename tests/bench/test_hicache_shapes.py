@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks import long_history as lh
 from benchmarks.bench import cli, systems
-from benchmarks.bench.spec import HICACHE, LMCACHE, Shape, SpecError
+from benchmarks.bench.spec import HICACHE, LMCACHE, HostPool, Shape, SpecError
 
 KV_BYTES = 30 * 2 * 3 * 64 * 2  # per token, of the model below: 23040
 
@@ -21,7 +21,8 @@ def test_timeout_is_labelled_as_sglangs_default_and_budget_as_device_plus_budget
         assert ("sglang's default)" in config.label.split(",")[0]) == (config.prefetch_policy == "timeout"), (
             name
         )
-        assert ("device + the host budget" in config.label) == name.endswith("-budget"), name
+        assert ("device + the host budget" in config.label) == (config.host is HostPool.BUDGET), name
+        assert name.endswith("-budget") <= (config.host is HostPool.BUDGET), name
     assert "chunk 256 (LMCache's default)" in LMCACHE["lmcache-disk"].label
     assert "store policy skip_l1" in LMCACHE["lmcache-disk-skip-l1"].label
     assert "store policy" not in LMCACHE["lmcache-l1"].label

@@ -191,23 +191,31 @@ def _flag(flags: tuple[str, ...], name: str) -> str:
 
 
 @pytest.mark.parametrize("config", list(HICACHE.values()), ids=lambda c: c.name)
-def test_each_hicache_configuration_is_its_flags(config: HiCacheConfig, tmp_path: Path) -> None:
+def test_each_hicache_configuration_is_its_flags(
+    config: HiCacheConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model = tmp_path / "m"
     model.mkdir()
     model.joinpath("config.json").write_text(json.dumps(
         {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
          "hidden_size": 576}))  # fmt: skip
-    shape = Shape(pool_tokens=2048, host_budget_mb=64)
+    monkeypatch.setattr(systems, "nixl_unavailable", lambda shape: None)  # as on a GPU box with nixl
+    shape = Shape(pool_tokens=2048, host_budget_mb=64, disk_read_mib_s=450.0)
     system = systems.build(config.name, shape, model, tmp_path)
     assert _flag(system.flags, "--hicache-storage-prefetch-policy") == config.prefetch_policy
     assert _flag(system.flags, "--hicache-host-memory-mode") == config.memory_mode
-    assert _flag(system.flags, "--hicache-storage-backend") == "file"
+    assert _flag(system.flags, "--hicache-storage-backend") == config.backend
+    assert ("--hicache-storage-backend-extra-config" in system.flags) == config.tuned_timeout
     host_tokens = float(_flag(system.flags, "--hicache-ratio")) * shape.pool_tokens
     if config.host is HostPool.BUDGET:  # the device pool + 64 MiB of 23040-byte tokens
         assert int(host_tokens) == shape.pool_tokens + 64 * 2**20 // 23040
     else:
         assert host_tokens == (1.2 if config.memory_mode == "buffer_only" else 2.0) * shape.pool_tokens
-    assert dict(system.env)["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] == str(system.tier_dir)
+    backend_dir = {
+        "file": "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR",
+        "nixl": "SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR",
+    }
+    assert dict(system.env)[backend_dir[config.backend]] == str(system.tier_dir)
 
 
 @pytest.fixture
