@@ -44,7 +44,7 @@ from benchmarks.bench.spec import (
     expand_systems,
     quick,
 )
-from benchmarks.bench.summary import best_lmcache, ratios
+from benchmarks.bench.summary import ratios
 
 
 def parser() -> argparse.ArgumentParser:
@@ -212,8 +212,6 @@ def execute(spec: BenchSpec) -> int:
         extra["gate"] = "fail" if failures else "pass"
         extra["gate_failures"] = failures
     extra.update(report.versus_best_keys(aggregate.versus_best(measured), measured))
-    extra["best_lmcache_config"] = {w: best_lmcache(f) for w, f in figures.items()}
-    extra["best_lmcache_config_throughput"] = {w: best_lmcache(f, "throughput") for w, f in figures.items()}
     line = report.final_line(figures, {w: ratios(f) for w, f in figures.items()}, extra)
     report.write(out, run.results(runs), figures, line, run.metrics(runs), measured)
     for f in failures:

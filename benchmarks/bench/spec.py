@@ -7,6 +7,8 @@ same dataclasses; the CLI overrides single fields.
 
 from __future__ import annotations
 
+import fnmatch
+import math
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
@@ -249,13 +251,76 @@ class Trace:
 
 
 @dataclass(frozen=True)
-class Gate:
-    """Pass/fail thresholds of `--gate`: ours against the best HiCache configuration of each workload
-    (medians over repeats), and every system error-free."""
+class Compared:
+    """A figure on which ours is set against the best configuration of each peer."""
 
-    ttft_resume_below_hicache: float = 0.25  # resumed-turn TTFT p50 at least this far below (b)
-    throughput_vs_hicache_min: float = 1.0  # output throughput not below (b)
+    key: str  # its name in the final line: `<key>_vs_best_<peer>`, `best_<peer>_config_<key>`
+    field: str  # the `summary.Figures` field
+    higher_is_better: bool
+    label: str  # in words, for a failed gate's reason
+
+
+COMPARED = (
+    Compared("ttft", "ttft_resume_p50_ms", False, "resumed TTFT p50"),
+    Compared("throughput", "throughput_tok_s", True, "throughput"),
+)
+"""Every figure compared with the peers; the first is the one `best_<peer>_config` names the best
+configuration at. Another figure of `Figures` is compared by adding it here."""
+COMPARED_BY_KEY = {c.key: c for c in COMPARED}
+
+
+@dataclass(frozen=True)
+class Target:
+    """Ours' `figure` over the best configuration of each peer: at most `bound` for a figure where
+    lower is better, at least `bound` where higher is."""
+
+    figure: str  # a key of COMPARED
+    bound: float
+
+    def __post_init__(self) -> None:
+        if self.figure not in COMPARED_BY_KEY or not self.bound > 0:
+            raise ValueError(
+                f"a target is a figure of {sorted(COMPARED_BY_KEY)} and a bound > 0, got {self.figure!r}, {self.bound}"
+            )
+
+    @property
+    def compared(self) -> Compared:
+        return COMPARED_BY_KEY[self.figure]
+
+    def met(self, ratio: float) -> bool:
+        """NaN (not measured) never meets a target."""
+        if math.isnan(ratio):
+            return False
+        return ratio >= self.bound if self.compared.higher_is_better else ratio <= self.bound
+
+    def __str__(self) -> str:
+        return f"{'>=' if self.compared.higher_is_better else '<='} {self.bound:.2f}"
+
+
+ISSUE_36_TARGETS = (
+    ("agents*", (Target("throughput", 1.3), Target("ttft", 0.7))),
+    ("*saturated*", (Target("throughput", 1.2),)),
+)
+"""Issue 36's targets, by workload name (a glob): agent loops, and a trace replayed saturated (a
+workload whose name says `saturated`). `long_history` prints its own (`LONG_HISTORY_TARGETS`)."""
+
+LONG_HISTORY_TARGETS = {("kvheavy", 16384): Target("ttft", 0.6)}
+"""Issue 36: ours' resumed TTFT at 16K tokens of `kvheavy` at most 0.6 x the best of every peer."""
+
+
+@dataclass(frozen=True)
+class Gate:
+    """Pass/fail thresholds of `--gate`: per workload, each figure of ours against the best
+    configuration of each peer that ran (medians over repeats; `summary.best_of`), and every system
+    error-free. A workload takes the targets of the first glob of `targets` its name matches, else
+    `default` (the multi-turn chat and the arrival-bound trace)."""
+
+    targets: tuple[tuple[str, tuple[Target, ...]], ...] = ISSUE_36_TARGETS
+    default: tuple[Target, ...] = (Target("ttft", 0.75), Target("throughput", 1.0))
     max_errors: int = 0
+
+    def for_workload(self, name: str) -> tuple[Target, ...]:
+        return next((t for glob, t in self.targets if fnmatch.fnmatchcase(name, glob)), self.default)
 
 
 @dataclass(frozen=True)

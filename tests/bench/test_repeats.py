@@ -72,16 +72,19 @@ def test_versus_best_uses_medians_and_pairs_repeats() -> None:
         "trace": {"ours": measured((100, 10)), "hicache-buffer": measured((400, 5))},
     }
     vs = aggregate.versus_best(workloads)
-    assert vs.config == {"mt": "hicache-wait-r2", "trace": "hicache-buffer"}
-    assert vs.throughput_config == {"mt": "hicache-timeout-budget", "trace": "hicache-buffer"}
-    assert vs.ttft["mt"] == 100 / 200 and vs.throughput["mt"] == 30 / 40  # each against the best at it
-    assert vs.ttft_range["mt"] == pytest.approx((90 / 1000, 120 / 150))  # repeat k against repeat k
-    assert vs.throughput_range["mt"] == (28 / 40, 33 / 40)
-    assert vs.ttft["overall"] == pytest.approx(math.sqrt(0.5 * 0.25))
-    assert vs.throughput["overall"] == pytest.approx(math.sqrt(0.75 * 2.0))
+    ttft, tput = vs["hicache", "ttft"], vs["hicache", "throughput"]
+    assert ttft.config == {"mt": "hicache-wait-r2", "trace": "hicache-buffer"}
+    assert tput.config == {"mt": "hicache-timeout-budget", "trace": "hicache-buffer"}
+    assert ttft.ratio["mt"] == 100 / 200 and tput.ratio["mt"] == 30 / 40  # each against the best at it
+    assert ttft.range["mt"] == pytest.approx((90 / 1000, 120 / 150))  # repeat k against repeat k
+    assert tput.range["mt"] == (28 / 40, 33 / 40)
+    assert ttft.ratio["overall"] == pytest.approx(math.sqrt(0.5 * 0.25))
+    assert tput.ratio["overall"] == pytest.approx(math.sqrt(0.75 * 2.0))
+    assert vs["lmcache", "ttft"].config == {"mt": None, "trace": None}  # no LMCache configuration ran
+    assert math.isnan(vs["lmcache", "ttft"].ratio["mt"])
     medians = aggregate.medians(workloads)
-    assert ratios(medians["mt"])["ttft_vs_hicache"] == vs.ttft["mt"]
-    assert ratios(medians["mt"])["throughput_vs_hicache"] == vs.throughput["mt"]
+    assert ratios(medians["mt"])["ttft_vs_hicache"] == ttft.ratio["mt"]
+    assert ratios(medians["mt"])["throughput_vs_hicache"] == tput.ratio["mt"]
     assert gate.check(Gate(), medians) == [
         "mt: throughput ours/hicache-timeout-budget = 0.750, needs >= 1.00"
     ]
@@ -112,9 +115,11 @@ def test_resident_reference_bounds_what_any_cache_can_reach() -> None:
         "trace": {"ours": measured((100, 10)), "hicache-buffer": measured((400, 5))},  # no resident
     }
     vs = aggregate.versus_best(workloads)
-    assert vs.resident_ttft["mt"] == pytest.approx(85 / 100)
-    assert vs.resident_throughput["mt"] == pytest.approx(50 / 40)
-    assert math.isnan(vs.resident_ttft["trace"]) and math.isnan(vs.resident_ttft["overall"])
+    assert vs["hicache", "ttft"].resident["mt"] == pytest.approx(85 / 100)
+    assert vs["hicache", "throughput"].resident["mt"] == pytest.approx(50 / 40)
+    assert math.isnan(vs["hicache", "ttft"].resident["trace"]) and math.isnan(
+        vs["hicache", "ttft"].resident["overall"]
+    )
     line = report.versus_best_keys(vs, workloads)
     assert line["resident_ttft_vs_best_hicache"]["mt"] == pytest.approx(0.85)
     assert line["resident_throughput_vs_best_hicache"]["mt"] == pytest.approx(1.25)
