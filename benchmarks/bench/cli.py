@@ -2,13 +2,15 @@
 
 Each system serves the same model (default: SmolLM2-135M-Instruct) with the same device pool,
 host-memory budget and token-level workloads (closed-loop multi-turn chat at each concurrency, then
-a Mooncake-format trace replay), `--repeats` times in interleaved order. HiCache runs in every
-configuration of `spec.HICACHE_CONFIGS`; the gate judges ours against the best of them per workload
-(lowest median resumed-turn TTFT p50). LMCache runs in every configuration of `spec.LMCACHE_CONFIGS`
-(each server beside its own LMCache daemon); the final line names its best per workload and gives
-ours against it (`ttft_vs_lmcache`, `throughput_vs_lmcache`). Progress goes to stderr; results go to
-OUT_DIR/run-<time>/ as results.json, requests.csv, summary.csv and ttft_per_round.png; the last
-stdout line is one JSON object. Exit status: 0, or 1 when `--gate`/`--soak` fail, 2 on bad arguments.
+a Mooncake-format trace replay), `--repeats` times in interleaved order. By default the peers run in
+their strongest configurations of the measured runs (`spec.DEFAULT_SYSTEMS`); every configuration of
+HiCache (`spec.HICACHE_CONFIGS`) and LMCache (`spec.LMCACHE_CONFIGS`, each server beside its own
+LMCache daemon) can be named. For each figure, ours is set against the best configuration of each
+peer at it (median over repeats): the final line names them (`best_hicache_config`,
+`best_lmcache_config`) and gives the ratios (`ttft_vs_best_hicache`, `throughput_vs_best_lmcache`,
+...); `--gate` applies each workload's targets against every peer that ran. Progress goes to
+stderr; results go to OUT_DIR/run-<time>/ as results.json, requests.csv, summary.csv and
+ttft_per_round.png; the last stdout line is one JSON object. Exit status: 0, or 1 when `--gate`/`--soak` fail, 2 on bad arguments.
 
 `--servers 2` runs instead two servers behind sglang's router (smg), in the configurations of
 `bench/cluster.py` (`--configs` picks some): sharing a tier (ours on one tier directory, writing
@@ -30,6 +32,7 @@ from typing import Any
 from benchmarks.bench import aggregate, cluster, disk_speed, gate, report, run, soak, systems
 from benchmarks.bench.server_process import ServerStartError
 from benchmarks.bench.spec import (
+    DEFAULT_SYSTEMS,
     DEVICES,
     HICACHE,
     LMCACHE,
@@ -57,9 +60,11 @@ def parser() -> argparse.ArgumentParser:
         help="one repeat, the first concurrency only, at most 12 trace requests",
     )
     p.add_argument(
-        "--systems", default=",".join(SYSTEMS),
-        help="comma-separated subset of %(default)s; 'hicache' = every HiCache configuration, 'lmcache' every "
-        "LMCache one",
+        "--systems", default=",".join(DEFAULT_SYSTEMS),
+        help="comma-separated systems (default %(default)s: recompute, the resident reference, ours and the "
+        "strongest configurations of each peer in the measured runs). Every configuration can be named: "
+        f"{', '.join(SYSTEMS)}; 'hicache' = every HiCache configuration, 'lmcache' every LMCache one, 'all' "
+        "every system (hicache-nixl with --device cuda only)",
     )  # fmt: skip
     p.add_argument("--repeats", type=int, default=None,
                    help=f"runs of each system, interleaved; figures are medians (default {BenchSpec().repeats}; --quick: 1)")  # fmt: skip
@@ -137,7 +142,7 @@ def spec_from(args: argparse.Namespace) -> BenchSpec:
     trace = None if args.no_trace else Trace(path=args.trace, requests=args.trace_requests,
                                               time_scale=args.time_scale, token_scale=args.token_scale)  # fmt: skip
     spec = BenchSpec(
-        shape=shape, multiturn=multiturn, trace=trace, systems=expand_systems(args.systems),
+        shape=shape, multiturn=multiturn, trace=trace, systems=expand_systems(args.systems, args.device),
         gate=Gate() if args.gate else None, soak=Soak(minutes=args.soak, load=soak_load) if args.soak > 0 else None,
         out_dir=args.out, drop_page_cache=not args.keep_page_cache,
     )  # fmt: skip

@@ -182,7 +182,8 @@ def test_cli_presets_and_system_names() -> None:
 
     assert spec().repeats == 3 and spec().shape.model == "smollm2"
     assert spec("--quick").repeats == 1 and spec("--quick", "--repeats", "2").repeats == 2
-    assert spec("--systems", "ours,hicache").systems == (*HICACHE, "ours")
+    assert spec("--systems", "ours,hicache").systems == (*(n for n in HICACHE if n != "hicache-nixl"), "ours")
+    assert spec("--systems", "ours,hicache", "--device", "cuda").systems == (*HICACHE, "ours")
     assert expand_systems("resident,recompute") == ("recompute", "resident")  # in SYSTEMS order
     assert spec("--systems", "lmcache,ours").systems == (*LMCACHE, "ours")
     with pytest.raises(SpecError, match="unknown system"):
