@@ -25,7 +25,7 @@ def test_the_default_is_the_comparison_a_user_wants() -> None:
     assert {"recompute", "ours", "resident"} <= set(DEFAULT_SYSTEMS)
     for peer, members in FAMILIES.items():
         assert 1 <= sum(s in members for s in DEFAULT_SYSTEMS) <= 3, peer  # each peer, at its best only
-    assert len(DEFAULT_SYSTEMS) < len(SYSTEMS) / 2
+    assert len(DEFAULT_SYSTEMS) <= 8 < len(SYSTEMS)  # the size of a run before LMCache joined
     assert lh.main.__module__ and set(lh.DEFAULT_SYSTEMS) == set(DEFAULT_SYSTEMS) - {"resident"}
 
 

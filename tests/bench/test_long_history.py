@@ -34,9 +34,9 @@ def test_ours_is_set_against_the_best_hicache_and_the_read_bound() -> None:
     assert f["ours_overhead_bound_ms_4096"] == pytest.approx(685.0)
     assert f["ours_overhead_within_bound_4096"] is True
     with_lmcache = lh.summarize(
-        [*rows, row("lmcache-disk", 4096, 800.0, 100.0), row("lmcache-l1-c64", 4096, 700.0, 100.0)], raw=[]
+        [*rows, row("lmcache-disk", 4096, 800.0, 100.0), row("lmcache-disk-c64", 4096, 700.0, 100.0)], raw=[]
     )
-    assert with_lmcache["best_lmcache_4096"] == "lmcache-l1-c64"
+    assert with_lmcache["best_lmcache_4096"] == "lmcache-disk-c64"
     assert with_lmcache["ours_vs_best_lmcache_4096"] == pytest.approx(450.0 / 700.0)
     assert with_lmcache["best_hicache_4096"] == "hicache-timeout-r2"
     slow = lh.summarize([row("ours", 4096, 2000.0, 100.0, restored_bytes=1e9)], raw=[2.0])
