@@ -4,12 +4,13 @@
                                       [--new-tokens 0,256,1024,4096] [--rounds 2] [--repeats 2]
                                       [--dir out/bench-long]
 
-For each system (recompute: sglang's default cache; every HiCache configuration of
-`benchmarks.bench.spec.HICACHE_CONFIGS`, `file` L3 on the same disk; every LMCache configuration of
+For each system (recompute: sglang's default cache; HiCache configurations of
+`benchmarks.bench.spec.HICACHE_CONFIGS`, `file` L3 on the same disk; LMCache configurations of
 `LMCACHE_CONFIGS`, its L1 the host budget, its disk tier on the same disk, each server beside its own
 LMCache daemon; ours; ours-layerwise: ours with `--hicache-spill-layerwise`, its prefill starting
-once the first layer group of the restore landed) and each history length L and new-token count n
-(`--new-tokens`, default one question of 96 tokens):
+once the first layer group of the restore landed; by default the peers' strongest configurations,
+`spec.DEFAULT_SYSTEMS`) and each history length L and new-token count n (`--new-tokens`, default
+one question of 96 tokens):
 
   1. history: a prompt of L tokens is served (the conversation so far);
   2. resident: n new tokens on it while it is still in the device pool (`resident_ms`: the
@@ -57,10 +58,20 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bench import pagecache
+from benchmarks.bench.disk_speed import measured_shape
 from benchmarks.bench.probe import dir_bytes, spill_state
 from benchmarks.bench.report import replaced_whole
 from benchmarks.bench.run import resolve_model, vocab_size
-from benchmarks.bench.spec import FAMILIES, HICACHE, LMCACHE, Shape, SpecError
+from benchmarks.bench.spec import DEFAULT_SYSTEMS as BENCH_DEFAULTS
+from benchmarks.bench.spec import (
+    FAMILIES,
+    HICACHE,
+    LMCACHE,
+    LONG_HISTORY_TARGETS,
+    Shape,
+    SpecError,
+    expand_systems,
+)
 from benchmarks.bench.systems import System, build, check_hicache_holds, host_tokens, kv_bytes_per_token
 from benchmarks.bench.workload import token_ids
 from benchmarks.harness import emit, gbps, log
@@ -82,6 +93,7 @@ PHASES = (
 )
 OURS = ("ours", "ours-layerwise")
 SYSTEMS = ("recompute", *HICACHE, *LMCACHE, *OURS)
+DEFAULT_SYSTEMS = tuple(s for s in BENCH_DEFAULTS if s in SYSTEMS)  # the benchmark's, less `resident`
 
 
 def filler_tokens(system: System, shape: Shape, model: Path) -> int:
@@ -193,9 +205,10 @@ def raw_read_gbps(root: Path, threads: int, request: int = 4 << 20) -> tuple[flo
     return gbps(nbytes, time.perf_counter() - t0), nbytes
 
 
-def summarize(rows: list[dict[str, Any]], raw: list[float]) -> dict[str, Any]:
+def summarize(rows: list[dict[str, Any]], raw: list[float], model: str = "") -> dict[str, Any]:
     """Medians and spreads per system and length; ours against the best configuration of each peer
-    (HiCache, LMCache) and the targets."""
+    (HiCache, LMCache) and, where issue 36 set one for `model` and the length, the target
+    (`spec.LONG_HISTORY_TARGETS`: `target_<length>`, and whether ours met it against every peer)."""
     figures: dict[str, Any] = {}
     cases = sorted({(r["length"], r.get("new_tokens", QUESTION)) for r in rows})
     for length, n in cases:
@@ -221,6 +234,12 @@ def summarize(rows: list[dict[str, Any]], raw: list[float]) -> dict[str, Any]:
             for peer, (resume, name) in best.items():
                 figures[f"best_{peer}_{k}"] = name
                 figures[f"{system}_vs_best_{peer}_{k}"] = figures[f"{system}_resume_ms_{k}"] / resume
+            target = LONG_HISTORY_TARGETS.get((model, length))
+            if system == "ours" and n == QUESTION and target is not None and best:
+                figures[f"target_{k}"] = str(target)
+                figures[f"target_met_{k}"] = all(
+                    target.met(figures[f"ours_vs_best_{peer}_{k}"]) for peer in best
+                )
     if raw:
         figures["raw_read_gbps"] = statistics.median(raw)
         figures["raw_read_gbps_spread"] = [min(raw), max(raw)]
@@ -260,8 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", default="8192,16384", help="history lengths, tokens (default %(default)s)")
     p.add_argument(
         "--systems",
-        default=",".join(SYSTEMS),
-        help="subset of %(default)s; hicache, lmcache = all configurations of that peer",
+        default=",".join(DEFAULT_SYSTEMS),
+        help=f"comma-separated (default %(default)s: the peers' strongest configurations) of {', '.join(SYSTEMS)}; "
+        "hicache, lmcache = all configurations of that peer, all = every system",
     )
     p.add_argument(
         "--rounds", type=int, default=2, help="each system once per round, order reversed every other round"
@@ -286,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         lengths = sorted(int(x) for x in args.lengths.split(","))
         new_tokens = tuple(sorted({int(x) for x in args.new_tokens.split(",")}))
-        names = _systems(args.systems)
+        names = _systems(args.systems, args.device)
         if min(lengths) < 256 or args.rounds < 1 or args.repeats < 1:
             raise ValueError("lengths must be >= 256, rounds and repeats >= 1")
         if min(new_tokens) < 0:
@@ -317,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     figures = {"model": args.model, "device": args.device, "pool_tokens": pool, "host_budget_mb": host_mb,
                "page_size": args.page_size, "rounds": args.rounds, "repeats": args.repeats,
                "new_tokens": list(new_tokens),
-               "rows": str(workdir / "rows.json"), **summarize(rows, raw)}  # fmt: skip
+               "rows": str(workdir / "rows.json"), **summarize(rows, raw, args.model)}  # fmt: skip
     emit(figures)
     return 0
 
@@ -341,6 +361,7 @@ def prepare(out_dir: Path, prefix: str, model_name: str, names: list[str], longe
 
         env = ((PREFIX_ATTENTION_ENV, "1"),)
     check_hicache_holds(names, shape, model, longest)
+    shape = measured_shape(shape, names, workdir)
     systems = [replace(s, env=(*s.env, *env)) for s in (build(n, shape, model, workdir) for n in names)]
     return workdir, model, shape, systems
 
@@ -355,17 +376,12 @@ def save_rows(workdir: Path, rows: list[dict[str, Any]]) -> None:
         print(f"long_history: could not save rows so far: {e}", file=sys.stderr)
 
 
-def _systems(names: str) -> list[str]:
-    wanted = {n.strip() for n in names.split(",") if n.strip()}
-    for family, members in FAMILIES.items():
-        if family in wanted:
-            wanted = (wanted - {family}) | set(members)
-    unknown = sorted(wanted - set(SYSTEMS))
-    if unknown or not wanted:
-        raise ValueError(
-            f"unknown or no systems {unknown}; choose from hicache, lmcache, {', '.join(SYSTEMS)}"
-        )
-    return [s for s in SYSTEMS if s in wanted]
+def _systems(names: str, device: str = "cpu") -> list[str]:
+    """`--systems` as `spec.expand_systems` reads it, over this benchmark's systems (ValueError)."""
+    try:
+        return list(expand_systems(names, device, SYSTEMS))
+    except SpecError as e:
+        raise ValueError(str(e)) from None
 
 
 if __name__ == "__main__":

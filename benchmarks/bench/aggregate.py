@@ -1,11 +1,11 @@
 """Repeats: the median of each figure over a system's repeats, its spread, and the figures against
-the best HiCache configuration that the gate and the final line use.
+the best configuration of each peer that the gate and the final line use.
 
 Counts (requests, errors, resumed) are summed over repeats, so one failed request in any repeat
 shows; every other figure is the median of the repeats (NaN repeats left out) with its min–max
-spread. Ours against the best HiCache configuration is the ratio of medians; its spread is the
-range of the per-repeat ratios (repeat k of ours against repeat k of that configuration, which ran
-in the same pass of the interleaved order). "overall" is the geometric mean over workloads.
+spread. Ours against a peer's best configuration at a figure (chosen by the median) is the ratio of
+medians; its spread is the range of the per-repeat ratios (repeat k of ours against repeat k of that
+configuration, which ran in the same pass of the interleaved order). "overall" is the geometric mean over workloads.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
-from benchmarks.bench.summary import NAN, Figures, best_hicache, ratio
+from benchmarks.bench.spec import COMPARED, FAMILIES, Compared
+from benchmarks.bench.summary import NAN, Figures, best_of, ratio
 
 COUNTS = ("requests", "errors", "resumed", "resumed_resident", "resumed_restored", "resumed_recomputed")
 
@@ -57,46 +58,44 @@ def medians(workloads: dict[str, dict[str, Measured]]) -> dict[str, dict[str, Fi
 
 @dataclass(frozen=True)
 class VersusBest:
-    """Ours against the best HiCache configuration of each workload, and "overall"."""
+    """One figure of ours (`spec.COMPARED`) against one peer's configuration best at it, per
+    workload (by the median over repeats), and "overall"."""
 
-    # the configuration with the lowest TTFT (the TTFT ratios' base)
-    config: dict[str, str | None] = field(default_factory=dict)
-    # the one with the highest throughput (their base)
-    throughput_config: dict[str, str | None] = field(default_factory=dict)
-    # resumed-turn TTFT p50, ours / best (median over repeats)
-    ttft: dict[str, float] = field(default_factory=dict)
-    throughput: dict[str, float] = field(default_factory=dict)
-    ttft_range: dict[str, tuple[float, float]] = field(default_factory=dict)  # min, max per repeat
-    throughput_range: dict[str, tuple[float, float]] = field(default_factory=dict)
-    # The same two ratios for the `resident` reference in place of ours (a device pool that holds
-    # the whole workload: every reusable prefix a device hit, nothing restored, no request waiting
-    # for pool space): what a cache behind the run's smaller pool can hope to reach, measured (not
-    # a proof: a larger pool also batches differently), so a gate threshold beyond it is visibly out
+    config: dict[str, str | None] = field(default_factory=dict)  # the peer's best at the figure
+    ratio: dict[str, float] = field(default_factory=dict)  # ours / that configuration, medians
+    range: dict[str, tuple[float, float]] = field(default_factory=dict)  # min, max of the per-repeat ratios
+    # The same ratio for the `resident` reference in place of ours (a device pool that holds the
+    # whole workload: every reusable prefix a device hit, nothing restored, no request waiting for
+    # pool space): what a cache behind the run's smaller pool can hope to reach, measured (not a
+    # proof: a larger pool also batches differently), so a gate threshold beyond it is visibly out
     # of reach on this workload and machine (NaN where `resident` did not run).
-    resident_ttft: dict[str, float] = field(default_factory=dict)
-    resident_throughput: dict[str, float] = field(default_factory=dict)
+    resident: dict[str, float] = field(default_factory=dict)
 
 
-def versus_best(workloads: dict[str, dict[str, Measured]]) -> VersusBest:
-    out = VersusBest()
+def versus_best(workloads: dict[str, dict[str, Measured]],
+                compared: tuple[Compared, ...] = COMPARED) -> dict[tuple[str, str], VersusBest]:  # fmt: skip
+    """Per (peer, figure key) of `spec.FAMILIES` x `compared`: ours against that peer's best
+    configuration at that figure, in each workload."""
+    figure = {c.key: c for c in compared}
+    out = {(peer, c.key): VersusBest() for peer in FAMILIES for c in compared}
     for w, by in workloads.items():
         medians = {s: m.median for s, m in by.items()}
-        out.config[w], out.throughput_config[w] = best_hicache(medians), best_hicache(medians, "throughput")
         ours, resident = by.get("ours"), by.get("resident")
-        for name, best, ratios, ranges, reference in (
-            ("ttft_resume_p50_ms", out.config[w], out.ttft, out.ttft_range, out.resident_ttft),
-            ("throughput_tok_s", out.throughput_config[w], out.throughput, out.throughput_range,
-             out.resident_throughput),
-        ):  # fmt: skip
-            peer = by.get(best) if best else None
-            reference[w] = NAN if resident is None or peer is None else _of_medians(resident, peer, name)
-            if ours is None or peer is None:
-                ratios[w], ranges[w] = NAN, (NAN, NAN)
+        for (peer, key), vs in out.items():
+            name = figure[key].field
+            vs.config[w] = best = best_of(medians, FAMILIES[peer], figure[key])
+            peer_runs = by.get(best) if best else None
+            vs.resident[w] = (
+                NAN if resident is None or peer_runs is None else _of_medians(resident, peer_runs, name)
+            )
+            if ours is None or peer_runs is None:
+                vs.ratio[w], vs.range[w] = NAN, (NAN, NAN)
                 continue
-            ratios[w] = _of_medians(ours, peer, name)
-            ranges[w] = _range(ours.runs, peer.runs, name)
-    for by_workload in (out.ttft, out.throughput, out.resident_ttft, out.resident_throughput):
-        by_workload["overall"] = geomean(list(by_workload.values()))
+            vs.ratio[w] = _of_medians(ours, peer_runs, name)
+            vs.range[w] = _range(ours.runs, peer_runs.runs, name)
+    for vs in out.values():
+        for by_workload in (vs.ratio, vs.resident):
+            by_workload["overall"] = geomean(list(by_workload.values()))
     return out
 
 

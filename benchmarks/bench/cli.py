@@ -8,13 +8,15 @@ device and host memory between turns) or `mooncake-trace` (Mooncake's FAST'25 sy
 arrival-bound and saturated); the final line says its token scale (`workload`) and gives, per
 workload and system (`figures`), resumed-turn TTFT p50/p90, throughput, where resumed turns found
 their prefix, tokens restored and recomputed, and disk bytes written per byte restored
-(`bench/disk_writes.py`). HiCache runs in every
-configuration of `spec.HICACHE_CONFIGS`; the gate judges ours against the best of them per workload
-(lowest median resumed-turn TTFT p50). LMCache runs in every configuration of `spec.LMCACHE_CONFIGS`
-(each server beside its own LMCache daemon); the final line names its best per workload and gives
-ours against it (`ttft_vs_lmcache`, `throughput_vs_lmcache`). Progress goes to stderr; results go to
-OUT_DIR/run-<time>/ as results.json, requests.csv, summary.csv and ttft_per_round.png; the last
-stdout line is one JSON object. Exit status: 0, or 1 when `--gate`/`--soak` fail, 2 on bad arguments.
+(`bench/disk_writes.py`). By default the peers run in their strongest configurations of the
+measured runs (`spec.DEFAULT_SYSTEMS`); every configuration of HiCache (`spec.HICACHE_CONFIGS`) and
+LMCache (`spec.LMCACHE_CONFIGS`, each server beside its own LMCache daemon) can be named. For each
+figure, ours is set against the best configuration of each peer at it (median over repeats): the
+final line names them (`best_hicache_config`, `best_lmcache_config`) and gives the ratios
+(`ttft_vs_best_hicache`, `throughput_vs_best_lmcache`, ...); `--gate` applies each workload's
+targets against every peer that ran. Progress goes to stderr; results go to OUT_DIR/run-<time>/ as
+results.json, requests.csv, summary.csv and ttft_per_round.png; the last stdout line is one JSON
+object. Exit status: 0, or 1 when `--gate`/`--soak` fail, 2 on bad arguments.
 
 `--servers 2` runs instead two servers behind sglang's router (smg), in the configurations of
 `bench/cluster.py` (`--configs` picks some): sharing a tier (ours on one tier directory, writing
@@ -33,10 +35,22 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench import agents, aggregate, cluster, gate, report, run, soak, systems, workloads
+from benchmarks.bench import (
+    agents,
+    aggregate,
+    cluster,
+    disk_speed,
+    gate,
+    report,
+    run,
+    soak,
+    systems,
+    workloads,
+)
 from benchmarks.bench.agents import Agents
 from benchmarks.bench.server_process import ServerStartError
 from benchmarks.bench.spec import (
+    DEFAULT_SYSTEMS,
     DEVICES,
     HICACHE,
     LMCACHE,
@@ -51,7 +65,7 @@ from benchmarks.bench.spec import (
     expand_systems,
     quick,
 )
-from benchmarks.bench.summary import best_lmcache, ratios
+from benchmarks.bench.summary import ratios
 from benchmarks.bench.workloads import AGENTS_QUICK, MOONCAKE, MOONCAKE_QUICK, SATURATE
 
 
@@ -65,9 +79,11 @@ def parser() -> argparse.ArgumentParser:
         help="one repeat, the first concurrency only, at most 12 trace requests",
     )
     p.add_argument(
-        "--systems", default=",".join(SYSTEMS),
-        help="comma-separated subset of %(default)s; 'hicache' = every HiCache configuration, 'lmcache' every "
-        "LMCache one",
+        "--systems", default=",".join(DEFAULT_SYSTEMS),
+        help="comma-separated systems (default %(default)s: recompute, the resident reference, ours and the "
+        "strongest configurations of each peer in the measured runs). Every configuration can be named: "
+        f"{', '.join(SYSTEMS)}; 'hicache' = every HiCache configuration, 'lmcache' every LMCache one, 'all' "
+        "every system (hicache-nixl with --device cuda only)",
     )  # fmt: skip
     p.add_argument("--repeats", type=int, default=None,
                    help=f"runs of each system, interleaved; figures are medians (default {BenchSpec().repeats}; --quick: 1)")  # fmt: skip
@@ -93,6 +109,11 @@ def parser() -> argparse.ArgumentParser:
         f"pool, LMCache's L1; MiB (default {shape.host_budget_mb}; agents: the device pool's KV)",
     )
     p.add_argument("--page-size", type=int, default=shape.page_size)
+    p.add_argument(
+        "--disk-read-mib-s", type=float, default=None, metavar="MIB_S",
+        help="the disk's cold read speed that hicache-timeout-tuned's prefetch timeouts are derived from "
+        "(default: measured under --out at the start of a run that has it, 64 MiB read once)",
+    )  # fmt: skip
     p.add_argument(
         "--concurrency",
         default=",".join(str(m.concurrency) for m in BenchSpec().multiturn),
@@ -145,10 +166,11 @@ def spec_from(args: argparse.Namespace) -> BenchSpec:
         multiturn, traces = (), workloads.mooncake_from(args) if args.workload == "mooncake-trace" else ()
     pool = args.pool_tokens or workloads.pool_tokens(agents, traces, args.page_size)
     shape = Shape(model=args.model, pool_tokens=pool, host_budget_mb=args.host_budget_mb or Shape().host_budget_mb,
-                  page_size=args.page_size, device=args.device)  # fmt: skip
+                  page_size=args.page_size, device=args.device, disk_read_mib_s=args.disk_read_mib_s)  # fmt: skip
     soak_load = (multiturn or workloads.chat_from(args, [MultiTurn().concurrency])[0])[0]
     spec = BenchSpec(
-        shape=shape, multiturn=multiturn, traces=traces, agents=agents, systems=expand_systems(args.systems),
+        shape=shape, multiturn=multiturn, traces=traces, agents=agents,
+        systems=expand_systems(args.systems, args.device),
         gate=Gate() if args.gate else None, soak=Soak(minutes=args.soak, load=soak_load) if args.soak > 0 else None,
         out_dir=args.out, drop_page_cache=not args.keep_page_cache,
         host_budget_fits_pool=agents is not None and args.host_budget_mb is None, workload=args.workload,
@@ -208,6 +230,7 @@ def execute(spec: BenchSpec) -> int:
     systems.check_hicache_holds(spec.systems, spec.shape, model, run.history_tokens(spec, replays))
     if spec.agents is not None:
         agents.check_leaves_memory(spec.agents, spec.systems, spec.shape, model)
+    spec = replace(spec, shape=disk_speed.measured_shape(spec.shape, spec.systems, spec.out_dir))
     systems.check_runnable(spec.systems, spec.shape, model, spec.out_dir)
     out = (spec.out_dir / time.strftime("run-%Y%m%d-%H%M%S")).resolve()  # servers get absolute paths
     out.mkdir(parents=True, exist_ok=True)
@@ -229,8 +252,6 @@ def execute(spec: BenchSpec) -> int:
         extra["gate"] = "fail" if failures else "pass"
         extra["gate_failures"] = failures
     extra.update(report.versus_best_keys(aggregate.versus_best(measured), measured))
-    extra["best_lmcache_config"] = {w: best_lmcache(f) for w, f in figures.items()}
-    extra["best_lmcache_config_throughput"] = {w: best_lmcache(f, "throughput") for w, f in figures.items()}
     extra["figures"] = report.per_system(figures)
     line = report.final_line(figures, {w: ratios(f) for w, f in figures.items()}, extra)
     report.write(out, run.results(runs), figures, line, run.metrics(runs), measured)

@@ -110,8 +110,8 @@ with sglang's default host ratio (the lowest resumed-turn TTFT of the single-ser
 
 STRONGEST_LMCACHE = "lmcache-disk"
 """The LMCache configuration of `spec.LMCACHE_CONFIGS` that `lmcache-shared` runs: L1 and a disk tier
-at LMCache's default chunk (which one is strongest is not measured yet: set it from the single-server
-benchmark's `best_lmcache_config`)."""
+at LMCache's defaults; by the hit counts of docs/RESULTS.md ("LMCache at its strongest") no other
+configuration served clearly more (by timings its best is not measured yet)."""
 
 MOONCAKE_SEGMENT = 1024 * MiB
 """The DRAM each server contributes to the Mooncake Store of the `mooncake` configurations: more

@@ -4,45 +4,50 @@ from __future__ import annotations
 
 import math
 
-from benchmarks.bench.spec import Gate
-from benchmarks.bench.summary import NAN, Figures, best_hicache, ratio
+from benchmarks.bench.spec import FAMILIES, Gate, Target
+from benchmarks.bench.summary import NAN, Figures, best_of, ratio
 
 
 def check(gate: Gate, workloads: dict[str, dict[str, Figures]]) -> list[str]:
     """Failures (empty: passed). `workloads` holds each system's medians over repeats (errors
-    summed). Per workload, each figure of ours against the HiCache configuration best at it
-    (`summary.best_hicache`): ours' resumed-turn TTFT p50 at least `ttft_resume_below_hicache` below
-    the lowest one, ours' throughput not below `throughput_vs_hicache_min` of the highest one; and no
-    system may exceed `max_errors` (a run with failing requests compares nothing)."""
+    summed). Per workload, each target of it (`Gate.for_workload`) against each peer that ran: ours'
+    figure over that of the peer's configuration best at it (`summary.best_of`) must meet the
+    target's bound; and no system may exceed `max_errors` (a run with failing requests compares
+    nothing)."""
     failures = []
     for name, figures in workloads.items():
         for system, f in figures.items():
             if f.errors > gate.max_errors:
                 failures.append(f"{name}: {system} had {f.errors} failed requests")
-        ours, best, fastest = figures.get("ours"), best_hicache(figures), best_hicache(figures, "throughput")
-        if ours is None or best is None or fastest is None:
-            failures.append(f"{name}: the gate compares ours with HiCache; run both")
+        ours = figures.get("ours")
+        peers = [(peer, members) for peer, members in FAMILIES.items() if any(n in members for n in figures)]
+        if ours is None or not peers:
+            failures.append(
+                f"{name}: the gate compares ours with the peers (HiCache, LMCache); run ours and some"
+            )
             continue
-        resident = figures.get("resident")
-        ttft = ratio(ours.ttft_resume_p50_ms, figures[best].ttft_resume_p50_ms)
-        if math.isnan(ttft) or ttft > 1 - gate.ttft_resume_below_hicache:
-            reached = _reached(resident, figures[best], "ttft_resume_p50_ms")
-            failures.append(
-                f"{name}: resumed TTFT p50 ours/{best} = {ttft:.3f}, "
-                f"needs <= {1 - gate.ttft_resume_below_hicache:.2f}{_reference(reached)}"
-            )
-        tput = ratio(ours.throughput_tok_s, figures[fastest].throughput_tok_s)
-        if math.isnan(tput) or tput < gate.throughput_vs_hicache_min:
-            reached = _reached(resident, figures[fastest], "throughput_tok_s")
-            failures.append(
-                f"{name}: throughput ours/{fastest} = {tput:.3f}, "
-                f"needs >= {gate.throughput_vs_hicache_min:.2f}{_reference(reached)}"
-            )
+        for target in gate.for_workload(name):
+            for peer, members in peers:
+                failures += _judge(name, target, figures, ours, peer, members)
     return failures
 
 
-def _reached(resident: Figures | None, peer: Figures, name: str) -> float:
-    return NAN if resident is None else ratio(getattr(resident, name), getattr(peer, name))
+def _judge(name: str, target: Target, figures: dict[str, Figures], ours: Figures, peer: str,
+           members: tuple[str, ...]) -> list[str]:  # fmt: skip
+    """The failure, if any, of one target against one peer's configuration best at its figure."""
+    c = target.compared
+    best = best_of(figures, members, c)
+    value = NAN if best is None else ratio(getattr(ours, c.field), getattr(figures[best], c.field))
+    if target.met(value):
+        return []
+    resident = figures.get("resident")
+    reached = (
+        NAN
+        if resident is None or best is None
+        else ratio(getattr(resident, c.field), getattr(figures[best], c.field))
+    )
+    versus = best if best is not None else f"{peer} (no configuration measured it)"
+    return [f"{name}: {c.label} ours/{versus} = {value:.3f}, needs {target}{_reference(reached)}"]
 
 
 def _reference(value: float) -> str:

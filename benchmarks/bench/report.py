@@ -15,6 +15,7 @@ from typing import Any
 
 from benchmarks.bench.aggregate import COUNTS, Measured, VersusBest
 from benchmarks.bench.client import TIERS, Result
+from benchmarks.bench.spec import COMPARED, FAMILIES
 from benchmarks.bench.summary import Figures, pct
 
 REQUEST_FIELDS = ("system", "repeat", "workload", "key", "round", "resumed", "prompt_tokens", "prefix_tokens",
@@ -22,8 +23,7 @@ REQUEST_FIELDS = ("system", "repeat", "workload", "key", "round", "resumed", "pr
                   "cached_host", "cached_storage", "error", "server")  # fmt: skip
 
 
-_RATIOS = ("ttft_vs_recompute", "ttft_vs_hicache", "ttft_vs_lmcache", "ttft_vs_resident", "throughput_vs_recompute",
-           "throughput_vs_hicache", "throughput_vs_lmcache", "throughput_vs_resident")  # fmt: skip
+_RATIOS = tuple(f"{c.key}_vs_{base}" for c in COMPARED for base in ("recompute", *FAMILIES, "resident"))
 
 
 def clean(x: Any) -> Any:
@@ -67,23 +67,27 @@ def per_system(workloads: dict[str, dict[str, Figures]]) -> dict[str, dict[str, 
     }
 
 
-def versus_best_keys(vs: VersusBest, measured: dict[str, dict[str, Measured]]) -> dict[str, Any]:
-    """The final line's figures against the best HiCache configuration (medians over repeats, per
-    workload and "overall"), their per-repeat ranges, and the headline workload's spreads."""
+def versus_best_keys(
+    vs: dict[tuple[str, str], VersusBest], measured: dict[str, dict[str, Measured]]
+) -> dict[str, Any]:
+    """The final line's figures against the best configuration of each peer (`aggregate.versus_best`;
+    medians over repeats, per workload and "overall"): `best_<peer>_config` (the best at the first
+    compared figure, resumed TTFT) and `best_<peer>_config_<figure>` (at each other one),
+    `<figure>_vs_best_<peer>`, their per-repeat ranges and the `resident` reference's; and the
+    headline workload's spread of each compared figure per system."""
     head = next(iter(measured), None)
     by = measured.get(head, {}) if head else {}
-    return {
-        "best_hicache_config": vs.config,
-        "best_hicache_config_throughput": vs.throughput_config,
-        "ttft_vs_best_hicache": vs.ttft,
-        "throughput_vs_best_hicache": vs.throughput,
-        "ttft_vs_best_hicache_range": {w: list(r) for w, r in vs.ttft_range.items()},
-        "throughput_vs_best_hicache_range": {w: list(r) for w, r in vs.throughput_range.items()},
-        "resident_ttft_vs_best_hicache": vs.resident_ttft,
-        "resident_throughput_vs_best_hicache": vs.resident_throughput,
-        "ttft_resume_p50_ms_range": {s: [m.low.ttft_resume_p50_ms, m.high.ttft_resume_p50_ms] for s, m in by.items()},
-        "throughput_tok_s_range": {s: [m.low.throughput_tok_s, m.high.throughput_tok_s] for s, m in by.items()},
-    }  # fmt: skip
+    out: dict[str, Any] = {}
+    for (peer, key), v in vs.items():
+        out[f"best_{peer}_config" + ("" if key == COMPARED[0].key else f"_{key}")] = v.config
+        out[f"{key}_vs_best_{peer}"] = v.ratio
+        out[f"{key}_vs_best_{peer}_range"] = {w: list(r) for w, r in v.range.items()}
+        out[f"resident_{key}_vs_best_{peer}"] = v.resident
+    for c in COMPARED:
+        out[f"{c.field}_range"] = {
+            s: [getattr(m.low, c.field), getattr(m.high, c.field)] for s, m in by.items()
+        }
+    return out
 
 
 def figures_doc(workloads: dict[str, dict[str, Figures]],

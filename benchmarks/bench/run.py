@@ -213,12 +213,27 @@ def log_name(system: str, repeat: int) -> str:
 def _record(outcome: SystemOutcome, base_url: str, work: Coroutine[Any, Any, drive.Driven],
             meter: WriteMeter | None = None) -> None:  # fmt: skip
     """Run `work` (a workload on the server at `base_url`) and keep what it measured, with how
-    `/metrics` moved and (given a `meter`) the bytes the system wrote to disk meanwhile."""
-    before = scrape(base_url)  # `work` starts only below
+    `/metrics` moved and (given a `meter`) the bytes the system wrote to disk meanwhile. A server
+    that died (a peer's scheduler can raise) fails its requests, which count as errors; its metrics
+    are then left out, the run goes on."""
+    before = _scrape_alive(base_url)  # `work` starts only below
     if meter is not None:
         meter.start()
     driven = asyncio.run(work)
     outcome.written[driven.workload] = meter.stop() if meter is not None else NAN
-    outcome.metrics[driven.workload] = delta(scrape(base_url), before)
+    after = _scrape_alive(base_url)
+    if after is None:
+        print(
+            f"bench: {base_url} does not answer after {driven.workload} (its server died?)", file=sys.stderr
+        )
+    outcome.metrics[driven.workload] = {} if before is None or after is None else delta(after, before)
     outcome.results[driven.workload] = driven.results
     outcome.wall_s[driven.workload] = driven.wall_s
+
+
+def _scrape_alive(base_url: str) -> dict[str, float] | None:
+    """`/metrics`, or None when nothing answers there (connection refused or reset)."""
+    try:
+        return scrape(base_url)
+    except OSError:  # urllib's URLError included
+        return None

@@ -7,6 +7,8 @@ same dataclasses; the CLI overrides single fields.
 
 from __future__ import annotations
 
+import fnmatch
+import math
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
@@ -39,12 +41,20 @@ SGLANG_DEFAULT_PREFETCH_POLICY = "timeout"  # --hicache-storage-prefetch-policy'
 
 @dataclass(frozen=True)
 class HiCacheConfig:
-    """One configuration of sglang HiCache (host-memory L2 + `file` L3) that a run measures."""
+    """One configuration of sglang HiCache (host-memory L2 + an L3 backend) that a run measures."""
 
     name: str
     prefetch_policy: str  # --hicache-storage-prefetch-policy
     host: HostPool
     memory_mode: str = "cache"  # --hicache-host-memory-mode (sglang's default: cache)
+    # `timeout` only: its prefetch timeouts tuned to the disk's measured read speed
+    # (`disk_speed.tuned_timeouts`), not sglang's defaults (1 s + 0.25 s per 1024 tokens)
+    tuned_timeout: bool = False
+    backend: str = "file"  # --hicache-storage-backend: `file`, or `nixl` (GPU only, `nixl` installed)
+
+    def __post_init__(self) -> None:
+        if self.tuned_timeout and self.prefetch_policy != "timeout":
+            raise ValueError(f"{self.name}: tuned timeouts are for the timeout prefetch policy")
 
     @property
     def default_ratio(self) -> float:
@@ -56,12 +66,18 @@ class HiCacheConfig:
         policy = self.prefetch_policy + (
             " (sglang's default)" if self.prefetch_policy == SGLANG_DEFAULT_PREFETCH_POLICY else ""
         )
+        if self.prefetch_policy == "timeout":
+            policy += (
+                " with its timeouts tuned to the disk's measured read speed"
+                if self.tuned_timeout
+                else " at sglang's default timeouts"
+            )
         host = (
             f"host pool {self.default_ratio:g} x device (sglang's default ratio)"
             if self.host is HostPool.DEFAULT
             else "host pool = device + the host budget"
         )
-        return f"prefetch {policy}, {self.memory_mode} mode, {host}"
+        return f"prefetch {policy}, {self.memory_mode} mode, {host}, {self.backend} L3"
 
     def cache_tokens(self, host_tokens: int, pool_tokens: int) -> int:
         """Of a host pool of `host_tokens`, what can hold KV that is not on the device (a history to
@@ -75,11 +91,15 @@ HICACHE_CONFIGS = (
     HiCacheConfig("hicache-timeout-r2", "timeout", HostPool.DEFAULT),  # sglang's defaults
     HiCacheConfig("hicache-wait-budget", "wait_complete", HostPool.BUDGET),
     HiCacheConfig("hicache-timeout-budget", "timeout", HostPool.BUDGET),
+    HiCacheConfig("hicache-timeout-tuned", "timeout", HostPool.BUDGET, tuned_timeout=True),
     HiCacheConfig("hicache-buffer", "wait_complete", HostPool.DEFAULT, memory_mode="buffer_only"),
+    HiCacheConfig("hicache-nixl", "wait_complete", HostPool.DEFAULT, backend="nixl"),
 )
-"""Every HiCache configuration a full run measures; the gate judges ours against the best of them
-per workload (`summary.best_hicache`). `timeout` is sglang's default prefetch policy, not its
-strongest (`label`); `-budget`: host pool = device pool + the run's host budget (`HostPool.BUDGET`)."""
+"""Every HiCache configuration that can be named; the gate judges ours against the best of those
+run, per workload and figure (`summary.best_of`). `timeout` is sglang's default prefetch policy, at
+its default timeouts (`-r2`, `-budget`) or tuned to the disk (`-tuned`, `disk_speed`); `-budget`:
+host pool = device pool + the run's host budget (`HostPool.BUDGET`); `hicache-nixl`: the `nixl` L3
+backend, refused in one line without the `nixl` package or a GPU (`systems.nixl_unavailable`)."""
 HICACHE = {c.name: c for c in HICACHE_CONFIGS}
 
 
@@ -106,42 +126,65 @@ class LMCacheConfig:
 
 
 LMCACHE_CONFIGS = (
-    LMCacheConfig("lmcache-l1", L2.NONE),
-    LMCacheConfig("lmcache-l1-c64", L2.NONE, chunk_size=64),
     LMCacheConfig("lmcache-disk", L2.FS),
     LMCacheConfig("lmcache-disk-c64", L2.FS, chunk_size=64),
-    LMCacheConfig("lmcache-fs-native", L2.FS_NATIVE),
-    LMCacheConfig("lmcache-fs-native-c64", L2.FS_NATIVE, chunk_size=64),
     LMCacheConfig("lmcache-disk-skip-l1", L2.FS, l2_store_policy="skip_l1"),
+    LMCacheConfig("lmcache-fs-native", L2.FS_NATIVE),
 )
-"""Every LMCache configuration a full run measures: L1 only, L1 + `fs`, L1 + capped `fs_native`, each
-at LMCache's default chunk (256 tokens) and at 64, which finds shorter prefixes; and L1 + `fs` with
-`--l2-store-policy skip_l1`, which keeps L1 free for loads from disk (with LMCache's default a full L1
-refuses them); the run reports the best of them per workload (`summary.best_of`)."""
+"""The LMCache configurations a user would pick, each with L1 = the host budget and a disk tier on
+the same disk as ours' (docs/RESULTS.md, "LMCache at its strongest", has the hit counts that chose
+them): LMCache's defaults (chunk 256, `--l2-store-policy default`, `--l2-prefetch-policy default`)
+with its `fs` tier; chunk 64, which also stores and finds a prompt's last partial 256-token stretch;
+`--l2-store-policy skip_l1`, which keeps L1 free for loads from disk (with `default` a full L1
+refuses them); and `fs_native` capped at ours' tier capacity (the same disk budget). L1 alone served
+fewer tokens than the same L1 with a disk tier in every pairing (dominated, dropped);
+`--l2-prefetch-policy retain` and `--eviction-trigger-watermark 0.5` moved the counts no more than
+two runs of one configuration differ (not offered). The run reports the best of them per workload
+and figure (`summary.best_of`)."""
 LMCACHE = {c.name: c for c in LMCACHE_CONFIGS}
 
 SYSTEMS = ("recompute", *HICACHE, *LMCACHE, "ours", "resident")
-"""(a) sglang's default cache, evicted KV is recomputed; (b) sglang HiCache with host memory and its
-`file` L3 backend, in each configuration of `HICACHE_CONFIGS`; (b') LMCache, in each configuration of
-`LMCACHE_CONFIGS`; (c) sgl_hicache's spill tier; and a reference: sglang's default cache with a pool
-that holds the whole workload (every reusable prefix a device hit). In `--systems`, `hicache` stands
-for every HiCache configuration and `lmcache` for every LMCache one."""
+"""Every system that can be named: (a) sglang's default cache, evicted KV is recomputed; (b) sglang
+HiCache with host memory and an L3 backend, in each configuration of `HICACHE_CONFIGS`; (b') LMCache,
+in each configuration of `LMCACHE_CONFIGS`; (c) sgl_hicache's spill tier; and a reference: sglang's
+default cache with a pool that holds the whole workload (every reusable prefix a device hit)."""
+
+DEFAULT_SYSTEMS = (
+    "recompute",
+    "hicache-wait-r2",
+    "hicache-wait-budget",
+    "lmcache-disk",
+    "lmcache-disk-c64",
+    "ours",
+    "resident",
+)
+"""What a run compares unless `--systems` says otherwise: (a), (c), the reference, and the
+configurations of each peer that were its strongest in the measured runs (docs/RESULTS.md), so a
+user comparing sees each peer at its best without running every configuration (all 14 doubles a
+run's time)."""
 
 FAMILIES = {"hicache": tuple(HICACHE), "lmcache": tuple(LMCACHE)}
-"""The names `--systems` expands into every configuration of a peer."""
+"""Each peer's configurations: the best of them is what ours is set against (`summary.best_of`)."""
+
+GPU_ONLY = frozenset(c.name for c in HICACHE_CONFIGS if c.backend == "nixl")
+"""Configurations that run on a GPU only: `hicache`/`all` in `--systems` include them with `--device
+cuda` alone; named on their own anywhere else they are refused (`systems.nixl_unavailable`)."""
 
 
-def expand_systems(names: str) -> tuple[str, ...]:
-    """`--systems`: comma-separated names, `hicache`/`lmcache` meaning all of that peer's
-    configurations; in SYSTEMS order."""
+def expand_systems(names: str, device: str = "cpu", universe: tuple[str, ...] = SYSTEMS) -> tuple[str, ...]:
+    """`--systems`: comma-separated names of `universe`; `hicache`/`lmcache` mean all of that peer's
+    configurations and `all` every system, those that run on `device` (`GPU_ONLY`); in `universe`
+    order."""
     wanted = {n.strip() for n in names.split(",") if n.strip()}
-    for family, members in FAMILIES.items():
-        if family in wanted:
-            wanted = (wanted - {family}) | set(members)
-    unknown = sorted(wanted - set(SYSTEMS))
-    if unknown:
-        raise SpecError(f"unknown system(s) {unknown}; choose from hicache, lmcache, {', '.join(SYSTEMS)}")
-    return tuple(s for s in SYSTEMS if s in wanted)
+    groups = {**FAMILIES, "all": universe}
+    for group, members in groups.items():
+        if group in wanted:
+            wanted = (wanted - {group}) | {m for m in members if device == "cuda" or m not in GPU_ONLY}
+    unknown = sorted(wanted - set(universe))
+    if unknown or not wanted:
+        what = f"unknown system(s) {unknown}" if unknown else "no system given"
+        raise SpecError(f"{what}; choose from all, hicache, lmcache, {', '.join(universe)}")
+    return tuple(s for s in universe if s in wanted)
 
 
 DEVICES = ("cpu", "cuda")
@@ -151,8 +194,8 @@ DEVICES = ("cpu", "cuda")
 class Shape:
     """The serving setup every system shares. The defaults (with those of `MultiTurn`, `Trace` and
     `BenchSpec.repeats`) sized the full run to about 30 minutes on a quiet 2-vCPU machine with
-    SmolLM2-135M: 8 systems x 3 repeats, each a fresh server (~30 s to start and stop); the seven
-    LMCache configurations (issue 36) make it 15 systems, about 55 minutes (not measured yet)."""
+    SmolLM2-135M: 8 systems x 3 repeats, each a fresh server (~30 s to start and stop); the default
+    systems (`DEFAULT_SYSTEMS`, 7) keep it there, `--systems all` (14) about doubles it."""
 
     model: str = "smollm2"  # smollm2 (SmolLM2-135M-Instruct), a generated size (tiny, small) or a directory
     pool_tokens: int = 2048  # --max-total-tokens: the device KV pool
@@ -168,10 +211,15 @@ class Shape:
     chunked_prefill: int = 2048
     # cpu (here) or cuda (your GPU box): every system runs with sglang's defaults for that device
     device: str = "cpu"
+    # The disk's cold read speed, MiB/s, that `hicache-timeout-tuned` is tuned to (`--disk-read-mib-s`,
+    # else measured at the start of a run that has it: `disk_speed.measure_read_mib_s`)
+    disk_read_mib_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
             raise SpecError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.disk_read_mib_s is not None and not self.disk_read_mib_s > 0:
+            raise SpecError(f"disk read speed must be > 0 MiB/s, got {self.disk_read_mib_s}")
         if self.pool_tokens < 256:
             raise SpecError(f"pool_tokens must be >= 256, got {self.pool_tokens}")
         if self.host_budget_mb < 1:
@@ -238,13 +286,76 @@ class Trace:
 
 
 @dataclass(frozen=True)
-class Gate:
-    """Pass/fail thresholds of `--gate`: ours against the best HiCache configuration of each workload
-    (medians over repeats), and every system error-free."""
+class Compared:
+    """A figure on which ours is set against the best configuration of each peer."""
 
-    ttft_resume_below_hicache: float = 0.25  # resumed-turn TTFT p50 at least this far below (b)
-    throughput_vs_hicache_min: float = 1.0  # output throughput not below (b)
+    key: str  # its name in the final line: `<key>_vs_best_<peer>`, `best_<peer>_config_<key>`
+    field: str  # the `summary.Figures` field
+    higher_is_better: bool
+    label: str  # in words, for a failed gate's reason
+
+
+COMPARED = (
+    Compared("ttft", "ttft_resume_p50_ms", False, "resumed TTFT p50"),
+    Compared("throughput", "throughput_tok_s", True, "throughput"),
+)
+"""Every figure compared with the peers; the first is the one `best_<peer>_config` names the best
+configuration at. Another figure of `Figures` is compared by adding it here."""
+COMPARED_BY_KEY = {c.key: c for c in COMPARED}
+
+
+@dataclass(frozen=True)
+class Target:
+    """Ours' `figure` over the best configuration of each peer: at most `bound` for a figure where
+    lower is better, at least `bound` where higher is."""
+
+    figure: str  # a key of COMPARED
+    bound: float
+
+    def __post_init__(self) -> None:
+        if self.figure not in COMPARED_BY_KEY or not self.bound > 0:
+            raise ValueError(
+                f"a target is a figure of {sorted(COMPARED_BY_KEY)} and a bound > 0, got {self.figure!r}, {self.bound}"
+            )
+
+    @property
+    def compared(self) -> Compared:
+        return COMPARED_BY_KEY[self.figure]
+
+    def met(self, ratio: float) -> bool:
+        """NaN (not measured) never meets a target."""
+        if math.isnan(ratio):
+            return False
+        return ratio >= self.bound if self.compared.higher_is_better else ratio <= self.bound
+
+    def __str__(self) -> str:
+        return f"{'>=' if self.compared.higher_is_better else '<='} {self.bound:.2f}"
+
+
+ISSUE_36_TARGETS = (
+    ("agents*", (Target("throughput", 1.3), Target("ttft", 0.7))),
+    ("*saturated*", (Target("throughput", 1.2),)),
+)
+"""Issue 36's targets, by workload name (a glob): agent loops, and a trace replayed saturated (a
+workload whose name says `saturated`). `long_history` prints its own (`LONG_HISTORY_TARGETS`)."""
+
+LONG_HISTORY_TARGETS = {("kvheavy", 16384): Target("ttft", 0.6)}
+"""Issue 36: ours' resumed TTFT at 16K tokens of `kvheavy` at most 0.6 x the best of every peer."""
+
+
+@dataclass(frozen=True)
+class Gate:
+    """Pass/fail thresholds of `--gate`: per workload, each figure of ours against the best
+    configuration of each peer that ran (medians over repeats; `summary.best_of`), and every system
+    error-free. A workload takes the targets of the first glob of `targets` its name matches, else
+    `default` (the multi-turn chat and the arrival-bound trace)."""
+
+    targets: tuple[tuple[str, tuple[Target, ...]], ...] = ISSUE_36_TARGETS
+    default: tuple[Target, ...] = (Target("ttft", 0.75), Target("throughput", 1.0))
     max_errors: int = 0
+
+    def for_workload(self, name: str) -> tuple[Target, ...]:
+        return next((t for glob, t in self.targets if fnmatch.fnmatchcase(name, glob)), self.default)
 
 
 @dataclass(frozen=True)
@@ -264,7 +375,7 @@ class BenchSpec:
     multiturn: tuple[MultiTurn, ...] = (MultiTurn(concurrency=8),)
     traces: tuple[Trace, ...] = (Trace(),)  # replayed in this order, after the multi-turn workloads
     agents: Agents | None = None  # the agent loops (`bench/agents.py`), after the multi-turn workloads
-    systems: tuple[str, ...] = SYSTEMS
+    systems: tuple[str, ...] = DEFAULT_SYSTEMS
     gate: Gate | None = None
     soak: Soak | None = None
     out_dir: Path = Path("out/bench")

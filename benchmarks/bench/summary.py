@@ -1,5 +1,5 @@
-"""Figures per system and workload, the best HiCache configuration, and the ratios of ours to the
-baselines."""
+"""Figures per system and workload, the best configuration of each peer, and the ratios of ours to
+the baselines."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 
 from benchmarks.bench.client import TIERS, Result
 from benchmarks.bench.probe import total
-from benchmarks.bench.spec import FAMILIES, HICACHE, LMCACHE
+from benchmarks.bench.spec import COMPARED, COMPARED_BY_KEY, FAMILIES, HICACHE, LMCACHE, Compared
 
 NAN = float("nan")
 
@@ -133,19 +133,24 @@ def ratio(a: float, b: float) -> float:
     return a / b if b > 0 and not math.isnan(a) and not math.isnan(b) else NAN
 
 
-def best_of(figures: dict[str, Figures], members: Collection[str], figure: str = "ttft") -> str | None:
-    """The strongest of a peer's configurations `members` *for `figure`*: "ttft", the lowest
-    resumed-turn TTFT p50 (a tie goes to the higher throughput), or "throughput", the highest
-    throughput (a tie goes to the lower TTFT); then the name. Each figure of ours is judged against
-    the configuration best at that figure, so no configuration's strength is left out. None if no
+def best_of(
+    figures: dict[str, Figures], members: Collection[str], figure: str | Compared = "ttft"
+) -> str | None:
+    """The strongest of a peer's configurations `members` *for `figure`* (a `Compared`, or the key
+    of one of `spec.COMPARED`): the best value of that figure, a tie going to the best of the
+    compared figures in their order, then to the name. Each figure of ours is judged against the
+    configuration best at that figure, so no configuration's strength is left out. None if no
     configuration measured it."""
-    if figure == "ttft":
-        keyed = [((f.ttft_resume_p50_ms, -f.throughput_tok_s), n) for n, f in figures.items()
-                 if n in members and not math.isnan(f.ttft_resume_p50_ms)]  # fmt: skip
-    else:
-        keyed = [((-f.throughput_tok_s, f.ttft_resume_p50_ms), n) for n, f in figures.items()
-                 if n in members and not math.isnan(f.throughput_tok_s)]  # fmt: skip
+    first = figure if isinstance(figure, Compared) else COMPARED_BY_KEY[figure]
+    keyed = [((_score(f, first), *(_score(f, c) for c in COMPARED if c is not first)), n)
+             for n, f in figures.items() if n in members and not math.isnan(getattr(f, first.field))]  # fmt: skip
     return min(keyed)[1] if keyed else None
+
+
+def _score(f: Figures, c: Compared) -> float:
+    """Lower is better; NaN last."""
+    value = getattr(f, c.field)
+    return math.inf if math.isnan(value) else -value if c.higher_is_better else value
 
 
 def best_hicache(figures: dict[str, Figures], figure: str = "ttft") -> str | None:
@@ -161,22 +166,15 @@ def best_lmcache(figures: dict[str, Figures], figure: str = "ttft") -> str | Non
 def ratios(figures: dict[str, Figures]) -> dict[str, float]:
     """Ours over (a), the resident reference, the best configuration of each peer (`_vs_hicache`,
     `_vs_lmcache`: for each figure, the configuration best at it) and each peer configuration, for
-    resumed-turn TTFT p50 and throughput, where both were measured."""
+    each compared figure (`spec.COMPARED`: resumed-turn TTFT p50, throughput), where both were
+    measured."""
     out: dict[str, float] = {}
     ours = figures.get("ours")
-    best = {
-        peer: {fig: best_of(figures, members, fig) for fig in ("ttft", "throughput")}
-        for peer, members in FAMILIES.items()
-    }
-    configs = (n for n in figures if any(n in members for members in FAMILIES.values()))
+    configs = [n for n in figures if any(n in members for members in FAMILIES.values())]
     for key in ("recompute", *FAMILIES, "resident", *configs):
-        chosen = best.get(key)
-        bases = {
-            fig: figures.get(chosen[fig] or "") if chosen else figures.get(key)
-            for fig in ("ttft", "throughput")
-        }
-        out[f"ttft_vs_{key}"] = _vs(ours, bases["ttft"], "ttft_resume_p50_ms")
-        out[f"throughput_vs_{key}"] = _vs(ours, bases["throughput"], "throughput_tok_s")
+        for c in COMPARED:
+            base = best_of(figures, FAMILIES[key], c) if key in FAMILIES else key
+            out[f"{c.key}_vs_{key}"] = _vs(ours, figures.get(base or ""), c.field)
     return out
 
 

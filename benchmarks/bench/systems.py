@@ -2,9 +2,10 @@
 
 (a) `recompute`: `python -m sglang.launch_server` with sglang's default cache: evicted KV is gone.
 (b) `hicache-*`: the same server with `--enable-hierarchical-cache`: a host-memory L2 and the `file`
-    L3 backend in a directory on the disk under test, in each configuration of
-    `spec.HICACHE_CONFIGS` (prefetch policy `wait_complete` or `timeout`; host pool at sglang's
-    default ratio or at the run's host budget; `buffer_only` host memory). On CPU it needs
+    L3 backend (on a GPU also `nixl`) in a directory on the disk under test, in each configuration
+    of `spec.HICACHE_CONFIGS` (prefetch policy `wait_complete` or `timeout`, the latter at sglang's
+    default timeouts or tuned to the disk; host pool at sglang's default ratio or device + the run's
+    host budget; `buffer_only` host memory). On CPU it needs
     `--hicache-io-backend direct --hicache-mem-layout layer_first` and our compatibility patches
     (`sgl_hicache_cpu.hicache_cpu_compat`, switched on in sglang's processes by an env var).
 (b') `lmcache-*`: the same server with `--enable-lmcache`, beside its own LMCache daemon
@@ -21,11 +22,14 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from benchmarks.bench.disk_speed import tuned_timeouts
 from benchmarks.bench.grpc_server import GrpcServer
 from benchmarks.bench.lmcache_process import ENV as LMCACHE_ENV
 from benchmarks.bench.lmcache_process import L2, DaemonSpec, LMCacheServer, not_installed
@@ -85,9 +89,12 @@ def build(name: str, shape: Shape, model: Path, workdir: Path, *, tier_capacity_
         return System(name, "sglang.launch_server", base, (), None, pool)
     tier = workdir / f"tier-{name}"
     if name in HICACHE:
+        config = HICACHE[name]
+        if config.backend == "nixl" and (why := nixl_unavailable(shape)) is not None:
+            raise SpecError(f"{name}: {why}")
         compat = HICACHE_COMPAT_ENV.items() if shape.device == "cpu" else ()
-        env = (*compat, ("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tier)))
-        hicache = (*base, *hicache_flags(HICACHE[name], shape, model, mooncake))
+        env = (*compat, (STORAGE_DIR_ENV[config.backend], str(tier)))
+        hicache = (*base, *hicache_flags(config, shape, model, mooncake))
         return System(name, "sglang.launch_server", hicache, env, tier, shape.pool_tokens)
     if name in LMCACHE:
         if mooncake is not None:
@@ -134,10 +141,33 @@ def _lmcache(
                   shape.pool_tokens, lmcache=daemon)  # fmt: skip
 
 
+STORAGE_DIR_ENV = {
+    "file": "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR",
+    "nixl": "SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR",
+}
+"""Where each L3 backend of sglang keeps its files (an environment variable of the server)."""
+
+
+def nixl_unavailable(shape: Shape) -> str | None:
+    """Why HiCache's `nixl` L3 cannot run here, in one line, or None: it needs the `nixl` package
+    and a GPU (`--device cuda`, with CUDA visible)."""
+    if importlib.util.find_spec("nixl") is None:
+        return "the nixl package is not installed here (HiCache's nixl L3 needs it, and a GPU)"
+    if shape.device != "cuda":
+        return "HiCache's nixl L3 runs on a GPU: give --device cuda"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "HiCache's nixl L3 runs on a GPU, and CUDA sees none here"
+    return None
+
+
 def hicache_flags(config: HiCacheConfig, shape: Shape, model: Path,
                   mooncake: MooncakeConfig | None = None) -> tuple[str, ...]:  # fmt: skip
     """The `--hicache-*` flags of one HiCache configuration (write policy: sglang's default,
-    `write_through`), its L3 the `file` backend, or sglang's `mooncake` backend on that store."""
+    `write_through`), its L3 the configuration's backend, or sglang's `mooncake` backend on that
+    store; a tuned `timeout` configuration's timeouts in the backend's extra config (SpecError
+    without the disk's read speed)."""
     ratio = config.default_ratio if config.host is HostPool.DEFAULT else _host_ratio(shape, model)
     # On a GPU, sglang's defaults (`kernel` I/O, `page_first` layout): HiCache at its strongest there.
     cpu_only = (
@@ -145,8 +175,15 @@ def hicache_flags(config: HiCacheConfig, shape: Shape, model: Path,
         if shape.device == "cpu"
         else ()
     )
+    timeouts: dict[str, float] = {}
+    if config.tuned_timeout:
+        if shape.disk_read_mib_s is None:
+            raise SpecError(
+                f"{config.name}: its timeouts are tuned to the disk's read speed; none was given or measured"
+            )
+        timeouts = tuned_timeouts(kv_bytes_per_token(model), shape.disk_read_mib_s).extra_config()
     return ("--enable-hierarchical-cache", "--hicache-ratio", f"{ratio:.6f}", *cpu_only,
-            *_storage_flags(mooncake),
+            *_storage_flags(config.backend, mooncake, timeouts),
             "--hicache-storage-prefetch-policy", config.prefetch_policy,
             "--hicache-host-memory-mode", config.memory_mode)  # fmt: skip
 
@@ -158,17 +195,17 @@ MOONCAKE_EXTRA_CONFIG = {"master": "master_server_address", "metadata_server": "
 `mooncake` backend (`MooncakeStoreConfig.load_from_extra_config`)."""
 
 
-def _storage_flags(mooncake: MooncakeConfig | None) -> tuple[str, ...]:
-    if mooncake is None:
-        return ("--hicache-storage-backend", "file")
-    given = dataclasses.asdict(mooncake)
-    extra = {key: given[name] for name, key in MOONCAKE_EXTRA_CONFIG.items() if given[name]}
-    return (
-        "--hicache-storage-backend",
-        "mooncake",
-        "--hicache-storage-backend-extra-config",
-        json.dumps(extra),
-    )
+def _storage_flags(
+    backend: str, mooncake: MooncakeConfig | None, timeouts: dict[str, float]
+) -> tuple[str, ...]:
+    """`--hicache-storage-backend` (`mooncake` on that store, else `backend`) and its extra config:
+    the store's settings and the prefetch timeouts, where there are any."""
+    extra: dict[str, Any] = dict(timeouts)
+    if mooncake is not None:
+        backend, given = "mooncake", dataclasses.asdict(mooncake)
+        extra |= {key: given[name] for name, key in MOONCAKE_EXTRA_CONFIG.items() if given[name]}
+    flags = ("--hicache-storage-backend", backend)
+    return (*flags, "--hicache-storage-backend-extra-config", json.dumps(extra)) if extra else flags
 
 
 def _host_ratio(shape: Shape, model: Path) -> float:

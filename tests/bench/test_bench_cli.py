@@ -32,7 +32,9 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], messa
     assert p.stdout == ""
 
 
-def test_device_cuda_runs_every_system_with_sglangs_gpu_defaults(tmp_path: Path) -> None:
+def test_device_cuda_runs_every_system_with_sglangs_gpu_defaults(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Issue 28: a user measures their own GPU box. `--device cuda` drops every CPU flag, the CPU
     engine's environment and our HiCache CPU patches; HiCache runs with its GPU defaults (kernel
     I/O, page_first layout: no --hicache-io-backend / --hicache-mem-layout)."""
@@ -44,7 +46,9 @@ def test_device_cuda_runs_every_system_with_sglangs_gpu_defaults(tmp_path: Path)
     (tmp_path / "m" / "config.json").write_text(
         '{"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4}'
     )
-    spec = spec_from(parser().parse_args(["--device", "cuda", "--model-path", str(tmp_path / "m")]))
+    monkeypatch.setattr(systems, "nixl_unavailable", lambda shape: None)  # a GPU box with nixl installed
+    argv = ["--device", "cuda", "--model-path", str(tmp_path / "m"), "--disk-read-mib-s", "900"]
+    spec = spec_from(parser().parse_args(argv))
     assert spec.shape.device == "cuda" and spec.shape.model == str(tmp_path / "m")
     for name in ("recompute", "ours", "resident", *HICACHE):
         system = systems.build(name, spec.shape, tmp_path / "m", tmp_path)

@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks import long_history as lh
 from benchmarks.bench import cli, systems
-from benchmarks.bench.spec import HICACHE, LMCACHE, Shape, SpecError
+from benchmarks.bench.spec import HICACHE, LMCACHE, HostPool, Shape, SpecError
 
 KV_BYTES = 30 * 2 * 3 * 64 * 2  # per token, of the model below: 23040
 
@@ -21,13 +21,14 @@ def test_timeout_is_labelled_as_sglangs_default_and_budget_as_device_plus_budget
         assert ("sglang's default)" in config.label.split(",")[0]) == (config.prefetch_policy == "timeout"), (
             name
         )
-        assert ("device + the host budget" in config.label) == name.endswith("-budget"), name
+        assert ("device + the host budget" in config.label) == (config.host is HostPool.BUDGET), name
+        assert name.endswith("-budget") <= (config.host is HostPool.BUDGET), name
     assert "chunk 256 (LMCache's default)" in LMCACHE["lmcache-disk"].label
     assert "store policy skip_l1" in LMCACHE["lmcache-disk-skip-l1"].label
-    assert "store policy" not in LMCACHE["lmcache-l1"].label
+    assert "store policy default" in LMCACHE["lmcache-disk"].label
     assert (
-        "capped" in LMCACHE["lmcache-fs-native-c64"].label
-        and "chunk 64," in LMCACHE["lmcache-l1-c64"].label + ","
+        "capped" in LMCACHE["lmcache-fs-native"].label
+        and "chunk 64," in LMCACHE["lmcache-disk-c64"].label + ","
     )
 
 
@@ -54,7 +55,7 @@ def test_a_host_pool_that_cannot_hold_the_history_is_refused(model: Path) -> Non
         "hicache-timeout-r2: its host pool holds 2048 tokens beside the device pool's copies, fewer than the "
         "2049-token history it is meant to restore: raise --host-budget-mb or --pool-tokens, or leave it out"
     )
-    systems.check_hicache_holds(["ours", "lmcache-l1"], shape, model, 10**9)  # only HiCache is checked
+    systems.check_hicache_holds(["ours", "lmcache-disk"], shape, model, 10**9)  # only HiCache is checked
 
 
 def test_the_benchmark_refuses_it_in_one_line_before_starting_a_server(

@@ -112,7 +112,7 @@ def test_the_benchmark_refuses_such_a_chunk_before_it_starts_anything(
 
 
 def test_an_lmcache_servers_memory_includes_its_daemons(model: Path, tmp_path: Path) -> None:
-    server = systems.build("lmcache-l1", Shape(), model, tmp_path).server(model, tmp_path / "s.log")
+    server = systems.build("lmcache-disk", Shape(), model, tmp_path).server(model, tmp_path / "s.log")
     assert isinstance(server, LMCacheServer) and server.daemon is not None
     assert run._daemons(server) == ()  # not started
     server.daemon.proc = SimpleNamespace(pid=4321)  # type: ignore[assignment]
@@ -132,8 +132,16 @@ def test_without_lmcache_installed_the_benchmark_says_so_in_one_line(
     monkeypatch.setattr(
         lmcache_process.importlib.util, "find_spec", lambda name: None if name == "lmcache" else real(name)
     )
-    argv = ["--model", str(model), "--systems", "ours,lmcache-l1", "--no-trace", "--out", str(tmp_path / "o")]
+    argv = [
+        "--model",
+        str(model),
+        "--systems",
+        "ours,lmcache-disk",
+        "--no-trace",
+        "--out",
+        str(tmp_path / "o"),
+    ]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["error: lmcache-l1: " + lmcache_process.not_installed()]  # type: ignore[operator]
+    assert err == ["error: lmcache-disk: " + lmcache_process.not_installed()]  # type: ignore[operator]
     assert not list((tmp_path / "o").glob("run-*"))

@@ -39,18 +39,31 @@ def test_ours_is_set_against_the_best_hicache_and_the_read_bound() -> None:
     assert f["ours_overhead_bound_ms_4096"] == pytest.approx(685.0)
     assert f["ours_overhead_within_bound_4096"] is True
     with_lmcache = lh.summarize(
-        [*rows, row("lmcache-disk", 4096, 800.0, 100.0), row("lmcache-l1-c64", 4096, 700.0, 100.0)], raw=[]
+        [*rows, row("lmcache-disk", 4096, 800.0, 100.0), row("lmcache-disk-c64", 4096, 700.0, 100.0)], raw=[]
     )
-    assert with_lmcache["best_lmcache_4096"] == "lmcache-l1-c64"
+    assert with_lmcache["best_lmcache_4096"] == "lmcache-disk-c64"
     assert with_lmcache["ours_vs_best_lmcache_4096"] == pytest.approx(450.0 / 700.0)
     assert with_lmcache["best_hicache_4096"] == "hicache-timeout-r2"
     slow = lh.summarize([row("ours", 4096, 2000.0, 100.0, restored_bytes=1e9)], raw=[2.0])
     assert slow["ours_overhead_within_bound_4096"] is False
 
 
+def test_the_issues_target_is_printed_at_16k_on_kvheavy() -> None:
+    rows = [row("hicache-wait-r2", 16384, 1000.0, 100.0), row("lmcache-disk", 16384, 700.0, 100.0),
+            row("ours", 16384, 400.0, 100.0)]  # fmt: skip
+    f = lh.summarize(rows, raw=[], model="kvheavy")
+    assert f["target_16384"] == "<= 0.60" and f["target_met_16384"] is True  # 0.40 and 0.57 of the peers
+    slower = lh.summarize([*rows[:2], row("ours", 16384, 450.0, 100.0)], raw=[], model="kvheavy")
+    assert slower["target_met_16384"] is False  # 450 / 700 = 0.64 of LMCache's best
+    assert "target_16384" not in lh.summarize(rows, raw=[], model="smollm2")  # a target for kvheavy only
+    assert "target_8192" not in lh.summarize([{**r, "length": 8192} for r in rows], raw=[], model="kvheavy")
+
+
 def test_systems_are_checked_and_ordered() -> None:
     assert lh._systems("ours,recompute") == ["recompute", "ours"]
-    assert lh._systems("hicache") == list(HICACHE)
+    assert lh._systems("hicache") == [n for n in HICACHE if n != "hicache-nixl"]  # the nixl L3: GPU only
+    assert lh._systems("hicache", "cuda") == list(HICACHE)
+    assert lh._systems("hicache-nixl") == ["hicache-nixl"]  # named alone: kept, so it is refused, not skipped
     assert lh._systems("ours,lmcache") == [*LMCACHE, "ours"]
     with pytest.raises(ValueError, match="resident"):
         lh._systems("ours,resident")

@@ -72,16 +72,19 @@ def test_versus_best_uses_medians_and_pairs_repeats() -> None:
         "trace": {"ours": measured((100, 10)), "hicache-buffer": measured((400, 5))},
     }
     vs = aggregate.versus_best(workloads)
-    assert vs.config == {"mt": "hicache-wait-r2", "trace": "hicache-buffer"}
-    assert vs.throughput_config == {"mt": "hicache-timeout-budget", "trace": "hicache-buffer"}
-    assert vs.ttft["mt"] == 100 / 200 and vs.throughput["mt"] == 30 / 40  # each against the best at it
-    assert vs.ttft_range["mt"] == pytest.approx((90 / 1000, 120 / 150))  # repeat k against repeat k
-    assert vs.throughput_range["mt"] == (28 / 40, 33 / 40)
-    assert vs.ttft["overall"] == pytest.approx(math.sqrt(0.5 * 0.25))
-    assert vs.throughput["overall"] == pytest.approx(math.sqrt(0.75 * 2.0))
+    ttft, tput = vs["hicache", "ttft"], vs["hicache", "throughput"]
+    assert ttft.config == {"mt": "hicache-wait-r2", "trace": "hicache-buffer"}
+    assert tput.config == {"mt": "hicache-timeout-budget", "trace": "hicache-buffer"}
+    assert ttft.ratio["mt"] == 100 / 200 and tput.ratio["mt"] == 30 / 40  # each against the best at it
+    assert ttft.range["mt"] == pytest.approx((90 / 1000, 120 / 150))  # repeat k against repeat k
+    assert tput.range["mt"] == (28 / 40, 33 / 40)
+    assert ttft.ratio["overall"] == pytest.approx(math.sqrt(0.5 * 0.25))
+    assert tput.ratio["overall"] == pytest.approx(math.sqrt(0.75 * 2.0))
+    assert vs["lmcache", "ttft"].config == {"mt": None, "trace": None}  # no LMCache configuration ran
+    assert math.isnan(vs["lmcache", "ttft"].ratio["mt"])
     medians = aggregate.medians(workloads)
-    assert ratios(medians["mt"])["ttft_vs_hicache"] == vs.ttft["mt"]
-    assert ratios(medians["mt"])["throughput_vs_hicache"] == vs.throughput["mt"]
+    assert ratios(medians["mt"])["ttft_vs_hicache"] == ttft.ratio["mt"]
+    assert ratios(medians["mt"])["throughput_vs_hicache"] == tput.ratio["mt"]
     assert gate.check(Gate(), medians) == [
         "mt: throughput ours/hicache-timeout-budget = 0.750, needs >= 1.00"
     ]
@@ -112,9 +115,11 @@ def test_resident_reference_bounds_what_any_cache_can_reach() -> None:
         "trace": {"ours": measured((100, 10)), "hicache-buffer": measured((400, 5))},  # no resident
     }
     vs = aggregate.versus_best(workloads)
-    assert vs.resident_ttft["mt"] == pytest.approx(85 / 100)
-    assert vs.resident_throughput["mt"] == pytest.approx(50 / 40)
-    assert math.isnan(vs.resident_ttft["trace"]) and math.isnan(vs.resident_ttft["overall"])
+    assert vs["hicache", "ttft"].resident["mt"] == pytest.approx(85 / 100)
+    assert vs["hicache", "throughput"].resident["mt"] == pytest.approx(50 / 40)
+    assert math.isnan(vs["hicache", "ttft"].resident["trace"]) and math.isnan(
+        vs["hicache", "ttft"].resident["overall"]
+    )
     line = report.versus_best_keys(vs, workloads)
     assert line["resident_ttft_vs_best_hicache"]["mt"] == pytest.approx(0.85)
     assert line["resident_throughput_vs_best_hicache"]["mt"] == pytest.approx(1.25)
@@ -177,7 +182,8 @@ def test_cli_presets_and_system_names() -> None:
 
     assert spec().repeats == 3 and spec().shape.model == "smollm2"
     assert spec("--quick").repeats == 1 and spec("--quick", "--repeats", "2").repeats == 2
-    assert spec("--systems", "ours,hicache").systems == (*HICACHE, "ours")
+    assert spec("--systems", "ours,hicache").systems == (*(n for n in HICACHE if n != "hicache-nixl"), "ours")
+    assert spec("--systems", "ours,hicache", "--device", "cuda").systems == (*HICACHE, "ours")
     assert expand_systems("resident,recompute") == ("recompute", "resident")  # in SYSTEMS order
     assert spec("--systems", "lmcache,ours").systems == (*LMCACHE, "ours")
     with pytest.raises(SpecError, match="unknown system"):
@@ -191,23 +197,31 @@ def _flag(flags: tuple[str, ...], name: str) -> str:
 
 
 @pytest.mark.parametrize("config", list(HICACHE.values()), ids=lambda c: c.name)
-def test_each_hicache_configuration_is_its_flags(config: HiCacheConfig, tmp_path: Path) -> None:
+def test_each_hicache_configuration_is_its_flags(
+    config: HiCacheConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model = tmp_path / "m"
     model.mkdir()
     model.joinpath("config.json").write_text(json.dumps(
         {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
          "hidden_size": 576}))  # fmt: skip
-    shape = Shape(pool_tokens=2048, host_budget_mb=64)
+    monkeypatch.setattr(systems, "nixl_unavailable", lambda shape: None)  # as on a GPU box with nixl
+    shape = Shape(pool_tokens=2048, host_budget_mb=64, disk_read_mib_s=450.0)
     system = systems.build(config.name, shape, model, tmp_path)
     assert _flag(system.flags, "--hicache-storage-prefetch-policy") == config.prefetch_policy
     assert _flag(system.flags, "--hicache-host-memory-mode") == config.memory_mode
-    assert _flag(system.flags, "--hicache-storage-backend") == "file"
+    assert _flag(system.flags, "--hicache-storage-backend") == config.backend
+    assert ("--hicache-storage-backend-extra-config" in system.flags) == config.tuned_timeout
     host_tokens = float(_flag(system.flags, "--hicache-ratio")) * shape.pool_tokens
     if config.host is HostPool.BUDGET:  # the device pool + 64 MiB of 23040-byte tokens
         assert int(host_tokens) == shape.pool_tokens + 64 * 2**20 // 23040
     else:
         assert host_tokens == (1.2 if config.memory_mode == "buffer_only" else 2.0) * shape.pool_tokens
-    assert dict(system.env)["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] == str(system.tier_dir)
+    backend_dir = {
+        "file": "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR",
+        "nixl": "SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR",
+    }
+    assert dict(system.env)[backend_dir[config.backend]] == str(system.tier_dir)
 
 
 @pytest.fixture

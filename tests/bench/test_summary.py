@@ -74,7 +74,7 @@ def test_ratios_and_gate_against_the_best_hicache_configuration() -> None:
     broken = {**fs, "recompute": figures(400, 10, errors=2)}
     assert gate.check(Gate(), {"w": broken}) == ["w: recompute had 2 failed requests"]
     assert gate.check(Gate(), {"w": {"ours": fs["ours"]}}) == [
-        "w: the gate compares ours with HiCache; run both"
+        "w: the gate compares ours with the peers (HiCache, LMCache); run ours and some"
     ]
     assert math.isnan(ratios({"ours": fs["ours"]})["ttft_vs_hicache"])
 
