@@ -45,6 +45,11 @@ TIER_COUNTERS = {  # TierStats running totals: (metric name, help), exported as 
         "--hicache-spill-min-free free on its volume (the volume is full below the budget)",
     ),
     "recreations": ("tier_recreations", "times the tier directory was removed and re-created"),
+    "removed_bad_files": (
+        "tier_removed_bad_files",
+        "files in the tier that were not sound extents of this namespace's secret (corrupt, torn, "
+        "foreign) and were removed, at the start scan or when a load met them",
+    ),
     "written_bytes": (
         "tier_written_bytes",
         "bytes written to the tier: extent payloads as stored and their headers (files or Mooncake "
@@ -61,6 +66,11 @@ STAGING_GAUGES = {
     "staging_peak_bytes": "the most host staging in use at once since start (size --hicache-spill-staging by it)",
     "staging_capacity_bytes": "host staging there is (--hicache-spill-staging)",
 }
+STAGING_REFUSALS = (
+    "staging_refusals",
+    "staging blocks refused for lack of room (a spill then drops, a restore waits or recomputes): "
+    "raise --hicache-spill-staging if it grows",
+)
 AMPLIFICATION_GAUGE = (
     "tier_written_per_restored_byte",
     "bytes written to the tier per byte restored from it (tier_written_bytes / restored_bytes): write "
@@ -197,6 +207,7 @@ class SpillMetrics:
     tier_gauges: dict[str, Any] | None = None  # TierStats field -> Gauge child, when exported
     tier_counters: dict[str, Any] | None = None  # TierStats field -> Counter child, when exported
     staging_gauges: dict[str, Any] | None = None
+    staging_refusals: Any = None  # Counter child of STAGING_REFUSALS, when exported
     amplification: Any = None  # Gauge child of AMPLIFICATION_GAUGE, when exported
     _tier_seen: dict[str, int] = field(default_factory=dict)  # last TierStats totals mirrored
 
@@ -239,6 +250,7 @@ class SpillMetrics:
             tier_gauges={k: gauge(n, doc).labels(**labels) for k, (n, doc) in TIER_GAUGES.items()},
             tier_counters={k: counter(n, doc).labels(**labels) for k, (n, doc) in TIER_COUNTERS.items()},
             staging_gauges={n: gauge(n, doc).labels(**labels) for n, doc in STAGING_GAUGES.items()},
+            staging_refusals=counter(*STAGING_REFUSALS).labels(**labels),
             amplification=gauge(*AMPLIFICATION_GAUGE).labels(**labels),
         )
 
@@ -264,7 +276,13 @@ class SpillMetrics:
             ratio = written_per_restored(written, self.totals["restored_bytes"])
             self.amplification.set(ratio if ratio is not None else math.inf if written else 0.0)
 
-    def set_staging(self, used: int, peak: int, capacity: int) -> None:
+    def set_staging(self, used: int, peak: int, capacity: int, refused: int = 0) -> None:
+        """Mirror the staging pool: gauges as they are, `refused` (its running total) as a counter."""
+        if self.staging_refusals is not None:
+            grown = refused - self._tier_seen.get(STAGING_REFUSALS[0], 0)
+            if grown > 0:
+                self.staging_refusals.inc(grown)
+            self._tier_seen[STAGING_REFUSALS[0]] = refused
         if self.staging_gauges is not None:
             values = {
                 "staging_used_bytes": used,

@@ -1105,7 +1105,9 @@ class SpillRadixCache(RadixCache):
             self._forget_old_deferrals()
             self.spill_metrics.set_tier_stats(self.controller.tier.stats())
             staging = self.controller.staging
-            self.spill_metrics.set_staging(staging.used_bytes, staging.peak_bytes, staging.capacity_bytes)
+            self.spill_metrics.set_staging(
+                staging.used_bytes, staging.peak_bytes, staging.capacity_bytes, staging.refused
+            )
 
 
 def _owner(rid: str | None) -> object:

@@ -1,0 +1,36 @@
+"""What /metrics mirrors of the tier's and the staging pool's running totals: each counter grows by
+what its source grew since the last mirror, never twice for the same count."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sgl_hicache.cache.metrics import SpillMetrics
+from sgl_hicache.config import SpillConfig
+from sgl_hicache.tier.base import TierStats
+
+
+def value(child: Any) -> float:
+    return float(child._value.get())
+
+
+def metrics() -> SpillMetrics:
+    return SpillMetrics.create(SpillConfig(), {"model_name": "m", "tp_rank": "0", "pp_rank": "0"})
+
+
+def test_staging_refusals_are_a_counter_of_the_pools_running_total() -> None:
+    m = metrics()
+    m.set_staging(used=10, peak=20, capacity=100, refused=3)
+    m.set_staging(used=10, peak=20, capacity=100, refused=3)  # nothing new refused
+    assert value(m.staging_refusals) == 3
+    m.set_staging(used=0, peak=20, capacity=100, refused=5)
+    assert value(m.staging_refusals) == 5
+
+
+def test_removed_bad_files_are_exported() -> None:
+    m = metrics()
+    assert m.tier_counters is not None
+    zero = dict.fromkeys(TierStats.__dataclass_fields__, 0)
+    m.set_tier_stats(TierStats(**{**zero, "removed_bad_files": 2}))
+    m.set_tier_stats(TierStats(**{**zero, "removed_bad_files": 2}))
+    assert value(m.tier_counters["removed_bad_files"]) == 2
