@@ -13,7 +13,7 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from tests.cache.conftest import Stack, expected_kv, read_kv
+from tests.cache.conftest import Stack, expected_kv, read_kv, shrink_staging
 
 TURN = 64
 STAGING = 20 << 10  # two 8 KiB reads at a time (blocks are whole 4 KiB pages)
@@ -28,15 +28,6 @@ def spill_history(s: Stack, tokens: list[int]) -> None:
     for end in range(TURN, len(tokens) + 1, TURN):
         s.insert(tokens[:end])
     s.evict_all()
-
-
-def shrink_staging(s: Stack, nbytes: int = STAGING) -> None:
-    """Replace the (idle) staging arena by one of `nbytes`."""
-    from sgl_hicache.cache.staging import StagingPool
-
-    ctl = s.cache.controller
-    assert ctl.staging.used_bytes == 0, "staging is in use"
-    ctl.staging = ctl.reads.staging = StagingPool(nbytes)
 
 
 def slow(s: Stack, latency_s: float = 0.05) -> None:
@@ -84,7 +75,7 @@ def test_a_history_larger_than_staging_is_restored_whole(make_stack: Any) -> Non
     s = make_stack(size=1024)
     tokens = history(100, turns=5)  # 40 KiB of KV, twice the staging
     spill_history(s, tokens)
-    shrink_staging(s)
+    shrink_staging(s, STAGING)
     slow(s)
     answers = admit_all(s, {"r": admission(s, tokens, "r")})
     loaded, last = answers["r"]
@@ -104,7 +95,7 @@ def test_two_restores_that_together_exceed_staging_both_complete(make_stack: Any
     first, second = history(100, turns=3), history(5000, turns=3)
     spill_history(s, first)
     spill_history(s, second)
-    shrink_staging(s)
+    shrink_staging(s, STAGING)
     slow(s)
     answers = admit_all(s, {"a": admission(s, first, "a"), "b": admission(s, second, "b")})
     for tokens, rid in ((first, "a"), (second, "b")):
@@ -128,7 +119,7 @@ def test_a_stream_whose_third_extent_is_corrupt_recomputes_and_leaves_no_partial
     raw = bytearray(path.read_bytes())
     raw[4096 + 5] ^= 0xFF  # the payload's first chunk
     path.write_bytes(bytes(raw))
-    shrink_staging(s)
+    shrink_staging(s, STAGING)
     slow(s)
     free_before = s.allocator.available_size()
     answers = admit_all(s, {"r": admission(s, tokens, "r")})
