@@ -99,6 +99,18 @@ class SpillController:
             tuple[torch.Tensor, list[Copy]]
         ] = []  # blocks released once their copies are done
         self._logged: set[str] = set()  # counters whose warning was logged (`_count_once`)
+        self._log_extent_bound()
+
+    def _log_extent_bound(self) -> None:
+        """At start, once: the longest extent staging can hold. A node is written as one extent
+        and restored by one read of it, so a longer node is dropped when evicted; a history of many
+        extents streams through staging whatever its length. No config check can refuse a staging
+        for this: no flag bounds a node's length (a whole prompt can be one node)."""
+        page = self.view.page_size
+        tokens = self.staging.capacity_bytes // packed_nbytes(self.view, page) * page
+        logger.info("sgl_hicache: staging of %d B holds an extent of at most %d tokens (%d B of KV a "
+                    "page of %d); longer nodes are dropped when evicted (spills_refused_too_large)",
+                    self.staging.capacity_bytes, tokens, packed_nbytes(self.view, page), page)  # fmt: skip
 
     @property
     def tier(self) -> Tier:
