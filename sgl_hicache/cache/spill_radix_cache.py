@@ -685,7 +685,7 @@ class SpillRadixCache(RadixCache):
         limit = {PrefetchPolicy.WAIT_COMPLETE: self.controller.timeout_s, PrefetchPolicy.TIMEOUT: self.spill_config.prefetch_timeout_s,
                  PrefetchPolicy.BEST_EFFORT: 0.0}[policy]  # fmt: skip
         if waited < limit:
-            return Readiness.PENDING
+            return state
         self.spill_metrics.inc("restores_too_late")
         return Readiness.FAILED
 
