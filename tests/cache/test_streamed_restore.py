@@ -136,3 +136,21 @@ def test_a_stream_whose_third_extent_is_corrupt_recomputes_and_leaves_no_partial
     answers = admit_all(s, {"r2": admission(s, tokens[: 2 * TURN], "r2")})
     assert answers["r2"][0] == 2 * TURN
     assert resident(s, tokens) == expected_kv(tokens[: 2 * TURN])
+
+
+def test_prefetches_yield_to_a_restore_waiting_for_room(make_stack: Any) -> None:
+    """A restore whose fourth read found no room: a prefetch that would fit in what is left starts
+    nothing until the restore has its reads (restores first); then it does."""
+    s = make_stack(size=1024)
+    tokens, other = history(100, turns=4), list(range(5000, 5016))  # 8 KiB extents; one of 2 KiB
+    spill_history(s, tokens)
+    s.insert(other)
+    s.evict_all()
+    shrink_staging(s, 28 << 10)  # three of the history's reads, and 4 KiB
+    slow(s, latency_s=0.2)
+    params = admission(s, tokens, "r")
+    assert s.cache.init_load_back(params) is None
+    assert s.metrics.totals["restore_staging_waits"] == 1
+    assert s.cache.prefetch(other) == 0 and s.metrics.totals["prefetch_issued"] == 0
+    admit_all(s, {"r": params})
+    assert s.cache.prefetch(other) == len(other) and s.metrics.totals["prefetch_issued"] == 1
