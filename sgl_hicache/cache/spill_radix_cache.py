@@ -259,6 +259,10 @@ class SpillRadixCache(RadixCache):
         which the agreement's verdict then frees)."""
         return False
 
+    def _not_opened(self, *_args: Any) -> bool:
+        """A streaming restore's slots could not be taken: none kept (the agreement then frees any)."""
+        return False
+
     def _no_reads(self, *_args: Any) -> int:
         """A prefetch whose reads could not start: none are on their way (the restore starts them)."""
         return 0
@@ -737,7 +741,7 @@ class SpillRadixCache(RadixCache):
             self.spill_metrics.inc("tp_disagreements", int(ok))
             self.controller.restores.drop(rid)
 
-    @contained("init_load_back (streaming slots)", _not_completed)
+    @contained("init_load_back (streaming slots)", _not_opened)
     def _try_open(self, nodes: list[TreeNode], rid: str, anchor: TreeNode | None) -> bool:
         return self._open_restore(rid, nodes, tuple(node.spill for node in nodes), anchor)
 
