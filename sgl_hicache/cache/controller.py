@@ -20,7 +20,8 @@ Contract:
   touches the tree; finished lookups wait for `take_lookups`.
 - A restore is all or nothing. The caller allocates its slots and registers them with
   `restores.open` (the table owns them from then on), may `unpack_landed` while reads are in flight
-  (early unpack), then `complete`s it: every read it needs completed and verified (never waited
+  (early unpack) and `release_unpacked` the reads of extents unpacked whole (streaming: the next
+  `readiness` needs no read of them and starts the reads that found no room), then `complete`s it: every read it needs completed and verified (never waited
   for: see `ExtentReads.gather`), the rest unpacked; True leaves it in the table for the caller's
   `restores.hand_over`, False frees its slots (the request recomputes). Any tier failure marks the
   extent LOST; nothing read is used unverified.
@@ -98,6 +99,18 @@ class SpillController:
             tuple[torch.Tensor, list[Copy]]
         ] = []  # blocks released once their copies are done
         self._logged: set[str] = set()  # counters whose warning was logged (`_count_once`)
+        self._log_extent_bound()
+
+    def _log_extent_bound(self) -> None:
+        """At start, once: the longest extent staging can hold. A node is written as one extent
+        and restored by one read of it, so a longer node is dropped when evicted; a history of many
+        extents streams through staging whatever its length. No config check can refuse a staging
+        for this: no flag bounds a node's length (a whole prompt can be one node)."""
+        page = self.view.page_size
+        tokens = self.staging.capacity_bytes // packed_nbytes(self.view, page) * page
+        logger.info("sgl_hicache: staging of %d B holds an extent of at most %d tokens (%d B of KV a "
+                    "page of %d); longer nodes are dropped when evicted (spills_refused_too_large)",
+                    self.staging.capacity_bytes, tokens, packed_nbytes(self.view, page), page)  # fmt: skip
 
     @property
     def tier(self) -> Tier:
@@ -298,8 +311,24 @@ class SpillController:
     def prefetch(self, refs: Sequence[SpillRef]) -> int:
         return self.reads.prefetch(refs)
 
-    def readiness(self, refs: Sequence[SpillRef]) -> tuple[Readiness, float]:
-        return self.reads.readiness(refs)
+    def readiness(self, refs: Sequence[SpillRef], owner: object = None) -> tuple[Readiness, float]:
+        """`ExtentReads.readiness` of `refs`, needing no read of the extents `owner`'s restore of
+        exactly `refs` has unpacked whole already (streamed: see `release_unpacked`)."""
+        progress = self.restores.get(owner) if owner is not None else None
+        done = progress.done_extents() if progress is not None and progress.refs == tuple(refs) else set()
+        return self.reads.readiness(refs, done)
+
+    def release_unpacked(self, owner: object) -> int:
+        """Give back the reads of the extents `owner`'s restore has unpacked whole (each block goes
+        back to staging once the unpack reading it ran: `retire`), so the restore's next reads find
+        room: a restore streams through staging. `complete` then needs no source for them. Returns
+        the reads given back."""
+        progress = self.restores.get(owner)
+        if progress is None:
+            return 0
+        released = sum(self.reads.finish_extent(eid) for eid in progress.done_extents())
+        progress.released += released
+        return released
 
     def finish_reads(self, refs: Sequence[SpillRef]) -> None:
         self.reads.finish(refs)
@@ -344,10 +373,13 @@ class SpillController:
         progress = self.restores.get(owner)
         assert progress is not None, f"no restore in progress for {owner}"
         self.restores.stats.finished += progress.any_unpacked
-        sources = self.reads.gather(needs(progress.refs))
+        done = progress.done_extents()  # streamed: unpacked whole, their reads given back
+        sources = self.reads.gather({e: n for e, n in needs(progress.refs).items() if e not in done})
         try:
             if sources is not None:
                 for i, ref, _ in progress.parts():
+                    if id(ref.extent) in done:
+                        continue
                     for g in range(progress.groups):
                         self._unpack(progress, i, g, sources[id(ref.extent)], ref.count)
         finally:  # an unpack that raised gives the reads' staging back now, not after their TTL
@@ -357,6 +389,7 @@ class SpillController:
             self.restores.drop(owner)
             return False
         self.metrics.inc("restored_tokens", progress.tokens)
+        self.metrics.inc("restores_streamed", int(progress.released > 0))
         return True
 
     def _unpack(self, progress: RestoreProgress, i: int, g: int, landing: Landing, upto: int,

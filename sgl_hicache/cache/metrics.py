@@ -138,6 +138,12 @@ COUNTERS = {
     "lookup_stale": "lookup claims whose extent was gone (evicted or deleted by its writer): clean misses",
     "lookups_waited": "admission rounds a request skipped while its cross-server lookup ran",
     "restores_too_late": "restores given up because their reads outlasted the prefetch policy's limit",
+    "restores_streamed": "restores completed that gave back the staging of extents already unpacked before "
+    "their last read landed: their history streamed through staging (it need not fit at once)",
+    "restore_staging_waits": "extent reads a restore could not start at once for lack of room in staging "
+    "(other reads and writes held it): it waited for room, then streamed (prefetches yield meanwhile)",
+    "restores_too_large": "restores recomputed because one extent's read is larger than all of staging "
+    "(raise --hicache-spill-staging)",
     # Layer-wise restores (--hicache-spill-layerwise, cache/layerwise.py):
     "layerwise_restores": "restores admitted layer-wise (the prefill starting once their first layer group landed)",
     "layerwise_overlapped_restores": "layer-wise restores admitted before their last layer group landed: "

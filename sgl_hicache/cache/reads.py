@@ -12,7 +12,12 @@ Contract (every method runs on the scheduler thread and never blocks on I/O):
   in flight: a grouped payload lands group 0 first); nothing else may be read from a buffer before
   its read completed OK;
 - a read's buffer goes back through `release` (the controller's: it waits for any unpack still
-  copying from it), never straight to staging.
+  copying from it), never straight to staging;
+- a restore's reads start in its refs' order (the prefix first) as long as staging has room; the
+  first that finds none stops it (`Readiness.STREAMING`: the caller unpacks what lands and gives
+  those reads back, `finish_extent`, then asks again), and prefetches start no new read while a
+  restore waits for room (`prefetch`). Only a read larger than all of staging fails a restore for
+  room: it could never start.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -40,7 +45,8 @@ class Readiness(enum.Enum):
         "layerwise"  # reads in flight, the first layer group of each landed (a layer-wise restore may start)
     )
     PENDING = "pending"  # reads in flight
-    FAILED = "failed"  # a read failed or could not start: recompute
+    STREAMING = "streaming"  # reads in flight or not: not every read could start (staging is full)
+    FAILED = "failed"  # a read failed or can never start: recompute
 
 
 @dataclass(eq=False)
@@ -92,7 +98,9 @@ class ExtentReads:
         self.ttl_s = ttl_s
         self._reads: dict[int, PendingRead] = {}  # by id(extent): loads started (prefetch or restore)
         self._tickets: dict[Ticket, PendingRead] = {}  # loads whose completion is still due
+        self._waiting: dict[int, float] = {}  # by id(extent): reads restores wait to start (no room)
         self._mismatch_logged = False
+        self._too_large_logged = False
 
     def completed(self, done: Completion) -> bool:
         """Take a load's completion (from the tier's `get_finished`); False if not one of ours."""
@@ -116,34 +124,74 @@ class ExtentReads:
 
     def prefetch(self, refs: Sequence[SpillRef]) -> int:
         """Start reading what `refs` need into staging, ahead of their restore. Coalesces with reads
-        already started. Returns the tokens now on their way."""
-        tokens = 0
+        already started; starts none while a restore waits for room in staging (restores come
+        first), and none after the first that finds no room (the prefix first). Returns the tokens
+        now on their way."""
+        tokens, room = 0, not self._waiting
         for extent, need in needs(refs).values():
-            if extent.state is ExtentState.WRITING or self.start(extent, need, prefetch=True) is not None:
+            if extent.state is ExtentState.WRITING or self.start(extent, need, True, room) is not None:
                 tokens += need
+            else:
+                room = False
         return tokens
 
-    def readiness(self, refs: Sequence[SpillRef]) -> tuple[Readiness, float]:
+    def readiness(self, refs: Sequence[SpillRef], done: Collection[int] = ()) -> tuple[Readiness, float]:
         """Whether a restore of `refs` would find all its bytes at hand, starting the reads it still
-        needs. Returns the verdict and how long the oldest pending read has run."""
+        needs, in order, while staging has room (`done`: extents, by identity, the restore has
+        unpacked whole already: it needs no read of them). Returns the verdict (STREAMING when a
+        read could not start for room: none after it starts either) and how long the oldest
+        pending read has run."""
         waited = 0.0
         state = Readiness.READY
-        for extent, need in needs(refs).values():
-            if extent.state is ExtentState.WRITING and extent.staged is not None:
+        room = True
+        for eid, (extent, need) in needs(refs).items():
+            if eid in done or (extent.state is ExtentState.WRITING and extent.staged is not None):
                 continue
-            read = self.start(extent, need, prefetch=False)
+            read = self.start(extent, need, prefetch=False, new=room)
             if read is None:
-                return Readiness.FAILED, 0.0
+                if extent.state is not ExtentState.ON_TIER or not self._fits(extent, need):
+                    return Readiness.FAILED, 0.0
+                if room:  # the read that found no room (none after it was tried)
+                    self._wait_for_room(eid)
+                room, state = False, Readiness.STREAMING
+                continue
+            self._waiting.pop(eid, None)
             if read.done is not None and not read.done.ok:
                 self._lose(read)
                 return Readiness.FAILED, 0.0
             if read.done is None:
-                state = Readiness.PENDING
+                state = Readiness.PENDING if state is Readiness.READY else state
                 waited = max(waited, time.monotonic() - read.started)
                 if not read.deferred:  # count each late read once, not each retry
                     read.deferred = True
                     self.metrics.inc("restore_deferrals")
         return state, waited
+
+    def _fits(self, extent: Extent, need: int) -> bool:
+        """Whether a read of `need` tokens of `extent` could ever start: no larger than all of
+        staging (counted and logged once otherwise: the restore recomputes)."""
+        nbytes = packed_nbytes(self.view, need)
+        if nbytes <= self.staging.capacity_bytes:
+            return True
+        self.metrics.inc("restores_too_large")
+        if not self._too_large_logged:
+            self._too_large_logged = True
+            logger.warning("sgl_hicache: extent %s needs a read of %d B, more than all of staging (%d B): "
+                           "its restores recompute (logged once; counted in restores_too_large); raise "
+                           "--hicache-spill-staging", extent.key.hex(), nbytes,
+                           self.staging.capacity_bytes)  # fmt: skip
+        return False
+
+    @property
+    def room_wanted(self) -> bool:
+        """Whether a restore waits for room in staging to start a read."""
+        return bool(self._waiting)
+
+    def _wait_for_room(self, eid: int) -> None:
+        """A restore could not start this extent's read for room: prefetches yield until it starts."""
+        if eid not in self._waiting:
+            self._waiting[eid] = time.monotonic()
+            self.metrics.inc("restore_staging_waits")
 
     def landed(self, extent: Extent) -> Landing | None:
         """The buffer holding `extent`'s packed bytes and, per layer group, how many of its leading
@@ -212,8 +260,9 @@ class ExtentReads:
             return None
         return Landing(read.buf, read.tokens, (read.tokens,) * groups)
 
-    def start(self, extent: Extent, tokens: int, prefetch: bool) -> PendingRead | None:
-        """The read of `extent`'s first `tokens` tokens: the one under way, or a new one."""
+    def start(self, extent: Extent, tokens: int, prefetch: bool, new: bool = True) -> PendingRead | None:
+        """The read of `extent`'s first `tokens` tokens: the one under way, or a new one (only if
+        `new`, and staging has room)."""
         read = self._reads.get(id(extent))
         if read is not None and read.tokens >= tokens and read.usable:
             if prefetch:
@@ -222,7 +271,7 @@ class ExtentReads:
                 self.metrics.inc("prefetch_hits")
                 read.prefetched = False
             return read
-        if extent.state is not ExtentState.ON_TIER:
+        if not new or extent.state is not ExtentState.ON_TIER:
             return None
         nbytes = packed_nbytes(self.view, tokens)
         buf = self.staging.acquire(nbytes)
@@ -270,9 +319,16 @@ class ExtentReads:
     def finish(self, refs: Sequence[SpillRef]) -> None:
         """Give up the reads of `refs`' extents (used, or their restore will not happen)."""
         for extent_id in needs(refs):
-            read = self._reads.pop(extent_id, None)
-            if read is not None:
-                self._abandon(read)
+            self.finish_extent(extent_id)
+
+    def finish_extent(self, extent_id: int) -> bool:
+        """Give up the read of one extent (by identity), if any: a restore unpacked it whole (its
+        staging goes back once that unpack ran: `release`), or will not happen. Whether one was."""
+        self._waiting.pop(extent_id, None)
+        read = self._reads.pop(extent_id, None)
+        if read is not None:
+            self._abandon(read)
+        return read is not None
 
     def _abandon(self, read: PendingRead) -> None:
         """Release a read's staging now if it finished, else when its completion arrives."""
@@ -284,6 +340,7 @@ class ExtentReads:
 
     def clear(self) -> None:
         """Give up every read (a flush): staging comes back as their completions arrive."""
+        self._waiting.clear()
         for read in list(self._reads.values()):
             self._abandon(read)
 
@@ -291,6 +348,8 @@ class ExtentReads:
         """Reads nobody consumed within `ttl_s` (an unused prefetch, or a restore whose request went
         away while waiting) give their staging back."""
         now = time.monotonic()
+        for eid in [e for e, since in self._waiting.items() if now - since > self.ttl_s]:
+            del self._waiting[eid]  # its restore went away: prefetches may start again
         for read in list(self._reads.values()):
             if now - read.started > self.ttl_s:
                 self.metrics.inc("prefetch_abandoned")

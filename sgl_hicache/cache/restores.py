@@ -16,7 +16,10 @@ one makes it leak-free:
 
 The slots of a partial restore count as evictable (`SpillRadixCache.evictable_size`): `evict` frees
 restores in progress before any tree node, at the cost of their unpack only (the bytes stay in
-staging). One nobody comes back for is freed after `ttl_s`.
+staging, except those of extents a streamed restore unpacked whole and gave back: read again). One
+nobody comes back for is freed after `ttl_s` (with TP > 1 never by time: the table must be the same
+on every rank, since `evict` and `evictable_size` read it; there it goes when evicted, admitted or
+flushed).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class RestoreProgress:
     unpacked: list[list[int]] = field(default_factory=list)
     last_copy: Copy | None = None
     group_copies: list[Copy | None] = field(default_factory=list)
+    released: int = 0  # reads given back before the restore completed (streamed through staging)
 
     def __post_init__(self) -> None:
         assert len(self.slots) == sum(ref.count for ref in self.refs), "one slot per token of the refs"
@@ -58,6 +62,16 @@ class RestoreProgress:
     def group_done(self, group: int) -> bool:
         """Whether every token of every ref is unpacked in layer group `group`."""
         return all(done[group] == ref.count for done, ref in zip(self.unpacked, self.refs, strict=True))
+
+    def done_extents(self) -> set[int]:
+        """The extents (by identity) every ref of which is unpacked whole, in every layer group: the
+        restore needs no more of their bytes."""
+        done: set[int] = set()
+        partial: set[int] = set()
+        for unpacked, ref in zip(self.unpacked, self.refs, strict=True):
+            whole = all(n == ref.count for n in unpacked)
+            (done if whole else partial).add(id(ref.extent))
+        return done - partial
 
     @property
     def any_unpacked(self) -> bool:

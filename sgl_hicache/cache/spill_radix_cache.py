@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import heapq
 import logging
+import math
 import os
 import time
 from array import array
@@ -111,6 +112,8 @@ class SpillRadixCache(RadixCache):
         self._failed_layerwise: list[LayerwiseRestore] = []  # failed: their nodes go once unlocked
         self._waiting_layer = False  # inside the forward's wait (no advance from a nested poll)
         super().__init__(params)  # calls reset(), which attaches the tier's extents (warm start)
+        if controller is not None and self.agreement.size > 1:  # the table is read by agreed decisions
+            controller.restores.ttl_s = math.inf  # (restores.py): never freed at a local moment
         if config.layerwise_restore and controller is not None:
             self._start_layerwise(controller)
 
@@ -254,6 +257,10 @@ class SpillRadixCache(RadixCache):
     def _not_completed(self, owner: object) -> bool:
         """A restore that failed midway: all or nothing, so nothing (its slots stay in the table,
         which the agreement's verdict then frees)."""
+        return False
+
+    def _not_opened(self, *_args: Any) -> bool:
+        """A streaming restore's slots could not be taken: none kept (the agreement then frees any)."""
         return False
 
     def _no_reads(self, *_args: Any) -> int:
@@ -616,9 +623,9 @@ class SpillRadixCache(RadixCache):
                 if params.req is not None:
                     params.req.host_hit_is_storage = True
                 return params.host_hit_length, params.best_match_node
-            if ready is Readiness.PENDING:  # unpack what landed meanwhile, never wait
-                if self.agreement.size == 1 and rid is not None:  # early unpack acts at a local moment
-                    self._unpack_early(spilled, rid, anchor)
+            if ready in (Readiness.PENDING, Readiness.STREAMING):  # unpack what landed, never wait
+                if rid is not None:
+                    self._stream(spilled, rid, anchor, ready)
                 return None  # the scheduler retries admission next round; its loop never waits on I/O
             if ready is Readiness.FAILED:
                 self.spill_metrics.inc("restore_failures")
@@ -634,7 +641,7 @@ class SpillRadixCache(RadixCache):
     def _agreed_readiness(self, nodes: list[TreeNode], ready: Readiness) -> Readiness | None:
         """The readiness every rank agrees on (the least ready); None: some rank's extent is LOST."""
         lost = any(node.spill.extent.state is ExtentState.LOST for node in nodes)
-        codes = {Readiness.READY: 4, Readiness.LAYERWISE: 3, Readiness.PENDING: 2}
+        codes = {Readiness.READY: 5, Readiness.LAYERWISE: 4, Readiness.PENDING: 3, Readiness.STREAMING: 2}
         code = codes.get(ready, 0 if lost else 1)
         agreed = self.agreement.min([code])[0]
         self.spill_metrics.inc("tp_disagreements", int(agreed != code))
@@ -670,9 +677,11 @@ class SpillRadixCache(RadixCache):
         reads restarted meanwhile (a TTL expiry, a split) never defer a request forever."""
         if self.controller is None:
             return Readiness.FAILED
-        state, waited = self.controller.readiness([node.spill for node in nodes])
-        if state is not Readiness.PENDING:
+        state, waited = self.controller.readiness([node.spill for node in nodes], _owner(rid))
+        if state not in (Readiness.PENDING, Readiness.STREAMING):
             return state
+        if rid is None and state is Readiness.STREAMING:  # no later attempt to stream it to
+            return Readiness.FAILED
         if rid is not None:
             now = time.monotonic()
             waited = max(waited, now - self._deferred_since.setdefault(rid, now))
@@ -680,14 +689,30 @@ class SpillRadixCache(RadixCache):
         limit = {PrefetchPolicy.WAIT_COMPLETE: self.controller.timeout_s, PrefetchPolicy.TIMEOUT: self.spill_config.prefetch_timeout_s,
                  PrefetchPolicy.BEST_EFFORT: 0.0}[policy]  # fmt: skip
         if waited < limit:
-            return Readiness.PENDING
+            return state
         self.spill_metrics.inc("restores_too_late")
         return Readiness.FAILED
 
+    def _stream(self, nodes: list[TreeNode], rid: str, anchor: TreeNode | None, ready: Readiness) -> None:
+        """A deferred restore's progress: what landed is unpacked into its slots and the reads of
+        extents unpacked whole go back to staging, so the next attempt starts the reads that found
+        no room (docs/DESIGN.md, "Restores stream through staging"). On one rank the slots are taken
+        at the first attempt that finds bytes landed (a local moment); with TP > 1 they are taken
+        only where every rank agreed the restore must stream (taking slots may evict: the ranks'
+        trees must stay equal), and unpacking into them is then each rank's own."""
+        if self.agreement.size == 1:
+            self._unpack_early(nodes, rid, anchor, ready)
+            return
+        if ready is Readiness.STREAMING:
+            self._open_agreed(nodes, rid, anchor)
+        self._unpack_opened(nodes, rid, ready)
+
     @contained("init_load_back (early unpack)", nothing)
-    def _unpack_early(self, nodes: list[TreeNode], rid: str, anchor: TreeNode | None) -> None:
+    def _unpack_early(
+        self, nodes: list[TreeNode], rid: str, anchor: TreeNode | None, ready: Readiness
+    ) -> None:
         """Unpack what has landed of `rid`'s restore of `nodes`, taking its slots at the first call
-        that finds verified bytes landed. Never blocks."""
+        that finds verified bytes landed, and (`_give_back`) the reads it unpacked whole. Never blocks."""
         ctl = self.controller
         assert ctl is not None
         refs = tuple(node.spill for node in nodes)
@@ -695,6 +720,39 @@ class SpillRadixCache(RadixCache):
         if not opened and not (ctl.landed_tokens(refs) and self._open_restore(rid, nodes, refs, anchor)):
             return
         ctl.unpack_landed(rid)
+        self._give_back(rid, ready)
+
+    def _give_back(self, rid: str, ready: Readiness) -> None:
+        """The reads `rid`'s restore unpacked whole go back to staging when room is short: its own
+        reads did not all start, or another restore waits for room. Otherwise they stay until it
+        completes (another restore of the same extents may still use them)."""
+        assert self.controller is not None
+        if ready is Readiness.STREAMING or self.controller.reads.room_wanted:
+            self.controller.release_unpacked(rid)
+
+    def _open_agreed(self, nodes: list[TreeNode], rid: str, anchor: TreeNode | None) -> None:
+        """TP > 1: every rank takes the streaming restore's slots in the same attempt, or none keeps them."""
+        ctl = self.controller
+        assert ctl is not None
+        if ctl.restores.current(rid, tuple(node.spill for node in nodes)) is not None:
+            return
+        ok = self._try_open(nodes, rid, anchor)
+        if not self.agreement.all_ok(ok) and self.controller is not None:
+            self.spill_metrics.inc("tp_disagreements", int(ok))
+            self.controller.restores.drop(rid)
+
+    @contained("init_load_back (streaming slots)", _not_opened)
+    def _try_open(self, nodes: list[TreeNode], rid: str, anchor: TreeNode | None) -> bool:
+        return self._open_restore(rid, nodes, tuple(node.spill for node in nodes), anchor)
+
+    @contained("init_load_back (early unpack)", nothing)
+    def _unpack_opened(self, nodes: list[TreeNode], rid: str, ready: Readiness) -> None:
+        """TP > 1: unpack into `rid`'s open restore what landed (copies only: the tree is untouched)."""
+        ctl = self.controller
+        assert ctl is not None
+        if ctl.restores.current(rid, tuple(node.spill for node in nodes)) is not None:
+            ctl.unpack_landed(rid)
+            self._give_back(rid, ready)
 
     def _open_restore(self, owner: object, nodes: list[TreeNode], refs: tuple[SpillRef, ...],
                       anchor: TreeNode | None) -> bool:  # fmt: skip

@@ -97,3 +97,23 @@ def check_room(
     reason = too_small(config.tier, directory, least)
     if reason is not None:
         raise ConfigError(reason, "min_free_bytes")
+
+
+def check_staging_room(config: SpillConfig, page_size: int | None, token_bytes: Fraction | None) -> None:
+    """ConfigError (naming the flag) if staging cannot hold the packed KV of the least extent an
+    eviction writes (`least_tokens` of the model's KV, a floor): no node could ever spill or be
+    restored. Only the least extent is known here: a node may be as long as a whole prompt, so a
+    longer one staging cannot hold is dropped at its eviction (counted, logged once), and a history
+    of many extents streams through staging whatever its length."""
+    if not token_bytes:
+        return
+    tokens = least_tokens(config, page_size)
+    least = math.ceil(tokens * token_bytes)
+    if config.staging_bytes < least:
+        flag = flag_named(SpillConfig, "staging_bytes")
+        raise ConfigError(
+            f"{flag}: {format_size(config.staging_bytes)} cannot hold one extent (at least {format_size(least)}: "
+            f"the KV of {tokens} tokens, min_spill_tokens in whole pages, of this model), so nothing could "
+            f"spill; raise {flag}",
+            "staging_bytes",
+        )

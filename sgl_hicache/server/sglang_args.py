@@ -22,7 +22,7 @@ from sgl_hicache.cache.metrics import BACKEND_NAME
 from sgl_hicache.config import ConfigError, SpillConfig
 from sgl_hicache.server.flags import flag_names, unknown_flag
 from sgl_hicache.server.model_check import check_model, read_config
-from sgl_hicache.server.room import check_room, kv_token_bytes
+from sgl_hicache.server.room import check_room, check_staging_room, kv_token_bytes
 from sgl_hicache.server.sglang_seam import SUPPORTED_VERSION
 from sgl_hicache.server.validate import nearest_existing
 
@@ -63,6 +63,7 @@ def check_sglang_args(argv: list[str], prog: str, config: SpillConfig | None = N
             model = read_config(args.model_path)
             token_bytes = kv_token_bytes(model, args) if model is not None else None
             check_room(config, nearest_existing(config.tier.directory), args.page_size, token_bytes)
+            check_staging_room(config, args.page_size, token_bytes)
 
 
 def check_model_path(model_path: str | None) -> None:

@@ -77,6 +77,16 @@ class Stack:
             self.cache.controller.wait_writes()
 
 
+def shrink_staging(stack: Stack, nbytes: int) -> None:
+    """Replace the controller's idle staging arena by one of `nbytes` (below the flag's 1 MiB floor:
+    a test's histories are small), so restores must stream through it."""
+    from sgl_hicache.cache.staging import StagingPool
+
+    ctl = stack.cache.controller
+    assert ctl.staging.used_bytes == 0, "staging is in use"
+    ctl.staging = ctl.reads.staging = StagingPool(nbytes)
+
+
 MARK_BITS = 14  # each bf16 element holds 14 bits of a marker: sign and top exponent bit stay 0 (finite)
 MARK_MAX = 1 << (2 * MARK_BITS)  # ids are spread over two elements: lossless up to 2**28
 

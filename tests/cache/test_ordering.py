@@ -9,7 +9,8 @@ fake's forward stream; every copy moves real bytes when it runs, so a rule broke
 4. an unpack from staging still being packed waits for that pack;
 5. a forward reads restored slots only after their unpack;
 6. slots of a restore given up are reused by a forward only after its unpack;
-7. a staging block goes back only after the copies using it ran.
+7. a staging block goes back only after the copies using it ran (8: also a streamed restore's,
+   whose next read would land in it).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import pytest
 import torch
 
 from sgl_hicache.cache.reads import Readiness
-from tests.cache.conftest import Stack, build_stack, close_stack, fill_kv, read_kv
+from tests.cache.conftest import Stack, build_stack, close_stack, fill_kv, read_kv, shrink_staging
 from tests.cache.fake_device import RecordingStreams, reuse_freed_slots_first
 
 A = list(range(100, 164))  # 64 tokens
@@ -240,6 +241,48 @@ def test_7_staging_goes_back_only_after_its_unpack_ran(stack: Stack) -> None:
     forward_first(stack)
     assert read_kv(stack.pool, node.value) == A
     stack.cache.check_integrity()
+
+
+def test_8_a_streamed_restores_block_is_reused_only_after_the_unpack_that_read_it(tmp_path: Path) -> None:
+    """Three 64-token turns (8 KiB extents) through 20 KiB of staging: the third read can start only
+    in a block an earlier read gave back. The device runs every third admission attempt only, so a
+    block given back at once would take the third read's bytes before its unpack copied it out."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+
+    stack = build_stack(tmp_path / "tier", size=512, streams=RecordingStreams())
+    reuse_freed_slots_first(stack.allocator)
+    tokens = list(range(100, 292))
+    for end in (64, 128, 192):
+        stack.insert(tokens[:end])
+    evict_all(stack)
+    ours_first(stack)
+    stack.cache.controller.wait_writes()
+    shrink_staging(stack, 20 << 10)
+    poison_free_slots(stack)
+    ctl = stack.cache.controller
+    m = stack.match(tokens)
+    assert (m.device_prefix_len, m.host_hit_length) == (0, len(tokens))
+    params = InitLoadBackParams(
+        m.best_match_node, m.host_hit_length, req=SimpleNamespace(last_node=m.last_device_node, rid="r")
+    )
+    deadline, rounds = time.monotonic() + 30, 0
+    while (answer := stack.cache.init_load_back(params)) is None:
+        while ctl.reads.in_flight and time.monotonic() < deadline:  # the reads started land
+            time.sleep(0.002)
+            ctl.poll()
+        rounds += 1
+        if rounds % 3 == 0:
+            ours_first(stack)
+        assert time.monotonic() < deadline
+    assert answer[0] == len(tokens), str({k: v for k, v in stack.metrics.totals.items() if v})
+    assert stack.metrics.totals["restores_streamed"] == 1
+    forward_first(stack)
+    chain = stack.cache.tree.path_up(answer[1], stack.cache.root_node)
+    assert read_kv(stack.pool, torch.cat([node.value for node in chain])) == tokens
+    stack.cache.check_integrity()
+    close_stack(stack)
 
 
 def test_a_pack_waits_for_sglangs_forward_stream_when_it_is_not_the_current_one(tmp_path: Any) -> None:

@@ -37,7 +37,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import sgl_hicache.cache.clean_copies as clean_copies
 from sgl_hicache.cache.write_admission import WriteAdmission
 from sgl_hicache.config import SpillAdmission, WritePolicy
-from tests.cache.conftest import Stack, build_stack, close_stack, fill_kv, read_kv
+from tests.cache.conftest import Stack, build_stack, close_stack, fill_kv, read_kv, shrink_staging
 from tests.cache.fake_device import RecordingStreams, reuse_freed_slots_first
 from tests.cache.router_view import RouterView, tree_view
 
@@ -46,6 +46,7 @@ STEPS = 100
 SALTS = (None, None, None, "alice")  # mostly the default tenant
 RARE = st.integers(0, 3)
 RULES = st.sampled_from(list(SpillAdmission))
+STAGING = st.sampled_from([0, 4 << 10, 8 << 10])  # 0: the default; else 1 or 2 blocks of 32 tokens
 BOUNDS = st.sampled_from(
     [0, 8, 24]
 )  # admission_min_tokens: prompts add 1..24 tokens a turn  # flush, restart and tampering act when this draws 0: a quarter of their turns
@@ -121,12 +122,20 @@ class SpillCacheMachine(RuleBasedStateMachine):
 
     # ---- requests -------------------------------------------------------------------------
 
-    @initialize(seed=st.integers(0, 2**16), rule=RULES, min_tokens=BOUNDS)
-    def first_conversation(self, seed: int, rule: SpillAdmission, min_tokens: int) -> None:
+    @initialize(seed=st.integers(0, 2**16), rule=RULES, min_tokens=BOUNDS, staging=STAGING)
+    def first_conversation(self, seed: int, rule: SpillAdmission, min_tokens: int, staging: int) -> None:
         self.rng = random.Random(seed)
         self.admission = (rule, min_tokens)  # restarts keep it
+        self.staging = staging  # restarts keep it
         for server in self.servers:
             _admit_by(server.stack.cache, rule, min_tokens)
+            self._size_staging(server.stack)
+
+    def _size_staging(self, stack: Stack) -> None:
+        """The staging drawn: small ones hold a few extents, so restores of longer histories stream
+        through it (and evictions drop what it cannot hold)."""
+        if getattr(self, "staging", 0):
+            shrink_staging(stack, self.staging)
 
     def _new_tokens(
         self, data: Any, convs: list[tuple[list[int], str | None]] | None = None
@@ -180,6 +189,42 @@ class SpillCacheMachine(RuleBasedStateMachine):
         tokens, salt = server.pending.pop(rid)
         time.sleep(0.002)  # let reads land
         self._admit(server, rid, tokens, salt)
+
+    @precondition(lambda self: bool(self.convs))
+    @rule(which=st.integers(0, 1))
+    def a_long_history_resumes(self, which: int) -> None:
+        """Everything is evicted (spilled where it may be), then the server's longest conversation
+        comes back: its restore reads a chain of extents, more than a small staging holds at once
+        (it streams), and is retried until admitted."""
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        server = self.servers[which % len(self.servers)]
+        if not server.convs or server.pending:
+            return
+        server.stack.cache.evict(EvictParams(num_tokens=10**9))
+        server.stack.cache.controller.wait_writes()
+        tokens, salt = max(server.convs, key=lambda c: len(c[0]))
+        self.rids += 1
+        rid = f"r{self.rids}"
+        self._admit(server, rid, tokens, salt)
+        self._retry_until_admitted(server, rid)
+
+    def _retry_until_admitted(self, server: Server, rid: str) -> None:
+        """The scheduler's rounds for one deferred request until it is admitted (a restore that
+        streams through a small staging needs several: land, unpack and give back, read on), or
+        for at most 0.3 s (then it stays deferred: a read may be slow, or staging held by writes)."""
+        deadline = time.monotonic() + 0.3
+        while rid in server.pending and time.monotonic() < deadline:
+            tokens, salt = server.pending.pop(rid)
+            time.sleep(0.002)
+            self._admit(server, rid, tokens, salt)
+
+    @rule(pick=st.integers(0, 10**6))
+    def retry_deferred_until_admitted(self, pick: int) -> None:
+        """A deferred request retried until admitted (`_retry_until_admitted`)."""
+        server = next((s for s in self.servers if s.pending), None)
+        if server is not None:
+            self._retry_until_admitted(server, sorted(server.pending)[pick % len(server.pending)])
 
     def _admit(self, server: Server, rid: str, tokens: list[int], salt: str | None) -> None:
         """One scheduling round for the request: match (again), restore; deferred or run."""
@@ -335,6 +380,7 @@ class SpillCacheMachine(RuleBasedStateMachine):
         server.stack.cache.controller.wait_writes()
         close_stack(server.stack)
         server.stack, server.version, server.pending = self._stack(), 0, {}
+        self._size_staging(server.stack)
 
     def _extent_files(self) -> list[Path]:
         return sorted((self.dir / "tier").rglob("*.ext"))

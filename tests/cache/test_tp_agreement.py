@@ -137,3 +137,54 @@ def test_without_agreement_the_same_faults_make_ranks_diverge(tmp_path: Path) ->
     finally:
         for stack in stacks:
             close_stack(stack)
+
+
+def test_a_rank_short_of_staging_streams_and_the_other_follows(tmp_path: Path) -> None:
+    """Rank 1's staging holds two of the history's five extents, rank 0's all of them: both agree
+    the restore streams (the least ready level), take its slots in the same attempt, and restore
+    the whole history with the same trees and pools."""
+    from sgl_hicache.cache.warm_start import tree_digest
+    from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
+    from tests.cache.conftest import shrink_staging
+
+    group = ThreadedAgreement.Group(2)
+    stacks = [build_stack(tmp_path / f"rank{r}", size=1024) for r in range(2)]
+    tokens = list(range(100, 420))  # five 64-token turns: 8 KiB of KV each
+    records: list[list[Any]] = [[], []]
+    errors: list[BaseException] = []
+
+    def target(r: int) -> None:
+        stack = stacks[r]
+        try:
+            for end in range(64, len(tokens) + 1, 64):
+                stack.insert(tokens[:end])
+            stack.evict_all()
+            if r == 1:
+                shrink_staging(stack, 20 << 10)
+            stack.cache.controller.tier = FaultyTier(stack.cache.controller.tier, FaultSpec(latency_s=0.02))
+            stack.cache.agreement = ThreadedAgreement(group, r)
+            loaded, last = stack.load_back(stack.match(tokens), rid="r")
+            path = stack.cache.path_device_indices(last)
+            records[r].append((loaded, read_kv(stack.pool, path), tree_digest(stack.cache.root_node)))
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads), "a rank hung"
+        if errors:
+            raise errors[0]
+        assert records[0] == records[1], "the ranks' restores diverged"
+        assert records[1][0][:2] == (len(tokens), expected_kv(tokens))
+        assert stacks[1].metrics.totals["restores_streamed"] == 1
+        for stack in stacks:
+            assert stack.metrics.totals["restore_failures"] == 0
+            stack.cache.check_integrity()
+    finally:
+        for stack in stacks:
+            close_stack(stack)

@@ -183,6 +183,28 @@ def test_a_capacity_below_one_extent_of_the_model_is_refused(
     assert not tier.exists()
 
 
+@pytest.mark.parametrize(
+    ("args", "fits", "short"),
+    [
+        (["--kv-cache-dtype", "bf16"], "2M", "2047K"),  # 16 tokens of 128 KiB, packed (no header)
+        (["--kv-cache-dtype", "bf16", "--page-size", "64"], "8M", "8191K"),  # 16 tokens are one page of 64
+    ],
+)
+def test_a_staging_below_one_extent_of_the_model_is_refused(
+    tmp_path: Path, tier: Path, args: list[str], fits: str, short: str
+) -> None:
+    """Staging holds an extent's packed KV while it is written and while it is read back: one
+    smaller than the least extent an eviction writes could never spill anything."""
+    model = ["--model-path", str(big_model(tmp_path)), *args]
+    line = refusal(run_main(spill(tier, *model, "--hicache-spill-staging", short)))
+    assert line.startswith(
+        f"--hicache-spill-staging: {short} cannot hold one extent (at least {fits}: the KV of "
+    ), line
+    assert line.endswith("so nothing could spill; raise --hicache-spill-staging"), line
+    assert run_main(spill(tier, *model, "--hicache-spill-staging", fits)).code == 0
+    assert not tier.exists()
+
+
 def test_an_mla_model_and_min_spill_tokens_set_the_least_extent(tmp_path: Path, tier: Path) -> None:
     """MLA: one latent vector (512 + 64 rope) a layer, on every rank; 32 tokens of 2 bytes each."""
     model = ["--model-path", str(big_model(tmp_path, kv_lora_rank=512, qk_rope_head_dim=64)), "--kv-cache-dtype",
