@@ -87,8 +87,8 @@ class KvEventsMedium(enum.StrEnum):
 
 
 class SpillBackend(enum.StrEnum):
-    """Where extents go. FILE: a directory (`tier/nvme.py`; shared by the servers mounting it).
-    MOONCAKE: a Mooncake Store (`tier/mooncake.py`): one master, every server a client contributing
+    """Where extents go. FILE: a directory (`tier/file/backend.py`; shared by the servers mounting it).
+    MOONCAKE: a Mooncake Store (`tier/mooncake/backend.py`): one master, every server a client contributing
     DRAM, the master owning placement and eviction; the directory then holds only `.secret`."""
 
     FILE = "file"
