@@ -1,4 +1,4 @@
-"""Cross-server lookup cost: latency and file system calls per prompt (tier/lookup.py).
+"""Cross-server lookup cost: latency and file system calls per prompt (tier/path_lookup.py).
 
     python -m benchmarks.lookup [--quick] [--dir DIR] [--prompts 64] [--tokens 4096]
 

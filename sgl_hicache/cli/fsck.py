@@ -9,7 +9,7 @@ extent of a newer format version (a newer sgl_hicache shares the directory) is n
 `newer`, never verified nor removed (its writer's version reads it).
 
 `--cache-salt SALT` also lists every extent of that tenant salt (`salt`: its MAC'd tag is the
-salt's, tier/purge.py) and every older one whose salt cannot be told (`salt?`: format v3/v4 without
+salt's, tier/file/purge.py) and every older one whose salt cannot be told (`salt?`: format v3/v4 without
 token ids): after a purge there must be none. With `--repair` they are removed too (a purge
 without a server). It needs the directory's secret (the tag is keyed with it).
 

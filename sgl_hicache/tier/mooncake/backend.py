@@ -5,7 +5,7 @@ DRAM segment (and, where it mounts NVMe-oF namespaces, Mooncake's SSD tier). An 
 object and one object per chunk, in the file format (objects.py; names and codes:
 client.py), and every load verifies it as a file load does. The contract's file promises:
 
-- Trust: headers are sealed with `--hicache-spill-dir`'s `.secret` (trust.py): servers sharing
+- Trust: headers are sealed with `TierConfig.directory`'s `.secret` (trust.py): servers sharing
   extents share that file. Another deployment's, namespace's or key's object is CORRUPT or
   MISMATCH, and dropped. Writers inside the cluster are inside the trust boundary.
 - Capacity is the master's: no budget here (`capacity_bytes` unused, `evictions` 0). What it
