@@ -1,4 +1,4 @@
-"""Cross-server lookup cost: latency and file system calls per prompt (tier/lookup.py).
+"""Cross-server lookup cost: latency and file system calls per prompt (tier/path_lookup.py).
 
     python -m benchmarks.lookup [--quick] [--dir DIR] [--prompts 64] [--tokens 4096]
 
@@ -27,9 +27,9 @@ from benchmarks.harness import emit, log
 from sgl_hicache.config import MiB, TierConfig
 from sgl_hicache.tier import KVDtype, KVLayout, Namespace, open_tier
 from sgl_hicache.tier.base import LookupRequest, LookupResult, Tier
+from sgl_hicache.tier.file.load import open_extent
 from sgl_hicache.tier.keys import ExtentKey, PathHasher, chain_key
-from sgl_hicache.tier.load import open_extent
-from sgl_hicache.tier.lookup import alias_marks
+from sgl_hicache.tier.path_lookup import alias_marks
 
 NS = Namespace("bench-lookup", KVLayout(2, 2, 64, KVDtype.BF16, 16))
 PAGE = NS.layout.page_size

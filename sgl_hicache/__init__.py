@@ -5,3 +5,4 @@ pieces that need them.
 """
 
 __version__ = "0.1.0"
+BACKEND_NAME = "hicache_spill"  # the radix-cache backend we register with sglang (`--radix-cache-backend`)

@@ -23,8 +23,8 @@ import sys
 import warnings
 from typing import NoReturn
 
+from sgl_hicache import BACKEND_NAME
 from sgl_hicache.cache.identity import UNISOLATED
-from sgl_hicache.cache.metrics import BACKEND_NAME
 from sgl_hicache.config import ConfigError, SpillConfig
 from sgl_hicache.server.flags import add_flags, config_from, refuse_unknown_ours
 from sgl_hicache.server.handoff import export_config

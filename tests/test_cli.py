@@ -16,8 +16,8 @@ import pytest
 from sgl_hicache.cli.summary import human_bytes
 from sgl_hicache.config import Compression, Fsync, TierConfig
 from sgl_hicache.tier import ROOT_KEY, ExtentKey, KVDtype, KVLayout, Namespace, Tier, chain_key, open_tier
+from sgl_hicache.tier.file.owner import Writer, host_tag, me
 from sgl_hicache.tier.format import decode_fixed
-from sgl_hicache.tier.owner import Writer, host_tag, me
 
 CHUNK = 64 * 1024
 NS_A = Namespace("cli-model-a", KVLayout(2, 2, 64, KVDtype.BF16, 4))

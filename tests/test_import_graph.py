@@ -7,6 +7,10 @@
 - Layers: `tier` imports nothing of `cache`/`server`/`bench`, and `kernels` (the top-level
   `kernels/` directory, installed as `sgl_hicache.kernels`) nothing of `cache`/`server`; here
   type-only imports count too (a type is a dependency).
+- The tier's wings (`tier/file`, `tier/mooncake`, `tier/testing`) never import each other, and the
+  top of `tier/` (the contract and what every backend shares) imports no wing: it reaches a
+  backend only through `tier/registry.py`, whose lazy imports name each wing's module by string
+  (checked here to exist).
 - `cache` imports nothing of `server`/`bench`: the server builds the cache and passes in what it
   needs (metrics, a hint source), never the other way.
 - Importing the sglang plugin (`server/plugin.py`, imported in every sglang process of the
@@ -201,6 +205,38 @@ def test_no_import_cycles_even_type_only(package: str) -> None:
         if in_package(e.source, package) and in_package(e.target, package):
             graph.setdefault(e.source, set()).add(e.target)
     assert cycles(graph) == []
+
+
+TIER = "sgl_hicache.tier"
+WINGS = ("sgl_hicache.tier.file", "sgl_hicache.tier.mooncake", "sgl_hicache.tier.testing")
+
+
+def wing_of(module: str) -> str | None:
+    return next((w for w in WINGS if in_package(module, w)), None)
+
+
+@pytest.mark.parametrize("wing", WINGS)
+def test_a_wing_of_the_tier_imports_no_other_wing(wing: str) -> None:
+    bad = sorted(
+        f"{e.source} -> {e.target}"
+        for e in edges()
+        if in_package(e.source, wing) and wing_of(e.target) not in (None, wing)
+    )
+    assert not bad, f"{wing} must not import another wing of the tier: {bad}"
+
+
+def test_the_top_of_the_tier_reaches_a_wing_only_through_the_registry() -> None:
+    bad = sorted(
+        f"{e.source} -> {e.target}"
+        for e in edges()
+        if in_package(e.source, TIER) and wing_of(e.source) is None and wing_of(e.target) is not None
+    )
+    assert not bad, f"the top of tier/ imports a wing (go through tier/registry.py): {bad}"
+    from sgl_hicache.tier.registry import BACKENDS
+
+    for backend in BACKENDS.values():
+        assert wing_of(backend.module) is not None and backend.module in modules(), backend
+        assert f"class {backend.cls}(" in modules()[backend.module].read_text(), backend
 
 
 IMPORT_PLUGIN = """

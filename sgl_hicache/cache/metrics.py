@@ -21,9 +21,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from sgl_hicache import BACKEND_NAME
 from sgl_hicache.config import SpillConfig
 
-BACKEND_NAME = "hicache_spill"
 TIER_GAUGES = {  # TierStats field: (metric name, help)
     "bytes_stored": ("tier_used_bytes", "bytes of published extents in the tier"),
     "extents": ("tier_extents", "published extents in the tier"),

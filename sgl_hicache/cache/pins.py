@@ -31,7 +31,7 @@ import numpy as np
 from sgl_hicache.kernels import LayerGroups, packed_nbytes
 from sgl_hicache.tier.format import file_bound
 from sgl_hicache.tier.keys import ExtentKey, token_digest
-from sgl_hicache.tier.lookup import block_tokens
+from sgl_hicache.tier.path_lookup import block_tokens
 
 MAX_TTL_S = 7 * 24 * 3600.0
 MAX_PINS = 1024

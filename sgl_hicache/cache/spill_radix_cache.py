@@ -70,7 +70,7 @@ from sgl_hicache.cache.write_admission import WriteAdmission
 from sgl_hicache.config import PrefetchPolicy, SpillConfig, WritePolicy
 from sgl_hicache.tier import ExtentKey, NamespaceId, chain_key
 from sgl_hicache.tier.keys import PathHasher, tenant_of
-from sgl_hicache.tier.lookup import alias_marks
+from sgl_hicache.tier.path_lookup import alias_marks
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ extent of a newer format version (a newer sgl_hicache shares the directory) is n
 `newer`, never verified nor removed (its writer's version reads it).
 
 `--cache-salt SALT` also lists every extent of that tenant salt (`salt`: its MAC'd tag is the
-salt's, tier/purge.py) and every older one whose salt cannot be told (`salt?`: format v3/v4 without
+salt's, tier/file/purge.py) and every older one whose salt cannot be told (`salt?`: format v3/v4 without
 token ids): after a purge there must be none. With `--repair` they are removed too (a purge
 without a server). It needs the directory's secret (the tag is keyed with it).
 
@@ -33,13 +33,13 @@ from typing import NamedTuple
 
 from sgl_hicache.cli.walk import NsFiles, UsageError, classify, directory_seal, key_of, namespace_dirs
 from sgl_hicache.tier.directio import O_DIRECT, ShortIO, alloc_aligned
-from sgl_hicache.tier.filelock import NoLocks
-from sgl_hicache.tier.format import FormatError, NewerFormat, Seal, load_pieces
+from sgl_hicache.tier.file.budget.filelock import NoLocks
+from sgl_hicache.tier.file.budget.ledger import LEDGER_NAME, close_ledger, open_ledger
+from sgl_hicache.tier.file.load import open_extent, read_chunk
+from sgl_hicache.tier.file.purge import salt_mark
+from sgl_hicache.tier.file.scan import temp_still_stale
+from sgl_hicache.tier.format import DirectoryMac, FormatError, NewerFormat, load_pieces
 from sgl_hicache.tier.keys import ExtentKey, NamespaceId
-from sgl_hicache.tier.ledger import LEDGER_NAME, close_ledger, open_ledger
-from sgl_hicache.tier.load import open_extent, read_chunk
-from sgl_hicache.tier.purge import salt_mark
-from sgl_hicache.tier.scan import temp_still_stale
 
 VERIFY_THREADS = 4  # each holds one extent's whole payload in memory while verifying it
 _local = threading.local()
@@ -51,7 +51,7 @@ class Problem(NamedTuple):
     detail: str
 
 
-def verify_extent(de: os.DirEntry[str], ns: NamespaceId, seal: Seal | None) -> Problem | None:
+def verify_extent(de: os.DirEntry[str], ns: NamespaceId, seal: DirectoryMac | None) -> Problem | None:
     """Verify header, meta and every chunk as a full load would (MACs only with a `seal`);
     O_DIRECT where the filesystem allows it, so the device is checked rather than the page cache."""
     key = key_of(de)
@@ -75,7 +75,7 @@ def verify_extent(de: os.DirEntry[str], ns: NamespaceId, seal: Seal | None) -> P
     return None
 
 
-def _read_all(path: str, ns: NamespaceId, key: ExtentKey, direct: bool, seal: Seal | None) -> None:
+def _read_all(path: str, ns: NamespaceId, key: ExtentKey, direct: bool, seal: DirectoryMac | None) -> None:
     ext = open_extent(path, ns, key, direct, seal)
     try:
         dest = _scratch(ext.header.payload_len)
@@ -93,7 +93,7 @@ def _scratch(nbytes: int) -> memoryview:
     return buf[:nbytes]
 
 
-def problems_of(files: NsFiles, seal: Seal | None, pool: ThreadPoolExecutor) -> Iterator[Problem]:
+def problems_of(files: NsFiles, seal: DirectoryMac | None, pool: ThreadPoolExecutor) -> Iterator[Problem]:
     yield from (p for p in pool.map(lambda de: verify_extent(de, files.ns, seal), files.extents) if p)
     yield from (
         Problem("stale-temp", p, "writer dead on this host, or not written for 10 minutes")
@@ -134,7 +134,7 @@ def cmd_fsck(root: Path, repair: bool, cache_salt: str | None = None) -> int:
     return 1 if remaining else 0
 
 
-def salt_problems(namespaces: list[NsFiles], seal: Seal, cache_salt: str) -> list[Problem]:
+def salt_problems(namespaces: list[NsFiles], seal: DirectoryMac, cache_salt: str) -> list[Problem]:
     """The extents of `cache_salt` (and those whose salt cannot be told), as problems."""
     tag, found = seal.salt(cache_salt), []
     for de in (de for files in namespaces for de in files.extents):

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from sgl_hicache.cli.walk import NsFiles, classify, directory_seal, key_of, namespace_dirs
-from sgl_hicache.tier.format import ALIGN, FormatError, Header, Seal, decode_fixed
+from sgl_hicache.tier.format import ALIGN, DirectoryMac, FormatError, Header, decode_fixed
 from sgl_hicache.tier.keys import NamespaceId, chain_key_from_digest
 
 
@@ -35,7 +35,7 @@ class NsSummary:
     live_temp_files: int
 
 
-def summarize(files: NsFiles, now_ns: int, seal: Seal | None) -> NsSummary:
+def summarize(files: NsFiles, now_ns: int, seal: DirectoryMac | None) -> NsSummary:
     headers: list[tuple[Header, int]] = []
     bad = 0
     for de in files.extents:
@@ -54,7 +54,7 @@ def summarize(files: NsFiles, now_ns: int, seal: Seal | None) -> NsSummary:
     )  # fmt: skip
 
 
-def _valid_header(de: os.DirEntry[str], ns: NamespaceId, seal: Seal | None) -> tuple[Header, int]:
+def _valid_header(de: os.DirEntry[str], ns: NamespaceId, seal: DirectoryMac | None) -> tuple[Header, int]:
     """Header and file size of an extent the tier's startup scan would index (its MAC checked only
     with a `seal`); raises FormatError."""
     with open(de.path, "rb", buffering=0) as f:

@@ -6,10 +6,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sgl_hicache.tier.format import EXTENT_SUFFIX, TEMP_SUFFIX, Seal
+from sgl_hicache.tier.file.paths import FANOUT_CHARS, ExtentPaths
+from sgl_hicache.tier.file.scan import is_stale_temp
+from sgl_hicache.tier.format import EXTENT_SUFFIX, TEMP_SUFFIX, DirectoryMac
 from sgl_hicache.tier.keys import KEY_BYTES, ExtentKey, NamespaceId
-from sgl_hicache.tier.paths import FANOUT_CHARS, ExtentPaths
-from sgl_hicache.tier.scan import is_stale_temp
 from sgl_hicache.tier.trust import SECRET_NAME, UntrustedDirectory, read_secret
 
 _HEX_NAME = 2 * KEY_BYTES
@@ -45,14 +45,14 @@ def namespace_dirs(root: Path) -> list[Path]:
     raise UsageError(f"{root}: not a tier directory (no namespace directories)")
 
 
-def directory_seal(root: Path) -> tuple[Seal | None, str]:
+def directory_seal(root: Path) -> tuple[DirectoryMac | None, str]:
     """The seal of tier `root` (from its secret, which must belong to the directory's owner) and a
     note saying whether MACs are verified; without a readable secret (another user), they are not."""
     secret = root / SECRET_NAME
     try:
         fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            return Seal(read_secret(fd, root, os.fstat(fd).st_uid)), f"MACs verified with {secret}"
+            return DirectoryMac(read_secret(fd, root, os.fstat(fd).st_uid)), f"MACs verified with {secret}"
         finally:
             os.close(fd)
     except FileNotFoundError:

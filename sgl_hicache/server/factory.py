@@ -92,7 +92,7 @@ def with_test_faults(tier: IndexedTier, tp_rank: int = 0) -> IndexedTier:
     import json
     import os
 
-    from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
+    from sgl_hicache.tier.testing.injector import FaultSpec, FaultyTier
 
     raw = os.environ.get(TEST_FAULTS_ENV)
     ranks = os.environ.get(TEST_FAULTS_RANKS_ENV)

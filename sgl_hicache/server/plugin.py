@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from typing import Any
 
-BACKEND_NAME = "hicache_spill"  # sgl_hicache.cache.metrics.BACKEND_NAME (a test keeps them equal)
+from sgl_hicache import BACKEND_NAME
+
 SCHEDULER_TARGET = "sglang.srt.managers.scheduler.Scheduler.__init__"
 ROUTES_TARGET = "sglang.srt.entrypoints.http_server.set_global_state"
 CHECK_TARGETS = (SCHEDULER_TARGET, ROUTES_TARGET)

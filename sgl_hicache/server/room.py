@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from sgl_hicache.config import ConfigError, SpillBackend, SpillConfig, TierConfig, flag_named, format_size
-from sgl_hicache.tier.volume import extent_floor, too_small
+from sgl_hicache.tier.file.volume import extent_floor, too_small
 
 ELEMENT_BYTES = {"bf16": Fraction(2), "bfloat16": Fraction(2), "fp8_e5m2": Fraction(1),
                  "fp8_e4m3": Fraction(1), "mxfp8": Fraction(1)}  # fmt: skip

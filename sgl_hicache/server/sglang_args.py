@@ -17,8 +17,8 @@ import os
 from importlib import metadata
 from typing import Any, NoReturn
 
+from sgl_hicache import BACKEND_NAME
 from sgl_hicache.cache.identity import UNISOLATED
-from sgl_hicache.cache.metrics import BACKEND_NAME
 from sgl_hicache.config import ConfigError, SpillConfig
 from sgl_hicache.server.flags import flag_names, unknown_flag
 from sgl_hicache.server.model_check import check_model, read_config

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from sgl_hicache.config import ConfigError, SpillConfig, flag_named
 from sgl_hicache.server.room import check_room
+from sgl_hicache.tier.file.volume import human
 from sgl_hicache.tier.trust import UntrustedDirectory, check_trusted
-from sgl_hicache.tier.volume import human
 
 PSEUDO_ROOTS = (Path("/proc"), Path("/sys"), Path("/dev"))  # kernel interfaces, whatever is mounted there
 REAL_UNDER_PSEUDO = (Path("/dev/shm"),)  # a tmpfs: memory, but a filesystem

@@ -1,7 +1,7 @@
 """The spill tier's contract: an asynchronous, checksummed, capacity-bounded extent store.
 
-Everything a caller (the cache) may rely on is written here, once; implementations (`nvme.py`,
-`mooncake.py`, `faulty.py`) add no promises of their own. Two levels:
+Everything a caller (the cache) may rely on is written here, once; implementations (`file/backend.py`,
+`mooncake/backend.py`, `testing/injector.py`) add no promises of their own. Two levels:
 
 - `Tier`: what the cache uses (sgl_hicache/cache/): submit store, submit load, poll completions
   (`get_finished`, `wait`), cross-server lookups (`submit_lookup`, `lookups_finished`), the index
@@ -192,8 +192,8 @@ class Tier(abc.ABC):
     `landed` reports a grouped load's verified bytes group by group.
 
     Where a promise below names files, a directory or its budget, that is the file tier's
-    (`nvme.py`); another backend keeps the same promise on its own objects and says how in its
-    module doc (`mooncake.py`: objects in a Mooncake Store, whose master owns capacity and eviction).
+    (`file/backend.py`); another backend keeps the same promise on its own objects and says how in its
+    module doc (`mooncake/backend.py`: objects in a Mooncake Store, whose master owns capacity and eviction).
     """
 
     @property
@@ -311,7 +311,7 @@ class Tier(abc.ABC):
     def submit_lookup(self, request: LookupRequest) -> None:
         """Queue a lookup of extents that continue `request.tokens` after its first `start` tokens,
         by their writers' recorded path keys (aliases; any process sharing the directory may have
-        written them): lookup.py says how, and that every claim is verified like a load (MACs, key)
+        written them): path_lookup.py says how, and that every claim is verified like a load (MACs, key)
         and against the caller's own tokens before it is returned. Never blocks; the file system
         calls run on the I/O threads. Every request gets exactly one `LookupResult` from
         `lookups_finished` (empty if nothing usable was found, the tier is closed, or it failed).
@@ -408,7 +408,7 @@ class Tier(abc.ABC):
         (they complete REJECTED too), and close returns while the I/O threads (daemons) end the
         jobs they are in. A write stuck in the kernel past that point may leave its temp file if the
         process dies meanwhile: the next open, or the next store on its host short of room, removes
-        it (its writer is dead, owner.py)."""
+        it (its writer is dead, file/owner.py)."""
 
     def __enter__(self) -> Tier:
         return self

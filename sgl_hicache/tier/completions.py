@@ -1,10 +1,14 @@
-"""Tickets and completions: issued on submit, posted by I/O threads, drained by the caller."""
+"""Tickets and completions: issued on submit, posted by I/O threads, drained by the caller; and the
+bookkeeping every backend keeps beside them (`Returned`: the loads whose completion the caller has
+not taken yet, which `Tier.landed` asks)."""
 
 from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Generic, TypeVar
 
 from sgl_hicache.tier.base import Completion, Ticket
 
@@ -49,3 +53,35 @@ class CompletionQueue:
             if not self._cond.wait_for(lambda: ticket in self._done, timeout):
                 raise TimeoutError(f"ticket {ticket} still in flight after {timeout} s")
             return self._done.pop(ticket)
+
+
+L = TypeVar("L")
+
+
+class Returned(Generic[L]):
+    """A backend's completions as the caller takes them (`Tier.get_finished`, `Tier.wait`), and its
+    loads in flight (`loading`: ticket -> the backend's record of it, guarded by the backend's
+    `lock`), each forgotten once its completion is returned; `landed` reads a record's verified
+    prefix with `progress`."""
+
+    def __init__(self, lock: threading.Lock, progress: Callable[[L], int]) -> None:
+        self.queue = CompletionQueue()
+        self.loading: dict[Ticket, L] = {}
+        self._lock, self._progress = lock, progress
+
+    def get_finished(self) -> list[Completion]:
+        return self._returned(self.queue.drain())
+
+    def wait(self, ticket: Ticket, timeout: float | None = None) -> Completion:
+        return self._returned([self.queue.wait(ticket, timeout)])[0]
+
+    def _returned(self, done: list[Completion]) -> list[Completion]:
+        with self._lock:
+            for c in done:
+                self.loading.pop(c.ticket, None)
+        return done
+
+    def landed(self, ticket: Ticket) -> int:
+        with self._lock:
+            load = self.loading.get(ticket)
+        return 0 if load is None else self._progress(load)

@@ -3,12 +3,12 @@
     [0, FIXED_SIZE)            fixed header (struct `_FIXED`, little-endian), ends with two MACs
     [FIXED_SIZE, +meta_len)    msgpack {"c": [[offset, length, xxh3-64], ...], "t": token ids (<u4
                                bytes; only if the writer allowed it: never for salted tenants),
-                               "a": [[offset, path key], ...] (v4: the aliases, see lookup.py),
-                               "s": the salt tag (v5: `Seal.salt` of the writer's cache_salt; absent
+                               "a": [[offset, path key], ...] (v4: the aliases, see path_lookup.py),
+                               "s": the salt tag (v5: `DirectoryMac.salt` of the writer's cache_salt; absent
                                for a request without one)}
     [header_len, ...)          payload chunks; header_len and every chunk offset are multiples of 4096
 
-Authenticity (`Seal`): `meta_mac` = blake2b-128 keyed with the directory's secret over the meta;
+Authenticity (`DirectoryMac`): `meta_mac` = blake2b-128 keyed with the directory's secret over the meta;
 `header_mac` = the same over the fixed header's bytes before it (meta_mac included). Checking
 header_mac alone vouches for the fixed header (the startup scan); with meta_mac it vouches for the
 meta and so for every chunk checksum: only a holder of the secret could have written the file.
@@ -34,6 +34,7 @@ import msgpack
 import numpy as np
 
 from sgl_hicache.config import Compression
+from sgl_hicache.tier.groups import chunk_spans, section_lengths
 from sgl_hicache.tier.keys import KEY_BYTES, ExtentKey, KVDtype, KVLayout, NamespaceId, token_digest
 
 MAGIC = b"SGLHCEXT"
@@ -77,7 +78,7 @@ class Mismatch(FormatError):
     payload bytes than requested."""
 
 
-class Seal:
+class DirectoryMac:
     """The MACs of one tier directory: blake2b-128 keyed with its secret (`trust.py`)."""
 
     def __init__(self, secret: bytes) -> None:
@@ -180,36 +181,6 @@ class Piece(NamedTuple):
     dest_off: int
 
 
-def normal_groups(group_layers: int, num_layers: int) -> int:
-    """Layers per group, 0 or at least `num_layers` (one group: page-major) as `num_layers`."""
-    return group_layers if 0 < group_layers < num_layers else num_layers
-
-
-def section_lengths(payload_len: int, token_count: int, page_size: int, num_layers: int,
-                    group_layers: int) -> tuple[int, ...]:  # fmt: skip
-    """Raw bytes of each layer group's section of a payload of `token_count` tokens (whole pages of
-    `num_layers` equal layers). Page-major (`group_layers` 0 or >= num_layers): one section, any
-    length. Raises ValueError if a grouped payload is not whole pages of equal layers."""
-    g = normal_groups(group_layers, num_layers)
-    if g == num_layers:
-        return (payload_len,)
-    pages = -(-token_count // page_size)
-    if pages == 0 or payload_len % (pages * num_layers):
-        raise ValueError(f"a payload of {payload_len} B is not {pages} pages of {num_layers} equal layers")
-    layer = payload_len // (pages * num_layers)
-    return tuple(pages * layer * (min(num_layers, lo + g) - lo) for lo in range(0, num_layers, g))
-
-
-def chunk_spans(sections: Sequence[int], chunk_bytes: int) -> list[tuple[int, int]]:
-    """(raw offset, raw length) of each chunk: every section cut into `chunk_bytes` pieces."""
-    out: list[tuple[int, int]] = []
-    start = 0
-    for length in sections:
-        out.extend((start + o, min(chunk_bytes, length - o)) for o in range(0, length, chunk_bytes))
-        start += length
-    return out
-
-
 def load_pieces(h: Header, want: int) -> list[Piece]:
     """The chunks a load of the first `want` bytes of `h`'s payload (in its own layout) reads, in
     order, and where their bytes go. Page-major: a byte prefix. Grouped: `want` is m whole pages
@@ -239,38 +210,6 @@ def load_pieces(h: Header, want: int) -> list[Piece]:
     return pieces
 
 
-def regroup(buf: memoryview, pages: int, num_layers: int, src_groups: int, dst_groups: int) -> None:
-    """Rearrange `buf` (`pages` whole pages of `num_layers` equal layers, laid out in groups of
-    `src_groups` layers) in place into groups of `dst_groups` (0: page-major). Raises ValueError if
-    `buf` is not whole pages of equal layers."""
-    src, dst = normal_groups(src_groups, num_layers), normal_groups(dst_groups, num_layers)
-    if src == dst or not buf.nbytes:
-        return
-    if pages <= 0 or buf.nbytes % (pages * num_layers):
-        raise ValueError(f"{buf.nbytes} B are not {pages} pages of {num_layers} equal layers")
-    raw = np.frombuffer(buf, dtype=np.uint8)
-    layer = buf.nbytes // (pages * num_layers)
-    canon = np.empty((pages, num_layers, layer), dtype=np.uint8)  # [page, layer, bytes]
-    _sections(raw, pages, num_layers, layer, src, canon, read=True)
-    out = np.empty_like(raw)
-    _sections(out, pages, num_layers, layer, dst, canon, read=False)
-    raw[:] = out
-
-
-def _sections(flat: np.ndarray, pages: int, num_layers: int, layer: int, groups: int, canon: np.ndarray,
-              read: bool) -> None:  # fmt: skip
-    start = 0
-    for lo in range(0, num_layers, groups):
-        hi = min(num_layers, lo + groups)
-        n = pages * (hi - lo) * layer
-        section = flat[start : start + n].reshape(pages, hi - lo, layer)
-        if read:
-            canon[:, lo:hi] = section
-        else:
-            section[...] = canon[:, lo:hi]
-        start += n
-
-
 def header_bound(token_bytes: int, n_chunks: int, n_aliases: int = 0) -> int:
     """A header length (multiple of 4096) that fits any meta for these sizes (msgpack ints <= 9 B)."""
     aliases = 8 + n_aliases * _ALIAS_ENTRY_MAX
@@ -288,11 +227,11 @@ def file_bound(payload_len: int, token_count: int, chunk_bytes: int, n_aliases: 
 
 
 def encode_header(
-    header: Header, tokens: bytes | None, chunks: list[Chunk], seal: Seal, aliases: Sequence[Alias] = (),
+    header: Header, tokens: bytes | None, chunks: list[Chunk], seal: DirectoryMac, aliases: Sequence[Alias] = (),
     salt_tag: bytes | None = None,
 ) -> bytes:  # fmt: skip
     """Fixed header + meta (token ids only if `tokens` is given; `aliases` if any; `salt_tag`, of
-    `Seal.salt`, if the writer had a cache_salt), sealed, zero-padded to `header.header_len` (0: the
+    `DirectoryMac.salt`, if the writer had a cache_salt), sealed, zero-padded to `header.header_len` (0: the
     least multiple of 4096)."""
     obj: dict[str, object] = {"c": [[c.offset, c.length, c.xxh] for c in chunks]}
     if tokens is not None:
@@ -334,7 +273,7 @@ class IndexFields(NamedTuple):
     created_ns: int
 
 
-def peek_index(buf: bytes, seal: Seal) -> IndexFields:
+def peek_index(buf: bytes, seal: DirectoryMac) -> IndexFields:
     """Check magic, version and header MAC of a fixed header; raises FormatError."""
     if len(buf) < FIXED_SIZE:
         raise FormatError(f"truncated header: {len(buf)} < {FIXED_SIZE} bytes")
@@ -343,7 +282,7 @@ def peek_index(buf: bytes, seal: Seal) -> IndexFields:
     return IndexFields(f[4], f[5], f[6], f[14], f[20], f[17], f[3] + f[18], f[21])
 
 
-def decode_fixed(buf: bytes | memoryview, seal: Seal | None) -> Header:
+def decode_fixed(buf: bytes | memoryview, seal: DirectoryMac | None) -> Header:
     """Decode and verify the fixed header (the first FIXED_SIZE bytes); raises FormatError.
     `seal` None skips the MAC: only for tools that cannot read the directory's secret."""
     if len(buf) < FIXED_SIZE:
@@ -392,7 +331,7 @@ def _check_sizes(h: Header, n_chunks: int) -> None:
 
 
 def decode_meta(
-    header: Header, buf: bytes | memoryview, seal: Seal | None
+    header: Header, buf: bytes | memoryview, seal: DirectoryMac | None
 ) -> tuple[bytes | None, list[Chunk]]:
     """Verify and decode the meta block (bytes [FIXED_SIZE, FIXED_SIZE + meta_len) of the file):
     the token ids (None if not stored) and the chunk table. Raises FormatError; Mismatch if the
@@ -419,7 +358,7 @@ def decode_meta(
     return tokens, chunks
 
 
-def decode_aliases(header: Header, buf: bytes | memoryview, seal: Seal | None) -> tuple[Alias, ...]:
+def decode_aliases(header: Header, buf: bytes | memoryview, seal: DirectoryMac | None) -> tuple[Alias, ...]:
     """The meta's aliases (none in a v3 file), verified like `decode_meta`: MAC'd, each offset in
     1..token_count, each key 16 bytes, offsets strictly increasing. Raises FormatError."""
     obj = _meta_obj(header, buf, seal)
@@ -435,7 +374,7 @@ def decode_aliases(header: Header, buf: bytes | memoryview, seal: Seal | None) -
     return aliases
 
 
-def _meta_obj(header: Header, buf: bytes | memoryview, seal: Seal | None) -> dict[str, Any]:
+def _meta_obj(header: Header, buf: bytes | memoryview, seal: DirectoryMac | None) -> dict[str, Any]:
     meta = bytes(buf[FIXED_SIZE : FIXED_SIZE + header.meta_len])
     if len(meta) != header.meta_len:
         raise FormatError("truncated meta")
@@ -451,7 +390,7 @@ def _meta_obj(header: Header, buf: bytes | memoryview, seal: Seal | None) -> dic
 
 
 class SaltMark(NamedTuple):
-    """Whose cache_salt wrote an extent, as far as its (MAC'd) meta says: `tag` (`Seal.salt`), or
+    """Whose cache_salt wrote an extent, as far as its (MAC'd) meta says: `tag` (`DirectoryMac.salt`), or
     None with `known` True (v5: written without a cache_salt), or None with `known` False (v3/v4
     without token ids: some salted or `extra_key` tenant's, which one cannot be told). `newer`: a
     file of a newer format version (`NewerFormat`), which only its writer's version may remove."""
@@ -461,7 +400,7 @@ class SaltMark(NamedTuple):
     newer: bool = False
 
 
-def decode_salt(header: Header, buf: bytes | memoryview, version: int, seal: Seal | None) -> SaltMark:
+def decode_salt(header: Header, buf: bytes | memoryview, version: int, seal: DirectoryMac | None) -> SaltMark:
     """The extent's `SaltMark` from its meta, verified like `decode_meta`; raises FormatError."""
     obj = _meta_obj(header, buf, seal)
     tag = obj.get("s")

@@ -6,7 +6,7 @@ forever (the cache would then never free host memory). Here a worker takes a loa
 queued, except that after `WRITE_EVERY` consecutive loads taken while a store was waiting it takes
 the store: stores get at least 1/(WRITE_EVERY+1) of dispatches under load pressure.
 
-Why stores never hold every thread: a store may wait on its thread for room (`Space.make_room`,
+Why stores never hold every thread: a store may wait on its thread for room (`ProcessBudget.make_room`,
 up to ROOM_WAIT_S) or for a slow disk; if every thread held such a store, a restore's load would
 queue behind them for that long. With `threads >= 2` at most `threads - 1` stores run at once, so a
 load always finds a thread within one load's time. With one thread stores and loads take turns on

@@ -19,7 +19,7 @@ PROMPT = [(i * 7) % 50 + 1 for i in range(160)]
 
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sgl_hicache.tier import lookup
+    from sgl_hicache.tier import path_lookup as lookup
 
     monkeypatch.setattr(lookup, "BLOCK_TOKENS", 16)
 
@@ -289,7 +289,7 @@ def test_off_on_a_root_no_other_process_uses(make_stack: Any) -> None:
 def test_on_once_another_process_is_seen(make_stack: Any, peer: Callable[[Path], None]) -> None:
     """A server that never stored since the other came sees it within about `REFRESH_S` (the tier's
     refresh), and looks up from then on."""
-    from sgl_hicache.tier.shared import REFRESH_S
+    from sgl_hicache.tier.file.budget.shared import REFRESH_S
 
     s = prompt_past_a_spilled_prefix(make_stack)
     peer(s.tier_dir)

@@ -20,7 +20,7 @@ RID = "resume-1"
 
 def spilled_behind_a_slow_tier(make_stack: Any, bad_chunk: int | None = None, **overrides: Any) -> Any:
     """B inserted, spilled to one extent (chunk `bad_chunk` flipped on disk), read at 1 s latency."""
-    from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
+    from sgl_hicache.tier.testing.injector import FaultSpec, FaultyTier
 
     s = make_stack(size=512, chunk_bytes=CHUNK, **overrides)
     s.insert(B)
@@ -197,7 +197,7 @@ def _split_spilled_b_behind_a_slow_tier(make_stack: Any) -> Any:
     """B spilled as one 200-token extent, then split at 96 (a prompt sharing 96 tokens matched it),
     read at 1 s latency in 4 KiB chunks (32 tokens each); staging poisoned, so a byte copied before
     it landed is wrong KV (not the stale copy of B its block held since the spill)."""
-    from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
+    from sgl_hicache.tier.testing.injector import FaultSpec, FaultyTier
 
     s = make_stack(size=512, chunk_bytes=CHUNK)
     s.insert(B)

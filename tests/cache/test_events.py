@@ -206,7 +206,7 @@ def test_tier_eviction_is_removed_at_the_next_match_on_the_scheduler_thread(
 
 
 def test_a_failed_write_is_removed_at_the_next_match(make_stack: Any) -> None:
-    from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
+    from sgl_hicache.tier.testing.injector import FaultSpec, FaultyTier
 
     s = _events_stack(make_stack)
     s.cache.controller.tier = FaultyTier(s.cache.controller.tier, FaultSpec(fail_rate=1.0))

@@ -86,8 +86,9 @@ def _forge(s: Any, tokens: list[int], payload_tokens: int, parent: bytes | None 
            header_tokens: list[int] | None = None) -> None:  # fmt: skip
     """Replace the extent that holds `tokens` (at the root) with a well-formed file of another
     length or other tokens, under the same key: what a foreign writer could leave behind."""
-    from sgl_hicache.tier.paths import ExtentPaths
-    from sgl_hicache.tier.store import StoreRequest, prepare, write_extent
+    from sgl_hicache.tier.codec import StoreRequest, prepare
+    from sgl_hicache.tier.file.paths import ExtentPaths
+    from sgl_hicache.tier.file.store import write_extent
 
     tier = s.cache.controller.tier
     ns = tier.namespace

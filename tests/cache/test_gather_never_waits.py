@@ -9,7 +9,7 @@ from typing import Any
 
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams
 
-from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
+from sgl_hicache.tier.testing.injector import FaultSpec, FaultyTier
 from tests.cache.conftest import expected_kv, read_kv
 
 A = list(range(100, 140))

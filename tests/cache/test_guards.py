@@ -372,7 +372,7 @@ def test_disabling_spill_frees_the_slots_of_restores_in_progress(make_stack: Any
 
     from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
 
-    from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
+    from sgl_hicache.tier.testing.injector import FaultSpec, FaultyTier
 
     s = make_stack(size=512, chunk_bytes=4096)
     tokens = list(range(300, 500))

@@ -27,7 +27,7 @@ LATENCY_S = 3.0
 
 def spilled(make_stack: Any, **fault: Any) -> Any:
     """B spilled to one extent (two layer groups of eight 4 KiB chunks in all), read slowly."""
-    from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
+    from sgl_hicache.tier.testing.injector import FaultSpec, FaultyTier
 
     s = make_stack(size=512, chunk_bytes=CHUNK, layerwise_restore=True)
     assert s.cache.controller.layout.count == 2
@@ -92,7 +92,7 @@ def test_the_prefill_starts_before_the_last_group_landed_and_reads_every_layer_r
 
 
 def test_without_the_flag_the_request_waits_for_every_group(make_stack: Any) -> None:
-    from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
+    from sgl_hicache.tier.testing.injector import FaultSpec, FaultyTier
 
     s = make_stack(size=512, chunk_bytes=CHUNK)
     s.insert(B)
@@ -188,7 +188,7 @@ def test_two_resumed_requests_in_one_forward_only_the_failed_ones_reader_is_retr
     only B's request is retracted and its nodes dropped, C's request reads every layer restored."""
     from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
 
-    from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
+    from sgl_hicache.tier.testing.injector import FaultSpec, FaultyTier
 
     s = make_stack(size=1024, chunk_bytes=CHUNK, layerwise_restore=True)
     for seq in (B, C):
@@ -236,7 +236,7 @@ def test_a_group_failing_on_one_tp_rank_retracts_on_every_rank(tmp_path: Any) ->
     import threading
 
     from sgl_hicache.cache.warm_start import tree_digest
-    from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
+    from sgl_hicache.tier.testing.injector import FaultSpec, FaultyTier
     from tests.cache.conftest import build_stack, close_stack
     from tests.cache.test_tp_agreement import ThreadedAgreement
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from sgl_hicache.tier import format as fmt
-from sgl_hicache.tier.format import FIXED_SIZE, MAC_BYTES, Seal
+from sgl_hicache.tier.format import FIXED_SIZE, MAC_BYTES, DirectoryMac
 from sgl_hicache.tier.trust import SECRET_NAME
 
 A = list(range(100, 164))
@@ -21,7 +21,7 @@ def test_a_newer_extent_is_lost_not_corrupt_and_kept(make_stack: Any) -> None:
     data = bytearray(path.read_bytes())
     data[8:10] = (fmt.VERSION + 1).to_bytes(2, "little")
     maced = FIXED_SIZE - MAC_BYTES
-    data[maced:FIXED_SIZE] = Seal((s.tier_dir / SECRET_NAME).read_bytes()).header(bytes(data[:maced]))
+    data[maced:FIXED_SIZE] = DirectoryMac((s.tier_dir / SECRET_NAME).read_bytes()).header(bytes(data[:maced]))
     path.write_bytes(bytes(data))
     m = s.match(A)
     assert s.load_back(m) == (0, m.last_device_node)

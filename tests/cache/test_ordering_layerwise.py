@@ -51,7 +51,7 @@ def admitted_layerwise(s: Stack) -> torch.Tensor:
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, InsertParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
+    from sgl_hicache.tier.testing.injector import FaultSpec, FaultyTier
 
     slots = s.allocator.alloc(len(A))
     streams = device(s)

@@ -44,7 +44,7 @@ def test_unused_prefetch_is_released_after_its_ttl(make_stack: Any) -> None:
 
 
 def slow_stack(make_stack: Any, **overrides: Any) -> Any:
-    from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
+    from sgl_hicache.tier.testing.injector import FaultSpec, FaultyTier
 
     s = make_stack(**overrides)
     s.insert(A)
@@ -105,7 +105,7 @@ def test_reads_restarted_past_their_ttl_never_defer_a_request_forever(make_stack
     from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
 
     from sgl_hicache.config import PrefetchPolicy
-    from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
+    from sgl_hicache.tier.testing.injector import FaultSpec, FaultyTier
 
     s = make_stack(prefetch_policy=PrefetchPolicy.TIMEOUT, prefetch_timeout_s=0.3, prefetch_ttl_s=0.05)
     s.insert(A)

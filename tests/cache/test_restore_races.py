@@ -22,7 +22,7 @@ from tests.cache.test_early_unpack import B, admission, spilled_behind_a_slow_ti
 
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sgl_hicache.tier import lookup
+    from sgl_hicache.tier import path_lookup as lookup
 
     monkeypatch.setattr(lookup, "BLOCK_TOKENS", 16)
 

@@ -92,7 +92,7 @@ class SpillCacheMachine(RuleBasedStateMachine):
     admission = (SpillAdmission.ALL, 0)  # drawn at the start (`first_conversation`)
 
     def __init__(self) -> None:
-        from sgl_hicache.tier import lookup
+        from sgl_hicache.tier import path_lookup as lookup
 
         super().__init__()
         self._block_tokens, lookup.BLOCK_TOKENS = lookup.BLOCK_TOKENS, 8  # aliases inside short prompts
@@ -112,7 +112,7 @@ class SpillCacheMachine(RuleBasedStateMachine):
         )  # fmt: skip
 
     def teardown(self) -> None:
-        from sgl_hicache.tier import lookup
+        from sgl_hicache.tier import path_lookup as lookup
 
         for server in self.servers:
             close_stack(server.stack)
@@ -449,10 +449,11 @@ def check_resident_kv(s: Stack, ref: Reference, version: int, page_size: int) ->
 def _rewrite_with_other_tokens(path: Path, s: Stack) -> None:
     """A well-formed extent under the same file name whose header holds other tokens (what a
     foreign writer of another key scheme could leave): the tier must refuse it as a mismatch."""
+    from sgl_hicache.tier.codec import StoreRequest, prepare
+    from sgl_hicache.tier.file.paths import ExtentPaths
+    from sgl_hicache.tier.file.store import write_extent
     from sgl_hicache.tier.format import decode_fixed
     from sgl_hicache.tier.keys import ExtentKey
-    from sgl_hicache.tier.paths import ExtentPaths
-    from sgl_hicache.tier.store import StoreRequest, prepare, write_extent
 
     header = decode_fixed(path.read_bytes()[:4096], None)
     tier = s.tier  # the tier itself (the controller's may be wrapped in a FaultyTier)
@@ -611,7 +612,7 @@ class TwoCachesOneDirectory(SpillCacheMachine):
         write-through their age is their write time, so they go first); this cache then evicts:
         what it evicted must be restorable, as under write-back, which writes it then."""
         from sgl_hicache.cache.spill_state import ExtentState
-        from sgl_hicache.tier.paths import ExtentPaths
+        from sgl_hicache.tier.file.paths import ExtentPaths
 
         server = self.servers[which]
         if server.pending or self.tampered:
@@ -653,7 +654,7 @@ class SpillCacheLayerwise(SpillCacheMachine):
     restore, which is then retracted (its KV freed, never cached) and recomputes later."""
 
     def _stack(self) -> Stack:
-        from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
+        from sgl_hicache.tier.testing.injector import FaultSpec, FaultyTier
 
         stack = build_stack(
             self.dir / "tier", size=self.pool_tokens, page_size=self.page_size, chunk_bytes=4096,

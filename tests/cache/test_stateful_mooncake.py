@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
 from sgl_hicache.config import SpillBackend, TierConfig
-from sgl_hicache.tier import mooncake as mooncake_tier
-from sgl_hicache.tier.mooncake_client import Names, StoreClient, connect
+from sgl_hicache.tier.mooncake import backend as mooncake_tier
+from sgl_hicache.tier.mooncake.client import Names, StoreClient, connect
 from tests.cache.conftest import Stack, build_stack
 from tests.cache.test_stateful import RARE, TwoCachesOneDirectory
 from tests.mooncake_master import MooncakeMaster
@@ -133,7 +133,7 @@ TestTwoCachesOnMooncake.settings = _SETTINGS
 
 def test_the_machine_runs_on_mooncake() -> None:
     """The clients the machine's tiers use are the store's (not a file tier by mistake)."""
-    from sgl_hicache.tier.mooncake import MooncakeTier
+    from sgl_hicache.tier.mooncake.backend import MooncakeTier
 
     machine: Any = TwoCachesOnMooncake()
     try:

@@ -81,7 +81,7 @@ def run_rank(stack: Stack, steps: list[list[int]], record: list[Any]) -> None:
 def run_pair(
     tmp_path: Path, agreements: list[Agreement], seed: int
 ) -> tuple[list[Any], list[Any], list[Stack]]:
-    from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
+    from sgl_hicache.tier.testing.injector import FaultSpec, FaultyTier
 
     stacks = [build_stack(tmp_path / f"rank{r}", size=160) for r in range(2)]
     spec = FaultSpec(seed=seed, fail_rate=0.25, corrupt_rate=0.15, latency_s=0.01, jitter_s=0.02)

@@ -23,7 +23,7 @@ from tests.cache.test_cross_server import PROMPT, restore_on
 
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sgl_hicache.tier import lookup
+    from sgl_hicache.tier import path_lookup as lookup
 
     monkeypatch.setattr(lookup, "BLOCK_TOKENS", 16)
 

@@ -12,9 +12,9 @@ from typing import Any
 
 from sgl_hicache.config import Fsync, TierConfig
 from sgl_hicache.tier import ROOT_KEY, Namespace, Status, Tier, open_tier
-from sgl_hicache.tier.budget import State
-from sgl_hicache.tier.ledger import LEDGER_NAME, close_ledger, open_ledger
-from sgl_hicache.tier.sweep import walk_root
+from sgl_hicache.tier.file.budget.ledger import LEDGER_NAME, close_ledger, open_ledger
+from sgl_hicache.tier.file.budget.ledger_state import State
+from sgl_hicache.tier.file.sweep import walk_root
 from tests.tier.common import CHUNK, NS, key_for, payload_for, tokens_for
 
 
@@ -78,7 +78,7 @@ def discard(directory: str, capacity: int, index: int, results: Any) -> None:
 def stuck_writer(directory: str, capacity: int, index: int, started: Any) -> None:
     """A store whose header write never returns: its temp file exists and its bytes are leased
     when the parent SIGKILLs this process."""
-    import sgl_hicache.tier.store as store
+    import sgl_hicache.tier.file.store as store
 
     real = store.pwritev_exact
 
@@ -109,7 +109,7 @@ def open_and_close(directory: str, capacity: int, done: Any) -> None:
 
 def spill_prompt(directory: str, capacity: int, extents: list[int], done: Any) -> None:
     """Store extents of `test_aliases.PROMPT` with their aliases (16-token blocks, as those tests)."""
-    from sgl_hicache.tier import lookup
+    from sgl_hicache.tier import path_lookup as lookup
     from tests.tier import test_aliases
 
     lookup.BLOCK_TOKENS = 16

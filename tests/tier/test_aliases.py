@@ -11,13 +11,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sgl_hicache.tier import ExtentKey, Tier, aliases, chain_key
-from sgl_hicache.tier.aliases import alias_path
+from sgl_hicache.tier import ExtentKey, Tier, chain_key
 from sgl_hicache.tier.base import LookupRequest, LookupResult
+from sgl_hicache.tier.file import aliases
+from sgl_hicache.tier.file.aliases import alias_path
+from sgl_hicache.tier.file.budget.shared import SharedBudget
+from sgl_hicache.tier.file.paths import ExtentPaths
 from sgl_hicache.tier.keys import PathHasher
-from sgl_hicache.tier.lookup import alias_marks
-from sgl_hicache.tier.paths import ExtentPaths
-from sgl_hicache.tier.shared import SharedBudget
+from sgl_hicache.tier.path_lookup import alias_marks
 from tests.tier import share_proc
 from tests.tier.common import NS, payload_for
 from tests.tier.share_proc import SPAWN, start
@@ -30,7 +31,7 @@ SIZE = 20_000
 
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sgl_hicache.tier import lookup
+    from sgl_hicache.tier import path_lookup as lookup
 
     monkeypatch.setattr(lookup, "BLOCK_TOKENS", 16)
 

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from sgl_hicache.tier import ROOT_KEY, Status
+from sgl_hicache.tier.file.owner import Writer, host_tag, me
 from sgl_hicache.tier.format import ALIGN
-from sgl_hicache.tier.owner import Writer, host_tag, me
 from tests.tier.common import key_for, payload_for, tokens_for
 
 

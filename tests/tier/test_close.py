@@ -6,7 +6,7 @@ import threading
 import time
 
 from sgl_hicache.tier import ROOT_KEY, Status
-from sgl_hicache.tier import store as store_module
+from sgl_hicache.tier.file import store as store_module
 from tests.tier.common import key_for, payload_for, tokens_for
 
 

@@ -1,5 +1,5 @@
 """The `Tier` contract the cache relies on, run against both backends (issue 26): a directory
-(`NvmeTier`) and a Mooncake Store (`MooncakeTier`, a real master on loopback).
+(`FileTier`) and a Mooncake Store (`MooncakeTier`, a real master on loopback).
 
 Two tiers of one namespace stand for two servers: one writes, the other reads and looks up. Every
 load is bit-exact or a status; each completion is returned once; a closed tier rejects.
@@ -20,7 +20,7 @@ from sgl_hicache.config import Compression, SpillBackend, TierConfig
 from sgl_hicache.tier import ROOT_KEY, ExtentKey, IndexedTier, Namespace, Status, chain_key, open_tier
 from sgl_hicache.tier.base import LookupRequest, LookupResult
 from sgl_hicache.tier.keys import PathHasher
-from sgl_hicache.tier.lookup import alias_marks
+from sgl_hicache.tier.path_lookup import alias_marks
 from tests.tier.common import CHUNK, NS, payload_for
 
 MakeTier = Callable[..., IndexedTier]
@@ -124,7 +124,7 @@ def stored_bytes(tier: IndexedTier, key: ExtentKey) -> int:
     """The bytes `key` occupies in its store: its file, or its header and chunk objects."""
     names = getattr(tier, "_names", None)
     if names is None:
-        from sgl_hicache.tier.paths import ExtentPaths
+        from sgl_hicache.tier.file.paths import ExtentPaths
 
         return ExtentPaths(tier._cfg.directory, tier.namespace.id).extent(key).stat().st_size  # type: ignore[attr-defined]
     client = tier._client  # type: ignore[attr-defined]
@@ -154,7 +154,7 @@ PROMPT = np.array([(i * 7) % 50 + 1 for i in range(160)], dtype=np.uint32)
 def test_another_tier_finds_verifies_and_loads_by_lookup(
     make_tier: MakeTier, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from sgl_hicache.tier import lookup as lookup_mod
+    from sgl_hicache.tier import path_lookup as lookup_mod
 
     monkeypatch.setattr(lookup_mod, "BLOCK_TOKENS", 16)
     writer, reader = make_tier(), make_tier()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from sgl_hicache.tier import ROOT_KEY, Status
-from sgl_hicache.tier import capacity as capacity_module
+from sgl_hicache.tier.file.budget import process as capacity_module
 from tests.tier.common import key_for, payload_for, tokens_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,8 +122,8 @@ def test_eio_is_a_result_and_keeps_the_extent(make_tier, monkeypatch):
     """No device that fails on demand here: inject EIO at the I/O call the tier makes."""
     import errno
 
-    from sgl_hicache.tier import load as load_module
-    from sgl_hicache.tier import store as store_module
+    from sgl_hicache.tier.file import load as load_module
+    from sgl_hicache.tier.file import store as store_module
 
     tier = make_tier()
     assert store(tier, 1) is Status.OK
@@ -143,7 +143,7 @@ def test_eio_is_a_result_and_keeps_the_extent(make_tier, monkeypatch):
 
 
 def test_a_bug_in_a_job_is_logged_and_completed(make_tier, monkeypatch, caplog):
-    from sgl_hicache.tier import nvme as nvme_module
+    from sgl_hicache.tier.file import backend as nvme_module
 
     tier = make_tier()
     assert store(tier, 1) is Status.OK

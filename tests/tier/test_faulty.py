@@ -7,7 +7,7 @@ import time
 import pytest
 
 from sgl_hicache.tier import ROOT_KEY, Status
-from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
+from sgl_hicache.tier.testing.injector import FaultSpec, FaultyTier
 from tests.tier.common import key_for, payload_for, tokens_for
 
 

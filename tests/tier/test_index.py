@@ -7,7 +7,7 @@ import pytest
 
 from sgl_hicache.config import Fsync
 from sgl_hicache.tier import ROOT_KEY, ExtentKey, chain_key
-from sgl_hicache.tier.index import Entry, Index
+from sgl_hicache.tier.file.budget.index import Entry, Index
 from tests.tier.common import NS, key_for, payload_for, tokens_for
 
 

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from sgl_hicache.tier import ROOT_KEY, Status, Tier
-from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
+from sgl_hicache.tier.testing.injector import FaultSpec, FaultyTier
 from tests.tier.common import CHUNK, key_for, payload_for
 
 SIZE = 5 * CHUNK + 1000  # six chunks, the last one short

@@ -25,7 +25,8 @@ from sgl_hicache.tier import (
     chain_key,
     open_tier,
 )
-from sgl_hicache.tier.format import FIXED_SIZE, MAC_BYTES, Seal, decode_fixed, file_bound, section_lengths
+from sgl_hicache.tier.format import FIXED_SIZE, MAC_BYTES, DirectoryMac, decode_fixed, file_bound
+from sgl_hicache.tier.groups import section_lengths
 from tests.tier.common import CHUNK
 
 LAYERS, PAGE = 5, 4
@@ -153,7 +154,7 @@ def reseal_as(path: Path, root: Path, version: int) -> None:
     """Rewrite a file's fixed header as format `version` (an older writer's), sealed again."""
     raw = bytearray(path.read_bytes())
     raw[8:10] = version.to_bytes(2, "little")
-    seal = Seal((root / ".secret").read_bytes())
+    seal = DirectoryMac((root / ".secret").read_bytes())
     mac_at = FIXED_SIZE - MAC_BYTES
     raw[mac_at:FIXED_SIZE] = seal.header(bytes(raw[:mac_at]))
     path.write_bytes(bytes(raw))

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-import sgl_hicache.tier.filelock as filelock
-import sgl_hicache.tier.ledger as ledger_mod
-import sgl_hicache.tier.nvme as nvme_mod
+import sgl_hicache.tier.file.backend as nvme_mod
+import sgl_hicache.tier.file.budget.filelock as filelock
+import sgl_hicache.tier.file.budget.ledger as ledger_mod
 from sgl_hicache.tier import ROOT_KEY, KVDtype, KVLayout, Namespace, Status
-from sgl_hicache.tier.budget import Lease, State
-from sgl_hicache.tier.ledger import LEDGER_NAME, close_ledger, open_ledger
-from sgl_hicache.tier.owner import Writer, host_tag, me
-from sgl_hicache.tier.sweep import FOREIGN_RETRY_S, walk_root
+from sgl_hicache.tier.file.budget.ledger import LEDGER_NAME, close_ledger, open_ledger
+from sgl_hicache.tier.file.budget.ledger_state import Lease, State
+from sgl_hicache.tier.file.owner import Writer, host_tag, me
+from sgl_hicache.tier.file.sweep import FOREIGN_RETRY_S, walk_root
 from tests.tier import share_proc
 from tests.tier.common import NS, key_for, payload_for, tokens_for
 from tests.tier.share_proc import SPAWN, locked_usage, start
@@ -179,8 +179,22 @@ def test_a_ledger_held_too_long_fails_the_store_not_the_loads(
     assert state is not None and state.published == on_disk == 2 * FILE
 
 
-def no_evict(short: int) -> int:
-    return 0
+class NoEvict:
+    """A reservation's caller with a budget of 100 kB that evicts nothing."""
+
+    capacity_bytes = 100_000
+
+    def evict(self, short: int) -> int:
+        return 0
+
+    def removed_temps(self, count: int) -> None:
+        pass
+
+    def unlink_failed(self, error: OSError) -> None:
+        pass
+
+
+no_evict = NoEvict()
 
 
 def test_a_reservation_while_the_root_is_gone_is_refused(make_tier, tmp_path: Path) -> None:
@@ -192,7 +206,7 @@ def test_a_reservation_while_the_root_is_gone_is_refused(make_tier, tmp_path: Pa
     try:
         shutil.rmtree(root)
         with pytest.raises(FileNotFoundError):
-            ledger.reserve(1000, 100_000, no_evict)
+            ledger.reserve(1000, no_evict)
     finally:
         close_ledger(ledger)
 
@@ -205,10 +219,10 @@ def test_a_lease_of_a_removed_ledger_is_not_taken_from_the_new_one(make_tier, tm
     make_tier(directory=root).close()
     ledger = open_ledger(root)
     try:
-        old = ledger.reserve(1000, 100_000, no_evict)
+        old = ledger.reserve(1000, no_evict)
         shutil.rmtree(root)
         root.mkdir(mode=0o700)  # re-created by another process (recreate.py)
-        new = ledger.reserve(3000, 100_000, no_evict)
+        new = ledger.reserve(3000, no_evict)
         assert new.generation != old.generation
         ledger.release(1000, old.generation)
         assert ledger.snapshot().leases[me().token].nbytes == 3000
@@ -228,10 +242,10 @@ def test_a_lease_another_process_ended_is_not_taken_from_our_next_one(make_tier,
     make_tier(directory=root).close()
     ledger = open_ledger(root)
     try:
-        old = ledger.reserve(1000, 100_000, no_evict)
+        old = ledger.reserve(1000, no_evict)
         with ledger.locked() as state:  # what another process's `_reclaim` writes
             state.published += state.leases.pop(me().token).nbytes
-        new = ledger.reserve(3000, 100_000, no_evict)
+        new = ledger.reserve(3000, no_evict)
         ledger.release(1000, old.generation)
         assert new.generation != old.generation
         assert ledger.snapshot().leases[me().token].nbytes == 3000
@@ -245,11 +259,11 @@ def test_a_root_recreated_before_the_temp_file_exists_is_not_written_uncounted(
     """Our store leased in the root's ledger; then another process removed and re-created the root
     (its new ledger holds no lease of ours) before our temp file existed. The store must not write
     there uncounted: it leases again in the new ledger. Checked while its write is stalled."""
-    import sgl_hicache.tier.store as store_mod
+    import sgl_hicache.tier.file.store as store_mod
 
     root = tmp_path / "tier"
     tier = make_tier(directory=root)
-    make_room, recreated = tier._space.make_room, []
+    make_room, recreated = tier._budget.make_room, []
 
     def make_room_then_recreate(nbytes: int, key):
         res = make_room(nbytes, key)
@@ -272,7 +286,7 @@ def test_a_root_recreated_before_the_temp_file_exists_is_not_written_uncounted(
             go.wait(30)
         real(fd, views, offset)
 
-    tier._space.make_room = make_room_then_recreate
+    tier._budget.make_room = make_room_then_recreate
     monkeypatch.setattr(store_mod, "pwritev_exact", stall_on_header)
     ticket = tier.submit_store(key_for(1), payload_for(1, SIZE), tokens_for(1), ROOT_KEY)
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 
-import sgl_hicache.tier.nvme as nvme
+import sgl_hicache.tier.file.backend as nvme
 from sgl_hicache.tier import ROOT_KEY, Status
 from sgl_hicache.tier.format import ALIGN
 from tests.tier.common import key_for, payload_for, tokens_for

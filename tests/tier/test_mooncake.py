@@ -19,7 +19,7 @@ import pytest
 
 from sgl_hicache.config import SpillBackend, TierConfig
 from sgl_hicache.tier import ROOT_KEY, ExtentKey, IndexedTier, Namespace, Status, chain_key, open_tier
-from sgl_hicache.tier.mooncake_client import Names
+from sgl_hicache.tier.mooncake.client import Names
 from tests.mooncake_master import MooncakeMaster, skip_without_mooncake
 from tests.tier.common import CHUNK, NS, payload_for
 from tests.tier.test_contract import close_all

@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import sgl_hicache.tier.mooncake as mc
+import sgl_hicache.tier.mooncake.backend as mc
 from sgl_hicache.config import MooncakeConfig, SpillBackend, TierConfig
 from sgl_hicache.tier import ROOT_KEY, ExtentKey, Status
-from sgl_hicache.tier.mooncake_client import Names, Reply
+from sgl_hicache.tier.mooncake.client import Names, Reply
 from tests.tier.common import CHUNK, NS, key_for, payload_for, tokens_for
 
 NBYTES = 4 * CHUNK
@@ -160,7 +160,7 @@ def test_a_header_of_a_newer_format_version_is_a_miss_and_never_removed_nor_over
     skipped and counted in `newer_extents`, not dropped as corrupt, and a store of its key by this
     version leaves it as it is."""
     from sgl_hicache.tier import format as fmt
-    from sgl_hicache.tier.format import FIXED_SIZE, MAC_BYTES, Seal
+    from sgl_hicache.tier.format import FIXED_SIZE, MAC_BYTES, DirectoryMac
     from sgl_hicache.tier.trust import SECRET_NAME
 
     store, a, b = servers
@@ -169,7 +169,7 @@ def test_a_header_of_a_newer_format_version_is_a_miss_and_never_removed_nor_over
     header = bytearray(store.objs[names.header(key)])
     header[8:10] = (fmt.VERSION + 1).to_bytes(2, "little")
     maced = FIXED_SIZE - MAC_BYTES
-    header[maced:FIXED_SIZE] = Seal((tmp_path / "tier" / SECRET_NAME).read_bytes()).header(
+    header[maced:FIXED_SIZE] = DirectoryMac((tmp_path / "tier" / SECRET_NAME).read_bytes()).header(
         bytes(header[:maced])
     )
     assert store.write(names.header(key), bytes(header)).ok

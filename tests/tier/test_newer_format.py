@@ -16,7 +16,7 @@ import pytest
 from sgl_hicache.cli import main as cli_main
 from sgl_hicache.tier import ROOT_KEY, Status, Tier
 from sgl_hicache.tier import format as fmt
-from sgl_hicache.tier.format import FIXED_SIZE, MAC_BYTES, Seal
+from sgl_hicache.tier.format import FIXED_SIZE, MAC_BYTES, DirectoryMac
 from sgl_hicache.tier.trust import SECRET_NAME
 from tests.tier.common import key_for, payload_for, tokens_for
 
@@ -39,7 +39,7 @@ def make_newer(root: Path, i: int, version: int = NEWER) -> Path:
     data = bytearray(path.read_bytes())
     data[8:10] = version.to_bytes(2, "little")
     maced = FIXED_SIZE - MAC_BYTES
-    data[maced:FIXED_SIZE] = Seal((root / SECRET_NAME).read_bytes()).header(bytes(data[:maced]))
+    data[maced:FIXED_SIZE] = DirectoryMac((root / SECRET_NAME).read_bytes()).header(bytes(data[:maced]))
     path.write_bytes(bytes(data))
     assert fmt.version_of(path.read_bytes()[:FIXED_SIZE]) == version
     return path

@@ -15,7 +15,7 @@ from sgl_hicache.cli import main as cli_main
 from sgl_hicache.tier import ROOT_KEY, KVDtype, KVLayout, Namespace, Tier
 from sgl_hicache.tier import format as fmt
 from sgl_hicache.tier.base import Op, Status
-from sgl_hicache.tier.purge import salt_extents
+from sgl_hicache.tier.file.purge import salt_extents
 from tests.tier.common import NS, key_for, payload_for, tokens_for
 
 SIZE = 20_000
@@ -71,7 +71,7 @@ def test_a_store_in_flight_when_its_salt_is_purged_leaves_no_file(
 ) -> None:
     """The purge's scan runs while the store writes its temp file (a slow disk): the store's job
     removes the file it publishes afterwards."""
-    from sgl_hicache.tier import store as store_module
+    from sgl_hicache.tier.file import store as store_module
 
     slow = store_module._write_chunks
     monkeypatch.setattr(store_module, "_write_chunks", lambda *a: time.sleep(0.5) or slow(*a))
@@ -134,7 +134,7 @@ def test_a_file_that_cannot_be_read_is_never_called_free_of_the_salt(
     import errno
     import os
 
-    from sgl_hicache.tier import purge
+    from sgl_hicache.tier.file import purge
 
     def failing(code: int) -> Any:
         def open_(path: str, flags: int, *args: Any) -> int:
@@ -155,7 +155,7 @@ def test_a_purge_cut_short_mid_walk_completes_when_sent_again(
     """A crash inside the walk after three removals (raised by the 4th unlink, of this namespace's
     files or another model's): the purge fails; the same purge again removes the rest and succeeds,
     and the index stays whole."""
-    from sgl_hicache.tier.shared import SharedBudget
+    from sgl_hicache.tier.file.budget.shared import SharedBudget
 
     other_model = Namespace("another-model", KVLayout(2, 2, 64, KVDtype.BF16, 4))
     tier, other = make_tier(), make_tier(ns=other_model)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-import sgl_hicache.tier.publish as publish
+import sgl_hicache.tier.file.publish as publish
 from sgl_hicache.tier import ROOT_KEY
 from sgl_hicache.tier.format import ALIGN
 from tests.tier.common import key_for, payload_for, tokens_for
@@ -51,17 +51,17 @@ def test_load_completes_while_stores_wait_for_room(make_tier, stall_writes):
     assert tier.wait(tier.submit_store(key_for(0), payload_for(0, 10_000), tokens_for(0), ROOT_KEY), 10).ok
     gate = stall_writes()
     entered = threading.Semaphore(0)
-    make_room = tier._space.make_room
+    make_room = tier._budget.make_room
 
     def counted(nbytes, key):
         entered.release()
         return make_room(nbytes, key)
 
-    tier._space.make_room = counted
+    tier._budget.make_room = counted
     # Extent 1 reserves a unit and stalls in its write; 2..4 need the whole budget, which only the
     # end of 1 can give (0 alone is too small to evict for them): they wait in make_room.
     tier.submit_store(key_for(1), payload_for(1, 10_000), tokens_for(1), ROOT_KEY)
-    wait_until(lambda: tier._space.index.reserved > 0)  # 1 reserved first (else a big one could evict 0)
+    wait_until(lambda: tier._budget.index.reserved > 0)  # 1 reserved first (else a big one could evict 0)
     big = 3 * unit - ALIGN
     for i in (2, 3, 4):
         tier.submit_store(key_for(i), payload_for(i, big), tokens_for(i), ROOT_KEY)

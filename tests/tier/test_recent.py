@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from sgl_hicache.tier import ROOT_KEY, ExtentInfo, ExtentKey
-from sgl_hicache.tier.recent import RecentExtents
+from sgl_hicache.tier.mooncake.recent import RecentExtents
 
 
 def info(i: int, nbytes: int = 100) -> ExtentInfo:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from sgl_hicache.tier import ROOT_KEY, Status
-from sgl_hicache.tier.paths import FANOUT_CHARS
+from sgl_hicache.tier.file.paths import FANOUT_CHARS
 from sgl_hicache.tier.trust import SECRET_BYTES, SECRET_NAME
 from tests.tier.common import NS, key_for, payload_for, tokens_for
 from tests.tier.test_faults import load, store

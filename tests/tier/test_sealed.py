@@ -11,9 +11,10 @@ import pytest
 import xxhash
 
 from sgl_hicache.tier import ROOT_KEY, Status, chain_key
-from sgl_hicache.tier.format import Seal
+from sgl_hicache.tier.codec import StoreRequest, prepare
+from sgl_hicache.tier.file.store import write_extent
+from sgl_hicache.tier.format import DirectoryMac
 from sgl_hicache.tier.keys import ExtentKey, token_digest, tokens_to_bytes
-from sgl_hicache.tier.store import StoreRequest, prepare, write_extent
 from tests.tier.common import NS, payload_for
 
 TOKENS = [0xDEADBEEF, 0x0BADF00D, 0xCAFEBABE, 0x8BADF00D]  # distinctive <u4 byte strings
@@ -22,7 +23,7 @@ KEY = chain_key(NS.id, PARENT, TOKENS)
 DATA = payload_for(3, 70_000)
 
 
-def plant(tier, req: StoreRequest, seal: Seal) -> Path:
+def plant(tier, req: StoreRequest, seal: DirectoryMac) -> Path:
     """Write `req` as a well-formed extent at its key's path with the format code, as a foreign
     writer could; returns the file."""
     write_extent(prepare(req, tier._cfg), tier._cfg, tier.namespace, tier._paths, False, seal)
@@ -44,7 +45,7 @@ def test_chain_key_is_over_the_count_and_digest_of_the_tokens():
 @pytest.mark.parametrize("right_secret", [True, False], ids=["our-secret", "another-secret"])
 def test_a_planted_extent_is_used_only_if_sealed_with_our_secret(make_tier, right_secret: bool):
     tier = make_tier()
-    seal = tier._seal if right_secret else Seal(os.urandom(32))
+    seal = tier._seal if right_secret else DirectoryMac(os.urandom(32))
     path = plant(tier, StoreRequest.of(KEY, PARENT, TOKENS, memoryview(DATA)), seal)
 
     tokens = tier.read_tokens(KEY)  # the warm start's read
@@ -63,7 +64,7 @@ def test_a_planted_extent_is_used_only_if_sealed_with_our_secret(make_tier, righ
 @pytest.mark.parametrize("right_secret", [True, False], ids=["our-secret", "another-secret"])
 def test_the_scan_indexes_only_extents_sealed_with_our_secret(make_tier, right_secret: bool):
     tier = make_tier()
-    seal = tier._seal if right_secret else Seal(os.urandom(32))
+    seal = tier._seal if right_secret else DirectoryMac(os.urandom(32))
     path = plant(tier, StoreRequest.of(KEY, PARENT, TOKENS, memoryview(DATA)), seal)
     tier.close()
     again = make_tier()

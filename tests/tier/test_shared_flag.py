@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-import sgl_hicache.tier.filelock as filelock
-import sgl_hicache.tier.ledger as ledger_mod
-import sgl_hicache.tier.nvme as nvme
-import sgl_hicache.tier.shared as shared_mod
+import sgl_hicache.tier.file.backend as nvme
+import sgl_hicache.tier.file.budget.filelock as filelock
+import sgl_hicache.tier.file.budget.ledger as ledger_mod
+import sgl_hicache.tier.file.budget.shared as shared_mod
 from sgl_hicache.tier import ROOT_KEY, Namespace, Status, Tier
-from sgl_hicache.tier.ledger import LEDGER_NAME
-from sgl_hicache.tier.presence import Presence
+from sgl_hicache.tier.file.budget.ledger import LEDGER_NAME
+from sgl_hicache.tier.file.budget.mark import ProcessMark
 from tests.tier import share_proc
 from tests.tier.common import NS, key_for, payload_for, tokens_for
 from tests.tier.share_proc import SPAWN, start
@@ -65,7 +65,7 @@ def fast_refresh(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def no_marks(monkeypatch: pytest.MonkeyPatch) -> None:
     """This process does not see other processes' marks (presence.py): only the ledger tells."""
-    monkeypatch.setattr(Presence, "others", lambda self: False)
+    monkeypatch.setattr(ProcessMark, "others", lambda self: False)
 
 
 @pytest.fixture
@@ -264,10 +264,10 @@ def test_a_root_that_cannot_be_marked_is_not_private_and_still_serves(
     """Without our mark on `.present` (EIO, EACCES) nobody can be ruled out: the tier is shared, and
     its open and every ledger transaction (stores, evictions) go on regardless."""
 
-    def fail(self: Presence) -> bool:
+    def fail(self: ProcessMark) -> bool:
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(Presence, "mark", fail)
+    monkeypatch.setattr(ProcessMark, "mark", fail)
     with caplog.at_level(logging.WARNING, "sgl_hicache.tier"):
         tier = make_tier(directory=tmp_path / "tier", capacity_bytes=CAP)
         assert tier.shared

@@ -16,9 +16,9 @@ from pathlib import Path
 
 from sgl_hicache.cli.fsck import cmd_fsck
 from sgl_hicache.tier import ROOT_KEY, Status
-from sgl_hicache.tier.owner import Writer, host_tag, me, start_ticks
-from sgl_hicache.tier.scan import STALE_TEMP_S
-from sgl_hicache.tier.sweep import walk_root
+from sgl_hicache.tier.file.owner import Writer, host_tag, me, start_ticks
+from sgl_hicache.tier.file.scan import STALE_TEMP_S
+from sgl_hicache.tier.file.sweep import walk_root
 from tests.tier import share_proc
 from tests.tier.common import NS, key_for, payload_for, tokens_for
 from tests.tier.share_proc import SPAWN, locked_usage, start

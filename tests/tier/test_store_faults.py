@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-import sgl_hicache.tier.store as store_mod
-import sgl_hicache.tier.sweep as sweep_mod
+import sgl_hicache.tier.file.store as store_mod
+import sgl_hicache.tier.file.sweep as sweep_mod
 from sgl_hicache.config import Fsync
 from sgl_hicache.tier import ROOT_KEY, Status
-from sgl_hicache.tier.sweep import walk_root
+from sgl_hicache.tier.file.sweep import walk_root
 from tests.tier.common import key_for, payload_for, tokens_for
 from tests.tier.share_proc import locked_usage
 

@@ -4,8 +4,8 @@ the cache publishes their removal to a KV-aware router)."""
 from __future__ import annotations
 
 from sgl_hicache.tier import ROOT_KEY
-from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
-from sgl_hicache.tier.index import EVICTED_KEPT, Entry, Index
+from sgl_hicache.tier.file.budget.index import EVICTED_KEPT, Entry, Index
+from sgl_hicache.tier.testing.injector import FaultSpec, FaultyTier
 from tests.tier.common import key_for, payload_for, tokens_for
 from tests.tier.test_capacity import file_bytes
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from sgl_hicache.tier import UntrustedDirectory
-from sgl_hicache.tier.ledger import LEDGER_NAME
-from sgl_hicache.tier.presence import PRESENCE_NAME
+from sgl_hicache.tier.file.budget.ledger import LEDGER_NAME
+from sgl_hicache.tier.file.budget.mark import PRESENCE_NAME
 from sgl_hicache.tier.trust import SECRET_BYTES, SECRET_NAME
 from tests.tier.common import NS
 

@@ -1,0 +1,87 @@
+"""How this server joins a Mooncake Store as a client (`MooncakeConfig`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sgl_hicache.config.errors import ConfigError, require
+from sgl_hicache.config.units import GiB, MiB, parse_size
+
+_MOONCAKE_ENV = {  # field -> Mooncake's own variable (the names sglang's `mooncake` L3 backend reads)
+    "master": "MOONCAKE_MASTER",
+    "metadata_server": "MOONCAKE_TE_META_DATA_SERVER",
+    "protocol": "MOONCAKE_PROTOCOL",
+    "device_name": "MOONCAKE_DEVICE",
+    "local_hostname": "MOONCAKE_LOCAL_HOSTNAME",
+    "global_segment_size": "MOONCAKE_GLOBAL_SEGMENT_SIZE",
+    "local_buffer_size": "MOONCAKE_LOCAL_BUFFER_SIZE",
+    "ssd_offload_path": "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH",
+}
+_MOONCAKE_DEFAULTS: dict[str, Any] = {
+    "metadata_server": "P2PHANDSHAKE", "protocol": "tcp", "local_hostname": "localhost",
+    "global_segment_size": 4 * GiB, "local_buffer_size": 64 * MiB,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MooncakeConfig:
+    """How this server joins a Mooncake Store as a client (`--hicache-spill-mooncake-config`, one JSON
+    object with these keys; `""` / 0 mean unset). `with_env` fills what is unset from Mooncake's own
+    variables, then from the defaults above."""
+
+    master: str = ""  # host:port of mooncake_master's RPC
+    metadata_server: str = ""  # "http://host:port/metadata" (the master's HTTP one), etcd, or P2PHANDSHAKE
+    protocol: str = ""  # tcp, rdma, ...
+    device_name: str = ""  # RDMA devices, comma-separated ("" lets Mooncake pick)
+    local_hostname: str = ""  # the address other clients reach this one at
+    global_segment_size: int = 0  # bytes of DRAM this client contributes to the store
+    local_buffer_size: int = 0  # bytes of the client's own transfer buffer
+    ssd_offload_path: str = ""  # Mooncake's SSD tier on this host (e.g. an NVMe-oF mount); "" for none
+
+    @classmethod
+    def from_user(cls, data: object) -> MooncakeConfig:
+        """From the flag's JSON object: known keys only, strings, sizes as bytes or with a unit."""
+        require(isinstance(data, dict), None, "expected a JSON object of Mooncake settings")
+        assert isinstance(data, dict)
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(names))
+        require(not unknown, None, f"unknown key {', '.join(unknown)} (known: {', '.join(names)})")
+        given: dict[str, Any] = {k: _mooncake_value(k, v) for k, v in data.items()}
+        return cls(**given)
+
+    def with_env(self, environ: Mapping[str, str]) -> MooncakeConfig:
+        """Unset fields from Mooncake's variables (`MOONCAKE_MASTER`, ...), then the defaults."""
+        out = {}
+        for name, var in _MOONCAKE_ENV.items():
+            value = getattr(self, name)
+            if not value and environ.get(var):
+                try:
+                    value = _mooncake_value(name, environ[var])
+                except ConfigError as e:
+                    raise ConfigError(f"{var}: {e}") from None
+            out[name] = value or _MOONCAKE_DEFAULTS.get(name, value)
+        return MooncakeConfig(**out)
+
+    def __post_init__(self) -> None:
+        require(self.master == "" or ":" in self.master, None,
+                 f"master must be host:port, got {self.master!r}")  # fmt: skip
+        for name in ("global_segment_size", "local_buffer_size"):
+            size = getattr(self, name)
+            require(
+                size == 0 or size >= 16 * MiB,
+                None,
+                f"{name} must be at least 16M (Mooncake's least), got {size}",
+            )
+
+
+def _mooncake_value(name: str, value: object) -> str | int:
+    if name.endswith("_size"):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        require(isinstance(value, str), None, f'{name}: expected a size such as "4G", got {value!r}')
+        return parse_size(str(value), 1)  # a bare number is bytes, as Mooncake reads it
+    require(isinstance(value, str), None, f"{name}: expected a string, got {value!r}")
+    return str(value)

@@ -1,0 +1,331 @@
+"""MooncakeTier: the extent store on a Mooncake Store (contract: `base.IndexedTier`).
+
+One master owns placement, replication, capacity and eviction; every server is a client giving a
+DRAM segment (and, where it mounts NVMe-oF namespaces, Mooncake's SSD tier). An extent is a header
+object and one object per chunk, in the file format (objects.py; names and codes:
+client.py), and every load verifies it as a file load does. The contract's file promises:
+
+- Trust: headers are sealed with `TierConfig.directory`'s `.secret` (trust.py): servers sharing
+  extents share that file. Another deployment's, namespace's or key's object is CORRUPT or
+  MISMATCH, and dropped. Writers inside the cluster are inside the trust boundary.
+- Capacity is the master's: no budget here (`capacity_bytes` unused, `evictions` 0). What it
+  evicts, what another client removed, and everything after a master restart is a clean MISS.
+  So is a load whose chunk fails while another client re-publishes its key: a failed load drops
+  (and counts as corrupt) only a header still exactly the one it verified (`_still`).
+- Index: the keys this process stored or loaded; it proves nothing (`shared` is always True), so
+  the cache stores again on eviction, and a store that finds a header of its key that verifies and
+  every chunk it names writes nothing (else it rewrites every object, each replacing its name).
+- Lookups: path_lookup.py's walk over alias objects (the newest writer's wins); a dangling alias is
+  left to the master's eviction. Failures: an unreachable master or peer is an I/O error of that
+  operation (counted, logged at most once a minute); the client reconnects by itself.
+- The store cannot be listed per namespace: no warm start (`extents` is empty; a restarted server
+  finds its history by lookup) and no `submit_purge` (NotImplementedError); `submit_remove` of
+  named keys works, and `retain` keeps nothing (the master alone decides what it evicts).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from sgl_hicache.config import TierConfig
+from sgl_hicache.tier.base import (
+    Buffer,
+    Completion,
+    ExtentInfo,
+    IndexedTier,
+    LookupRequest,
+    LookupResult,
+    Op,
+    Status,
+    Ticket,
+    TierStats,
+)
+from sgl_hicache.tier.codec import StoreRequest, prepare, store_request
+from sgl_hicache.tier.completions import Returned
+from sgl_hicache.tier.directio import as_view
+from sgl_hicache.tier.faults import Counters, FaultLog, logger
+from sgl_hicache.tier.format import DirectoryMac, FormatError, Mismatch, NewerFormat
+from sgl_hicache.tier.keys import ROOT_KEY, ExtentKey, Namespace, check_key
+from sgl_hicache.tier.mooncake import objects
+from sgl_hicache.tier.mooncake.client import Names, connect
+from sgl_hicache.tier.mooncake.recent import RecentExtents
+from sgl_hicache.tier.mooncake.source import StoreSource
+from sgl_hicache.tier.path_lookup import LookupQueue, run_lookup_in
+from sgl_hicache.tier.scheduler import IoScheduler
+from sgl_hicache.tier.trust import open_trusted
+
+REPUBLISH_GRACE_S = 1.0
+"""How long a load whose chunk failed under an unchanged header waits for a re-publish under way to
+write its header (`MooncakeTier._still`) before it counts the extent as corrupt."""
+_NOT_COUNTED = ("extents", "bytes_stored", "direct_io", "volume_free_bytes")
+_COUNTER_OF = {Status.MISS: "misses", Status.CORRUPT: "checksum_failures", Status.MISMATCH: "mismatches",
+               Status.NO_SPACE: "no_space", Status.IO_ERROR: "io_errors"}  # fmt: skip
+
+
+class MooncakeTier(IndexedTier):
+    def __init__(self, cfg: TierConfig, namespace: Namespace) -> None:
+        self._cfg, self._ns = cfg, namespace
+        self._seal = DirectoryMac(open_trusted(cfg.directory, namespace.id.hex()))
+        self._client = connect(cfg.mooncake)
+        self._names = Names(namespace.id)
+        self._scratch = objects.Scratch(self._client.register)
+        self._counters, self._faults = Counters(), FaultLog()
+        self._lock = threading.Lock()
+        self._index = RecentExtents()  # what this process stored or loaded lately
+        self._storing: dict[ExtentKey, Ticket] = {}
+        self._returned: Returned[int] = Returned(self._lock, lambda landed: landed)
+        self._loading = self._returned.loading  # load ticket -> verified prefix so far
+        self._completions, self._lookups = self._returned.queue, LookupQueue()
+        self._closed = self._abandoned = False
+        self._io = IoScheduler(cfg.io_threads, name="sgl-hicache-mooncake")
+        logger.info("sgl_hicache: spill tier on the Mooncake Store of master %s", cfg.mooncake.master)
+
+    @property
+    def namespace(self) -> Namespace:
+        return self._ns
+
+    @property
+    def shared(self) -> bool:
+        return True
+
+    def get_finished(self) -> list[Completion]:
+        return self._returned.get_finished()
+
+    def wait(self, ticket: Ticket, timeout: float | None = None) -> Completion:
+        return self._returned.wait(ticket, timeout)
+
+    def landed(self, ticket: Ticket) -> int:
+        return self._returned.landed(ticket)
+
+    def _post(
+        self, ticket: Ticket, op: Op, key: ExtentKey, status: Status, nbytes: int = 0, detail: str = ""
+    ) -> None:
+        if status in _COUNTER_OF:
+            self._counters.add(_COUNTER_OF[status])
+        if op is Op.STORE and status in _COUNTER_OF:
+            self._counters.add("store_failures")
+        self._completions.post(Completion(ticket, op, key, status, nbytes, detail))
+
+    def _classify(self, op: Op, key: ExtentKey, err: Exception, seen: objects.Opened | None = None) -> Status:
+        """The status of a failed job, after its side effects: a bad extent dropped, a failure of the
+        store logged (rate-limited), a key that did not load forgotten. `seen`: the header the load
+        verified, if it got that far (its chunks then failed)."""
+        if isinstance(err, objects.Gone):
+            status = Status.MISS
+        elif isinstance(err, NewerFormat):  # a newer server's extent: kept for it, never corrupt
+            status = Status.MISS
+            self._counters.add("newer_extents")
+        elif isinstance(err, FormatError) and seen is not None and not self._still(key, seen):
+            # The key was re-published (or removed) while the load read it: a chunk of the new
+            # publish fails the old header's checksum. A race, not corruption: nothing is removed.
+            status = Status.MISS
+        elif isinstance(err, FormatError):
+            status = Status.MISMATCH if isinstance(err, Mismatch) else Status.CORRUPT
+            self._drop(key)
+        elif isinstance(err, objects.StoreFailed):
+            status = Status.NO_SPACE if err.reply.no_space and op is Op.STORE else Status.IO_ERROR
+            self._faults.report(op, err, f"the Mooncake Store ({self._cfg.mooncake.master})")
+        else:
+            status = Status.IO_ERROR
+            logger.error("spill tier (mooncake) %s job failed unexpectedly", op.value, exc_info=err)
+        if op is Op.LOAD:
+            with self._lock:
+                self._index.forget(key)
+        return status
+
+    def submit_store(
+        self, key: ExtentKey, payload: Buffer, tokens: Sequence[int] | np.ndarray, parent: ExtentKey,
+        *, store_tokens: bool = True, aliases: Sequence[tuple[int, bytes]] = (), cache_salt: str | None = None,
+        group_layers: int = 0,
+    ) -> Ticket:  # fmt: skip
+        req = store_request(self._ns, self._seal, key, payload, tokens, parent, store_tokens, aliases, cache_salt,
+                            group_layers)  # fmt: skip
+        ticket = self._completions.issue()
+        with self._lock:
+            closed, leader = self._closed, self._storing.get(key)
+            if leader is not None:
+                self._completions.follow(leader, ticket)
+            elif not closed:
+                self._storing[key] = ticket
+        if closed and leader is None:
+            self._post(ticket, Op.STORE, key, Status.REJECTED, 0, "tier closed")
+        elif leader is None:
+            self._io.submit_write(lambda: self._store_job(ticket, req))
+        return ticket
+
+    def _store_job(self, ticket: Ticket, req: StoreRequest) -> None:
+        status, detail = Status.REJECTED, "abandoned at close"
+        try:
+            if not self._abandoned:
+                self._write(req)
+                status, detail = Status.OK, ""
+        except Exception as e:
+            status, detail = self._classify(Op.STORE, req.key, e), str(e)
+        with self._lock:  # before the post: a store of this key submitted later follows no finished one
+            self._storing.pop(req.key, None)
+        self._post(
+            ticket, Op.STORE, req.key, status, req.payload.nbytes if status is Status.OK else 0, detail
+        )
+
+    def _write(self, req: StoreRequest) -> None:
+        if not objects.present(self._client, self._names, self._ns.id, req.key, self._seal, self._scratch):
+            written = objects.write_objects(
+                self._client, self._names, prepare(req, self._cfg), self._cfg, self._ns, self._seal
+            )
+            self._counters.add("written_bytes", written)
+            objects.publish_aliases(self._client, self._names, req)
+        info = ExtentInfo(req.key, req.parent, req.token_count, req.payload.nbytes, req.payload.nbytes)
+        with self._lock:
+            self._index.remember(info)
+        self._counters.add("stores")
+        self._counters.add("store_bytes", req.payload.nbytes)
+
+    def submit_load(self, key: ExtentKey, dest: Buffer, nbytes: int | None = None,
+                    group_layers: int | None = None) -> Ticket:  # fmt: skip
+        view = as_view(dest, writable=True)
+        check_key(key)
+        ticket = self._completions.issue()
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._loading[ticket] = 0
+        if closed or (nbytes is not None and not 0 <= nbytes <= view.nbytes):
+            why = "tier closed" if closed else f"destination of {view.nbytes} B cannot hold {nbytes} B"
+            self._post(ticket, Op.LOAD, key, Status.REJECTED, 0, why)
+        else:
+            self._io.submit_read(lambda: self._load_job(ticket, key, view, nbytes, group_layers))
+        return ticket
+
+    def _load_job(self, ticket: Ticket, key: ExtentKey, dest: memoryview, nbytes: int | None,
+                  group_layers: int | None) -> None:  # fmt: skip
+        ext: objects.Opened | None = None
+        try:
+            ext = objects.open_header(self._client, self._names, self._ns.id, key, self._seal, self._scratch)
+            want = ext.header.payload_len if nbytes is None else nbytes
+            if want > dest.nbytes:
+                self._post(ticket, Op.LOAD, key, Status.REJECTED, 0, f"destination too small for {want} B")
+                return
+            try:
+                objects.read_chunks(self._client, self._names, ext, dest, want, self._scratch,
+                                    lambda n: self._land(ticket, n), group_layers)  # fmt: skip
+            except ValueError as e:  # a layer grouping this extent cannot be delivered in
+                if isinstance(e, FormatError):
+                    raise
+                self._post(ticket, Op.LOAD, key, Status.REJECTED, 0, str(e))
+                return
+            h = ext.header
+            with self._lock:
+                self._index.remember(ExtentInfo(key, h.parent, h.token_count, h.payload_len, h.file_size))
+            self._counters.add("loads")
+            self._counters.add("load_bytes", want)
+            self._post(ticket, Op.LOAD, key, Status.OK, want)
+        except Exception as e:
+            self._post(ticket, Op.LOAD, key, self._classify(Op.LOAD, key, e, ext), 0, str(e))
+
+    def _land(self, ticket: Ticket, n: int) -> None:
+        with self._lock:
+            if ticket in self._loading:
+                self._loading[ticket] = n
+
+    def _still(self, key: ExtentKey, seen: objects.Opened) -> bool:
+        """Whether `key`'s header is still the one a failed load verified, also `REPUBLISH_GRACE_S`
+        later (then its failure is the extent's). A writer puts every chunk before the header, so a
+        load can meet a re-publish still under way: new chunks under the old header. The grace lets
+        that publish reach its header (a failure path only: it holds one I/O thread that long). A
+        store that does not answer proves nothing: not still (a miss, nothing removed). The store
+        has no compare-and-delete: a re-publish landing after the last check and before `_drop`'s
+        remove still loses its header (a miss for every reader, stored again on the next spill;
+        never wrong bytes), and one slower than the grace is counted as corrupt."""
+        try:
+            if not objects.header_is(self._client, self._names, key, seen.raw):
+                return False
+            time.sleep(REPUBLISH_GRACE_S)
+            return objects.header_is(self._client, self._names, key, seen.raw)
+        except Exception:
+            return False
+
+    def _drop(self, key: ExtentKey) -> None:
+        """Remove a bad extent's header (a rewrite of the key replaces its chunks)."""
+        self._client.remove(self._names.header(key))
+        with self._lock:
+            self._index.forget(key)
+
+    def _open(self) -> bool:
+        with self._lock:
+            return not self._closed
+
+    def submit_remove(self, keys: Sequence[ExtentKey]) -> Ticket:
+        keys, ticket = [check_key(k) for k in keys], self._completions.issue()
+        if self._open():
+            self._io.submit_write(lambda: self._remove_job(ticket, keys))
+        else:
+            self._post(ticket, Op.REMOVE, ROOT_KEY, Status.REJECTED, 0, "tier closed")
+        return ticket
+
+    def _remove_job(self, ticket: Ticket, keys: list[ExtentKey]) -> None:
+        """`nbytes`: the extents whose header was there and went (aliases: the master's eviction)."""
+        removed = sum(self.discard(key) for key in keys)
+        self._counters.add("purged_extents", removed)
+        self._post(ticket, Op.REMOVE, ROOT_KEY, Status.OK, removed)
+
+    def submit_lookup(self, request: LookupRequest) -> None:
+        source = StoreSource(self._client, self._names, self._ns.id, self._seal, self._scratch)
+        job = self._lookups.job(
+            request, lambda r: run_lookup_in(r, source, self._ns.id, self._ns.layout.page_size)
+        )
+        if self._open():
+            self._io.submit_read(job)
+        else:
+            self._lookups.post(LookupResult(request))
+
+    def lookups_finished(self) -> list[LookupResult]:
+        return self._lookups.drain()
+
+    def contains(self, key: ExtentKey) -> bool:
+        with self._lock:
+            return key in self._index
+
+    def lookup(self, key: ExtentKey) -> ExtentInfo | None:
+        with self._lock:
+            return self._index.get(key)
+
+    def discard(self, key: ExtentKey) -> bool:
+        """Whether its header was there (a load reading it meanwhile fails a chunk: a clean MISS)."""
+        removed = objects.remove_extent(
+            self._client, self._names, self._ns.id, key, self._seal, self._scratch
+        )
+        with self._lock:
+            self._index.forget(key)
+        return removed
+
+    def register_host_memory(self, buf: memoryview) -> None:
+        reply = self._client.register(buf)
+        if not reply.ok:
+            logger.warning("sgl_hicache: Mooncake could not register %d B of staging (code %d): transfers "
+                           "go through its own buffer", buf.nbytes, reply.code)  # fmt: skip
+
+    def stats(self) -> TierStats:
+        c = self._counters.snapshot()
+        with self._lock:
+            extents, stored = len(self._index), self._index.bytes
+        counted = {n: c.get(n, 0) for n in TierStats.__dataclass_fields__ if n not in _NOT_COUNTED}
+        return TierStats(extents=extents, bytes_stored=stored, direct_io=False, **counted)
+
+    def close(self, timeout_s: float | None = None) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        closer = threading.Thread(target=self._close, name="sgl-hicache-mooncake-close", daemon=True)
+        closer.start()
+        closer.join(timeout_s)
+        if closer.is_alive():  # stores not started by now complete REJECTED without writing
+            self._abandoned = True
+
+    def _close(self) -> None:
+        self._io.close()
+        self._client.close()  # may wait long for an absent master: bounded by close's timeout
