@@ -2,9 +2,9 @@
 found for a prompt this server has never seen, without a restart.
 
 Extent keys depend on where the writer split its tree; path keys do not (tier/keys.py). So every
-spill records its path keys at block positions and at its end (`tier.lookup.alias_marks`), and a
+spill records its path keys at block positions and at its end (`tier.path_lookup.alias_marks`), and a
 request whose prompt runs past what the tree holds starts a lookup by its own path keys
-(`Tier.submit_lookup`, on the tier's I/O threads; tier/lookup.py verifies every claim against the
+(`Tier.submit_lookup`, on the tier's I/O threads; tier/path_lookup.py verifies every claim against the
 MAC'd header and the request's own tokens). This object only submits lookups and hands their
 results over; the cache attaches them (`SpillTree.attach_segments`) at one point of the scheduler
 round, before matching, never while a restore or an eviction is under way.

@@ -23,7 +23,7 @@ are the same on every rank (same walk, same splits, same locks); tier changes ar
   it finishes, like any request's.
 - **purge** (`cache_salt`): every node of that salt is dropped as above, its pins end, and the tier
   removes every extent of the salt under its root, in every namespace (`Tier.submit_purge`,
-  tier/purge.py), and those of its stores in flight once written.
+  tier/file/purge.py), and those of its stores in flight once written.
 """
 
 from __future__ import annotations

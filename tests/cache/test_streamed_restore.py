@@ -31,7 +31,7 @@ def spill_history(s: Stack, tokens: list[int]) -> None:
 
 
 def slow(s: Stack, latency_s: float = 0.05) -> None:
-    from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
+    from sgl_hicache.tier.testing.injector import FaultSpec, FaultyTier
 
     s.cache.controller.tier = FaultyTier(s.cache.controller.tier, FaultSpec(latency_s=latency_s))
 

@@ -144,7 +144,7 @@ def test_a_rank_short_of_staging_streams_and_the_other_follows(tmp_path: Path) -
     the restore streams (the least ready level), take its slots in the same attempt, and restore
     the whole history with the same trees and pools."""
     from sgl_hicache.cache.warm_start import tree_digest
-    from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
+    from sgl_hicache.tier.testing.injector import FaultSpec, FaultyTier
     from tests.cache.conftest import shrink_staging
 
     group = ThreadedAgreement.Group(2)
