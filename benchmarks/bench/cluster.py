@@ -27,8 +27,12 @@ per-tier hit rates and the lookup counters show what was reused from where.
   `MOONCAKE_SEGMENT` of DRAM (`bench/mooncake_process.py`). The store is DRAM: the page-cache drops
   at the rounds' barriers touch only the directories of the others, so this compares a DRAM store
   over TCP loopback with files read cold from the disk.
-- `hicache-mooncake`: `hicache-shared` with sglang's own `mooncake` L3 backend on such a store. It
-  cannot run on CPU (`UNAVAILABLE_ON_CPU`): the run skips it there and says why in the final line.
+- `hicache-mooncake`: `hicache-shared` with sglang's own `mooncake` L3 backend on such a store (the
+  peer a Mooncake user would compare with): its own master, started the same way, each server a
+  client contributing the same `MOONCAKE_SEGMENT`, over TCP on loopback. sglang gives that backend
+  the `page_first_direct` host layout, whose copies are CUDA kernels; on CPU they are the CPU
+  profile's torch versions (`sgl_hicache_cpu.page_first_direct`, installed with HiCache's other CPU
+  patches). `mooncake_vs_hicache_mooncake` in the final line is ours on Mooncake against it.
 - `lmcache-shared`: two sglang servers with `--enable-lmcache` on one LMCache daemon (LMCache's way
   to share: its multiprocess server is built to serve several engines), in the configuration
   `STRONGEST_LMCACHE` (`lmcache-disk`: L1 + an `fs` disk tier in one directory), its L1 both
@@ -180,13 +184,9 @@ CONFIGS = (
 )  # fmt: skip
 BY_NAME = {c.name: c for c in CONFIGS}
 
-UNAVAILABLE_ON_CPU = {
-    "hicache-mooncake": "sglang puts a mooncake L3 on the page_first_direct host layout, whose copies "
-    "(sgl_kernel's transfer_kv_all_layer_direct_lf_pf) do not exist on CPU: the server dies at its first "
-    "backup with NameError: name 'transfer_kv_all_layer_direct_lf_pf' is not defined (sglang 0.5.23, "
-    "tried 2026-12-03)",
-}
-"""Configurations that cannot run with `--device cpu`, and why."""
+UNAVAILABLE_ON_CPU: dict[str, str] = {}
+"""Configurations that cannot run with `--device cpu`, and why (none now: `hicache-mooncake`, the
+last, runs on the CPU profile's page_first_direct copies)."""
 
 
 def unavailable(config: ClusterConfig, shape: Shape) -> str | None:

@@ -6,7 +6,8 @@
     of `spec.HICACHE_CONFIGS` (prefetch policy `wait_complete` or `timeout`, the latter at sglang's
     default timeouts or tuned to the disk; host pool at sglang's default ratio or device + the run's
     host budget; `buffer_only` host memory). On CPU it needs
-    `--hicache-io-backend direct --hicache-mem-layout layer_first` and our compatibility patches
+    `--hicache-io-backend direct --hicache-mem-layout layer_first` (`page_first_direct` with
+    sglang's `mooncake` L3, the layout sglang gives that backend) and our compatibility patches
     (`sgl_hicache_cpu.hicache_cpu_compat`, switched on in sglang's processes by an env var).
 (b') `lmcache-*`: the same server with `--enable-lmcache`, beside its own LMCache daemon
     (`lmcache_process.LMCacheServer`), in each configuration of `spec.LMCACHE_CONFIGS`: its L1 the
@@ -79,7 +80,8 @@ def build(name: str, shape: Shape, model: Path, workdir: Path, *, tier_capacity_
     """`tier_capacity_mb` bounds ours' tier (default: the tier's own default budget);
     `workload_tokens` (every prompt and output token of the run) sizes the resident pool;
     `mooncake` puts ours' tier on that Mooncake Store (the directory then holds only the secret
-    that seals its headers) instead of in the directory."""
+    that seals its headers) instead of in the directory, and a HiCache system's L3 on it (sglang's
+    `mooncake` backend; the directory then unused)."""
     base = (*device_flags(shape.device), *COMMON_FLAGS, "--page-size", str(shape.page_size),
             "--chunked-prefill-size", str(shape.chunked_prefill))  # fmt: skip
     if name == "recompute":
@@ -92,8 +94,8 @@ def build(name: str, shape: Shape, model: Path, workdir: Path, *, tier_capacity_
         config = HICACHE[name]
         if config.backend == "nixl" and (why := nixl_unavailable(shape)) is not None:
             raise SpecError(f"{name}: {why}")
-        compat = HICACHE_COMPAT_ENV.items() if shape.device == "cpu" else ()
-        env = (*compat, (STORAGE_DIR_ENV[config.backend], str(tier)))
+        compat = tuple(HICACHE_COMPAT_ENV.items()) if shape.device == "cpu" else ()
+        env = compat if mooncake is not None else (*compat, (STORAGE_DIR_ENV[config.backend], str(tier)))
         hicache = (*base, *hicache_flags(config, shape, model, mooncake))
         return System(name, "sglang.launch_server", hicache, env, tier, shape.pool_tokens)
     if name in LMCACHE:
@@ -170,10 +172,11 @@ def hicache_flags(config: HiCacheConfig, shape: Shape, model: Path,
     without the disk's read speed)."""
     ratio = config.default_ratio if config.host is HostPool.DEFAULT else _host_ratio(shape, model)
     # On a GPU, sglang's defaults (`kernel` I/O, `page_first` layout): HiCache at its strongest there.
+    # On CPU the direct copies, in the layout sglang gives a mooncake L3 (one object per page of all
+    # layers) where it has one, else layer_first (the CPU profile has torch versions of both).
+    layout = "page_first_direct" if mooncake is not None else "layer_first"
     cpu_only = (
-        ("--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first")
-        if shape.device == "cpu"
-        else ()
+        ("--hicache-io-backend", "direct", "--hicache-mem-layout", layout) if shape.device == "cpu" else ()
     )
     timeouts: dict[str, float] = {}
     if config.tuned_timeout:

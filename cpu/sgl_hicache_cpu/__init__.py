@@ -4,6 +4,7 @@
 sgl_kernel_cpu_shim / cpu_shim_hook / install_cpu_shim   an sgl_kernel stand-in where no build exists
 cpu_tp_platform / cpu_tp_env                             `--device cpu --tp-size N`
 hicache_cpu_compat                                       sglang's own HiCache on CPU (the bench's peer)
+page_first_direct                                        its two page_first_direct copies (mooncake L3)
 cpu_prefix_attention                                     extend attention over the new rows only
 plugin                                                   applies the last two where asked (env)
 

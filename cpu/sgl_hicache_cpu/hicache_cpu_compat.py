@@ -15,6 +15,11 @@ depends on it. Every patch lives here; each names what it replaces and why:
    `MHATokenToKVPoolHost.load_to_device_per_layer` / `backup_from_device_all_layer` (the direct,
    layer_first path) raise NameError. `transfer_kv_direct` below is the same copy in plain torch,
    planned in whole pages (slice copies of consecutive runs; a page gather when they are many).
+   `transfer_kv_per_layer_direct_pf_lf` and `transfer_kv_all_layer_direct_lf_pf` are provided the
+   same way, for the `page_first_direct` host layout sglang picks for a `mooncake` L3 with the
+   direct I/O backend (`page_first_direct`, plain torch too): `load_to_device_per_layer` and
+   `backup_from_device_all_layer` call them there. Each of the three is checked to be called by its
+   methods as a module global, with exactly our function's parameters as keywords.
    Other host pools (MLA, DSA, Mamba, unified) are not covered: on CPU they still fail loudly.
 3. `torch.cpu.Stream.synchronize` and `torch.cpu.Stream.query` are added as "already complete".
    sglang's `L2TransferEngine` runs transfers on `device_module.Stream()` (= `torch.cpu.Stream` on
@@ -37,10 +42,15 @@ import inspect
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from types import ModuleType
+from types import CodeType, ModuleType
 from typing import Any
 
 import torch
+
+from sgl_hicache_cpu.page_first_direct import (
+    transfer_kv_all_layer_direct_lf_pf,
+    transfer_kv_per_layer_direct_pf_lf,
+)
 
 ENV_VAR = "SGL_HICACHE_CPU_HICACHE_COMPAT"
 # sglang copies every `SGL_*` variable to `SGLANG_*` at import (sglang/srt/environ.py); accepting the
@@ -51,7 +61,7 @@ _FALSE = frozenset({"", "0", "false", "no", "off"})
 
 BASE_MODULE = "sglang.srt.mem_cache.pool_host.base"
 MHA_MODULE = "sglang.srt.mem_cache.pool_host.mha"
-# The MHA host pool methods whose direct/layer_first branch calls the module global `transfer_kv_direct`.
+# The MHA host pool methods whose direct branches call the module globals below.
 DIRECT_CALLERS = ("load_to_device_per_layer", "backup_from_device_all_layer")
 _MARK = "_sgl_hicache_cpu_compat"
 
@@ -76,6 +86,8 @@ TARGETS = (
     PatchTarget(MHA_MODULE, "transfer_kv_direct", "absent without sgl_kernel.kvcacheio; plain torch"),
     PatchTarget("torch.cpu", "Stream.synchronize", "stub stream lacks it; CPU work is synchronous"),
     PatchTarget("torch.cpu", "Stream.query", "stub stream lacks it; CPU work is synchronous"),
+    PatchTarget(MHA_MODULE, "transfer_kv_per_layer_direct_pf_lf", "page_first_direct load; plain torch"),
+    PatchTarget(MHA_MODULE, "transfer_kv_all_layer_direct_lf_pf", "page_first_direct backup; plain torch"),
 )
 
 
@@ -193,18 +205,43 @@ def _host_kv_cache(module: ModuleType) -> Any:
     return cls
 
 
+DIRECT_COPIES: tuple[tuple[PatchTarget, Callable[..., None], tuple[str, ...]], ...] = (
+    (TARGETS[1], transfer_kv_direct, DIRECT_CALLERS),
+    (TARGETS[4], transfer_kv_per_layer_direct_pf_lf, ("load_to_device_per_layer",)),
+    (TARGETS[5], transfer_kv_all_layer_direct_lf_pf, ("backup_from_device_all_layer",)),
+)
+"""Each copy we provide as a module global of `MHA_MODULE`, and the host pool methods that call it."""
+
+
 def _mha_module(module: ModuleType) -> ModuleType:
     cls = getattr(module, "MHATokenToKVPoolHost", None)
-    for method in DIRECT_CALLERS:
-        code = getattr(getattr(cls, method, None), "__code__", None)
-        if code is None or "transfer_kv_direct" not in code.co_names:
-            raise CompatTargetMissing(
-                f"{TARGETS[1].name}: MHATokenToKVPoolHost.{method} no longer calls the module global"
-            )
-    existing = getattr(module, "transfer_kv_direct", None)
-    if existing is not None and existing is not transfer_kv_direct:
-        raise CompatTargetMissing(f"{TARGETS[1].name}: already bound to {existing!r}; refusing to replace it")
+    for target, fn, callers in DIRECT_COPIES:
+        params = frozenset(inspect.signature(fn).parameters)
+        for method in callers:
+            code = getattr(getattr(cls, method, None), "__code__", None)
+            if code is None or target.attribute not in code.co_names:
+                raise CompatTargetMissing(
+                    f"{target.name}: MHATokenToKVPoolHost.{method} no longer calls the module global"
+                )
+            if params not in _keyword_calls(code):
+                raise CompatTargetMissing(
+                    f"{target.name}: MHATokenToKVPoolHost.{method} no longer passes exactly "
+                    f"{', '.join(sorted(params))} by keyword"
+                )
+        existing = getattr(module, target.attribute, None)
+        if existing is not None and existing is not fn:
+            raise CompatTargetMissing(f"{target.name}: already bound to {existing!r}; refusing to replace it")
     return module
+
+
+def _keyword_calls(code: CodeType) -> set[frozenset[str]]:
+    """The keyword names of each call in `code` that passes keywords (CPython keeps them as a tuple
+    constant per call)."""
+    return {
+        frozenset(c)
+        for c in code.co_consts
+        if isinstance(c, tuple) and c and all(isinstance(n, str) for n in c)
+    }
 
 
 def check_targets() -> None:
@@ -232,7 +269,8 @@ def _patch_host_pool() -> None:
 
 def _patch_transfer() -> None:
     module = _mha_module(_import(TARGETS[1]))
-    module.transfer_kv_direct = transfer_kv_direct  # type: ignore[attr-defined]
+    for target, fn, _ in DIRECT_COPIES:
+        setattr(module, target.attribute, fn)
 
 
 def _patch_cpu_stream() -> None:
@@ -246,7 +284,7 @@ def is_applied() -> bool:
     base, mha = importlib.import_module(BASE_MODULE), importlib.import_module(MHA_MODULE)
     return (
         getattr(base.HostKVCache.__init__, _MARK, False)
-        and getattr(mha, "transfer_kv_direct", None) is transfer_kv_direct
+        and all(getattr(mha, target.attribute, None) is fn for target, fn, _ in DIRECT_COPIES)
         and hasattr(torch.cpu.Stream, "synchronize")
         and hasattr(torch.cpu.Stream, "query")
     )

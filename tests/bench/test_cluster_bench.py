@@ -103,7 +103,10 @@ def test_the_configurations(tmp_path: Path) -> None:
 class FakeCluster:
     """What `run_config` asked of the stand-ins."""
 
-    servers: list[tuple[str, tuple[int, ...] | None, bool, tuple[str, ...]]] = field(default_factory=list)
+    # (system, cpus, gRPC, command line, environment) of each server
+    servers: list[tuple[str, tuple[int, ...] | None, bool, tuple[str, ...], dict[str, str]]] = field(
+        default_factory=list
+    )
     routers: list[tuple[list[str], str, tuple[str, ...]]] = field(default_factory=list)
     drives: list[tuple[drive.Dispatch, str | None]] = field(default_factory=list)  # (dispatch, model)
     masters: list[Path] = field(default_factory=list)
@@ -193,7 +196,7 @@ def fake_cluster(monkeypatch: pytest.MonkeyPatch) -> FakeCluster:
 
     def server(self: systems.System, model: Path, log: Path, cpus: tuple[int, ...] | None = None,
                grpc: bool = False) -> Any:  # fmt: skip
-        fake.servers.append((self.name, cpus, grpc, self.flags))
+        fake.servers.append((self.name, cpus, grpc, self.flags, dict(self.env)))
         return (GrpcStandIn if grpc else HttpStandIn)(len(fake.servers), fake.events)
 
     def router(urls: list[str], policy: str = "round_robin", log_path: Path | None = None,
@@ -302,7 +305,9 @@ def test_a_hicache_shape_that_cannot_hold_a_conversation_is_refused_before_any_s
     )  # ours: no such bound
 
 
-def test_configs_selects_and_rejects(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_configs_selects_and_rejects(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert [c.name for c in cluster.select("route-kv-events, ours-shared")] == [
         "ours-shared",
         "route-kv-events",
@@ -313,10 +318,12 @@ def test_configs_selects_and_rejects(tmp_path: Path, capsys: pytest.CaptureFixtu
             cluster.select(bad)
     assert main(["--out", str(tmp_path), "--configs", "ours-shared"]) == 2
     assert "--configs names configurations of --servers 2" in capsys.readouterr().err
+    # a configuration that cannot run on CPU (none is now), asked for alone: refused in one line
+    monkeypatch.setattr(cluster, "UNAVAILABLE_ON_CPU", {"hicache-mooncake": "no such copy on CPU"})
     only_skipped = ["--out", str(tmp_path / "x"), "--servers", "2", "--configs", "hicache-mooncake"]
     assert main(only_skipped) == 2  # on CPU
     err = capsys.readouterr().err
-    assert err.startswith("error: --configs: none of hicache-mooncake can run here: sglang puts")
+    assert err.startswith("error: --configs: none of hicache-mooncake can run here: no such copy on CPU")
     assert len(err.strip().splitlines()) == 1
 
 
@@ -331,11 +338,8 @@ def test_the_final_line_names_each_servers_cpus_and_what_was_skipped(
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line["server_cpus"] == [[0, 1], [2, 3]]
     assert {s[1] for s in fake_cluster.servers} == {(0, 1), (2, 3)}
-    assert set(line["skipped"]) == {
-        "hicache-mooncake"
-    }  # on CPU: sglang's page_first_direct copies are missing
-    assert "transfer_kv_all_layer_direct_lf_pf" in line["skipped"]["hicache-mooncake"]
-    assert "hicache-mooncake" not in {s[0] for s in fake_cluster.servers} | set(line["router"])
+    assert line["skipped"] == {}  # every configuration runs on CPU (hicache-mooncake on the profile's copies)
+    assert set(line["router"]) == set(cluster.BY_NAME)
     assert line["router"]["route-kv-events"] == cluster.Router.KV_EVENTS.value
     # every configuration's directories (an LMCache daemon's disk tier too), not a Mooncake Store
     assert set(line["tier_mb"]) == {c.name for c in cluster.CONFIGS if c.store is not cluster.Store.MOONCAKE}
@@ -346,6 +350,56 @@ def test_the_final_line_names_each_servers_cpus_and_what_was_skipped(
     assert (run_dir / "partial" / "requests.csv").read_text() == (run_dir / "requests.csv").read_text()
     gpu = replace(spec_from(parser().parse_args(args)), shape=Shape(device="cuda"))
     assert all(cluster.unavailable(c, gpu.shape) is None for c in cluster.CONFIGS)
+
+
+def test_a_configuration_that_cannot_run_here_is_named_in_skipped_and_not_run(
+    tmp_path: Path, fake_cluster: FakeCluster, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    monkeypatch.setattr(cluster.run, "resolve_model", lambda name, cache_dir: tmp_path)
+    config = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(cluster, "UNAVAILABLE_ON_CPU", {"hicache-mooncake": "no such copy on CPU"})
+    args = ["--servers", "2", "--concurrency", "2", "--repeats", "1", "--out", str(tmp_path)]
+    chosen = cluster.select("ours-mooncake,hicache-mooncake")
+    assert cluster.execute(spec_from(parser().parse_args(args)), chosen) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["skipped"] == {"hicache-mooncake": "no such copy on CPU"}
+    assert set(line["router"]) == {"ours-mooncake"} and {s[0] for s in fake_cluster.servers} == {"ours"}
+    assert line["ttft_mooncake_vs_hicache_mooncake"] is None
+
+
+def test_hicache_mooncake_is_sglangs_mooncake_l3_on_a_master_of_its_own_like_ours(
+    tmp_path: Path, fake_cluster: FakeCluster
+) -> None:
+    """Issue 40: `hicache-mooncake` runs on CPU: both servers are sglang HiCache (the strongest
+    configuration's flags) with the `mooncake` L3 on one master started for the run, in the
+    page_first_direct layout with the direct I/O backend and the CPU patches switched on; the store
+    settings are ours-mooncake's (same kind of master, same segment per server, TCP on loopback)."""
+    spec = spec_from(parser().parse_args(["--servers", "2", "--concurrency", "2", "--out", str(tmp_path)]))
+    seen = {}
+    for name in ("ours-mooncake", "hicache-mooncake"):
+        fake_cluster.clear()
+        cluster.run_config(cluster.BY_NAME[name], spec, tmp_path, tmp_path, 0, ((0,), (1,)))
+        assert len(fake_cluster.masters) == 1 and fake_cluster.events[-1] == "stop master"
+        seen[name] = [(s[0], s[3], s[4]) for s in fake_cluster.servers]
+    hicache = seen["hicache-mooncake"]
+    assert [system for system, _, _ in hicache] == [cluster.STRONGEST_HICACHE] * 2
+    assert hicache[0][1] == hicache[1][1] and hicache[0][2] == hicache[1][2]  # one store, one command line
+    flags, env = hicache[0][1], hicache[0][2]
+    strongest = HICACHE[cluster.STRONGEST_HICACHE]
+    assert (
+        "--enable-hierarchical-cache" in flags
+        and flag_value(flags, "--hicache-storage-backend") == "mooncake"
+    )
+    assert flag_value(flags, "--hicache-io-backend") == "direct"
+    assert flag_value(flags, "--hicache-mem-layout") == "page_first_direct"  # sglang's for a mooncake L3
+    assert flag_value(flags, "--hicache-storage-prefetch-policy") == strongest.prefetch_policy
+    assert env == {"SGL_HICACHE_CPU_HICACHE_COMPAT": "1"}  # no file backend directory
+    extra = json.loads(flag_value(flags, "--hicache-storage-backend-extra-config") or "{}")
+    ours = json.loads(flag_value(seen["ours-mooncake"][0][1], "--hicache-spill-mooncake-config") or "{}")
+    assert extra == {systems.MOONCAKE_EXTRA_CONFIG[k]: v for k, v in ours.items()}
+    assert extra["master_server_address"] == "127.0.0.1:1" and extra["protocol"] == "tcp"
+    assert extra["global_segment_size"] == cluster.MOONCAKE_SEGMENT
 
 
 def test_two_servers_share_a_single_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -398,6 +452,7 @@ def test_final_line_names_each_configuration_and_the_ratios() -> None:
         "hicache-shared": figures(200, 5),
         "lmcache-shared": figures(125, 8, 0.3),
         "ours-mooncake": figures(150, 25, 0.4),
+        "hicache-mooncake": figures(300, 10, 0.2),
         "route-round-robin": figures(600, 8, 0.1),
         "route-approx-tree": figures(500, 10, 0.2),
         "route-kv-events": replace(  # its answers named no split by tier
@@ -421,7 +476,10 @@ def test_final_line_names_each_configuration_and_the_ratios() -> None:
              "events_vs_round_robin_grpc", "events_vs_approx_tree_protected")  # fmt: skip
     assert set(cluster_line.RATIO_KEYS) == {f"{fig}_{p}" for p in pairs for fig in ("ttft", "throughput")}
     assert line["ttft_mooncake_vs_shared"] == 1.5 and line["throughput_mooncake_vs_hicache"] == 5.0
-    assert line["ttft_mooncake_vs_hicache_mooncake"] is None  # not run
+    assert (
+        line["ttft_mooncake_vs_hicache_mooncake"] == 0.5
+        and line["throughput_mooncake_vs_hicache_mooncake"] == 2.5
+    )
     assert line["ttft_events_vs_round_robin"] == 0.4167 and line["throughput_events_vs_approx_tree"] == 1.6
     assert fs["route-kv-events"].hit_rate == 0.75
     assert line["hit_rate"]["route-kv-events"] == {

@@ -17,6 +17,10 @@ import pytest
 import torch
 from sgl_hicache_cpu import hicache_cpu_compat as compat
 from sgl_hicache_cpu.hicache_cpu_compat import CompatTargetMissing, transfer_kv_direct
+from sgl_hicache_cpu.page_first_direct import (
+    transfer_kv_all_layer_direct_lf_pf,
+    transfer_kv_per_layer_direct_pf_lf,
+)
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 16
 
@@ -29,6 +33,8 @@ def restore_targets(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(base.HostKVCache, "__init__", base.HostKVCache.__init__)
     for owner, name in (
         (mha, "transfer_kv_direct"),
+        (mha, "transfer_kv_per_layer_direct_pf_lf"),
+        (mha, "transfer_kv_all_layer_direct_lf_pf"),
         (torch.cpu.Stream, "synchronize"),
         (torch.cpu.Stream, "query"),
     ):
@@ -84,6 +90,56 @@ def test_missing_transfer_caller_fails_loudly_and_patches_nothing(monkeypatch: p
     assert not hasattr(mha, "transfer_kv_direct")
 
 
+def load_with_a_new_keyword(self: Any) -> None:  # never called: its code is what the check reads
+    transfer_kv_direct(src_layers=[], dst_layers=[], src_indices=IDX, dst_indices=IDX, page_size=1)
+    transfer_kv_per_layer_direct_pf_lf(src_ptrs=[], dst_ptrs=[], src_indices=IDX, dst_indices=IDX,
+                                       layer_id=0, page_size=1, stream=None)  # type: ignore[call-arg]  # fmt: skip
+
+
+def backup_without_page_size(self: Any) -> None:  # never called
+    transfer_kv_direct(src_layers=[], dst_layers=[], src_indices=IDX, dst_indices=IDX, page_size=1)
+    transfer_kv_all_layer_direct_lf_pf(src_ptrs=[], dst_ptrs=[], src_indices=IDX, dst_indices=IDX)  # type: ignore[call-arg]
+
+
+IDX = torch.arange(0)
+
+
+@pytest.mark.usefixtures("restore_targets")
+@pytest.mark.parametrize(
+    ("method", "copy", "stand_in"),
+    [
+        ("load_to_device_per_layer", "transfer_kv_per_layer_direct_pf_lf", load_with_a_new_keyword),
+        ("backup_from_device_all_layer", "transfer_kv_all_layer_direct_lf_pf", backup_without_page_size),
+    ],
+)
+def test_a_page_first_direct_call_with_other_keywords_fails_loudly(
+    monkeypatch: pytest.MonkeyPatch, method: str, copy: str, stand_in: Any
+) -> None:
+    """sglang calling a copy with other keywords than our torch version's parameters (one added, one
+    dropped) is refused at start, before anything is patched."""
+    from sglang.srt.mem_cache.pool_host import mha
+
+    monkeypatch.setattr(mha.MHATokenToKVPoolHost, method, stand_in)
+    with pytest.raises(
+        CompatTargetMissing, match=rf"pool_host\.mha\.{copy}: .*{method} no longer passes exactly"
+    ):
+        compat.apply()
+    assert not hasattr(mha, copy) and not hasattr(mha, "transfer_kv_direct")
+
+
+@pytest.mark.usefixtures("restore_targets")
+@pytest.mark.parametrize("copy", ["transfer_kv_per_layer_direct_pf_lf", "transfer_kv_all_layer_direct_lf_pf"])
+def test_a_foreign_page_first_direct_copy_is_not_replaced(monkeypatch: pytest.MonkeyPatch, copy: str) -> None:
+    from sglang.srt.mem_cache.pool_host import mha
+
+    def foreign(*args: Any) -> None: ...
+
+    monkeypatch.setattr(mha, copy, foreign, raising=False)
+    with pytest.raises(CompatTargetMissing, match=rf"{copy}: already bound .*refusing to replace"):
+        compat.apply()
+    assert getattr(mha, copy) is foreign
+
+
 @pytest.mark.usefixtures("restore_targets")
 def test_host_pool_without_pin_memory_parameter_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
     from sglang.srt.mem_cache.pool_host import base
@@ -118,7 +174,8 @@ def test_apply_is_idempotent() -> None:
 
     def targets() -> tuple[object, ...]:
         return (base.HostKVCache.__init__, mha.transfer_kv_direct, torch.cpu.Stream.synchronize,
-                torch.cpu.Stream.query)  # fmt: skip
+                torch.cpu.Stream.query, mha.transfer_kv_per_layer_direct_pf_lf,
+                mha.transfer_kv_all_layer_direct_lf_pf)  # fmt: skip
 
     assert compat.apply() is True
     patched = targets()
@@ -142,18 +199,18 @@ def test_apply_does_nothing_where_cuda_is_available(monkeypatch: pytest.MonkeyPa
     assert not hasattr(torch.cpu.Stream, "synchronize")
 
 
-def make_pools() -> tuple[Any, Any]:
-    """A real sglang CPU device pool (64 slots) and its layer_first host pool (ratio 2)."""
+def make_pools(layout: str = "layer_first", page_size: int = 1) -> tuple[Any, Any]:
+    """A real sglang CPU device pool (64 slots) and its host pool (ratio 2) in `layout`."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-    device = MHATokenToKVPool(64, 1, torch.bfloat16, HEADS, HEAD_DIM, LAYERS, "cpu", False)
+    device = MHATokenToKVPool(64, page_size, torch.bfloat16, HEADS, HEAD_DIM, LAYERS, "cpu", False)
     gen = torch.Generator().manual_seed(0)
     for buf in (*device.k_buffer, *device.v_buffer):
         buf.copy_(torch.randn(buf.shape, generator=gen).to(buf.dtype))
     info = device.get_device_pool_infos()[0].buffer_info
     host = MHATokenToKVPoolHost(
-        info, 2.0, 0, 1, "layer_first", device_capacity_tokens=64, start_layer=0, end_layer=LAYERS - 1
+        info, 2.0, 0, page_size, layout, device_capacity_tokens=64, start_layer=0, end_layer=LAYERS - 1
     )
     return device, host
 
@@ -176,6 +233,28 @@ def test_host_pool_round_trip_through_the_direct_layer_first_path() -> None:
     slots = host.alloc(len(src))
     host.backup_from_device_all_layer(device, slots, src, "direct")
     for layer in range(LAYERS):
+        host.load_to_device_per_layer(device, slots, dst, layer, "direct")
+    for buf in (*device.k_buffer, *device.v_buffer):
+        assert torch.equal(buf[dst], buf[src])
+
+
+@pytest.mark.usefixtures("restore_targets")
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_host_pool_round_trip_through_the_page_first_direct_path(page_size: int) -> None:
+    """The layout sglang gives a mooncake L3: device pages backed up to the host pool (every layer
+    at once) and loaded back layer by layer into other device pages, bit for bit; the host pool's
+    pages hold them page-first (what the store reads and writes as one object per page)."""
+    compat.apply()
+    device, host = make_pools("page_first_direct", page_size)
+    assert host.layout == "page_first_direct" and host.pin_memory is False
+    src = page_rows([2, 9, 4], page_size)
+    dst = page_rows([10, 1, 7], page_size)
+    slots = host.alloc(len(src))
+    host.backup_from_device_all_layer(device, slots, src, "direct")
+    for layer in range(LAYERS):
+        for c, buf in enumerate((device.k_buffer[layer], device.v_buffer[layer])):
+            pages = host.kv_buffer[c][slots[::page_size] // page_size, layer]
+            assert torch.equal(pages.reshape(-1, HEADS, HEAD_DIM), buf[src])
         host.load_to_device_per_layer(device, slots, dst, layer, "direct")
     for buf in (*device.k_buffer, *device.v_buffer):
         assert torch.equal(buf[dst], buf[src])
