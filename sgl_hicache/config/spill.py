@@ -35,8 +35,8 @@ class TierConfig:
     mooncake: MooncakeConfig = option(
         MooncakeConfig(),
         'with the mooncake backend, one JSON object: master ("host:port"), metadata_server, protocol, '
-        "device_name, local_hostname, global_segment_size, local_buffer_size, ssd_offload_path; unset keys from "
-        "MOONCAKE_MASTER, MOONCAKE_TE_META_DATA_SERVER, ... as sglang's mooncake backend reads them",
+        "device_name, local_hostname, global_segment_size, local_buffer_size, ssd_offload_path; unset "
+        "keys from MOONCAKE_* as sglang reads them",
         "--hicache-spill-mooncake-config",
     )
     directory: Path = option(
@@ -116,9 +116,8 @@ class SpillConfig:
     min_spill_tokens: int = tuning(16, "subtrees with fewer tokens are dropped, not spilled")
     prefetch_policy: PrefetchPolicy = option(
         PrefetchPolicy.WAIT_COMPLETE,  # chosen by benchmarks/prefetch_policy.py: see docs/DESIGN.md
-        "when a resumed request whose reads have not landed may run: wait_complete (wait for them, up "
-        "to the I/O timeout; `wait` is accepted too), timeout, best_effort (recompute at once); as "
-        "sglang's --hicache-storage-prefetch-policy",
+        "when a resume whose reads have not landed runs: wait_complete (or wait: up to the I/O "
+        "timeout), timeout, best_effort (recompute at once), as sglang's --hicache-storage-prefetch-policy",
         "--hicache-spill-prefetch-policy",
     )
     prefetch_timeout_s: float = option(
@@ -137,8 +136,7 @@ class SpillConfig:
     )
     write_policy: WritePolicy = option(
         WritePolicy.WRITE_BACK,
-        "when KV is written to the tier: write_back (on eviction), write_through (also when cached; "
-        "for servers sharing a tier behind a router)",
+        "written on eviction (write_back) or also when cached (write_through, for a shared tier)",
         "--hicache-spill-write-policy",
     )
     admission: SpillAdmission = option(
@@ -155,9 +153,8 @@ class SpillConfig:
 
     kv_events_medium: KvEventsMedium = option(
         KvEventsMedium.DISK,
-        "the medium spilled pages are announced under in KV events (--kv-events-config): disk (the "
-        "truthful name), or cpu_pinned for a router that indexes only device and host tiers (smg 1.13's "
-        "cache_aware), so that it routes a resumed conversation to the server holding it spilled",
+        "the medium of spilled pages in KV events: disk, or cpu_pinned for a router that indexes "
+        "device and host tiers only (smg 1.13's cache_aware) so that it routes to the server holding them",
         "--hicache-spill-kv-events-medium",
     )
     layer_groups: int = tuning(
@@ -166,8 +163,7 @@ class SpillConfig:
     )
     layerwise_restore: bool = option(
         False,
-        "a resumed request's prefill starts once its restore's first layer group landed; each layer "
-        "waits for its own",
+        "a resume's prefill starts once its first layer group landed; each layer waits for its own",
         "--hicache-spill-layerwise",
     )
 
