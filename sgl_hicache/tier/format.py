@@ -34,7 +34,7 @@ import msgpack
 import numpy as np
 
 from sgl_hicache.config import Compression
-from sgl_hicache.tier.groups import chunk_spans, section_lengths
+from sgl_hicache.tier.groups import chunk_spans, chunk_total, section_lengths
 from sgl_hicache.tier.keys import KEY_BYTES, ExtentKey, KVDtype, KVLayout, NamespaceId, token_digest
 
 MAGIC = b"SGLHCEXT"
@@ -326,7 +326,9 @@ def _check_sizes(h: Header, n_chunks: int) -> None:
         raise FormatError("header lengths are not 4096-aligned")
     if h.group_layers > h.layout.num_layers:
         raise FormatError(f"layer groups of {h.group_layers} of {h.layout.num_layers} layers")
-    if h.header_len < FIXED_SIZE + h.meta_len or n_chunks != len(h.raw_chunks()):
+    if h.group_layers and -(-h.layout.num_layers // h.group_layers) > 1 << 16:
+        raise FormatError(f"{h.layout.num_layers} layers in groups of {h.group_layers}: too many groups")
+    if h.header_len < FIXED_SIZE + h.meta_len or n_chunks != chunk_total(h.sections, h.chunk_bytes):
         raise FormatError("inconsistent header lengths")
 
 

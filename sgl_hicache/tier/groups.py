@@ -28,6 +28,12 @@ def section_lengths(payload_len: int, token_count: int, page_size: int, num_laye
     return tuple(pages * layer * (min(num_layers, lo + g) - lo) for lo in range(0, num_layers, g))
 
 
+def chunk_total(sections: Sequence[int], chunk_bytes: int) -> int:
+    """How many chunks `chunk_spans` cuts, counted without building them (a header read without its
+    MAC may claim any length)."""
+    return sum(-(-length // chunk_bytes) for length in sections)
+
+
 def chunk_spans(sections: Sequence[int], chunk_bytes: int) -> list[tuple[int, int]]:
     """(raw offset, raw length) of each chunk: every section cut into `chunk_bytes` pieces."""
     out: list[tuple[int, int]] = []
