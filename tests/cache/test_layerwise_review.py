@@ -64,7 +64,7 @@ def test_review_a_write_that_completes_mid_restore_does_not_fail_a_layerwise_res
     landed and was verified. Fails on main at c91bd7a (`after_forward` returns the request)."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-    from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
+    from sgl_hicache.tier.testing.injector import FaultSpec, FaultyTier
 
     s = make_stack(size=512, chunk_bytes=CHUNK, layerwise_restore=True)
     ctl = s.cache.controller
@@ -108,7 +108,7 @@ def test_review_two_layerwise_restores_of_one_extent_one_settling_first_does_not
     extent failed", is retracted and its nodes dropped, although the read then completes OK. (The
     read's last groups are held back a moment, so c is still waiting when b settles.) Fails on main
     at c91bd7a."""
-    from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
+    from sgl_hicache.tier.testing.injector import FaultSpec, FaultyTier
 
     s = make_stack(size=1024, chunk_bytes=CHUNK, layerwise_restore=True)
     s.insert(B)
@@ -143,7 +143,7 @@ def test_review_restored_bytes_counts_no_byte_of_a_failed_restore(make_stack: An
     fails counts its first group's bytes, and the write-amplification ratio is understated. (So
     does an early unpack into a restore that is then dropped, and counting again when it is
     re-opened and unpacked a second time.) Fails on main at c91bd7a (group 0's bytes counted)."""
-    from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
+    from sgl_hicache.tier.testing.injector import FaultSpec, FaultyTier
 
     s = make_stack(size=512, chunk_bytes=CHUNK, layerwise_restore=True)
     s.insert(B)
@@ -177,7 +177,7 @@ def test_review_an_insert_through_a_held_failed_chain_keeps_sglangs_checkpoint_c
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    from sgl_hicache.tier.faulty import FaultSpec, FaultyTier
+    from sgl_hicache.tier.testing.injector import FaultSpec, FaultyTier
     from tests.cache.conftest import fill_kv
 
     s = make_stack(size=1024, chunk_bytes=CHUNK, layerwise_restore=True)
