@@ -63,14 +63,17 @@ class RestoreProgress:
         """Whether every token of every ref is unpacked in layer group `group`."""
         return all(done[group] == ref.count for done, ref in zip(self.unpacked, self.refs, strict=True))
 
+    def ref_done(self, i: int) -> bool:
+        """Whether ref i is unpacked whole, in every layer group: it needs no more bytes."""
+        return all(n == self.refs[i].count for n in self.unpacked[i])
+
     def done_extents(self) -> set[int]:
         """The extents (by identity) every ref of which is unpacked whole, in every layer group: the
         restore needs no more of their bytes."""
         done: set[int] = set()
         partial: set[int] = set()
-        for unpacked, ref in zip(self.unpacked, self.refs, strict=True):
-            whole = all(n == ref.count for n in unpacked)
-            (done if whole else partial).add(id(ref.extent))
+        for i, ref in enumerate(self.refs):
+            (done if self.ref_done(i) else partial).add(id(ref.extent))
         return done - partial
 
     @property

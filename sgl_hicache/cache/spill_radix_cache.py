@@ -860,9 +860,12 @@ class SpillRadixCache(RadixCache):
         return True
 
     def _layerwise_read_failed(self, progress: RestoreProgress) -> str | None:
+        """Why a read the restore still needs can never land (None while all may). A ref unpacked
+        whole needs none: its bytes are in the slots (a write's staging, unpacked at admission and
+        given back when the write completed, has no read to ask about)."""
         assert self.controller is not None
-        for ref in progress.refs:
-            if self.controller.reads.failed(ref.extent):
+        for i, ref, _ in progress.parts():
+            if not progress.ref_done(i) and self.controller.reads.failed(ref.extent):
                 return f"read of extent {ref.extent.key.hex()} failed"
         return None
 
