@@ -25,6 +25,10 @@ Contract:
   for: see `ExtentReads.gather`), the rest unpacked; True leaves it in the table for the caller's
   `restores.hand_over`, False frees its slots (the request recomputes). Any tier failure marks the
   extent LOST; nothing read is used unverified.
+- A read shared by several restores in progress (open in `restores`, or handed over layer-wise
+  and still landing: `Restores.hand_over(landing=True)` until `landed`) is given up only by the last
+  that needs it (`finish_reads`, `release_unpacked`), and never expires while a layer-wise restore
+  lands from it.
 """
 
 from __future__ import annotations
@@ -253,7 +257,7 @@ class SpillController:
                 errors.append(e)
         self._submit_packed()
         self._release_retired()
-        self.reads.expire()
+        self.reads.expire(keep=self.restores.landing_extents())
         self.restores.expire()
         if errors:
             raise errors[0]
@@ -326,12 +330,19 @@ class SpillController:
         progress = self.restores.get(owner)
         if progress is None:
             return 0
-        released = sum(self.reads.finish_extent(eid) for eid in progress.done_extents())
+        done = [eid for eid in progress.done_extents() if not self.restores.needs(eid, but=progress)]
+        released = sum(self.reads.finish_extent(eid) for eid in done)
         progress.released += released
         return released
 
-    def finish_reads(self, refs: Sequence[SpillRef]) -> None:
-        self.reads.finish(refs)
+    def finish_reads(self, refs: Sequence[SpillRef], owner: object = None) -> None:
+        """Give up the reads of `refs`' extents (used by `owner`'s restore, or their restore will not
+        happen), but for those a restore in progress other than `owner`'s still needs
+        (`Restores.needs`): a read shared by several restores goes with the last that needs it."""
+        mine = self.restores.get(owner) if owner is not None else None
+        for eid in needs(refs):
+            if not self.restores.needs(eid, but=mine):
+                self.reads.finish_extent(eid)
 
     def landed_tokens(self, refs: Sequence[SpillRef], group: int | None = None) -> int:
         """Tokens of `refs` whose bytes are verified in host memory now (see `unpack_landed`): in
@@ -383,7 +394,7 @@ class SpillController:
                     for g in range(progress.groups):
                         self._unpack(progress, i, g, sources[id(ref.extent)], ref.count)
         finally:  # an unpack that raised gives the reads' staging back now, not after their TTL
-            self.reads.finish(progress.refs)
+            self.finish_reads(progress.refs, owner)
         if sources is None:
             self.metrics.inc("restore_failures")
             self.restores.drop(owner)

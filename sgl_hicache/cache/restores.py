@@ -76,6 +76,11 @@ class RestoreProgress:
             (done if self.ref_done(i) else partial).add(id(ref.extent))
         return done - partial
 
+    def pending_extents(self) -> set[int]:
+        """The extents (by identity) some ref of which is not unpacked whole yet: the restore still
+        needs their bytes (their reads must not be given up)."""
+        return {id(ref.extent) for i, ref in enumerate(self.refs) if not self.ref_done(i)}
+
     @property
     def any_unpacked(self) -> bool:
         return any(any(done) for done in self.unpacked)
@@ -109,6 +114,7 @@ class Restores:
         self.ttl_s = ttl_s
         self.stats = EarlyUnpackStats()
         self._by_owner: dict[object, RestoreProgress] = {}
+        self._landing: list[RestoreProgress] = []  # handed over before every group landed (layer-wise)
 
     @property
     def held_tokens(self) -> int:
@@ -136,12 +142,32 @@ class Restores:
             return None
         return progress
 
-    def hand_over(self, owner: object) -> RestoreProgress:
+    def hand_over(self, owner: object, landing: bool = False) -> RestoreProgress:
         """Remove `owner`'s restore; its slots become the caller's (the tree's). Every later
-        forward runs after its unpacks."""
+        forward runs after its unpacks. `landing`: a layer-wise restore, handed over before its
+        reads all landed: its reads are still needed (`needs`) until the caller says `landed`."""
         progress = self._by_owner.pop(owner)
         self.engine.forward_waits(progress.last_copy)
+        if landing:
+            self._landing.append(progress)
         return progress
+
+    def landed(self, progress: RestoreProgress) -> None:
+        """A layer-wise restore handed over with `landing` ended (settled or failed): it needs no read."""
+        self._landing = [p for p in self._landing if p is not progress]
+
+    def needs(self, extent_id: int, but: RestoreProgress | None = None) -> bool:
+        """Whether a restore in progress other than `but` (in the table, or handed over while its
+        reads land) still needs bytes of extent `extent_id`: a read shared by several restores is
+        given up only by the last that needs it."""
+        return any(
+            p is not but and extent_id in p.pending_extents()
+            for p in (*self._by_owner.values(), *self._landing)
+        )
+
+    def landing_extents(self) -> set[int]:
+        """The extents (by identity) layer-wise restores in progress still need bytes of."""
+        return {eid for p in self._landing for eid in p.pending_extents()}
 
     def drop(self, owner: object) -> None:
         """Free `owner`'s slots, if it has a restore (after its unpacks, on the device)."""
@@ -171,6 +197,7 @@ class Restores:
     def clear(self) -> None:
         for owner in list(self._by_owner):
             self.drop(owner)
+        self._landing = []  # a reset: the tree that held their slots is gone
 
     def forget(self) -> None:
         """Forget every restore without freeing its slots: only where sglang clears the whole
@@ -179,3 +206,4 @@ class Restores:
         if self._by_owner:
             self.engine.forward_waits(self.engine.load_barrier())
         self._by_owner.clear()
+        self._landing = []

@@ -615,7 +615,7 @@ class SpillRadixCache(RadixCache):
                 spilled, self._layerwise_ready(spilled, self._restore_readiness(spilled, rid))
             )
             if ready is None:  # a rank found an extent lost: every rank drops the spilled chain
-                self._drop_lost(spilled)
+                self._drop_lost(spilled, rid)
                 return 0, anchor
             if ready is Readiness.LAYERWISE:  # the prefill starts; each layer waits for its group
                 if not self._restore_layerwise(spilled, rid, anchor):
@@ -630,7 +630,7 @@ class SpillRadixCache(RadixCache):
             if ready is Readiness.FAILED:
                 self.spill_metrics.inc("restore_failures")
                 if self.controller is not None:
-                    self.controller.finish_reads([node.spill for node in spilled])
+                    self.controller.finish_reads([node.spill for node in spilled], _owner(rid))
                 return 0, anchor
             if not self._restore(spilled, rid, anchor):
                 return 0, anchor
@@ -660,11 +660,11 @@ class SpillRadixCache(RadixCache):
             return Readiness.LAYERWISE
         return ready
 
-    def _drop_lost(self, nodes: list[TreeNode]) -> None:
+    def _drop_lost(self, nodes: list[TreeNode], rid: str | None) -> None:
         """After an agreed loss: the first spilled node of the chain goes, with its subtree."""
         self.spill_metrics.inc("restore_failures")
         if self.controller is not None:
-            self.controller.finish_reads([node.spill for node in nodes])
+            self.controller.finish_reads([node.spill for node in nodes], _owner(rid))
         if self.tree.attached(nodes[0]):
             self.tree.prune(nodes[0])
 
@@ -784,7 +784,7 @@ class SpillRadixCache(RadixCache):
         )
         if not opened:
             self.spill_metrics.inc("restore_failures")
-            ctl.finish_reads(refs)  # release their staging now, not after the TTL
+            ctl.finish_reads(refs, owner)  # release their staging now, not after the TTL
         ok = opened and self._complete(owner)
         if not self.agreement.all_ok(ok):
             ctl.restores.drop(owner)
@@ -841,10 +841,11 @@ class SpillRadixCache(RadixCache):
         fence = ctl.engine.fence()  # every forward that could write these slots is before it
         landed = next((g for g in range(progress.groups) if not progress.group_done(g)), progress.groups)
         values = [slots.clone() for _, _, slots in progress.parts()]
-        ctl.restores.hand_over(owner)
+        ctl.restores.hand_over(owner, landing=True)
         try:
             self.tree.mark_resident(nodes, values)
         except BaseException:  # those marked keep their KV's slots: they are dropped as failed below
+            ctl.restores.landed(progress)
             for node, value in zip(nodes, values, strict=True):
                 if node.evicted:
                     self.token_to_kv_pool_allocator.free(value)
@@ -875,6 +876,7 @@ class SpillRadixCache(RadixCache):
         ctl = self.controller
         if ctl is not None:
             ctl.engine.forward_waits(restore.progress.last_copy)
+            ctl.restores.landed(restore.progress)
             ctl.finish_reads(restore.progress.refs)
         self.spill_metrics.inc("restored_tokens", restore.progress.tokens)
         self.spill_metrics.observe_restore(time.monotonic() - restore.progress.started)
@@ -886,6 +888,7 @@ class SpillRadixCache(RadixCache):
         ctl = self.controller
         if ctl is not None:
             ctl.engine.forward_waits(ctl.engine.load_barrier())
+            ctl.restores.landed(restore.progress)
             ctl.finish_reads(restore.progress.refs)
         self.spill_metrics.inc("restore_failures")
         self.spill_metrics.inc("layerwise_failed_restores")
@@ -931,6 +934,8 @@ class SpillRadixCache(RadixCache):
             for restore in self.layerwise.active:  # at least never served: retracted, dropped
                 restore.failed = restore.failed or "internal error"
                 self._poison(restore)
+                if self.controller is not None:  # its reads go with their last user or their TTL
+                    self.controller.restores.landed(restore.progress)
                 self.layerwise.ended.append(restore)
             self.layerwise.active = []
 
