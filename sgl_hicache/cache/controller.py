@@ -399,9 +399,17 @@ class SpillController:
             self.metrics.inc("restore_failures")
             self.restores.drop(owner)
             return False
-        self.metrics.inc("restored_tokens", progress.tokens)
         self.metrics.inc("restores_streamed", int(progress.released > 0))
         return True
+
+    def count_restored(self, progress: RestoreProgress) -> None:
+        """A restore succeeded (agreed across TP ranks: the cache calls this once per restore, after a
+        whole restore's hand-over or when a layer-wise one ended OK everywhere): its tokens, and the
+        verified bytes it unpacked from tier reads (`restored_bytes`: not those of a write's staging).
+        A restore that failed, was dropped or freed counts nothing; one reopened counts its last
+        progress only."""
+        self.metrics.inc("restored_tokens", progress.tokens)
+        self.metrics.inc("restored_bytes", progress.read_bytes)
 
     def _unpack(self, progress: RestoreProgress, i: int, g: int, landing: Landing, upto: int,
                 fence: list[Any] | None = None) -> None:  # fmt: skip
@@ -422,7 +430,7 @@ class SpillController:
             raise
         self.metrics.inc("restore_unpack_seconds", time.perf_counter() - t0)
         if buf is not ref.extent.staged:  # read from the tier and verified, not its write's staging
-            self.metrics.inc("restored_bytes", hi - lo)
+            progress.read_bytes += hi - lo  # counted if the restore succeeds (`count_restored`)
         self._reading(progress, buf, copy, g)
         progress.unpacked[i][g] = upto
 

@@ -49,6 +49,7 @@ class RestoreProgress:
     last_copy: Copy | None = None
     group_copies: list[Copy | None] = field(default_factory=list)
     released: int = 0  # reads given back before the restore completed (streamed through staging)
+    read_bytes: int = 0  # packed bytes unpacked from tier reads (not a write's staging): counted at success
 
     def __post_init__(self) -> None:
         assert len(self.slots) == sum(ref.count for ref in self.refs), "one slot per token of the refs"

@@ -793,6 +793,7 @@ class SpillRadixCache(RadixCache):
         progress = ctl.restores.get(owner)
         assert progress is not None  # agreed ok implies this rank's ok
         self.spill_metrics.observe_restore(time.perf_counter() - t0)
+        ctl.count_restored(progress)
         values = [slots.clone() for _, _, slots in progress.parts()]
         ctl.restores.hand_over(owner)
         try:
@@ -878,7 +879,6 @@ class SpillRadixCache(RadixCache):
             ctl.engine.forward_waits(restore.progress.last_copy)
             ctl.restores.landed(restore.progress)
             ctl.finish_reads(restore.progress.refs)
-        self.spill_metrics.inc("restored_tokens", restore.progress.tokens)
         self.spill_metrics.observe_restore(time.monotonic() - restore.progress.started)
         self._unlock_layerwise(restore)
 
@@ -963,6 +963,8 @@ class SpillRadixCache(RadixCache):
                     self.spill_metrics.inc("tp_disagreements")
                     restore.failed = "failed on another TP rank"
                     self._poison(restore)
+                elif all_ok and self.controller is not None:  # settled on every rank: restored
+                    self.controller.count_restored(restore.progress)
         if not self._failed_layerwise:
             return []
         poisoned = {id(node) for r in self._failed_layerwise for node in self._layerwise_chain(r)}
