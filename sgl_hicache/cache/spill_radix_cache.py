@@ -148,6 +148,15 @@ class SpillRadixCache(RadixCache):
         self.write_admission.split(head, child)
         return head
 
+    def _update_leaf_status(self, node: TreeNode) -> None:
+        """sglang's, but a node taken out of the tree (`SpillTree.detach`: a failed layer-wise
+        restore's) is never an evictable leaf: its KV is not its tokens', and it is freed whole once
+        no request holds it (`drop_failed_layerwise`)."""
+        if getattr(node, "detached", False):
+            self.evictable_leaves.discard(node)
+            return
+        super()._update_leaf_status(node)
+
     def _match_prefix_helper(self, node: TreeNode, key: RadixKey) -> tuple[list[torch.Tensor], TreeNode]:
         return self.tree.match_resident(node, key)
 
@@ -884,7 +893,8 @@ class SpillRadixCache(RadixCache):
 
     def _layerwise_failed(self, restore: LayerwiseRestore) -> None:
         """A group cannot land: nothing more is unpacked; its nodes stay locked and are never
-        matched (`poisoned`) until `after_forward` has had their readers retracted and drops them."""
+        matched (`poisoned`) until `after_forward` takes them out of the tree (`_detach_failed`) and
+        has their readers retracted; `drop_failed_layerwise` frees them once nobody holds them."""
         ctl = self.controller
         if ctl is not None:
             ctl.engine.forward_waits(ctl.engine.load_barrier())
@@ -967,6 +977,7 @@ class SpillRadixCache(RadixCache):
                     self.controller.count_restored(restore.progress)
         if not self._failed_layerwise:
             return []
+        self._detach_failed()
         poisoned = {id(node) for r in self._failed_layerwise for node in self._layerwise_chain(r)}
         affected = [req for req in reqs if self._path_holds(getattr(req, "last_node", None), poisoned)]
         self.spill_metrics.inc("layerwise_retracted_requests", len(affected))
@@ -979,36 +990,34 @@ class SpillRadixCache(RadixCache):
             node = node.parent
         return False
 
+    def _detach_failed(self) -> None:
+        """Take the chains of failed layer-wise restores out of the tree (`SpillTree.detach`), at a
+        point every TP rank reaches with the same failures (after their agreement): from here no
+        match, insert or eviction sees them (an insert of the same tokens, by a request that
+        recomputed them, makes new nodes of its own slots: sglang's checkpoint re-match then covers
+        its key), while the requests still holding them keep their slots until they let go."""
+        for restore in self._failed_layerwise:
+            if restore.detached is not None:
+                continue
+            top = self._layerwise_chain(restore)[0]
+            attached = self.tree.attached(top) and not top.evicted
+            restore.detached = self.tree.detach(top) if attached else []
+
     def drop_failed_layerwise(self) -> None:
-        """Drop the nodes of failed layer-wise restores (their slots hold KV of some layers only),
-        once no request holds them: after `after_forward`'s requests were retracted. A chain still
-        held waits (never matched meanwhile: poisoned) for the next call."""
+        """Free the nodes of failed layer-wise restores (their slots hold KV of some layers only),
+        taken out of the tree by `after_forward`, once no request holds them: after `after_forward`'s
+        requests were retracted. A chain still held waits (out of the tree meanwhile) for the next
+        call."""
+        self._detach_failed()
         keep = []
         for restore in self._failed_layerwise:
             self._unlock_layerwise(restore)
-            chain = [n for n in self._layerwise_chain(restore) if self.tree.attached(n) and not n.evicted]
-            if not chain:
-                continue
-            if any(node.lock_ref > 0 for node in chain) or not self._drop_subtree(chain[0], dry_run=True):
+            nodes = restore.detached or []
+            if any(node.lock_ref > 0 for node in nodes):
                 keep.append(restore)
                 continue
-            self.spill_metrics.inc("layerwise_dropped_tokens", self._drop_subtree(chain[0]))
+            self.spill_metrics.inc("layerwise_dropped_tokens", self.tree.free_detached(nodes))
         self._failed_layerwise = keep
-
-    def _drop_subtree(self, node: TreeNode, dry_run: bool = False) -> int:
-        """Remove resident `node` and everything below it (resident nodes freed bottom up, spilled
-        ones pruned); with `dry_run`, only whether every resident one is unlocked. Returns tokens."""
-        if dry_run:
-            return int(node.lock_ref == 0 and all(
-                c.evicted or self._drop_subtree(c, dry_run=True) for c in node.children.values()
-            ))  # fmt: skip
-        dropped = 0
-        for child in list(node.children.values()):
-            if child.evicted:
-                dropped += self.tree.prune(child)
-            else:
-                dropped += self._drop_subtree(child)
-        return dropped + self.tree.drop(node)
 
     @contained("init_load_back (restore)", _not_completed)
     def _complete(self, owner: object) -> bool:
@@ -1147,7 +1156,8 @@ class SpillRadixCache(RadixCache):
         if with_tier:
             self.retention.wait_jobs()
         restoring = self.controller.restores.held_slots() if self.controller is not None else []
-        self.tree.check_integrity(restoring, held_tokens)
+        detached = [node for r in self._failed_layerwise for node in r.detached or ()]
+        self.tree.check_integrity(restoring, held_tokens, detached)
         if self.controller is not None:
             self.controller.check_integrity(with_tier)
 
