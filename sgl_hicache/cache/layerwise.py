@@ -24,9 +24,10 @@ table. From then on:
   retracted and recomputed, and frees their slots once no request holds them. Never a mix of
   restored and missing KV in an answer: a request whose forward read a failed restore's slots is
   never answered from that forward.
-- **Settled**: once every group is unpacked, the reads' staging goes back (after the copies), every
-  later forward waits for the last copy, and the lock is released; the nodes are ordinary resident
-  nodes (their clean reference on the tier kept).
+- **Settled**: once every group is unpacked, the reads' staging goes back (after the copies; a read
+  another restore in progress still needs stays for it), every later forward waits for the last
+  copy, and the lock is released; the nodes are ordinary resident nodes (their clean reference on
+  the tier kept). Its tokens and bytes count as restored once every TP rank settled it.
 
 All on the scheduler thread (sglang's forward runs there); the tier's I/O threads only land bytes.
 """

@@ -3,7 +3,9 @@
 Contract (every method runs on the scheduler thread and never blocks on I/O):
 - one read per extent at a time (by extent identity): a prefetch, a hint and a restore of the same
   extent share it; a read that must cover more tokens replaces a shorter one;
-- a read nobody consumes is released after `ttl_s` (`expire`);
+- a read nobody consumes is released after `ttl_s` (`expire`; never one a layer-wise restore in
+  progress lands from: the controller says which); a read several restores share is given up by the
+  last of them (the controller's `finish_reads`, `release_unpacked`);
 - a failed read marks its extent LOST (its nodes are pruned on their next visit), counted once;
 - a read is good only if the tier says OK *and* it holds exactly the bytes asked for: anything
   else (a short completion included) is a MISMATCH, never KV;
