@@ -25,6 +25,10 @@ Contract:
   for: see `ExtentReads.gather`), the rest unpacked; True leaves it in the table for the caller's
   `restores.hand_over`, False frees its slots (the request recomputes). Any tier failure marks the
   extent LOST; nothing read is used unverified.
+- A read shared by several restores in progress (open in `restores`, or handed over layer-wise
+  and still landing: `Restores.hand_over(landing=True)` until `landed`) is given up only by the last
+  that needs it (`finish_reads`, `release_unpacked`), and never expires while a layer-wise restore
+  lands from it.
 """
 
 from __future__ import annotations
@@ -253,7 +257,7 @@ class SpillController:
                 errors.append(e)
         self._submit_packed()
         self._release_retired()
-        self.reads.expire()
+        self.reads.expire(keep=self.restores.landing_extents())
         self.restores.expire()
         if errors:
             raise errors[0]
@@ -326,12 +330,19 @@ class SpillController:
         progress = self.restores.get(owner)
         if progress is None:
             return 0
-        released = sum(self.reads.finish_extent(eid) for eid in progress.done_extents())
+        done = [eid for eid in progress.done_extents() if not self.restores.needs(eid, but=progress)]
+        released = sum(self.reads.finish_extent(eid) for eid in done)
         progress.released += released
         return released
 
-    def finish_reads(self, refs: Sequence[SpillRef]) -> None:
-        self.reads.finish(refs)
+    def finish_reads(self, refs: Sequence[SpillRef], owner: object = None) -> None:
+        """Give up the reads of `refs`' extents (used by `owner`'s restore, or their restore will not
+        happen), but for those a restore in progress other than `owner`'s still needs
+        (`Restores.needs`): a read shared by several restores goes with the last that needs it."""
+        mine = self.restores.get(owner) if owner is not None else None
+        for eid in needs(refs):
+            if not self.restores.needs(eid, but=mine):
+                self.reads.finish_extent(eid)
 
     def landed_tokens(self, refs: Sequence[SpillRef], group: int | None = None) -> int:
         """Tokens of `refs` whose bytes are verified in host memory now (see `unpack_landed`): in
@@ -383,14 +394,22 @@ class SpillController:
                     for g in range(progress.groups):
                         self._unpack(progress, i, g, sources[id(ref.extent)], ref.count)
         finally:  # an unpack that raised gives the reads' staging back now, not after their TTL
-            self.reads.finish(progress.refs)
+            self.finish_reads(progress.refs, owner)
         if sources is None:
             self.metrics.inc("restore_failures")
             self.restores.drop(owner)
             return False
-        self.metrics.inc("restored_tokens", progress.tokens)
         self.metrics.inc("restores_streamed", int(progress.released > 0))
         return True
+
+    def count_restored(self, progress: RestoreProgress) -> None:
+        """A restore succeeded (agreed across TP ranks: the cache calls this once per restore, after a
+        whole restore's hand-over or when a layer-wise one ended OK everywhere): its tokens, and the
+        verified bytes it unpacked from tier reads (`restored_bytes`: not those of a write's staging).
+        A restore that failed, was dropped or freed counts nothing; one reopened counts its last
+        progress only."""
+        self.metrics.inc("restored_tokens", progress.tokens)
+        self.metrics.inc("restored_bytes", progress.read_bytes)
 
     def _unpack(self, progress: RestoreProgress, i: int, g: int, landing: Landing, upto: int,
                 fence: list[Any] | None = None) -> None:  # fmt: skip
@@ -411,7 +430,7 @@ class SpillController:
             raise
         self.metrics.inc("restore_unpack_seconds", time.perf_counter() - t0)
         if buf is not ref.extent.staged:  # read from the tier and verified, not its write's staging
-            self.metrics.inc("restored_bytes", hi - lo)
+            progress.read_bytes += hi - lo  # counted if the restore succeeds (`count_restored`)
         self._reading(progress, buf, copy, g)
         progress.unpacked[i][g] = upto
 

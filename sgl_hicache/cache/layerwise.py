@@ -18,13 +18,16 @@ table. From then on:
 - **A group that cannot land** (a read completed MISS / CORRUPT / IO_ERROR / MISMATCH, or none came
   within the I/O timeout) fails the restore: nothing more of it is unpacked, the forward goes on
   reading whatever its slots hold, and the restore ends failed. Its nodes stay locked (never spilled,
-  never matched: `poisoned`) until the post-forward step (`SpillRadixCache.after_forward`) has the
-  requests that used them retracted and recomputed, and drops them. Never a mix of restored and
-  missing KV in an answer: a request whose forward read a failed restore's slots is never answered
-  from that forward.
-- **Settled**: once every group is unpacked, the reads' staging goes back (after the copies), every
-  later forward waits for the last copy, and the lock is released; the nodes are ordinary resident
-  nodes (their clean reference on the tier kept).
+  never matched: `poisoned`) until the post-forward step (`SpillRadixCache.after_forward`), where
+  the failure is agreed across TP ranks, takes them out of the tree (never matched, inserted over or
+  evicted again: an insert of the same tokens makes new nodes), has the requests that used them
+  retracted and recomputed, and frees their slots once no request holds them. Never a mix of
+  restored and missing KV in an answer: a request whose forward read a failed restore's slots is
+  never answered from that forward.
+- **Settled**: once every group is unpacked, the reads' staging goes back (after the copies; a read
+  another restore in progress still needs stays for it), every later forward waits for the last
+  copy, and the lock is released; the nodes are ordinary resident nodes (their clean reference on
+  the tier kept). Its tokens and bytes count as restored once every TP rank settled it.
 
 All on the scheduler thread (sglang's forward runs there); the tier's I/O threads only land bytes.
 """
@@ -59,6 +62,7 @@ class LayerwiseRestore:
     failed: str | None = None
     waited: set[int] = field(default_factory=set)  # groups the forward streams were told to wait for
     unlocked: bool = False  # the table's lock on the chain was released
+    detached: list[Any] | None = None  # failed: its resident nodes, taken out of the tree (None: not yet)
 
     @property
     def groups(self) -> int:

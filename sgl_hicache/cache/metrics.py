@@ -110,7 +110,7 @@ COUNTERS = {
     "spills_refused_staging_full": "evicted nodes dropped because staging was full then (writes in flight)",
     "spills_refused_too_large": "evicted nodes dropped because they are larger than all of staging "
     "(raise --hicache-spill-staging)",
-    "restored_tokens": "tokens restored from the tier into the device pool",
+    "restored_tokens": "tokens restored from the tier into the device pool by restores that completed",
     "restored_bytes": "packed KV bytes read from the tier, verified and unpacked into the device pool by "
     "restores that completed (a restore from staging, its write still under way, reads none)",
     "restore_failures": "restores abandoned (miss, corruption, I/O error, timeout, no memory): recomputed",

@@ -3,7 +3,9 @@
 Contract (every method runs on the scheduler thread and never blocks on I/O):
 - one read per extent at a time (by extent identity): a prefetch, a hint and a restore of the same
   extent share it; a read that must cover more tokens replaces a shorter one;
-- a read nobody consumes is released after `ttl_s` (`expire`);
+- a read nobody consumes is released after `ttl_s` (`expire`; never one a layer-wise restore in
+  progress lands from: the controller says which); a read several restores share is given up by the
+  last of them (the controller's `finish_reads`, `release_unpacked`);
 - a failed read marks its extent LOST (its nodes are pruned on their next visit), counted once;
 - a read is good only if the tier says OK *and* it holds exactly the bytes asked for: anything
   else (a short completion included) is a MISMATCH, never KV;
@@ -316,11 +318,6 @@ class ExtentReads:
             self.metrics.inc("lost_extents")
         read.extent.state = ExtentState.LOST
 
-    def finish(self, refs: Sequence[SpillRef]) -> None:
-        """Give up the reads of `refs`' extents (used, or their restore will not happen)."""
-        for extent_id in needs(refs):
-            self.finish_extent(extent_id)
-
     def finish_extent(self, extent_id: int) -> bool:
         """Give up the read of one extent (by identity), if any: a restore unpacked it whole (its
         staging goes back once that unpack ran: `release`), or will not happen. Whether one was."""
@@ -344,13 +341,14 @@ class ExtentReads:
         for read in list(self._reads.values()):
             self._abandon(read)
 
-    def expire(self) -> None:
+    def expire(self, keep: Collection[int] = ()) -> None:
         """Reads nobody consumed within `ttl_s` (an unused prefetch, or a restore whose request went
-        away while waiting) give their staging back."""
+        away while waiting) give their staging back; but for the extents in `keep` (by identity:
+        those a layer-wise restore in progress still lands from, which ends within its forward)."""
         now = time.monotonic()
         for eid in [e for e, since in self._waiting.items() if now - since > self.ttl_s]:
             del self._waiting[eid]  # its restore went away: prefetches may start again
         for read in list(self._reads.values()):
-            if now - read.started > self.ttl_s:
+            if now - read.started > self.ttl_s and id(read.extent) not in keep:
                 self.metrics.inc("prefetch_abandoned")
                 self._abandon(read)

@@ -49,6 +49,7 @@ class RestoreProgress:
     last_copy: Copy | None = None
     group_copies: list[Copy | None] = field(default_factory=list)
     released: int = 0  # reads given back before the restore completed (streamed through staging)
+    read_bytes: int = 0  # packed bytes unpacked from tier reads (not a write's staging): counted at success
 
     def __post_init__(self) -> None:
         assert len(self.slots) == sum(ref.count for ref in self.refs), "one slot per token of the refs"
@@ -63,15 +64,23 @@ class RestoreProgress:
         """Whether every token of every ref is unpacked in layer group `group`."""
         return all(done[group] == ref.count for done, ref in zip(self.unpacked, self.refs, strict=True))
 
+    def ref_done(self, i: int) -> bool:
+        """Whether ref i is unpacked whole, in every layer group: it needs no more bytes."""
+        return all(n == self.refs[i].count for n in self.unpacked[i])
+
     def done_extents(self) -> set[int]:
         """The extents (by identity) every ref of which is unpacked whole, in every layer group: the
         restore needs no more of their bytes."""
         done: set[int] = set()
         partial: set[int] = set()
-        for unpacked, ref in zip(self.unpacked, self.refs, strict=True):
-            whole = all(n == ref.count for n in unpacked)
-            (done if whole else partial).add(id(ref.extent))
+        for i, ref in enumerate(self.refs):
+            (done if self.ref_done(i) else partial).add(id(ref.extent))
         return done - partial
+
+    def pending_extents(self) -> set[int]:
+        """The extents (by identity) some ref of which is not unpacked whole yet: the restore still
+        needs their bytes (their reads must not be given up)."""
+        return {id(ref.extent) for i, ref in enumerate(self.refs) if not self.ref_done(i)}
 
     @property
     def any_unpacked(self) -> bool:
@@ -106,6 +115,7 @@ class Restores:
         self.ttl_s = ttl_s
         self.stats = EarlyUnpackStats()
         self._by_owner: dict[object, RestoreProgress] = {}
+        self._landing: list[RestoreProgress] = []  # handed over before every group landed (layer-wise)
 
     @property
     def held_tokens(self) -> int:
@@ -133,12 +143,32 @@ class Restores:
             return None
         return progress
 
-    def hand_over(self, owner: object) -> RestoreProgress:
+    def hand_over(self, owner: object, landing: bool = False) -> RestoreProgress:
         """Remove `owner`'s restore; its slots become the caller's (the tree's). Every later
-        forward runs after its unpacks."""
+        forward runs after its unpacks. `landing`: a layer-wise restore, handed over before its
+        reads all landed: its reads are still needed (`needs`) until the caller says `landed`."""
         progress = self._by_owner.pop(owner)
         self.engine.forward_waits(progress.last_copy)
+        if landing:
+            self._landing.append(progress)
         return progress
+
+    def landed(self, progress: RestoreProgress) -> None:
+        """A layer-wise restore handed over with `landing` ended (settled or failed): it needs no read."""
+        self._landing = [p for p in self._landing if p is not progress]
+
+    def needs(self, extent_id: int, but: RestoreProgress | None = None) -> bool:
+        """Whether a restore in progress other than `but` (in the table, or handed over while its
+        reads land) still needs bytes of extent `extent_id`: a read shared by several restores is
+        given up only by the last that needs it."""
+        return any(
+            p is not but and extent_id in p.pending_extents()
+            for p in (*self._by_owner.values(), *self._landing)
+        )
+
+    def landing_extents(self) -> set[int]:
+        """The extents (by identity) layer-wise restores in progress still need bytes of."""
+        return {eid for p in self._landing for eid in p.pending_extents()}
 
     def drop(self, owner: object) -> None:
         """Free `owner`'s slots, if it has a restore (after its unpacks, on the device)."""
@@ -168,6 +198,7 @@ class Restores:
     def clear(self) -> None:
         for owner in list(self._by_owner):
             self.drop(owner)
+        self._landing = []  # a reset: the tree that held their slots is gone
 
     def forget(self) -> None:
         """Forget every restore without freeing its slots: only where sglang clears the whole
@@ -176,3 +207,4 @@ class Restores:
         if self._by_owner:
             self.engine.forward_waits(self.engine.load_barrier())
         self._by_owner.clear()
+        self._landing = []

@@ -148,6 +148,15 @@ class SpillRadixCache(RadixCache):
         self.write_admission.split(head, child)
         return head
 
+    def _update_leaf_status(self, node: TreeNode) -> None:
+        """sglang's, but a node taken out of the tree (`SpillTree.detach`: a failed layer-wise
+        restore's) is never an evictable leaf: its KV is not its tokens', and it is freed whole once
+        no request holds it (`drop_failed_layerwise`)."""
+        if getattr(node, "detached", False):
+            self.evictable_leaves.discard(node)
+            return
+        super()._update_leaf_status(node)
+
     def _match_prefix_helper(self, node: TreeNode, key: RadixKey) -> tuple[list[torch.Tensor], TreeNode]:
         return self.tree.match_resident(node, key)
 
@@ -615,7 +624,7 @@ class SpillRadixCache(RadixCache):
                 spilled, self._layerwise_ready(spilled, self._restore_readiness(spilled, rid))
             )
             if ready is None:  # a rank found an extent lost: every rank drops the spilled chain
-                self._drop_lost(spilled)
+                self._drop_lost(spilled, rid)
                 return 0, anchor
             if ready is Readiness.LAYERWISE:  # the prefill starts; each layer waits for its group
                 if not self._restore_layerwise(spilled, rid, anchor):
@@ -630,7 +639,7 @@ class SpillRadixCache(RadixCache):
             if ready is Readiness.FAILED:
                 self.spill_metrics.inc("restore_failures")
                 if self.controller is not None:
-                    self.controller.finish_reads([node.spill for node in spilled])
+                    self.controller.finish_reads([node.spill for node in spilled], _owner(rid))
                 return 0, anchor
             if not self._restore(spilled, rid, anchor):
                 return 0, anchor
@@ -660,11 +669,11 @@ class SpillRadixCache(RadixCache):
             return Readiness.LAYERWISE
         return ready
 
-    def _drop_lost(self, nodes: list[TreeNode]) -> None:
+    def _drop_lost(self, nodes: list[TreeNode], rid: str | None) -> None:
         """After an agreed loss: the first spilled node of the chain goes, with its subtree."""
         self.spill_metrics.inc("restore_failures")
         if self.controller is not None:
-            self.controller.finish_reads([node.spill for node in nodes])
+            self.controller.finish_reads([node.spill for node in nodes], _owner(rid))
         if self.tree.attached(nodes[0]):
             self.tree.prune(nodes[0])
 
@@ -784,7 +793,7 @@ class SpillRadixCache(RadixCache):
         )
         if not opened:
             self.spill_metrics.inc("restore_failures")
-            ctl.finish_reads(refs)  # release their staging now, not after the TTL
+            ctl.finish_reads(refs, owner)  # release their staging now, not after the TTL
         ok = opened and self._complete(owner)
         if not self.agreement.all_ok(ok):
             ctl.restores.drop(owner)
@@ -793,6 +802,7 @@ class SpillRadixCache(RadixCache):
         progress = ctl.restores.get(owner)
         assert progress is not None  # agreed ok implies this rank's ok
         self.spill_metrics.observe_restore(time.perf_counter() - t0)
+        ctl.count_restored(progress)
         values = [slots.clone() for _, _, slots in progress.parts()]
         ctl.restores.hand_over(owner)
         try:
@@ -841,10 +851,11 @@ class SpillRadixCache(RadixCache):
         fence = ctl.engine.fence()  # every forward that could write these slots is before it
         landed = next((g for g in range(progress.groups) if not progress.group_done(g)), progress.groups)
         values = [slots.clone() for _, _, slots in progress.parts()]
-        ctl.restores.hand_over(owner)
+        ctl.restores.hand_over(owner, landing=True)
         try:
             self.tree.mark_resident(nodes, values)
         except BaseException:  # those marked keep their KV's slots: they are dropped as failed below
+            ctl.restores.landed(progress)
             for node, value in zip(nodes, values, strict=True):
                 if node.evicted:
                     self.token_to_kv_pool_allocator.free(value)
@@ -860,9 +871,12 @@ class SpillRadixCache(RadixCache):
         return True
 
     def _layerwise_read_failed(self, progress: RestoreProgress) -> str | None:
+        """Why a read the restore still needs can never land (None while all may). A ref unpacked
+        whole needs none: its bytes are in the slots (a write's staging, unpacked at admission and
+        given back when the write completed, has no read to ask about)."""
         assert self.controller is not None
-        for ref in progress.refs:
-            if self.controller.reads.failed(ref.extent):
+        for i, ref, _ in progress.parts():
+            if not progress.ref_done(i) and self.controller.reads.failed(ref.extent):
                 return f"read of extent {ref.extent.key.hex()} failed"
         return None
 
@@ -872,17 +886,19 @@ class SpillRadixCache(RadixCache):
         ctl = self.controller
         if ctl is not None:
             ctl.engine.forward_waits(restore.progress.last_copy)
+            ctl.restores.landed(restore.progress)
             ctl.finish_reads(restore.progress.refs)
-        self.spill_metrics.inc("restored_tokens", restore.progress.tokens)
         self.spill_metrics.observe_restore(time.monotonic() - restore.progress.started)
         self._unlock_layerwise(restore)
 
     def _layerwise_failed(self, restore: LayerwiseRestore) -> None:
         """A group cannot land: nothing more is unpacked; its nodes stay locked and are never
-        matched (`poisoned`) until `after_forward` has had their readers retracted and drops them."""
+        matched (`poisoned`) until `after_forward` takes them out of the tree (`_detach_failed`) and
+        has their readers retracted; `drop_failed_layerwise` frees them once nobody holds them."""
         ctl = self.controller
         if ctl is not None:
             ctl.engine.forward_waits(ctl.engine.load_barrier())
+            ctl.restores.landed(restore.progress)
             ctl.finish_reads(restore.progress.refs)
         self.spill_metrics.inc("restore_failures")
         self.spill_metrics.inc("layerwise_failed_restores")
@@ -928,6 +944,8 @@ class SpillRadixCache(RadixCache):
             for restore in self.layerwise.active:  # at least never served: retracted, dropped
                 restore.failed = restore.failed or "internal error"
                 self._poison(restore)
+                if self.controller is not None:  # its reads go with their last user or their TTL
+                    self.controller.restores.landed(restore.progress)
                 self.layerwise.ended.append(restore)
             self.layerwise.active = []
 
@@ -955,8 +973,11 @@ class SpillRadixCache(RadixCache):
                     self.spill_metrics.inc("tp_disagreements")
                     restore.failed = "failed on another TP rank"
                     self._poison(restore)
+                elif all_ok and self.controller is not None:  # settled on every rank: restored
+                    self.controller.count_restored(restore.progress)
         if not self._failed_layerwise:
             return []
+        self._detach_failed()
         poisoned = {id(node) for r in self._failed_layerwise for node in self._layerwise_chain(r)}
         affected = [req for req in reqs if self._path_holds(getattr(req, "last_node", None), poisoned)]
         self.spill_metrics.inc("layerwise_retracted_requests", len(affected))
@@ -969,36 +990,34 @@ class SpillRadixCache(RadixCache):
             node = node.parent
         return False
 
+    def _detach_failed(self) -> None:
+        """Take the chains of failed layer-wise restores out of the tree (`SpillTree.detach`), at a
+        point every TP rank reaches with the same failures (after their agreement): from here no
+        match, insert or eviction sees them (an insert of the same tokens, by a request that
+        recomputed them, makes new nodes of its own slots: sglang's checkpoint re-match then covers
+        its key), while the requests still holding them keep their slots until they let go."""
+        for restore in self._failed_layerwise:
+            if restore.detached is not None:
+                continue
+            top = self._layerwise_chain(restore)[0]
+            attached = self.tree.attached(top) and not top.evicted
+            restore.detached = self.tree.detach(top) if attached else []
+
     def drop_failed_layerwise(self) -> None:
-        """Drop the nodes of failed layer-wise restores (their slots hold KV of some layers only),
-        once no request holds them: after `after_forward`'s requests were retracted. A chain still
-        held waits (never matched meanwhile: poisoned) for the next call."""
+        """Free the nodes of failed layer-wise restores (their slots hold KV of some layers only),
+        taken out of the tree by `after_forward`, once no request holds them: after `after_forward`'s
+        requests were retracted. A chain still held waits (out of the tree meanwhile) for the next
+        call."""
+        self._detach_failed()
         keep = []
         for restore in self._failed_layerwise:
             self._unlock_layerwise(restore)
-            chain = [n for n in self._layerwise_chain(restore) if self.tree.attached(n) and not n.evicted]
-            if not chain:
-                continue
-            if any(node.lock_ref > 0 for node in chain) or not self._drop_subtree(chain[0], dry_run=True):
+            nodes = restore.detached or []
+            if any(node.lock_ref > 0 for node in nodes):
                 keep.append(restore)
                 continue
-            self.spill_metrics.inc("layerwise_dropped_tokens", self._drop_subtree(chain[0]))
+            self.spill_metrics.inc("layerwise_dropped_tokens", self.tree.free_detached(nodes))
         self._failed_layerwise = keep
-
-    def _drop_subtree(self, node: TreeNode, dry_run: bool = False) -> int:
-        """Remove resident `node` and everything below it (resident nodes freed bottom up, spilled
-        ones pruned); with `dry_run`, only whether every resident one is unlocked. Returns tokens."""
-        if dry_run:
-            return int(node.lock_ref == 0 and all(
-                c.evicted or self._drop_subtree(c, dry_run=True) for c in node.children.values()
-            ))  # fmt: skip
-        dropped = 0
-        for child in list(node.children.values()):
-            if child.evicted:
-                dropped += self.tree.prune(child)
-            else:
-                dropped += self._drop_subtree(child)
-        return dropped + self.tree.drop(node)
 
     @contained("init_load_back (restore)", _not_completed)
     def _complete(self, owner: object) -> bool:
@@ -1137,7 +1156,8 @@ class SpillRadixCache(RadixCache):
         if with_tier:
             self.retention.wait_jobs()
         restoring = self.controller.restores.held_slots() if self.controller is not None else []
-        self.tree.check_integrity(restoring, held_tokens)
+        detached = [node for r in self._failed_layerwise for node in r.detached or ()]
+        self.tree.check_integrity(restoring, held_tokens, detached)
         if self.controller is not None:
             self.controller.check_integrity(with_tier)
 

@@ -10,7 +10,8 @@ Invariants (`check_integrity`):
 - resident nodes form a root-closed subtree: every descendant of a spilled node is spilled;
 - spilled tokens count in neither `evictable_size_` nor `protected_size_` (they hold no device
   memory), and `spill.count == len(node.key)`;
-- every slot is owned once: by one resident node, or by a restore in progress, or free.
+- every slot is owned once: by one resident node, or by a restore in progress, or by a node taken
+  out of the tree while a request still holds it (`detach`), or free.
 
 Order of every change that frees slots: the node is detached from its slots first, the slots are
 freed last, so a fault midway leaks at worst (counted by `check_integrity`), and never frees a slot
@@ -127,8 +128,47 @@ class SpillTree:
             new_node.value = child.value = None
         if ref is not None:
             new_node.spill, child.spill = ref.split(split_len)
+        if getattr(child, "layerwise_poisoned", False):  # a failed layer-wise restore's: never matched
+            new_node.layerwise_poisoned = True
         self.events.split(new_node, child)
         return new_node
+
+    def detach(self, top: TreeNode) -> list[TreeNode]:
+        """Take resident `top` and its subtree out of the tree (a failed layer-wise restore's chain:
+        its KV must never be matched, inserted over or evicted), keeping its resident nodes' slots
+        for the requests that still hold them: their `parent` links stay, so sglang's lock counts run
+        through them as before, and they stay in the evictable / protected sizes until `free_detached`.
+        They are never evictable leaves again (`detached`: the cache's `_update_leaf_status`). Spilled
+        descendants are pruned. Returns the resident nodes taken out."""
+        resident, stack = [], [top]
+        while stack:
+            node = stack.pop()
+            node.detached = True
+            self.base.evictable_leaves.discard(node)
+            resident.append(node)
+            stack.extend(child for child in node.children.values() if not child.evicted)
+        for node in resident:
+            for child in [c for c in node.children.values() if c.evicted]:
+                self.prune(child)
+        self.events.removed(top)
+        parent = top.parent
+        parent.children.pop(top.key.child_key(self.page_size), None)
+        self.base._update_leaf_status(parent)
+        return resident
+
+    def free_detached(self, nodes: Sequence[TreeNode]) -> int:
+        """Free the slots of `detach`ed resident nodes that no request holds any more (they leave
+        the evictable size); returns their tokens."""
+        assert all(node.lock_ref == 0 for node in nodes), "a detached node is still held"
+        for node in nodes:
+            self.base.evictable_size_ -= len(node.key)
+            self.base.evictable_leaves.discard(node)
+        slots = [node.value for node in nodes]
+        for node in nodes:
+            node.value = None
+        for value in slots:  # last: no node owns them now
+            self.base.token_to_kv_pool_allocator.free_segment(value, start_pos=0)
+        return sum(len(value) for value in slots)
 
     def spilled_on_path(self, node: TreeNode, key: RadixKey) -> tuple[int, list[TreeNode]]:
         """(resident tokens from `node` on `key`'s path, the spilled nodes that follow them): what an
@@ -254,10 +294,14 @@ class SpillTree:
 
     # ---- accounting ---------------------------------------------------------------------------
 
-    def check_integrity(self, other_owned: list[torch.Tensor], held_tokens: int = 0) -> None:
+    def check_integrity(
+        self, other_owned: list[torch.Tensor], held_tokens: int = 0, detached: Sequence[TreeNode] = ()
+    ) -> None:
         """Tree, sizes and pool agree (see the module doc); `other_owned`: slots owned outside the
-        tree (restores in progress); `held_tokens`: slots running requests hold. AssertionError."""
-        device_tokens, spilled_tokens, slots = 0, 0, []
+        tree (restores in progress); `held_tokens`: slots running requests hold; `detached`: resident
+        nodes taken out of the tree and not freed yet (`detach`). AssertionError."""
+        device_tokens = sum(len(node.key) for node in detached)
+        spilled_tokens, slots = 0, [node.value for node in detached]
         stack = [(child, False) for child in self.root.children.values()]
         while stack:
             node, under_spilled = stack.pop()

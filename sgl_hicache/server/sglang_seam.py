@@ -203,7 +203,7 @@ SEAM = (
     Touch(_RADIX + "RadixCache.reset", OVERRIDE, ()),
     Touch(_RADIX + "RadixCache.evictable_size", OVERRIDE, ()),
     Touch(_RADIX + "RadixCache.all_values_flatten", OVERRIDE, ()),
-    Touch(_RADIX + "RadixCache._update_leaf_status", METHOD, ("node",)),
+    Touch(_RADIX + "RadixCache._update_leaf_status", OVERRIDE, ("node",)),
     Touch(_RADIX + "RadixCache._delete_leaf", METHOD, ("node",)),
     Touch(_RADIX + "RadixCache.update_eviction_metrics", METHOD, ("num_evicted", "start_time")),
     Touch(_RADIX + "TreeNode", CLASS, (), members=("children", "parent", "key", "value", "lock_ref",

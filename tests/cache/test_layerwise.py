@@ -285,3 +285,58 @@ def test_a_group_failing_on_one_tp_rank_retracts_on_every_rank(tmp_path: Any) ->
     finally:
         for s in stacks:
             close_stack(s)
+
+
+def test_a_failed_chain_leaves_the_tree_and_a_request_that_recomputed_it_caches_its_own(
+    make_stack: Any,
+) -> None:
+    """Issue 37 review F4: a failed restore's chain, still held by a request, is out of the tree
+    after the forward's post step. Another request that recomputed the same tokens inserts them as
+    nodes of its own slots (sglang's checkpoint re-matches its whole key), which then serve every
+    layer exactly; the failed chain's slots stay the holder's until it lets go, then are freed."""
+    s = spilled(make_stack, late_fault_rate=1.0, late_fault_share=0.5)
+    free_before = s.allocator.available_size()
+    (_, node), req, _ = admit(s)
+    failed = set(s.cache.path_device_indices(node).tolist())
+    forward(s, s.cache.path_device_indices(node))
+    assert s.cache.after_forward([]) == []  # its request was not in this forward's batch: still held
+    s.cache.drop_failed_layerwise()
+    s.cache.check_integrity()  # the held chain's slots are owned: neither free nor leaked
+    s.insert(B)  # another request computed B itself
+    m = s.match(B)
+    path = s.cache.path_device_indices(m.last_device_node)
+    assert m.device_prefix_len == len(B) and read_kv(s.pool, path) == expected_kv(B)
+    assert not failed & set(path.tolist()), "the failed chain's slots were matched"
+    assert s.allocator.available_size() == free_before - 2 * len(B), "the held slots were freed"
+    s.cache.dec_lock_ref(req.last_node)
+    s.cache.drop_failed_layerwise()
+    assert s.allocator.available_size() == free_before - len(B)
+    assert s.metrics.totals["layerwise_dropped_tokens"] == len(B)
+    s.cache.check_integrity()
+    s.evict_all()  # only the recomputed B is spilled (the failed chain is no victim)
+    assert s.cache.spilled_tokens == len(B)
+    s.cache.controller.tier = s.cache.controller.tier._inner  # no more faults: B restores whole
+    (loaded, again), req, _ = admit(s)
+    assert loaded == len(B) and forward(s, s.cache.path_device_indices(again)) == [expected_kv(B)] * LAYERS
+    assert s.cache.after_forward([req]) == []
+    s.cache.dec_lock_ref(req.last_node)
+    s.cache.check_integrity()
+
+
+def test_a_failed_node_split_before_the_post_forward_step_is_never_matched(make_stack: Any) -> None:
+    """A node of a restore that failed in the forward is split before `after_forward` (an insert
+    ending inside it): the head keeps the failed node's slots and must stay unmatched too, and it
+    leaves the tree with the chain, with what was inserted below it."""
+    s = spilled(make_stack, late_fault_rate=1.0, late_fault_share=0.5)
+    (_, node), req, _ = admit(s)
+    forward(s, s.cache.path_device_indices(node))
+    (restore,) = s.cache.layerwise.ended
+    assert restore.failed is not None
+    other = B[:100] + list(range(5000, 5020))
+    s.insert(other)  # sglang's insert splits the failed node at 100
+    assert s.match(B[:100]).device_prefix_len == 0, "the failed node's head was matched"
+    assert s.cache.after_forward([req]) == [req]
+    s.cache.dec_lock_ref(req.last_node)
+    s.cache.drop_failed_layerwise()
+    assert s.match(other).device_prefix_len == 0
+    s.cache.check_integrity()

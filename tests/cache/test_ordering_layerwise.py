@@ -115,3 +115,26 @@ def test_3_a_group_is_unpacked_beside_the_forward_not_behind_it(stack: Stack) ->
     assert [ids for _, ids, _ in seen] == [A] * LAYERS
     assert seen[0][2] == A, "group 1's unpack waited for the forward reading layer 0"
     assert stack.cache.after_forward([]) == []
+
+
+def test_review_a_restore_settled_by_a_poll_before_its_forward_is_waited_for(stack: Stack) -> None:
+    """Review of issue 37 (closes a test gap; passes on main): a layer-wise restore whose last
+    groups land and are unpacked by a poll (`Layerwise.advance`: another request's admission, the
+    idle hook) before any forward reached them leaves the table settled, so no later forward's
+    per-layer wait looks at it: only the settle's `forward_waits(last_copy)` orders the next
+    forward's reads after those unpacks. No other test fails when that line is dropped."""
+    slots = admitted_layerwise(stack)
+    lw = stack.cache.layerwise
+    deadline = time.monotonic() + 30
+    while lw.active:
+        stack.cache.poll()
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    seen = forward_by_layer(stack, slots)
+    streams = device(stack)
+    streams.drain(random.Random(0), prefer=lambda st: st is streams.forward)
+    assert [(layer, ids) for layer, ids, _ in seen] == [(i, A) for i in range(LAYERS)], (
+        "read before the unpack of a restore settled by a poll"
+    )
+    assert stack.cache.after_forward([]) == []
+    stack.cache.check_integrity()

@@ -125,6 +125,9 @@ def test_ranks_agree_although_only_one_has_faults(tmp_path: Path, seed: int) -> 
             stack.cache.controller.wait_writes()
             stack.cache.check_integrity()
         assert stacks[0].metrics.totals["tp_disagreements"] > 0, "rank 0 never had to follow rank 1"
+        restored = sum(loaded for _, loaded, _, _ in rank0 if loaded > 0)
+        for stack in stacks:  # a restore one rank completed and the agreement undid restored nothing
+            assert stack.metrics.totals["restored_tokens"] == restored
     finally:
         for stack in stacks:
             close_stack(stack)

@@ -9,6 +9,8 @@ gauge).
 from __future__ import annotations
 
 import math
+import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -81,3 +83,60 @@ def test_the_ratio_gauge(written: int, restored: int, gauge: float) -> None:
     assert [(x.name, x.value) for x in family.samples] == [
         ("sglang:hicache_spill_tier_written_per_restored_byte", gauge)
     ]
+
+
+def test_a_restore_freed_midway_counts_nothing_and_its_second_restore_counts_once(make_stack: Any) -> None:
+    """A deferred restore unpacks what landed early; freed before it completed (an eviction takes
+    the slots of restores in progress first), those bytes were restored by nothing. The request's
+    next restore unpacks them again, from the same read: `restored_bytes` counts them once."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams
+
+    from sgl_hicache.tier.testing.injector import FaultSpec, FaultyTier
+
+    s = make_stack(chunk_bytes=4096)
+    s.insert(B)
+    s.evict_all()
+    ctl = s.cache.controller
+    view = ctl.view
+    ctl.tier = FaultyTier(ctl.tier, FaultSpec(latency_s=2.0))
+    m = s.match(B)
+    params = InitLoadBackParams(
+        m.best_match_node, m.host_hit_length, req=SimpleNamespace(last_node=m.last_device_node, rid="r")
+    )
+    deadline = time.monotonic() + 30
+    while (progress := ctl.restores.get("r")) is None or not progress.any_unpacked:
+        assert s.cache.init_load_back(params) is None, "restored before anything was unpacked early"
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    s.cache.evict(EvictParams(num_tokens=1))  # frees the restore in progress first
+    assert ctl.restores.get("r") is None and s.metrics.totals["restored_bytes"] == 0
+    loaded, last = s.load_back(s.match(B), rid="r")
+    assert loaded == len(B) and read_kv(s.pool, last.value) == expected_kv(B)
+    totals = s.metrics.totals
+    assert (totals["restored_tokens"], totals["restored_bytes"]) == (len(B), packed_nbytes(view, len(B)))
+    s.cache.check_integrity()
+
+
+def test_a_layerwise_restore_counts_its_bytes_once_it_settled(make_stack: Any) -> None:
+    """Layer-wise: the bytes are counted when the restore ended OK (after its forward), not per
+    group unpacked."""
+    from sgl_hicache.tier.testing.injector import FaultSpec, FaultyTier
+    from tests.cache.test_layerwise_review import admit, forward
+
+    tokens = list(range(300, 500))
+    s = make_stack(size=512, chunk_bytes=4096, layerwise_restore=True)
+    s.insert(tokens)
+    s.evict_all()
+    ctl = s.cache.controller
+    ctl.tier = FaultyTier(ctl.tier, FaultSpec(latency_s=2.0))
+    (loaded, node), req = admit(s, tokens, "r")
+    assert loaded == len(tokens) and s.metrics.totals["restored_bytes"] == 0, "counted before it ended"
+    forward(s, s.cache.path_device_indices(node))
+    assert s.cache.after_forward([req]) == []
+    totals = s.metrics.totals
+    assert (totals["restored_tokens"], totals["restored_bytes"]) == (
+        len(tokens),
+        packed_nbytes(ctl.view, len(tokens)),
+    )
+    s.cache.dec_lock_ref(req.last_node)
+    s.cache.check_integrity()

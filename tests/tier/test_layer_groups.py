@@ -187,3 +187,32 @@ def test_file_bound_holds_a_grouped_extent(make_tier, tmp_path):
     size = ext_path(tmp_path).stat().st_size
     assert size <= file_bound(payload.nbytes, TOKENS, CHUNK, 0, sections)
     assert size > file_bound(payload.nbytes, TOKENS, CHUNK, 0) - 4096 * len(sections), "per-section chunks"
+
+
+@pytest.mark.parametrize("make_tier", [SpillBackend.FILE], indirect=True)
+def test_review_a_load_rearranged_into_groups_lands_nothing_before_it_completes(make_tier, tmp_path):
+    """Review of issue 37 (closes a test gap; passes on main): a page-major extent (format v5)
+    loaded in layer groups is rearranged only once every chunk is verified, so `landed` must report
+    nothing before then: its verified prefix is page-major bytes, which a caller reading them as
+    group 0 (early unpack, a layer-wise restore) would unpack as wrong KV. No other test fails when
+    `LoadState.landed` ignores `plan.convert`. Here the last chunk is corrupt: every other chunk is
+    verified, and still nothing may count as landed."""
+    tier, canon = make_tier(), canonical(3)
+    payload = np.frombuffer(laid_out(canon, 0), dtype=np.uint8)
+    assert tier.wait(tier.submit_store(key_of(tier), payload, tokens(), ROOT_KEY)).ok
+    path = ext_path(tmp_path)
+    reseal_as(path, tmp_path / "tier", 5)
+    again = make_tier()
+    header = decode_fixed(path.read_bytes()[:FIXED_SIZE], None)
+    last = -(-payload.nbytes // CHUNK) - 1  # page-major: chunk i stored at i * CHUNK
+    raw = bytearray(path.read_bytes())
+    raw[header.header_len + last * CHUNK + 5] ^= 0xFF  # the last chunk
+    path.write_bytes(bytes(raw))
+    dest = np.zeros(payload.nbytes, dtype=np.uint8)
+    ticket = again.submit_load(key_of(again), dest, None, group_layers=2)
+    deadline = time.monotonic() + 30
+    while again.stats().checksum_failures == 0:  # counted once every chunk of the load is done
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    assert again.landed(ticket) == 0, "page-major bytes reported as landed in a grouped load"
+    assert again.wait(ticket).status is Status.CORRUPT
