@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.bench.spec import HICACHE, LMCACHE, Shape, SpecError
+from benchmarks.bench.spec import HICACHE, LMCACHE, OURS_FLAGS, Shape, SpecError
 from benchmarks.bench.systems import host_tokens, kv_bytes_per_token
 from benchmarks.bench.workload import Request, token_ids
 
@@ -207,7 +207,7 @@ def memory_tokens(names: Iterable[str], shape: Shape, model: Path) -> int:
         if name in HICACHE:
             c = HICACHE[name]
             host.append(c.cache_tokens(host_tokens(c.host, c.default_ratio, shape, model), shape.pool_tokens))
-        elif name == "ours" or name in LMCACHE:
+        elif name in OURS_FLAGS or name in LMCACHE:
             host.append(budget)
     return shape.pool_tokens + max(host)
 

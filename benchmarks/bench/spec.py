@@ -143,11 +143,22 @@ two runs of one configuration differ (not offered). The run reports the best of 
 and figure (`summary.best_of`)."""
 LMCACHE = {c.name: c for c in LMCACHE_CONFIGS}
 
-SYSTEMS = ("recompute", *HICACHE, *LMCACHE, "ours", "resident")
+OURS_FLAGS = {
+    "ours": (),
+    "ours-reused": ("--hicache-spill-admission", "reused"),
+    "ours-layerwise": ("--hicache-spill-layerwise",),
+}
+"""Ours and its variants, by the flags they add to ours' defaults: `ours-reused` writes only reused,
+hinted, pinned or long nodes to the tier (issue 37's admission rule, measured against the default on
+`agents`); `ours-layerwise` starts a resumed prefill before its restore has landed (issue 37;
+`benchmarks/long_history` only)."""
+
+SYSTEMS = ("recompute", *HICACHE, *LMCACHE, "ours", "ours-reused", "resident")
 """Every system that can be named: (a) sglang's default cache, evicted KV is recomputed; (b) sglang
 HiCache with host memory and an L3 backend, in each configuration of `HICACHE_CONFIGS`; (b') LMCache,
-in each configuration of `LMCACHE_CONFIGS`; (c) sgl_hicache's spill tier; and a reference: sglang's
-default cache with a pool that holds the whole workload (every reusable prefix a device hit)."""
+in each configuration of `LMCACHE_CONFIGS`; (c) sgl_hicache's spill tier (and `ours-reused`, see
+`OURS_FLAGS`); and a reference: sglang's default cache with a pool that holds the whole workload
+(every reusable prefix a device hit)."""
 
 DEFAULT_SYSTEMS = (
     "recompute",

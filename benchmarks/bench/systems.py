@@ -35,7 +35,7 @@ from benchmarks.bench.grpc_server import GrpcServer
 from benchmarks.bench.lmcache_process import ENV as LMCACHE_ENV
 from benchmarks.bench.lmcache_process import L2, DaemonSpec, LMCacheServer, not_installed
 from benchmarks.bench.server_process import ServerProcess, device_flags
-from benchmarks.bench.spec import HICACHE, LMCACHE, HiCacheConfig, HostPool, Shape, SpecError
+from benchmarks.bench.spec import HICACHE, LMCACHE, OURS_FLAGS, HiCacheConfig, HostPool, Shape, SpecError
 from sgl_hicache.config import MiB, MooncakeConfig, TierConfig
 
 COMMON_FLAGS = ("--enable-metrics", "--enable-cache-report")
@@ -102,11 +102,9 @@ def build(name: str, shape: Shape, model: Path, workdir: Path, *, tier_capacity_
         if mooncake is not None:
             raise ValueError(f"{name}: LMCache keeps its KV in its own daemon, not on a Mooncake Store")
         return _lmcache(name, base, tier, shape, tier_capacity_mb)
-    if name in ("ours", "ours-layerwise"):  # the latter: layer-wise restore (issue 37)
+    if name in OURS_FLAGS:
         flags: tuple[str, ...] = (*base, "--enable-hicache-spill", "--hicache-spill-dir", str(tier),
-                 "--hicache-spill-staging", f"{shape.host_budget_mb}M")  # fmt: skip
-        if name == "ours-layerwise":
-            flags += ("--hicache-spill-layerwise",)
+                 "--hicache-spill-staging", f"{shape.host_budget_mb}M", *OURS_FLAGS[name])  # fmt: skip
         if tier_capacity_mb is not None:
             flags += ("--hicache-spill-capacity", f"{tier_capacity_mb}M")
         if mooncake is not None:

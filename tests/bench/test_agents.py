@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from tqdm import tqdm
 
-from benchmarks.bench import drive
+from benchmarks.bench import drive, systems
 from benchmarks.bench.agents import (
     AgentLoop,
     Agents,
@@ -139,6 +139,19 @@ def test_a_shape_that_keeps_the_contexts_in_memory_is_refused(model: Path) -> No
     ):
         check_leaves_memory(spec, ["ours"], roomy, model)
     check_leaves_memory(spec, ["recompute"], roomy, model)  # no host memory: the device pool alone
+
+
+def test_ours_variants_are_ours_with_their_flag_and_its_memory(model: Path, tmp_path: Path) -> None:
+    """`ours-reused` (issue 37's admission rule, chosen on `agents`) is ours' server with one flag more,
+    and holds ours' memory (so a shape is checked against it as against ours)."""
+    shape = Shape(model=str(model), pool_tokens=1024, host_budget_mb=32, page_size=16)
+    ours = systems.build("ours", shape, model, tmp_path)
+    reused = systems.build("ours-reused", shape, model, tmp_path)
+    assert reused.module == ours.module == "sgl_hicache.launch_server"
+    own_tier = tuple(str(ours.tier_dir) if f == str(reused.tier_dir) else f for f in reused.flags)
+    assert own_tier == (*ours.flags, "--hicache-spill-admission", "reused")
+    assert "--hicache-spill-admission" not in ours.flags
+    assert memory_tokens(["ours-reused"], shape, model) == memory_tokens(["ours"], shape, model) > 1024
 
 
 @pytest.mark.parametrize(
