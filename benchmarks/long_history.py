@@ -75,7 +75,7 @@ from benchmarks.bench.spec import (
 from benchmarks.bench.systems import System, build, check_hicache_holds, host_tokens, kv_bytes_per_token
 from benchmarks.bench.workload import token_ids
 from benchmarks.harness import emit, gbps, log
-from benchmarks.resume import spill_counters, ttft
+from benchmarks.resume import naming_log, spill_counters, ttft
 from sgl_hicache.config import TierConfig
 from sgl_hicache.tier.directio import O_DIRECT, alloc_aligned
 
@@ -131,7 +131,7 @@ def run_server(system: System, shape: Shape, model: Path, lengths: list[int], re
     def seq(seed: int, n: int) -> list[int]:  # ids within the model's vocabulary (tiny: 1,024)
         return token_ids(seed, n, vocab)
 
-    with system.server(model, log_path).start(timeout_s=600) as server:
+    with system.server(model, log_path).start(timeout_s=600) as server, naming_log(log_path):
         base = server.base_url
         for length in lengths:
             history = seq(HISTORY_SEED + round_ * 100_000 + length, length)
@@ -346,15 +346,15 @@ def prepare(out_dir: Path, prefix: str, model_name: str, names: list[str], longe
             device: str, host_budget_mb: int | None = None,
             new_tokens: int = QUESTION) -> tuple[Path, Path, Shape, list[System]]:  # fmt: skip
     """A run's new work dir under `out_dir`, its model, its shape (a device pool of the longest
-    history + 4,096 tokens, or + the most new tokens if more; host budget default 1.5 x the longest
-    history's KV) and its systems, on CPU each with the CPU profile's extend attention over new rows
-    only. Raises SpecError."""
+    history + 4,096 tokens, or more where the longest turn needs it: `pool_tokens`; host budget
+    default 1.5 x the longest history's KV) and its systems, on CPU each with the CPU profile's
+    extend attention over new rows only. Raises SpecError."""
     out_dir.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix=prefix, dir=out_dir)).resolve()
     model = resolve_model(model_name, out_dir.resolve())
     host_mb = host_budget_mb or int(1.5 * longest * kv_bytes_per_token(model) / 2**20) + 1
-    shape = Shape(model=str(model), pool_tokens=longest + max(4096, new_tokens + page_size), host_budget_mb=host_mb, page_size=page_size,
-                  chunked_prefill=4096, device=device)  # fmt: skip
+    shape = Shape(model=str(model), pool_tokens=pool_tokens(longest, new_tokens, page_size), host_budget_mb=host_mb,
+                  page_size=page_size, chunked_prefill=4096, device=device)  # fmt: skip
     env: tuple[tuple[str, str], ...] = ()
     if device == "cpu":
         from sgl_hicache_cpu.cpu_prefix_attention import ENV_VAR as PREFIX_ATTENTION_ENV
@@ -364,6 +364,15 @@ def prepare(out_dir: Path, prefix: str, model_name: str, names: list[str], longe
     shape = measured_shape(shape, names, workdir)
     systems = [replace(s, env=(*s.env, *env)) for s in (build(n, shape, model, workdir) for n in names)]
     return workdir, model, shape, systems
+
+
+def pool_tokens(longest: int, new_tokens: int, page_size: int) -> int:
+    """The device pool: the longest history + 4,096 tokens, or, where that is short, whole pages that
+    let sglang admit the longest turn (history + `new_tokens`, one token generated): its admission
+    needs prompt + new + page_size < pool (`sgl_hicache.server.prompt_fit`), and a pool of exactly
+    history + new + page_size never admitted the turn (plain sglang queued it forever)."""
+    need = longest + new_tokens + 1 + page_size + 1
+    return max(longest + 4096, -(-need // page_size) * page_size)
 
 
 def save_rows(workdir: Path, rows: list[dict[str, Any]]) -> None:

@@ -29,7 +29,7 @@ from benchmarks.bench.spec import Shape, SpecError
 from benchmarks.bench.systems import System
 from benchmarks.harness import emit, log
 from benchmarks.long_history import QUESTION, SYSTEMS, filler_tokens, other_work, prepare, settle
-from benchmarks.resume import seq, ttft
+from benchmarks.resume import naming_log, seq, ttft
 
 DEFAULT_SYSTEMS = ("recompute", "hicache-wait-r2", "ours")
 
@@ -54,7 +54,8 @@ def probe(
     system: System, shape: Shape, model: Path, length: int, idle_s: float, workdir: Path
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    with system.server(model, workdir / f"{system.name}.log").start(timeout_s=600) as server:
+    log_path = workdir / f"{system.name}.log"
+    with system.server(model, log_path).start(timeout_s=600) as server, naming_log(log_path):
         assert server.proc is not None
         base, pgid = server.base_url, server.proc.pid
         history = seq(77, length)

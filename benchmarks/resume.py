@@ -22,12 +22,15 @@ as `direct_io`), so the page cache does not serve them. The final stdout line is
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +42,36 @@ from sgl_hicache.config import SpillConfig
 NEW_QUESTION = 32
 
 
-def post(base: str, body: dict[str, Any]) -> dict[str, Any]:
+POST_TIMEOUT_S = 1800.0  # a request not answered by then fails the run (a server that stopped answering)
+
+
+class NoAnswer(RuntimeError):
+    """A server did not answer a request in time; `naming_log` adds where its log is."""
+
+
+def post(base: str, body: dict[str, Any], timeout_s: float = POST_TIMEOUT_S) -> dict[str, Any]:
+    """POST `body` to `base`/generate; NoAnswer when no byte of the answer came for `timeout_s`."""
     req = urllib.request.Request(
         base + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
-    with urllib.request.urlopen(req, timeout=1800) as r:
-        return json.loads(r.read())  # type: ignore[no-any-return]
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return json.loads(r.read())  # type: ignore[no-any-return]
+    except urllib.error.URLError as e:  # a timeout while connecting or sending comes wrapped
+        if not isinstance(e.reason, TimeoutError):
+            raise
+        raise NoAnswer(f"{base}/generate did not answer within {timeout_s:.0f} s") from e
+    except TimeoutError as e:
+        raise NoAnswer(f"{base}/generate did not answer within {timeout_s:.0f} s") from e
+
+
+@contextlib.contextmanager
+def naming_log(log_path: Path | None) -> Iterator[None]:
+    """A NoAnswer from the block names the server's log, where the reason of a hang shows."""
+    try:
+        yield
+    except NoAnswer as e:
+        raise NoAnswer(f"{e}; the server's log: {log_path}") from e
 
 
 def ttft(base: str, ids: list[int]) -> tuple[float, int]:
@@ -97,7 +124,8 @@ def run_system(
         ]
     name = "spill" if spill_dir else "recompute"
     results: dict[str, Any] = {}
-    with ServerProcess(model, pool, flags, module=module, log_path=workdir / f"{name}.log") as server:
+    log_path = workdir / f"{name}.log"
+    with ServerProcess(model, pool, flags, module=module, log_path=log_path) as server, naming_log(log_path):
         for i, length in enumerate(lengths):
             ms, cached, resident_ms = resume_once(server.base_url, length, pool, seed=i + 1)
             results[length] = (ms, cached, resident_ms)

@@ -1,6 +1,7 @@
 """The patches of sglang we make, all through sglang's own plugin hook registry (no file edited),
-AFTER hooks (but 3b, 5, 6, 7, 8 and 10) that call sglang's original first and change none of its state
-(but 3a, which adds our hints to the list it returns, and 6).
+AFTER hooks (but 3b, 5, 6, 7, 8, 10 and 16) that call sglang's original first and change none of its
+state (but 3a, which adds our hints to the list it returns, 6, and 16, which refuses a prompt sglang
+would queue forever).
 
 None is registered in a process whose server did not select our backend: there `plugin.py`
 registers only its check hooks. In a scheduler that selected it, plugin.py's check hook on
@@ -89,6 +90,12 @@ calls `register_exit_hook` (5 and 12).
    sglang merges it into the running batch (retract.py).
 15. `Scheduler.process_batch_result`, AFTER: once their batch's result was processed (committing
    nothing of them: `is_retracted`), the retracted requests go back to the waiting queue.
+16. `BaseTokenToKVPoolAllocator.max_new_tokens_for_memory` (`sglang/srt/mem_cache/allocator/base.py`),
+   AROUND: sglang clips a request's `max_new_tokens` there when it arrives; a prompt that its
+   prefill admission could never admit, on any pool state, is answered None, so sglang answers it
+   with its own error ("Request prompt exceeds the KV memory budget") at once. Why: the base clip
+   answers 0 for it, and such a request then blocks sglang's admission loop, and every request
+   queued behind it, forever (`prompt_fit.py`). The SWA allocators' own clip already answers None.
 `tests/server/test_concurrent_clients.py`, `tests/server/test_spill_resume.py`,
 `tests/server/test_hostile_hints.py` and `tests/server/test_shutdown.py` prove they still hold for
 the pinned version.
@@ -126,6 +133,7 @@ IDLE_TARGET = "sglang.srt.managers.scheduler.Scheduler.on_idle"
 RUN_BATCH_TARGET = "sglang.srt.managers.scheduler.Scheduler.run_batch"
 NEXT_BATCH_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run"
 RESULT_TARGET = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
+FIT_TARGET = "sglang.srt.mem_cache.allocator.BaseTokenToKVPoolAllocator.max_new_tokens_for_memory"
 WEIGHTS_TARGET = (
     "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
     ".record_weight_version_after_update"
@@ -133,7 +141,7 @@ WEIGHTS_TARGET = (
 # Every target `register_scheduler_hooks` patches, one entry per registration in its order
 # (ADMIT_TARGET once: hooks 6 and 10 are one); `sglang_seam.SEAM` checks each, and EXIT_TARGET.
 TARGETS = (TARGET, PREFETCH_TARGET, HINTS_OUT_TARGET, HINTS_IN_TARGET, ADMIT_TARGET, RELEASE_TARGET, LOOP_TARGET,
-           WEIGHTS_TARGET, IDLE_TARGET, RUN_BATCH_TARGET, NEXT_BATCH_TARGET, RESULT_TARGET)  # fmt: skip
+           WEIGHTS_TARGET, IDLE_TARGET, RUN_BATCH_TARGET, NEXT_BATCH_TARGET, RESULT_TARGET, FIT_TARGET)  # fmt: skip
 STATE_KEY = "hicache_spill"
 
 HOOK_ERRORS: Counter[str] = Counter()  # hook name -> exceptions it contained, in this process
@@ -378,8 +386,27 @@ def requeue_retracted(result: Any, scheduler: Any, batch: Any = None, *args: Any
     return result
 
 
+def fit_prompt(original: Any, allocator: Any, input_tokens: int, max_new_tokens: int, *args: Any,
+               **kwargs: Any) -> int | None:  # fmt: skip
+    """Hook 16, AROUND sglang's clip of `max_new_tokens`: None (refused at arrival) for a prompt its
+    prefill admission could never admit, else sglang's clip, never above what admission can admit
+    (`prompt_fit.prefill_room`). sglang's own exceptions pass through unchanged."""
+    clipped = original(allocator, input_tokens, max_new_tokens, *args, **kwargs)
+    room = admission_room(allocator, input_tokens, kwargs.get("token_capacity"))
+    if clipped is None or room is None:  # refused by sglang already; or an error of ours: sglang's answer
+        return clipped
+    return min(clipped, room) if room >= 0 else None
+
+
+@contained
+def admission_room(allocator: Any, input_tokens: int, token_capacity: Any) -> int:
+    from sgl_hicache.server.prompt_fit import prefill_room
+
+    return prefill_room(input_tokens, int(allocator.page_size), int(token_capacity))
+
+
 def register_scheduler_hooks() -> None:
-    """Hooks 1-3, 6-11 and 13-15, applied at once: in a scheduler process that selected our backend, before
+    """Hooks 1-3, 6-11 and 13-16, applied at once: in a scheduler process that selected our backend, before
     its Scheduler is built (plugin.py; sglang's `load_plugins` has applied hooks already)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -395,6 +422,7 @@ def register_scheduler_hooks() -> None:
     HookRegistry.register(RUN_BATCH_TARGET, after_forward, HookType.AFTER)
     HookRegistry.register(NEXT_BATCH_TARGET, leave_last_batch, HookType.BEFORE)
     HookRegistry.register(RESULT_TARGET, requeue_retracted, HookType.AFTER)
+    HookRegistry.register(FIT_TARGET, fit_prompt, HookType.AROUND)
     HookRegistry.apply_hooks()  # patches only targets not patched yet
 
 

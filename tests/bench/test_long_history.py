@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import socket
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -10,10 +12,12 @@ import pytest
 from sgl_hicache_cpu.cpu_prefix_attention import ENV_VAR as PREFIX_ATTENTION_ENV
 
 from benchmarks import long_history as lh
+from benchmarks import resume
 from benchmarks.bench import lmcache_process
 from benchmarks.bench.lmcache_process import L2, LMCacheServer
 from benchmarks.bench.spec import HICACHE, LMCACHE, Shape
 from benchmarks.bench.systems import kv_bytes_per_token
+from sgl_hicache.server.prompt_fit import prefill_room
 
 
 def row(system: str, length: int, resume: float, resident: float, **phases: float) -> dict:
@@ -190,3 +194,57 @@ def test_new_tokens_are_checked_and_layerwise_is_a_system(capsys: pytest.Capture
     assert "new tokens" in capsys.readouterr().err
     assert lh._systems("ours-layerwise,ours") == ["ours", "ours-layerwise"]
     assert lh.key(8192, lh.QUESTION) == "8192" and lh.key(8192, 0) == "8192_n0"
+
+
+@pytest.mark.parametrize(
+    "longest, new_tokens, page",
+    [(16384, 4096, 64), (16384, 4159, 64), (16384, 8000, 64), (8192, 0, 64), (16384, 96, 16), (300, 5000, 1)],
+)
+def test_the_pool_admits_the_longest_turn(longest: int, new_tokens: int, page: int) -> None:
+    """`--lengths 16384 --new-tokens 4096` sized its pool 16384 + 4096 + 64 = 20544 tokens at page 64:
+    the turn of 20,480 tokens fits sglang's length check but never its prefill admission (prompt +
+    new + page < pool), so the server queued it, and every request after it, forever."""
+    pool = lh.pool_tokens(longest, new_tokens, page)
+    capacity = pool // page * page  # sglang's pool is whole pages
+    assert prefill_room(longest + new_tokens, page, capacity) >= 1, "its one generated token"
+    assert pool >= longest + 4096
+
+
+def test_a_server_that_stops_answering_fails_the_run_naming_its_log(tmp_path: Path) -> None:
+    """A request with no answer fails the run (no endless wait) and the message says where the
+    server's log is; the listener accepts connections (the kernel's backlog) and never answers."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        base = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        log = tmp_path / "ours-r0.log"
+        with pytest.raises(resume.NoAnswer) as info, resume.naming_log(log):
+            resume.post(base, {"input_ids": [1]}, timeout_s=1)
+    assert str(info.value) == f"{base}/generate did not answer within 1 s; the server's log: {log}"
+
+
+def test_long_history_names_the_log_of_a_server_that_stopped_answering(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _tiny_vocab_model(tmp_path, 1024)
+
+    def ttft(base: str, ids: list[int]) -> tuple[float, int]:
+        raise resume.NoAnswer(f"{base}/generate did not answer within 1800 s")
+
+    class Server:
+        base_url = "http://127.0.0.1:1"
+
+        def start(self, timeout_s: float) -> Server:
+            return self
+
+        def __enter__(self) -> Server:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+    system = SimpleNamespace(name="ours", tier_dir=None, server=lambda model, log: Server())
+    monkeypatch.setattr(lh, "ttft", ttft)
+    shape = Shape(model=str(model), pool_tokens=1024, host_budget_mb=1, page_size=16)
+    with pytest.raises(
+        resume.NoAnswer, match=re.escape(f"the server's log: {tmp_path / 'ours-r0.log'}") + "$"
+    ):
+        lh.run_server(system, shape, model, [512], 1, 0, tmp_path)  # type: ignore[arg-type]
