@@ -69,6 +69,12 @@ def kv_token_bytes(model: Mapping[str, Any], args: Any) -> Fraction | None:
     return layers * per_rank * head_dim * 2 * element  # K and V
 
 
+def ranks_here(args: Any) -> int:
+    """The TP ranks of sglang's parsed flags `args` that run on this machine (`--tp-size` over
+    `--nnodes`): each allocates its own staging and writes its own extents."""
+    return max(1, max(int(args.tp_size or 1), 1) // max(int(getattr(args, "nnodes", 1) or 1), 1))
+
+
 def _positive(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 

@@ -5,6 +5,7 @@ refusal is one line and exit code 2, with sglang never started and nothing writt
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import sgl_hicache.launch_server as launch_server
 from sgl_hicache.server import sglang_args
 from sgl_hicache.server.model_check import HYBRID_SWA_ARCHS, SSM_MODEL_TYPES
 from sgl_hicache.server.sglang_seam import SeamError
+from sgl_hicache.tier.file.volume import human
 from tests.server.launcher import PREFIX, refusal, run_main
 
 HUB_ID = "sgl-hicache-test/no-such-model"  # not a local path: left to sglang (which would download it)
@@ -183,10 +185,21 @@ def test_a_capacity_below_one_extent_of_the_model_is_refused(
     assert not tier.exists()
 
 
+TP2_32_TOKENS = [
+    "--kv-cache-dtype",
+    "bf16",
+    "--tp-size",
+    "2",
+    "--hicache-spill-extra-config",
+    '{"min_spill_tokens": 32}',
+]
+
+
 @pytest.mark.parametrize(
     ("args", "fits", "short"),
     [
         (["--kv-cache-dtype", "bf16"], "2M", "2047K"),  # 16 tokens of 128 KiB, packed (no header)
+        (TP2_32_TOKENS, "2M", "2047K"),  # staging is a rank's: 32 tokens of 4 KV heads, 64 KiB each
         (["--kv-cache-dtype", "bf16", "--page-size", "64"], "8M", "8191K"),  # 16 tokens are one page of 64
     ],
 )
@@ -202,6 +215,20 @@ def test_a_staging_below_one_extent_of_the_model_is_refused(
     ), line
     assert line.endswith("so nothing could spill; raise --hicache-spill-staging"), line
     assert run_main(spill(tier, *model, "--hicache-spill-staging", fits)).code == 0
+    assert not tier.exists()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_staging_of_every_tp_rank_beyond_this_machines_memory_is_refused(tier: Path, tp: int) -> None:
+    """Each TP rank allocates its own staging at start: a server takes TP x the flag of host memory,
+    and one byte more per rank than the machine holds is refused."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    over, fits = total // tp + 1, total // tp
+    line = refusal(run_main(spill(tier, "--tp-size", str(tp), "--hicache-spill-staging", f"{over}B")))
+    each = f" on each of 2 TP ranks ({human(2 * over)})" if tp == 2 else ""
+    memory = f"is more than this machine's memory ({human(total)})"
+    assert line == f"--hicache-spill-staging: {human(over)}{each} {memory}", line
+    assert run_main(spill(tier, "--tp-size", str(tp), "--hicache-spill-staging", f"{fits}B")).code == 0
     assert not tier.exists()
 
 
