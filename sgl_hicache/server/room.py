@@ -17,6 +17,7 @@ header block and one payload block.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from fractions import Fraction
@@ -24,12 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from sgl_hicache.config import ConfigError, SpillBackend, SpillConfig, TierConfig, flag_named, format_size
-from sgl_hicache.tier.file.volume import extent_floor, too_small
+from sgl_hicache.tier.file.volume import VolumeShort, extent_floor, human, too_small
 
 ELEMENT_BYTES = {"bf16": Fraction(2), "bfloat16": Fraction(2), "fp8_e5m2": Fraction(1),
                  "fp8_e4m3": Fraction(1), "mxfp8": Fraction(1)}  # fmt: skip
 """The bytes of one KV element for a `--kv-cache-dtype`; any other (auto, fp4 recipes): `LEAST_ELEMENT`."""
 LEAST_ELEMENT = Fraction(1, 2)
+logger = logging.getLogger(__name__)
 
 
 def least_tokens(config: SpillConfig, page_size: int | None) -> int:
@@ -100,9 +102,28 @@ def check_room(
             f"every store would be refused; raise {flag}",
             "capacity_bytes",
         )
-    reason = too_small(config.tier, directory, least)
-    if reason is not None:
-        raise ConfigError(reason, "min_free_bytes")
+    short = too_small(config.tier, directory, least)
+    if short is not None:
+        raise ConfigError(volume_refusal(short), "min_free_bytes")
+
+
+def volume_refusal(short: VolumeShort) -> str:
+    """Why every store would be refused on the volume `short`, in words that name the flag."""
+    flag = flag_named(TierConfig, "min_free_bytes")
+    return (
+        f"{flag}: the volume of {short.directory} holds {human(short.total)} in all, not above the "
+        f"{format_size(short.min_free)} to keep free plus one extent (at least {format_size(short.least)}), so "
+        f"every store would be refused (counted as no_space); lower {flag} or use a larger volume"
+    )
+
+
+def warn_if_too_small(cfg: TierConfig) -> None:
+    """One warning if the volume of the file tier of `cfg` (its directory exists: the tier is open)
+    cannot hold the format's least extent above the watermark: a server started without our
+    launcher (`sglang.launch_server` with our backend) was not refused before it started."""
+    short = too_small(cfg, cfg.directory)
+    if short is not None:
+        logger.warning("spill tier: %s", volume_refusal(short))
 
 
 def check_staging_room(config: SpillConfig, page_size: int | None, token_bytes: Fraction | None) -> None:
