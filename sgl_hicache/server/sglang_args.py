@@ -61,10 +61,11 @@ def check_sglang_args(argv: list[str], prog: str, config: SpillConfig | None = N
         refuse_with_our_backend(args)
         check_model(args)
         if config is not None and config.enabled:
-            check_staging(config.staging_bytes, ranks_here(args))
+            ranks = ranks_here(args)
+            check_staging(config.staging_bytes, ranks)
             model = read_config(args.model_path)
             token_bytes = kv_token_bytes(model, args) if model is not None else None
-            check_room(config, nearest_existing(config.tier.directory), args.page_size, token_bytes)
+            check_room(config, nearest_existing(config.tier.directory), args.page_size, token_bytes, ranks)
             check_staging_room(config, args.page_size, token_bytes)
 
 
