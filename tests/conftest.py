@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,3 +43,23 @@ def mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Moonca
         yield master
     finally:
         master.stop()
+
+
+@pytest.fixture
+def exported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], str]]:
+    """Metrics written as sglang's scheduler writes them (PROMETHEUS_MULTIPROC_DIR) and served as its
+    HTTP process serves `/metrics` (a MultiProcessCollector): `exported()` is that exposition text."""
+    from prometheus_client import CollectorRegistry, generate_latest, multiprocess, values
+
+    directory = tmp_path / "prometheus"
+    directory.mkdir()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(directory))
+    monkeypatch.setattr(values, "ValueClass", values.MultiProcessValue())
+
+    def scrape() -> str:
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=str(directory))
+        return generate_latest(registry).decode()
+
+    yield scrape
+    values.close_all_multiprocess_files()

@@ -1,10 +1,13 @@
 """The alert rules file (examples/prometheus/sgl_hicache_alerts.yml) and the operator's guide that
 documents it (issue 40, 5), without a server: the PromQL reader finds the metric names of tricky
-expressions, a misspelt name is reported, and the file is well formed. That every name is exported
-by a real spilling server is checked in tests/server/test_spill_resume.py."""
+expressions, a misspelt name is reported, and the file is well formed; every name of ours the
+Grafana dashboard (examples/grafana/sgl_hicache.json) reads is one our metrics export. That every
+name is exported by a real spilling server is checked in tests/server/test_spill_resume.py."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,8 @@ from tests.promql import alert_rules, exported_names, metric_names, promql_block
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "examples" / "prometheus" / "sgl_hicache_alerts.yml"
 GUIDE = ROOT / "docs" / "OPERATIONS.md"
+DASHBOARD = ROOT / "examples" / "grafana" / "sgl_hicache.json"
+OURS = "sglang:hicache_spill_"
 
 
 @pytest.mark.parametrize(
@@ -86,3 +91,31 @@ def test_the_guides_promql_is_readable() -> None:
     assert len(exprs) >= 3
     for expr in exprs:
         assert metric_names(expr), expr
+
+
+def test_every_metric_of_ours_the_dashboard_reads_is_exported(exported: Callable[[], str]) -> None:
+    """Each panel's PromQL, read as the alerts' is: the names of ours are what `SpillMetrics`
+    exports (counters at 0 from the start, gauges once the cache's poll set them), the staging
+    counters' panel included. sglang's own names (the hit rate panel) are checked against a real
+    server only."""
+    import dataclasses
+
+    from sgl_hicache.cache.metrics import SpillMetrics
+    from sgl_hicache.config import SpillConfig
+    from sgl_hicache.tier import TierStats
+
+    metrics = SpillMetrics.create(
+        SpillConfig(enabled=True), {"model_name": "m", "tp_rank": "0", "pp_rank": "0"}
+    )
+    metrics.set_tier_stats(TierStats(**{f.name: 0 for f in dataclasses.fields(TierStats)}))
+    metrics.set_staging(0, 0, 1 << 20)
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    exprs = {f"{p['title']} {t['refId']}": t["expr"] for p in panels for t in p["targets"]}
+    ours = {k: e for k, e in exprs.items() if any(n.startswith(OURS) for n in metric_names(e))}
+    assert len(ours) >= 20, sorted(exprs)
+    assert unexported(ours, exported_names(exported())) == {}
+    read = set().union(*(metric_names(e) for e in ours.values()))
+    staging = {
+        f"{OURS}{n}_total" for n in ("restores_streamed", "restore_staging_waits", "restores_too_large")
+    }
+    assert staging <= read, sorted(staging - read)

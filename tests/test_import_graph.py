@@ -11,6 +11,8 @@
   top of `tier/` (the contract and what every backend shares) imports no wing: it reaches a
   backend only through `tier/registry.py`, whose lazy imports name each wing's module by string
   (checked here to exist).
+- The tier names no command-line flag (issue 39): no string literal holding `--hicache` and no use
+  of config's field-to-flag names; the server layer words what users see with the flags.
 - `cache` imports nothing of `server`/`bench`: the server builds the cache and passes in what it
   needs (metrics, a hint source), never the other way.
 - Importing the sglang plugin (`server/plugin.py`, imported in every sglang process of the
@@ -237,6 +239,33 @@ def test_the_top_of_the_tier_reaches_a_wing_only_through_the_registry() -> None:
     for backend in BACKENDS.values():
         assert wing_of(backend.module) is not None and backend.module in modules(), backend
         assert f"class {backend.cls}(" in modules()[backend.module].read_text(), backend
+
+
+FLAG_NAMERS = ("flag_named", "flag_of")  # config's field-to-flag names (sgl_hicache/config/fields.py)
+
+
+def cli_names_in(path: Path) -> list[str]:
+    """Where the module at `path` names a command-line flag: a string literal holding `--hicache`
+    (docstrings included), or a use of config's field-to-flag names (`FLAG_NAMERS`)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = []
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and "--hicache" in node.value:
+            names.append(repr(node.value[:40]))
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names += [a.name for a in node.names if a.name.rpartition(".")[2] in FLAG_NAMERS]
+        elif isinstance(node, ast.Name | ast.Attribute):
+            names += [n for n in (getattr(node, "id", None), getattr(node, "attr", None)) if n in FLAG_NAMERS]
+        found += [f"{path.name}:{node.lineno}: {n}" for n in names if hasattr(node, "lineno")]
+    return found
+
+
+def test_the_tier_names_no_command_line_flag() -> None:
+    """Issue 39: the tier speaks in its config's terms (`TierConfig` fields, typed results); the
+    server layer words what users see with the flags' names (e.g. `server/room.py`)."""
+    assert cli_names_in(Path(__file__)), "the check finds nothing: it proves nothing"
+    bad = [hit for name, path in modules().items() if in_package(name, TIER) for hit in cli_names_in(path)]
+    assert not bad, f"tier/ names command-line flags: {bad}"
 
 
 IMPORT_PLUGIN = """

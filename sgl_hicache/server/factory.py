@@ -113,6 +113,7 @@ def open_controller(
     in sglang) if the tier cannot open. `streams`: the copy streams' stand-in (tests)."""
     from sgl_hicache.cache.controller import SpillController
     from sgl_hicache.cache.staging import StagingPool
+    from sgl_hicache.server.room import warn_if_too_small
     from sgl_hicache.tier import open_tier
 
     try:
@@ -126,6 +127,8 @@ def open_controller(
             e,
         )
         return None
+    if config.tier.backend is SpillBackend.FILE:
+        warn_if_too_small(config.tier)
     tier = with_test_faults(tier, tp_rank)
     staging = StagingPool(config.staging_bytes)
     if view.device.type == "cuda":

@@ -4,8 +4,10 @@ Eviction writes a leaf of at least `min_spill_tokens` tokens as one extent (shor
 dropped), and a radix node holds whole pages, so the least extent it writes holds the KV of
 `min_spill_tokens` rounded up to whole pages, in a file of a 4096-byte header block and the payload
 in whole blocks (`tier.volume.extent_floor`). A tier whose capacity, or whose volume above
-`--hicache-spill-min-free`, is below that refuses every store: nothing could ever spill. Anything
-larger can work, so only that is refused.
+`--hicache-spill-min-free`, is below that refuses every store: nothing could ever spill. With
+`--tp-size N` the ranks on one machine share the directory's budget and volume, and each writes its
+own extent of an evicted node (kept only if every rank's is): below N least extents no node could be
+kept spilled on every rank. Anything larger can work, so only that is refused.
 
 The KV bytes per token come from a local model's `config.json` and sglang's flags, as a floor (it
 must never refuse what would work): the layers, the KV heads of one TP rank (sglang's
@@ -17,6 +19,7 @@ header block and one payload block.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from fractions import Fraction
@@ -24,12 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from sgl_hicache.config import ConfigError, SpillBackend, SpillConfig, TierConfig, flag_named, format_size
-from sgl_hicache.tier.file.volume import extent_floor, too_small
+from sgl_hicache.tier.file.volume import VolumeShort, extent_floor, human, too_small
 
 ELEMENT_BYTES = {"bf16": Fraction(2), "bfloat16": Fraction(2), "fp8_e5m2": Fraction(1),
                  "fp8_e4m3": Fraction(1), "mxfp8": Fraction(1)}  # fmt: skip
 """The bytes of one KV element for a `--kv-cache-dtype`; any other (auto, fp4 recipes): `LEAST_ELEMENT`."""
 LEAST_ELEMENT = Fraction(1, 2)
+logger = logging.getLogger(__name__)
 
 
 def least_tokens(config: SpillConfig, page_size: int | None) -> int:
@@ -69,34 +73,76 @@ def kv_token_bytes(model: Mapping[str, Any], args: Any) -> Fraction | None:
     return layers * per_rank * head_dim * 2 * element  # K and V
 
 
+def ranks_here(args: Any) -> int:
+    """The TP ranks of sglang's parsed flags `args` that run on this machine (`--tp-size` over
+    `--nnodes`): each allocates its own staging and writes its own extents."""
+    return max(1, max(int(args.tp_size or 1), 1) // max(int(getattr(args, "nnodes", 1) or 1), 1))
+
+
 def _positive(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def check_room(
-    config: SpillConfig, directory: Path, page_size: int | None = None, token_bytes: Fraction | None = None
-) -> None:
+    config: SpillConfig, directory: Path, page_size: int | None = None, token_bytes: Fraction | None = None,
+    ranks: int = 1,
+) -> None:  # fmt: skip
     """ConfigError (naming the flag) if the capacity, or the volume of `directory` (the tier
     directory's nearest existing ancestor) above the free-space watermark, cannot hold the least
-    extent (`least_extent` of the same arguments). The file tier only: a Mooncake Store's capacity
-    is its master's."""
+    extent (`least_extent` of the same arguments) of each of `ranks` TP ranks: they share the
+    directory's budget and volume, and each writes its own extent of an evicted node (kept only if
+    every rank's is). The file tier only: a Mooncake Store's capacity is its master's."""
     if config.tier.backend is not SpillBackend.FILE:
         return
-    least = least_extent(config, page_size, token_bytes)
-    tokens = least_tokens(config, page_size)
-    why = (f"a 4K header and the KV of {tokens} tokens, min_spill_tokens in whole pages, of this model"
-           if token_bytes else "a 4K header and a 4K block of KV")  # fmt: skip
+    need = least_extent(config, page_size, token_bytes) * ranks
     capacity = config.tier.capacity_bytes
-    if capacity < least:
+    if capacity < need:
         flag = flag_named(TierConfig, "capacity_bytes")
         raise ConfigError(
-            f"{flag}: {format_size(capacity)} cannot hold one extent (at least {format_size(least)}: {why}), so "
-            f"every store would be refused; raise {flag}",
+            f"{flag}: {format_size(capacity)} cannot hold one extent{_each(ranks)} (at least {format_size(need)}: "
+            f"{_least_why(config, page_size, token_bytes, ranks)}), so {_refused(ranks)}; raise {flag}",
             "capacity_bytes",
         )
-    reason = too_small(config.tier, directory, least)
-    if reason is not None:
-        raise ConfigError(reason, "min_free_bytes")
+    short = too_small(config.tier, directory, need)
+    if short is not None:
+        raise ConfigError(volume_refusal(short, ranks), "min_free_bytes")
+
+
+def _each(ranks: int) -> str:
+    return f" for each of {ranks} TP ranks" if ranks > 1 else ""
+
+
+def _refused(ranks: int) -> str:
+    return "every store would be refused" if ranks == 1 else "no node could be kept spilled on every rank"
+
+
+def _least_why(config: SpillConfig, page_size: int | None, token_bytes: Fraction | None, ranks: int) -> str:
+    """What the least extent of each of `ranks` ranks is made of, in words."""
+    times = f"{ranks} × " if ranks > 1 else ""
+    if not token_bytes:
+        return f"{times}a 4K header and a 4K block of KV"
+    kv, tokens = ("the KV" if ranks == 1 else "one rank's KV"), least_tokens(config, page_size)
+    return f"{times}a 4K header and {kv} of {tokens} tokens, min_spill_tokens in whole pages, of this model"
+
+
+def volume_refusal(short: VolumeShort, ranks: int = 1) -> str:
+    """Why the volume `short` cannot keep an evicted node of `ranks` TP ranks, in words that name the flag."""
+    flag = flag_named(TierConfig, "min_free_bytes")
+    counted = " (counted as no_space)" if ranks == 1 else ""
+    return (
+        f"{flag}: the volume of {short.directory} holds {human(short.total)} in all, not above the "
+        f"{format_size(short.min_free)} to keep free plus one extent{_each(ranks)} (at least "
+        f"{format_size(short.least)}), so {_refused(ranks)}{counted}; lower {flag} or use a larger volume"
+    )
+
+
+def warn_if_too_small(cfg: TierConfig) -> None:
+    """One warning if the volume of the file tier of `cfg` (its directory exists: the tier is open)
+    cannot hold the format's least extent above the watermark: a server started without our
+    launcher (`sglang.launch_server` with our backend) was not refused before it started."""
+    short = too_small(cfg, cfg.directory)
+    if short is not None:
+        logger.warning("spill tier: %s", volume_refusal(short))
 
 
 def check_staging_room(config: SpillConfig, page_size: int | None, token_bytes: Fraction | None) -> None:

@@ -22,9 +22,9 @@ from sgl_hicache.cache.identity import UNISOLATED
 from sgl_hicache.config import ConfigError, SpillConfig
 from sgl_hicache.server.flags import flag_names, unknown_flag
 from sgl_hicache.server.model_check import check_model, read_config
-from sgl_hicache.server.room import check_room, check_staging_room, kv_token_bytes
+from sgl_hicache.server.room import check_room, check_staging_room, kv_token_bytes, ranks_here
 from sgl_hicache.server.sglang_seam import SUPPORTED_VERSION
-from sgl_hicache.server.validate import nearest_existing
+from sgl_hicache.server.validate import check_staging, nearest_existing
 
 LOCAL_PREFIXES = ("/", "./", "../", "~")  # a --model-path that can only be a local path
 
@@ -48,7 +48,8 @@ def sglang_parser(prog: str) -> argparse.ArgumentParser:
 def check_sglang_args(argv: list[str], prog: str, config: SpillConfig | None = None) -> None:
     """Parse `argv` (sglang's arguments) as sglang will; raises ConfigError for what it would refuse
     (a local model path that does not exist, too) and, with our backend, for what we refuse
-    (`refuse_with_our_backend`, the model, a tier of `config` too small for one of its extents)."""
+    (`refuse_with_our_backend`, the model, a tier of `config` too small for one of its extents, the
+    staging of every TP rank on this machine more than its memory)."""
     if not supported():
         return
     parser = sglang_parser(prog)
@@ -60,9 +61,11 @@ def check_sglang_args(argv: list[str], prog: str, config: SpillConfig | None = N
         refuse_with_our_backend(args)
         check_model(args)
         if config is not None and config.enabled:
+            ranks = ranks_here(args)
+            check_staging(config.staging_bytes, ranks)
             model = read_config(args.model_path)
             token_bytes = kv_token_bytes(model, args) if model is not None else None
-            check_room(config, nearest_existing(config.tier.directory), args.page_size, token_bytes)
+            check_room(config, nearest_existing(config.tier.directory), args.page_size, token_bytes, ranks)
             check_staging_room(config, args.page_size, token_bytes)
 
 

@@ -93,13 +93,15 @@ def _check_names(path: Path, existing: Path) -> None:
             )
 
 
-def check_staging(staging_bytes: int) -> None:
-    """Staging is host memory, allocated at start: more than the machine has can never be allocated."""
+def check_staging(staging_bytes: int, ranks: int = 1) -> None:
+    """Staging is host memory, one arena per TP rank allocated at start: `ranks` arenas (the TP
+    ranks on this machine, `room.ranks_here`) of more than the machine has can never be allocated."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if staging_bytes > total:
+    if staging_bytes * ranks > total:
         flag = flag_named(SpillConfig, "staging_bytes")
+        each = f" on each of {ranks} TP ranks ({human(staging_bytes * ranks)})" if ranks > 1 else ""
         raise ConfigError(
-            f"{flag}: {human(staging_bytes)} is more than this machine's memory ({human(total)})"
+            f"{flag}: {human(staging_bytes)}{each} is more than this machine's memory ({human(total)})"
         )
 
 
@@ -116,4 +118,4 @@ def check_config(config: SpillConfig) -> None:
     if config.enabled:
         check_tier_directory(config.tier.directory)
         check_room(config, nearest_existing(config.tier.directory))  # the model's own floor: sglang_args.py
-        check_staging(config.staging_bytes)
+        check_staging(config.staging_bytes)  # one rank's; TP x it with sglang's flags: sglang_args.py

@@ -135,7 +135,7 @@ def read_kv(pool: Any, slots: torch.Tensor, layers: range | None = None) -> list
 
 def build_stack(tier_dir: Path, size: int = 256, spill: bool = True, chunk_bytes: int = 4 << 20,
                 page_size: int = 1, capacity_bytes: int = 1 << 30, streams: Any = None,
-                device: str = "cpu", kv_events: bool = False, layers: int = LAYERS,
+                device: str = "cpu", kv_events: bool = False, layers: int = LAYERS, min_free_bytes: int = 0,
                 **overrides: Any) -> Stack:  # fmt: skip
     """A real sglang pool and allocator under a SpillRadixCache whose tier lives in `tier_dir`
     (`streams`: the copy streams' stand-in, see fake_device.py; default the CPU's; `kv_events`:
@@ -167,7 +167,10 @@ def build_stack(tier_dir: Path, size: int = 256, spill: bool = True, chunk_bytes
         enable_kv_cache_events=kv_events,
     )
     tier = TierConfig(
-        directory=tier_dir, capacity_bytes=capacity_bytes, min_free_bytes=0, chunk_bytes=chunk_bytes
+        directory=tier_dir,
+        capacity_bytes=capacity_bytes,
+        min_free_bytes=min_free_bytes,
+        chunk_bytes=chunk_bytes,
     )
     config = replace(SpillConfig(tier=tier), enabled=True, min_spill_tokens=4, **overrides)
     view = from_sglang_pool(pool)

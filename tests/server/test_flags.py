@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -395,6 +396,26 @@ def test_a_volume_too_small_for_the_free_space_watermark_is_refused(small_volume
     config, _ = parse(["--enable-hicache-spill", "--hicache-spill-dir", tier,
                        "--hicache-spill-min-free", "8M", "--hicache-spill-capacity", "32M"])  # fmt: skip
     assert config.tier.min_free_bytes == 8 << 20
+
+
+def test_a_server_started_without_our_launcher_warns_once_when_its_tier_opens(
+    small_volume: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`sglang.launch_server` with our backend is not refused before it starts: the cache factory
+    warns once, in the launcher's words, when it opens the tier on a volume that cannot hold the
+    format's least extent above --hicache-spill-min-free (1G here; 64M of volume)."""
+    from tests.cache.conftest import build_stack, close_stack
+
+    tier = small_volume / "tier"
+    with caplog.at_level(logging.WARNING):
+        stack = build_stack(tier, min_free_bytes=1 << 30)
+    close_stack(stack)
+    warned = [r.getMessage() for r in caplog.records if "--hicache-spill-min-free" in r.getMessage()]
+    assert warned == [
+        f"spill tier: --hicache-spill-min-free: the volume of {tier} holds 64M in all, not above the 1G to keep "
+        "free plus one extent (at least 8K), so every store would be refused (counted as no_space); lower "
+        "--hicache-spill-min-free or use a larger volume"
+    ], caplog.text
 
 
 @pytest.mark.parametrize(("min_free", "fits"), [("65528K", True), ("65529K", False), ("60M", True)])

@@ -5,6 +5,7 @@ refusal is one line and exit code 2, with sglang never started and nothing writt
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import sgl_hicache.launch_server as launch_server
 from sgl_hicache.server import sglang_args
 from sgl_hicache.server.model_check import HYBRID_SWA_ARCHS, SSM_MODEL_TYPES
 from sgl_hicache.server.sglang_seam import SeamError
+from sgl_hicache.tier.file.volume import human
 from tests.server.launcher import PREFIX, refusal, run_main
 
 HUB_ID = "sgl-hicache-test/no-such-model"  # not a local path: left to sglang (which would download it)
@@ -167,7 +169,6 @@ def big_model(tmp_path: Path, **overrides: Any) -> Path:
         (["--kv-cache-dtype", "bf16"], "2052K", "2051K"),  # 16 tokens of 128 KiB, and a 4K header
         (["--kv-cache-dtype", "fp8_e4m3"], "1028K", "1027K"),
         ([], "516K", "515K"),  # auto: sglang may pick an fp4 cache, half a byte an element
-        (["--kv-cache-dtype", "bf16", "--tp-size", "2"], "1028K", "1027K"),  # 4 KV heads a rank
         (["--kv-cache-dtype", "bf16", "--page-size", "64"], "8196K", "8195K"),  # 16 tokens are one page of 64
     ],
 )
@@ -183,10 +184,33 @@ def test_a_capacity_below_one_extent_of_the_model_is_refused(
     assert not tier.exists()
 
 
+def test_the_capacity_holds_one_extent_of_every_tp_rank(tmp_path: Path, tier: Path) -> None:
+    """The TP ranks share the directory's budget and each writes its own extent of an evicted node:
+    at TP 2 two least extents of one rank's KV (4 KV heads, 1028K each) or no node stays spilled."""
+    model = ["--model-path", str(big_model(tmp_path)), "--kv-cache-dtype", "bf16", "--tp-size", "2"]
+    line = refusal(run_main(spill(tier, *model, "--hicache-spill-capacity", "2055K")))
+    assert line == ("--hicache-spill-capacity: 2055K cannot hold one extent for each of 2 TP ranks (at least 2056K: "
+                    "2 × a 4K header and one rank's KV of 16 tokens, min_spill_tokens in whole pages, of this model), "
+                    "so no node could be kept spilled on every rank; raise --hicache-spill-capacity"), line  # fmt: skip
+    assert run_main(spill(tier, *model, "--hicache-spill-capacity", "2056K")).code == 0
+    assert not tier.exists()
+
+
+TP2_32_TOKENS = [
+    "--kv-cache-dtype",
+    "bf16",
+    "--tp-size",
+    "2",
+    "--hicache-spill-extra-config",
+    '{"min_spill_tokens": 32}',
+]
+
+
 @pytest.mark.parametrize(
     ("args", "fits", "short"),
     [
         (["--kv-cache-dtype", "bf16"], "2M", "2047K"),  # 16 tokens of 128 KiB, packed (no header)
+        (TP2_32_TOKENS, "2M", "2047K"),  # staging is a rank's: 32 tokens of 4 KV heads, 64 KiB each
         (["--kv-cache-dtype", "bf16", "--page-size", "64"], "8M", "8191K"),  # 16 tokens are one page of 64
     ],
 )
@@ -205,11 +229,26 @@ def test_a_staging_below_one_extent_of_the_model_is_refused(
     assert not tier.exists()
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_staging_of_every_tp_rank_beyond_this_machines_memory_is_refused(tier: Path, tp: int) -> None:
+    """Each TP rank allocates its own staging at start: a server takes TP x the flag of host memory,
+    and one byte more per rank than the machine holds is refused."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    over, fits = total // tp + 1, total // tp
+    line = refusal(run_main(spill(tier, "--tp-size", str(tp), "--hicache-spill-staging", f"{over}B")))
+    each = f" on each of 2 TP ranks ({human(2 * over)})" if tp == 2 else ""
+    memory = f"is more than this machine's memory ({human(total)})"
+    assert line == f"--hicache-spill-staging: {human(over)}{each} {memory}", line
+    assert run_main(spill(tier, "--tp-size", str(tp), "--hicache-spill-staging", f"{fits}B")).code == 0
+    assert not tier.exists()
+
+
 def test_an_mla_model_and_min_spill_tokens_set_the_least_extent(tmp_path: Path, tier: Path) -> None:
-    """MLA: one latent vector (512 + 64 rope) a layer, on every rank; 32 tokens of 2 bytes each."""
+    """MLA: one latent vector (512 + 64 rope) a layer, on every rank; 32 tokens of 2 bytes each, an
+    extent on each of the 2 ranks."""
     model = ["--model-path", str(big_model(tmp_path, kv_lora_rank=512, qk_rope_head_dim=64)), "--kv-cache-dtype",
              "bf16", "--tp-size", "2", "--hicache-spill-extra-config", '{"min_spill_tokens": 32}']  # fmt: skip
-    least = 32 * 32 * 576 * 2 + 4096  # 1156K
+    least = 2 * (32 * 32 * 576 * 2 + 4096)  # 2 x 1156K
     assert refusal(run_main(spill(tier, *model, "--hicache-spill-capacity", f"{least - 1}B")))
     assert run_main(spill(tier, *model, "--hicache-spill-capacity", f"{least}B")).code == 0
 
@@ -319,6 +358,21 @@ def test_a_volume_above_the_watermark_by_one_extent_of_the_model_is_enough(
     assert line.startswith(f"--hicache-spill-min-free: the volume of {small_volume} holds 64M in all, not above "
                            "the 62M to keep free plus one extent (at least 2052K), so every store would be refused")  # fmt: skip
     assert run_main(spill(tier, *model, "--hicache-spill-min-free", "61M")).code == 0
+    assert not tier.exists()
+
+
+def test_the_volume_holds_one_extent_of_every_tp_rank_above_the_watermark(
+    tmp_path: Path, small_volume: Path
+) -> None:
+    """At TP 2 a 64 MiB volume keeping 64000K free has room for one rank's 1028K extent, not for
+    both ranks' (2056K); keeping 63480K, it has."""
+    tier = small_volume / "tier"
+    model = ["--model-path", str(big_model(tmp_path)), "--kv-cache-dtype", "bf16", "--tp-size", "2"]
+    line = refusal(run_main(spill(tier, *model, "--hicache-spill-min-free", "64000K")))
+    assert line == (f"--hicache-spill-min-free: the volume of {small_volume} holds 64M in all, not above the 64000K "
+                    "to keep free plus one extent for each of 2 TP ranks (at least 2056K), so no node could be "
+                    "kept spilled on every rank; lower --hicache-spill-min-free or use a larger volume"), line  # fmt: skip
+    assert run_main(spill(tier, *model, "--hicache-spill-min-free", "63480K")).code == 0
     assert not tier.exists()
 
 

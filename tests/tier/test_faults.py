@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from sgl_hicache.config import TierConfig
 from sgl_hicache.tier import ROOT_KEY, Status
 from sgl_hicache.tier.file.budget import process as capacity_module
 from tests.tier.common import key_for, payload_for, tokens_for
@@ -159,11 +160,13 @@ def test_a_bug_in_a_job_is_logged_and_completed(make_tier, monkeypatch, caplog):
     assert load(tier, 1) is Status.OK  # not dropped, threads alive
 
 
-def test_a_volume_smaller_than_the_watermark_is_logged_once_at_open(make_tier, mount_point, caplog):
-    """A server started without our launcher cannot be refused before it starts: the tier warns."""
+def test_a_volume_smaller_than_the_watermark_refuses_every_store(make_tier, mount_point):
+    """The tier says so in the config's terms (`VolumeShort`); the server words it with the flag and
+    warns at open (tests/server/test_flags.py)."""
+    from sgl_hicache.tier.file.volume import MIN_EXTENT_BYTES, VolumeShort, too_small
+
     small = mount_point("tmpfs", "size=1m,mode=0700")
-    with caplog.at_level(logging.WARNING, logger="sgl_hicache.tier"):
-        tier = make_tier(directory=small, min_free_bytes=1 << 30)
-        assert store(tier, 1) is Status.NO_SPACE and store(tier, 2) is Status.NO_SPACE
-    warned = [r.getMessage() for r in caplog.records if "--hicache-spill-min-free" in r.getMessage()]
-    assert len(warned) == 1 and "1G" in warned[0], caplog.text
+    tier = make_tier(directory=small, min_free_bytes=1 << 30)
+    assert store(tier, 1) is Status.NO_SPACE and store(tier, 2) is Status.NO_SPACE
+    short = too_small(TierConfig(directory=small, min_free_bytes=1 << 30), small)
+    assert short == VolumeShort(small, 1 << 20, 1 << 30, MIN_EXTENT_BYTES)

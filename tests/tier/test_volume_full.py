@@ -11,7 +11,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,26 +84,6 @@ def documented_alert(name: str) -> tuple[str, float]:
     m = re.fullmatch(r"increase\((sglang:[a-z_]+)\[\w+\]\) > ([0-9.]+)", expr.strip())
     assert m, f"{RULES.name}: alert {name} is not of the form increase(counter[window]) > N: {expr}"
     return m.group(1), float(m.group(2))
-
-
-@pytest.fixture
-def exported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], str]]:
-    """Metrics written as sglang's scheduler writes them (PROMETHEUS_MULTIPROC_DIR) and served as its
-    HTTP process serves `/metrics` (a MultiProcessCollector): `exported()` is that exposition text."""
-    from prometheus_client import CollectorRegistry, generate_latest, multiprocess, values
-
-    directory = tmp_path / "prometheus"
-    directory.mkdir()
-    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(directory))
-    monkeypatch.setattr(values, "ValueClass", values.MultiProcessValue())
-
-    def scrape() -> str:
-        registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry, path=str(directory))
-        return generate_latest(registry).decode()
-
-    yield scrape
-    values.close_all_multiprocess_files()
 
 
 def series_sum(text: str, name: str) -> float:

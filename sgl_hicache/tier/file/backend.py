@@ -60,7 +60,6 @@ from sgl_hicache.tier.file.recreate import Recreator
 from sgl_hicache.tier.file.retain import TierRetention
 from sgl_hicache.tier.file.scan import scan
 from sgl_hicache.tier.file.source import run_lookup
-from sgl_hicache.tier.file.volume import warn_if_too_small
 from sgl_hicache.tier.format import DirectoryMac, FormatError, Mismatch, NewerFormat
 from sgl_hicache.tier.keys import ROOT_KEY, ExtentKey, Namespace, check_key
 from sgl_hicache.tier.path_lookup import LookupQueue
@@ -72,7 +71,6 @@ class FileTier(IndexedTier):
         self._cfg, self._ns, self._ns_id = cfg, namespace, namespace.id
         self._paths = ExtentPaths(cfg.directory, self._ns_id)
         secret = self._paths.create_root()
-        warn_if_too_small(cfg, self._paths.root)
         self._seal = DirectoryMac(secret)
         self._direct = cfg.direct_io and probe_direct_io(self._paths.ns_dir)
         self._counters, self._faults = Counters(), FaultLog()

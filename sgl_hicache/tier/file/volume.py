@@ -2,10 +2,11 @@
 
 Every store keeps `min_free_bytes` free on the volume (budget/process.py); on a volume whose total size is
 not above that plus one extent, every store is refused and silently counted as no_space. Anything
-larger can work (a volume of a few MiB above the watermark holds extents of a few MiB). The launcher
-refuses such a configuration before sglang starts (`server/validate.py`, exit 2), with the least
-extent its model can write (`server/room.py`); a server started otherwise (`sglang.launch_server`
-with our backend) gets one warning at open.
+larger can work (a volume of a few MiB above the watermark holds extents of a few MiB). `too_small`
+says so as a `VolumeShort`, in the config's terms: the server layer words it with the flag's name
+(`server/room.py`). The launcher refuses such a configuration before sglang starts (exit 2), with
+the least extent its model can write; a server started otherwise (`sglang.launch_server` with our
+backend) gets one warning when its tier opens (`server/factory.py`).
 
 `FreeSpace` keeps what the volume had free when last looked at (`TierStats.volume_free_bytes`, a
 gauge): before every store, and about every second from an I/O thread (backend.py). The first eviction
@@ -18,9 +19,10 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
-from sgl_hicache.config import Compression, GiB, KiB, MiB, TiB, TierConfig, flag_named, format_size
+from sgl_hicache.config import Compression, GiB, KiB, MiB, TiB, TierConfig
 from sgl_hicache.tier.faults import logger
 from sgl_hicache.tier.file.paths import free_bytes
 from sgl_hicache.tier.format import ALIGN, align_up
@@ -35,10 +37,21 @@ def extent_floor(payload_bytes: int, compression: Compression) -> int:
     return ALIGN + payload
 
 
-def too_small(cfg: TierConfig, directory: Path, least: int = MIN_EXTENT_BYTES) -> str | None:
-    """Why the volume of `directory` (an existing directory) cannot hold one extent of `least` bytes
-    above `cfg.min_free_bytes`, in words that name the flag; None if it can, or if the volume reports
-    no size (ramfs) or cannot be asked."""
+@dataclass(frozen=True)
+class VolumeShort:
+    """A volume whose `total` bytes are not above `min_free` (`TierConfig.min_free_bytes`) plus
+    `least`: it can never hold `least` bytes of extents above the watermark."""
+
+    directory: Path
+    total: int
+    min_free: int
+    least: int
+
+
+def too_small(cfg: TierConfig, directory: Path, least: int = MIN_EXTENT_BYTES) -> VolumeShort | None:
+    """The volume of `directory` (an existing directory) if it cannot hold `least` bytes of extents
+    above `cfg.min_free_bytes`; None if it can, or if the volume reports no size (ramfs) or cannot
+    be asked."""
     try:
         st = os.statvfs(directory)
     except OSError:
@@ -46,18 +59,7 @@ def too_small(cfg: TierConfig, directory: Path, least: int = MIN_EXTENT_BYTES) -
     total = st.f_blocks * st.f_frsize
     if not total or total >= cfg.min_free_bytes + least:
         return None
-    flag = flag_named(TierConfig, "min_free_bytes")
-    return (
-        f"{flag}: the volume of {directory} holds {human(total)} in all, not above the "
-        f"{format_size(cfg.min_free_bytes)} to keep free plus one extent (at least {format_size(least)}), so every "
-        f"store would be refused (counted as no_space); lower {flag} or use a larger volume"
-    )
-
-
-def warn_if_too_small(cfg: TierConfig, directory: Path) -> None:
-    reason = too_small(cfg, directory)
-    if reason is not None:
-        logger.warning("spill tier: %s", reason)
+    return VolumeShort(directory, total, cfg.min_free_bytes, least)
 
 
 UNKNOWN = -1  # `FreeSpace.last` before a look succeeded, or on a volume that reports no size (ramfs)
@@ -89,10 +91,9 @@ class FreeSpace:
         if first:
             logger.warning(
                 "spill tier: the volume of %s has %s free, and a store of %s would leave less than the "
-                "%s to keep free (%s): evicting extents below the budget to make room (logged once; "
-                "counted in tier_free_space_evictions, free space in tier_volume_free_bytes)",
+                "%s to keep free (min_free_bytes): evicting extents below the budget to make room (logged "
+                "once; counted in tier_free_space_evictions, free space in tier_volume_free_bytes)",
                 self._directory, human(free), human(nbytes), human(self._min_free),
-                flag_named(TierConfig, "min_free_bytes"),
             )  # fmt: skip
 
 
