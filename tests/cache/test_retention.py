@@ -210,7 +210,7 @@ def test_purge_leaves_nothing_of_the_salt_for_fsck_lookup_or_restart(make_stack:
 def test_a_purge_the_tier_cannot_do_clears_the_tree_and_says_so(
     make_stack: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A backend that cannot list a salt (mooncake) refuses `submit_purge`: the purge still leaves
+    """A backend that cannot find a salt's extents refuses `submit_purge`: the purge still leaves
     nothing of the salt on this server, and is counted and logged as incomplete, never raised."""
     s = make_stack()
     s.insert(A, "s1")
