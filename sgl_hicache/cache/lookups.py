@@ -43,9 +43,10 @@ class Lookups:
         self._pending: dict[object, float] = {}  # request id (or a token) -> when its lookup started
 
     def start(self, tier: Tier, token_ids: list[int], held: int, tenant: bytes, epoch: bytes,
-              rid: str | None, tag: object) -> bool:  # fmt: skip
-        """Submit a lookup of `token_ids` (page-aligned) past its first `held` tokens; never blocks.
-        False when not started (one already runs for `rid`, nothing past `held`, ids no key names)."""
+              rid: str | None, tag: object, cache_salt: str | None = None) -> bool:  # fmt: skip
+        """Submit a lookup of `token_ids` (page-aligned) past its first `held` tokens, of `tenant`
+        (whose salt is `cache_salt`); never blocks. False when not started (one already runs for
+        `rid`, nothing past `held`, ids no key names)."""
         key = rid if rid is not None else object()
         if key in self._pending or held >= len(token_ids):
             return False
@@ -54,7 +55,7 @@ class Lookups:
         except ValueError:  # ids no key can name
             return False
         self._pending[key] = time.monotonic()
-        tier.submit_lookup(LookupRequest(tokens, held, tenant, epoch, tag=(key, tag)))
+        tier.submit_lookup(LookupRequest(tokens, held, tenant, epoch, tag=(key, tag), cache_salt=cache_salt))
         return True
 
     def waiting(self, rid: str | None, limit_s: float) -> bool:

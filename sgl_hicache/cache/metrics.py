@@ -55,6 +55,10 @@ TIER_COUNTERS = {  # TierStats running totals: (metric name, help), exported as 
         "bytes written to the tier: extent payloads as stored and their headers (files or Mooncake "
         "objects); a store that found its extent there already writes none",
     ),
+    "purge_retries": (
+        "tier_purge_retries",
+        "purges the tier ran again because the store or file system failed them (retried until done)",
+    ),
     "newer_extents": (
         "tier_newer_extents",
         "extents of a newer format version met and kept (a newer "
@@ -171,7 +175,7 @@ COUNTERS = {
     "pin_over_budget": "pinned extents the tier could not keep within the pin budget (left to its LRU)",
     "drops": "drop hints applied (POST /hicache/drop)",
     "purges": "purge hints applied (POST /hicache/purge)",
-    "purges_incomplete": "purge hints whose tier cannot purge a cache_salt (mooncake): device and tree only",
+    "purges_incomplete": "purge hints whose tier cannot purge a cache_salt: device and tree only",
     "hint_dropped_tokens": "tokens removed from the tree (device or spilled) by drop and purge hints",
     "drop_kept_tokens": "tokens a drop or purge left on the device: in use by a running request",
 }

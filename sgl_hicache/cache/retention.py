@@ -22,8 +22,9 @@ are the same on every rank (same walk, same splits, same locks); tier changes ar
   by a running request (locked) stays, with its ancestors: that request's KV is cached again when
   it finishes, like any request's.
 - **purge** (`cache_salt`): every node of that salt is dropped as above, its pins end, and the tier
-  removes every extent of the salt under its root, in every namespace (`Tier.submit_purge`,
-  tier/file/purge.py), and those of its stores in flight once written.
+  removes every extent of the salt under its root or in its store, in every namespace
+  (`Tier.submit_purge`: tier/file/purge.py, tier/mooncake/purge.py), and those of its stores in
+  flight once written; a purge the tier failed is retried by the tier until done.
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ class Retention:
             return
         try:
             self.jobs.append(tier.submit_purge(cache_salt))
-        except NotImplementedError as e:  # a backend that cannot list a salt's extents (mooncake)
+        except NotImplementedError as e:  # a backend that cannot find a salt's extents (none of ours now)
             self.host.spill_metrics.inc("purges_incomplete")
             if not self._purge_refusal_logged:
                 self._purge_refusal_logged = True

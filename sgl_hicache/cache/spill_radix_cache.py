@@ -555,7 +555,7 @@ class SpillRadixCache(RadixCache):
             return
         tenant = tenant_of(key.extra_key, key.cache_salt)
         if self.controller.lookups.start(self.controller.tier, key.raw_token_ids(), held, tenant,
-                                         self.epoch or b"", rid, tag=key):  # fmt: skip
+                                         self.epoch or b"", rid, tag=key, cache_salt=key.cache_salt):  # fmt: skip
             self.spill_metrics.inc("lookups")
 
     @contained("prefetch (reads)", _no_reads)

@@ -98,6 +98,8 @@ class LookupRequest:
     epoch: bytes = b""
     max_steps: int = DEFAULT_MAX_STEPS
     tag: object = None  # the caller's, returned with the result
+    cache_salt: str | None = None  # the tenant's salt (in `tenant` too): a backend that keeps each
+    #                               salt's extents apart (mooncake) looks there only
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,7 @@ class TierStats:
     # its header, as files or Mooncake objects; a store that found its extent there already writes none
     # (what wears an SSD; divided by the cache's `restored_bytes`: write amplification).
     written_bytes: int = 0
+    purge_retries: int = 0  # purges run again because the store failed them (retried until done)
 
 
 class Tier(abc.ABC):

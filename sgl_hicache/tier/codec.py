@@ -144,14 +144,21 @@ def prepare(req: StoreRequest, cfg: TierConfig) -> Prepared:
 
 
 def sealed_header(
-    prep: Prepared, cfg: TierConfig, ns: Namespace, chunks: list[Chunk], seal: DirectoryMac
+    prep: Prepared,
+    cfg: TierConfig,
+    ns: Namespace,
+    chunks: list[Chunk],
+    seal: DirectoryMac,
+    created_ns: int | None = None,
 ) -> bytes:
-    """The extent's header, sealed, for the chunks as stored (files and Mooncake objects alike)."""
+    """The extent's header, sealed, for the chunks as stored (files and Mooncake objects alike);
+    `created_ns`: its publish time (now if None; the Mooncake backend names chunks by it)."""
     req = prep.req
     header = Header(
         namespace=ns.id, key=req.key, parent=req.parent, layout=ns.layout, compression=cfg.compression,
         token_count=req.token_count, token_digest=req.token_digest, chunk_bytes=cfg.chunk_bytes,
-        payload_len=req.payload.nbytes, stored_len=prep.stored_len, created_ns=time.time_ns(),
+        payload_len=req.payload.nbytes, stored_len=prep.stored_len,
+        created_ns=time.time_ns() if created_ns is None else created_ns,
         header_len=prep.header_len, group_layers=req.group_layers,
     )  # fmt: skip
     return encode_header(header, req.tokens, chunks, seal, req.aliases, req.salt_tag)

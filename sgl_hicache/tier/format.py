@@ -94,6 +94,12 @@ class DirectoryMac:
             meta, digest_size=MAC_BYTES, key=self._secret, person=b"sglhc.meta.v3"
         ).digest()
 
+    def record(self, data: bytes) -> bytes:
+        """The MAC of a Mooncake manifest record (mooncake/manifest.py)."""
+        return hashlib.blake2b(
+            data, digest_size=MAC_BYTES, key=self._secret, person=b"sglhc.record.v1"
+        ).digest()
+
     def salt(self, cache_salt: str) -> bytes:
         """The salt tag of `cache_salt`: a keyed digest, never the salt itself, so a purge finds a
         tenant's extents while the files name no tenant to whoever lacks the secret."""

@@ -5,7 +5,8 @@ tokens, its tenant and epoch (which seed path keys, keys.py) and how far the cal
 (`start`), a lookup:
 
 1. computes the prompt's path keys at block positions past `start` (multiples of `block` tokens)
-   and binary-searches the farthest one that has an alias (file/aliases.py): about log2(blocks) readlinks;
+   and binary-searches the farthest one that has an alias (file/aliases.py): about log2(blocks) readlinks
+   (a source that reads many aliases in one call, a store, reads them all at once first: one call);
 2. verifies that claim (extent K, offset o): the extent opens and verifies like a load (header and
    meta MACs, key = chain_key of its parent, count and digest, size), its parent is the prompt's own
    path key at s = position - o (so it starts at s), and its MAC'd aliases hold, at offset o, the
@@ -51,6 +52,9 @@ every writer of a namespace uses the same value (the page size is part of the na
 
 STALE_RETRIES = 2
 """How many times a lookup whose farthest claim names a missing extent looks again below it."""
+READ_AHEAD_MAX = 1024
+"""A source that reads many aliases in one call (a store) reads every block position's at once,
+up to this many (a prompt of 64K tokens at the default spacing); the search then runs on them."""
 
 
 def block_tokens(page_size: int) -> int:
@@ -82,6 +86,10 @@ class ExtentSource(Protocol):
     def alias(self, path_key: bytes) -> tuple[ExtentKey, int] | None:
         """The claim published under `path_key` (extent, offset), or None."""
 
+    def aliases(self, path_keys: list[bytes]) -> list[tuple[ExtentKey, int] | None] | None:
+        """The claims of many path keys read at once, where that is one call (a store's batch
+        read); None where reading them one by one (`alias`) costs the same (a directory)."""
+
     def header(self, key: ExtentKey) -> Claimed:
         """`key`'s header verified like a load's (MACs, namespace, key re-derived from its fields);
         FileNotFoundError if it is gone, FormatError or OSError if it cannot be used."""
@@ -98,6 +106,7 @@ class _Walk:
         self.calls = self.refused = self.stale = 0
         self.last_stale = False  # the last claim verified named a missing extent
         self._hashers: dict[int, PathHasher] = {}
+        self._claims: dict[int, tuple[ExtentKey, int] | None] = {}  # read ahead (`read_ahead`)
 
     def key_at(self, pos: int) -> bytes:
         """The prompt's path key of its first `pos` tokens (hashed on from the nearest known one)."""
@@ -112,8 +121,19 @@ class _Walk:
         return self._hashers[pos].key()
 
     def alias(self, pos: int) -> tuple[ExtentKey, int] | None:
+        if pos in self._claims:
+            return self._claims[pos]
         self.calls += 1
         return self.source.alias(self.key_at(pos))
+
+    def read_ahead(self, positions: list[int]) -> None:
+        """Read the aliases at `positions` in one call, where the source can (`ExtentSource.aliases`)."""
+        if not 1 < len(positions) <= READ_AHEAD_MAX:
+            return
+        claims = self.source.aliases([self.key_at(p) for p in positions])
+        if claims is not None and len(claims) == len(positions):
+            self.calls += 1
+            self._claims.update(zip(positions, claims, strict=True))
 
     def verify(self, claim: tuple[ExtentKey, int], pos: int) -> Segment | None:
         key, offset = claim
@@ -169,6 +189,7 @@ def run_lookup_in(req: LookupRequest, source: ExtentSource, ns: NamespaceId, pag
 def _segments(walk: _Walk, block: int) -> tuple[Segment, ...]:
     req = walk.req
     blocks = list(range((req.start // block + 1) * block, len(req.tokens) + 1, block))
+    walk.read_ahead(blocks)
     found, retries = _farthest(walk, blocks), STALE_RETRIES
     out: list[Segment] = []
     for _ in range(req.max_steps):

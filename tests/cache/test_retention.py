@@ -1,7 +1,8 @@
 """Retention hints on a real sglang stack (issue 27): a pinned conversation is spilled where it
 would be dropped and kept by the tier until its TTL; a drop removes a conversation from device,
 staging and tier (but not what others share, nor what a running request uses); a purge leaves
-nothing of a cache_salt for fsck, a lookup or a restart; pins are refused over their budget."""
+nothing of a cache_salt for fsck, a lookup or a restart, on files and on a Mooncake Store (issue
+40); pins are refused over their budget."""
 
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def looked_up(s: Stack, tokens: list[int], salt: str) -> int:
     """Tokens a cross-server lookup of `tokens` (of `salt`) finds on the tier, from the start."""
     tier = s.cache.controller.tier
     ids = np.asarray(tokens, dtype="<u4")
-    tier.submit_lookup(LookupRequest(ids, 0, tenant_of(None, salt), s.cache.epoch or b""))
+    tier.submit_lookup(LookupRequest(ids, 0, tenant_of(None, salt), s.cache.epoch or b"", cache_salt=salt))
     deadline = time.monotonic() + 20
     while not (results := tier.lookups_finished()):
         assert time.monotonic() < deadline
@@ -207,10 +208,53 @@ def test_purge_leaves_nothing_of_the_salt_for_fsck_lookup_or_restart(make_stack:
     assert restored(again, A) == len(A)
 
 
+def test_on_the_mooncake_store_a_purge_reaches_the_store_and_a_restart_finds_the_rest(
+    make_stack: Any, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Issue 40.3 through the cache, on a real master: a purge of a salt leaves none of its extents
+    for a lookup or a restart and counts no `purges_incomplete`; the other salt's and the default
+    tenant's are found by the restarted server (warm start), exact. The stacks give the store no
+    memory; a holder client does (what it holds outlives their restart)."""
+    from dataclasses import replace
+
+    from sgl_hicache.config import SpillBackend, TierConfig
+    from sgl_hicache.tier.mooncake.client import connect
+    from tests.cache.conftest import close_stack
+
+    master = request.getfixturevalue("mooncake_master")  # skips without the Mooncake client
+    holder = connect(master.config(segment_bytes=64 << 20))
+    tier = TierConfig(backend=SpillBackend.MOONCAKE, mooncake=replace(master.config(), global_segment_size=0),
+                      directory=tmp_path / "tier", chunk_bytes=4096)  # fmt: skip
+    stacks: list[Stack] = []
+    try:
+        s = make_stack(tier=tier)
+        stacks.append(s)
+        for salt in ("s1", "s2"):
+            s.insert(A, salt)
+            s.insert(B, salt)
+        s.insert(A)  # the default tenant
+        s.evict_all()
+        purge(s, "s1")
+        s.cache.retention.wait_jobs()
+        assert s.metrics.totals.get("purges_incomplete", 0) == 0
+        assert s.cache.controller.tier.stats().purged_extents > 0
+        assert looked_up(s, A, "s1") == 0 and looked_up(s, B, "s2") == len(B)
+        close_stack(s)
+        again = make_stack(tier=tier)  # a restart on the store
+        stacks.append(again)
+        assert restored(again, A) == len(A)  # attached at start, from the manifest
+        assert restored(again, B, "s2") == len(B)  # attached when a request brings its tokens
+        assert restored(again, A, "s1") == 0
+    finally:
+        for stack in stacks:
+            close_stack(stack)  # before the holder leaves
+        holder.close()
+
+
 def test_a_purge_the_tier_cannot_do_clears_the_tree_and_says_so(
     make_stack: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A backend that cannot list a salt (mooncake) refuses `submit_purge`: the purge still leaves
+    """A backend that cannot find a salt's extents refuses `submit_purge`: the purge still leaves
     nothing of the salt on this server, and is counted and logged as incomplete, never raised."""
     s = make_stack()
     s.insert(A, "s1")

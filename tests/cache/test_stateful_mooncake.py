@@ -4,7 +4,9 @@
 lookups) drive two caches whose tier is a `MooncakeTier` on the session's real master; after every
 step every resident slot must hold exactly its reference KV. Tampering acts on the store's objects
 instead of files: another client removes an extent's header or a chunk, flips a byte of a chunk,
-or puts another extent's (sealed) header under a key.
+or puts another extent's (sealed) header under a key. Retention hints are the file machine's,
+purges included (issue 40: a purge by salt reaches the store). A restart finds the extents its
+namespace stored through the store's manifest (a warm start, as from files).
 
 Each hypothesis example gets a tier directory, hence a secret, of its own: objects an earlier
 example left in the store (same namespace, same keys) are foreign to it, refused on load and
@@ -22,10 +24,11 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import precondition, rule
+from hypothesis.stateful import rule
 
 from sgl_hicache.config import SpillBackend, TierConfig
 from sgl_hicache.tier.mooncake import backend as mooncake_tier
+from sgl_hicache.tier.mooncake import objects
 from sgl_hicache.tier.mooncake.client import Names, StoreClient, connect
 from tests.cache.conftest import Stack, build_stack
 from tests.cache.test_stateful import RARE, TwoCachesOneDirectory
@@ -94,29 +97,37 @@ class TwoCachesOnMooncake(TwoCachesOneDirectory):
             return
         self.tampered = True
         client, key = CLIENTS[pick % 2], keys[pick % len(keys)]
-        names = Names(self.servers[0].stack.cache.controller.tier.namespace.id)
+        header, chunks = self._objects(key)
         if how == "header":
-            client.remove(names.header(key))
-        elif how == "chunk":
-            client.remove(names.chunk(key, 0))
-        elif how == "flip":
-            data = client.get(names.chunk(key, 0))
+            client.remove(header)
+        elif how == "chunk" and chunks:
+            client.remove(chunks[0])
+        elif how == "flip" and chunks:
+            data = client.get(chunks[0])
             if data:
                 flipped = bytearray(data)
                 flipped[pick % len(flipped)] ^= 0x5A
-                client.write(names.chunk(key, 0), bytes(flipped))
-        else:
+                client.write(chunks[0], bytes(flipped))
+        elif how == "borrow":
             other = keys[(pick + 1) % len(keys)]
-            header = client.get(names.header(other))
-            if header and other != key:
-                client.write(names.header(key), header)
+            borrowed = client.get(self._objects(other)[0])
+            if borrowed and other != key:
+                client.write(header, borrowed)
 
-    @precondition(lambda self: bool(self.convs))
-    @rule(data=st.data(), which=st.integers(0, 1), kind=st.sampled_from(["pin", "drop"]))
-    def retention_hint(self, data: Any, which: int, kind: str) -> None:
-        """Pins and drops as on files; no purge (a Mooncake tier refuses it: the store cannot be
-        listed by cache_salt, mooncake.py)."""
-        super().retention_hint(data, which, kind)
+    def _objects(self, key: bytes) -> tuple[str, list[str]]:
+        """The names of `key`'s header (in the directory of its salt, as a server that spilled it
+        knows it) and of the chunks that header names now (none if it does not verify)."""
+        tiers = [s.stack.cache.controller.tier for s in self.servers]
+        tier: Any = next((t for t in tiers if t.contains(key)), tiers[0])
+        salt = tier._salt(key)
+        names: Names = tier._names
+        try:
+            ext = objects.open_header(
+                tier._client, names, tier.namespace.id, key, salt, tier._seal, tier._scratch
+            )
+        except (OSError, ValueError):  # gone or tampered already
+            return names.header(key, salt), []
+        return names.header(key, salt), ext.chunk_names(names)
 
     @rule(which=st.integers(0, 1))
     def a_foreign_evictor_then_this_cache_evicts(self, which: int) -> None:

@@ -31,8 +31,8 @@ from tests.server.test_spill_resume import POOL, counter, generate, generate_ful
 
 pytestmark = pytest.mark.server
 
-# an extent's header and chunk objects (mooncake_client.py), not its aliases
-EXTENT_OBJECTS = r"^sglhc/[0-9a-f]+/[0-9a-f]{32}(/[0-9]+)?$"
+# an extent's header and chunk objects, of any salt (tier/mooncake/client.py), not its aliases
+EXTENT_OBJECTS = r"^sglhc2/[0-9a-f]{32}/(-|[0-9a-f]{32})/[0-9a-f]{32}(\.[0-9a-f]{16}\.[0-9]+)?$"
 
 
 @dataclasses.dataclass

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -127,11 +128,11 @@ def stored_bytes(tier: IndexedTier, key: ExtentKey) -> int:
         from sgl_hicache.tier.file.paths import ExtentPaths
 
         return ExtentPaths(tier._cfg.directory, tier.namespace.id).extent(key).stat().st_size  # type: ignore[attr-defined]
-    client = tier._client  # type: ignore[attr-defined]
-    size, chunks = client.size(names.header(key)).n, 0
-    while (reply := client.size(names.chunk(key, chunks))).ok:
-        size, chunks = size + reply.n, chunks + 1
-    return size  # type: ignore[no-any-return]
+    from sgl_hicache.tier.mooncake import objects
+
+    t: Any = tier
+    ext = objects.open_header(t._client, names, t.namespace.id, key, t._salt(key), t._seal, t._scratch)
+    return sum(t._client.size(n).n for n in [names.header(key, ext.salt), *ext.chunk_names(names)])  # type: ignore[no-any-return]
 
 
 def test_duplicate_stores_and_each_completion_once(make_tier: MakeTier) -> None:
@@ -183,8 +184,34 @@ def test_another_tier_finds_verifies_and_loads_by_lookup(
     assert lookup(reader, 0, PROMPT, tenant=b"salt").segments == ()  # another tenant: nothing
 
 
-def lookup(tier: IndexedTier, start: int, tokens: np.ndarray = PROMPT, tenant: bytes = b"") -> LookupResult:
-    tier.submit_lookup(LookupRequest(tokens, start, tenant))
+def test_a_salted_extent_is_found_by_a_lookup_of_its_salt_only(
+    make_tier: MakeTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 40: an extent stored with a cache_salt is found (and then loads) by a lookup of its
+    tenant and salt, by a tier that never saw it; a lookup of another salt finds nothing."""
+    from sgl_hicache.tier import path_lookup as lookup_mod
+    from sgl_hicache.tier.keys import tenant_of
+
+    monkeypatch.setattr(lookup_mod, "BLOCK_TOKENS", 16)
+    writer, reader = make_tier(), make_tier()
+    ns, tenant = writer.namespace.id, tenant_of(None, "s1")
+    tokens = PROMPT[:48]
+    marks = alias_marks(PathHasher(ns, tenant), 0, tokens, NS.layout.page_size)
+    key = chain_key(ns, PathHasher(ns, tenant).key(), tokens)
+    done = writer.wait(writer.submit_store(key, payload_for(5, 20_000), tokens, PathHasher(ns, tenant).key(),
+                                           store_tokens=False, aliases=marks, cache_salt="s1"), 30)  # fmt: skip
+    assert done.ok, done
+    found = lookup(reader, 0, PROMPT, tenant=tenant, cache_salt="s1")
+    assert [(s.key, s.start, s.end) for s in found.segments] == [(key, 0, 48)]
+    status, got = load(reader, key, 20_000)
+    assert status is Status.OK and np.array_equal(got, payload_for(5, 20_000))
+    other = tenant_of(None, "s2")
+    assert lookup(reader, 0, PROMPT, tenant=other, cache_salt="s2").segments == ()
+
+
+def lookup(tier: IndexedTier, start: int, tokens: np.ndarray = PROMPT, tenant: bytes = b"",
+           cache_salt: str | None = None) -> LookupResult:  # fmt: skip
+    tier.submit_lookup(LookupRequest(tokens, start, tenant, cache_salt=cache_salt))
     deadline = time.monotonic() + 20
     while not (done := tier.lookups_finished()):
         assert time.monotonic() < deadline, "lookup did not finish"

@@ -4,12 +4,16 @@ of objects adds to the contract both backends pass (test_contract.py).
 Every load is bit-exact or refused: objects another deployment or a tamperer wrote (CORRUPT /
 MISMATCH, never bytes), keys the master evicted or another client removed (a clean MISS), a master
 restart mid-run (failed operations come back as statuses, none raises; then stores and loads work
-again).
+again). Issue 40: a store and a load are a few calls of the store, whatever the number of chunks
+(counted on the real store by `CallRecorder`); a tier opened again on the store finds what was
+stored (warm start); a purge removes every object of its salt, and one the store failed is retried.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,9 +21,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sgl_hicache.config import SpillBackend, TierConfig
+from sgl_hicache.config import MooncakeConfig, SpillBackend, TierConfig
 from sgl_hicache.tier import ROOT_KEY, ExtentKey, IndexedTier, Namespace, Status, chain_key, open_tier
-from sgl_hicache.tier.mooncake.client import Names
+from sgl_hicache.tier.mooncake import backend as mooncake_backend
+from sgl_hicache.tier.mooncake import objects
+from sgl_hicache.tier.mooncake.client import Names, Reply, StoreClient, connect
+from sgl_hicache.tier.mooncake.manifest import Manifest
 from tests.mooncake_master import MooncakeMaster, skip_without_mooncake
 from tests.tier.common import CHUNK, NS, payload_for
 from tests.tier.test_contract import close_all
@@ -82,6 +89,13 @@ def load(
     return done.status, dest
 
 
+def extent_objects(tier: IndexedTier, key: ExtentKey) -> tuple[str, list[str]]:
+    """The names of `key`'s header and chunk objects, as `tier` finds them (with its salt of `key`)."""
+    t: Any = tier
+    ext = objects.open_header(t._client, t._names, t.namespace.id, key, t._salt(key), t._seal, t._scratch)
+    return t._names.header(key, ext.salt), ext.chunk_names(t._names)
+
+
 def test_a_second_store_of_a_key_writes_nothing_and_keeps_the_first(make_tier: MakeTier) -> None:
     tier = make_tier(fresh_ns("again"))
     key = store(tier, 3, 10_000)
@@ -112,14 +126,14 @@ def test_a_tampered_chunk_is_corrupt_and_a_borrowed_header_a_mismatch(make_tier:
     key = store(tier, 2, 2 * CHUNK)
     bad = payload_for(2, CHUNK).copy()
     bad[100] ^= 1
-    assert client.remove(names.chunk(key, 1)).ok and client.write(names.chunk(key, 1), bad.tobytes()).ok
+    chunk = extent_objects(tier, key)[1][1]
+    assert client.remove(chunk).ok and client.write(chunk, bad.tobytes()).ok
     assert load(tier, key, 2 * CHUNK)[0] is Status.CORRUPT
     assert load(tier, key, CHUNK)[0] is Status.MISS  # dropped: never served, even its good prefix
 
     key_a, key_b = store(tier, 10, CHUNK), key_of(ns, 11)  # b's header is a's, sealed and all
     header = client.get(names.header(key_a))
     assert header is not None and client.write(names.header(key_b), header).ok
-    assert client.write(names.chunk(key_b, 0), payload_for(10, CHUNK).tobytes()).ok
     assert load(tier, key_b, CHUNK)[0] in (Status.CORRUPT, Status.MISMATCH)
 
 
@@ -127,9 +141,8 @@ def test_a_key_another_client_removed_is_a_clean_miss(make_tier: MakeTier) -> No
     ns = fresh_ns("removed")
     writer, other = make_tier(ns), make_tier(ns)
     keys = [store(writer, i, 2 * CHUNK) for i in range(3)]
-    names = Names(ns.id)
-    other._client.remove(names.header(keys[0]))  # type: ignore[attr-defined]
-    other._client.remove(names.chunk(keys[1], 1))  # type: ignore[attr-defined]
+    other._client.remove(extent_objects(writer, keys[0])[0])  # type: ignore[attr-defined]
+    other._client.remove(extent_objects(writer, keys[1])[1][1])  # type: ignore[attr-defined]
     assert load(writer, keys[0], 2 * CHUNK)[0] is Status.MISS
     assert load(writer, keys[1], 2 * CHUNK)[0] is Status.MISS
     assert not writer.contains(keys[0]) and not writer.contains(keys[1])
@@ -186,3 +199,229 @@ def test_a_master_restart_mid_run_is_survived(make_tier: MakeTier, tmp_path: Pat
         if tier is not None:
             tier.close(5)  # before its master goes: a client without one takes long to leave
         own.stop()
+
+
+class CallRecorder:
+    """A client's real `MooncakeDistributedStore`, each call of it counted by method name: one
+    count per call, however many objects the call names."""
+
+    def __init__(self, store: Any) -> None:
+        self._store, self.calls = store, Counter[str]()
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._store, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] += 1
+            return method(*args, **kwargs)
+
+        return call
+
+
+@pytest.fixture
+def recorded(monkeypatch: pytest.MonkeyPatch) -> list[CallRecorder]:
+    """Tiers opened from now on talk to the store through a `CallRecorder` each (in this list)."""
+    made: list[CallRecorder] = []
+
+    def recording(cfg: MooncakeConfig) -> StoreClient:
+        made.append(CallRecorder(connect(cfg)._store))
+        return StoreClient(made[-1])
+
+    monkeypatch.setattr(mooncake_backend, "connect", recording)
+    return made
+
+
+def per_operation(calls: Counter[str]) -> int:
+    """The calls counted but a thread's one `register_buffer` of its scratch buffer (at its first use)."""
+    return sum(n for name, n in calls.items() if name != "register_buffer")
+
+
+def test_a_store_and_a_load_of_many_chunks_are_a_few_store_calls(
+    make_tier: MakeTier, recorded: list[CallRecorder], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 40.1: a store of six chunks with four aliases is at most four calls of the store (its
+    header looked for, the chunks in one batch, the header, the aliases in one batch), and a load,
+    whole or a prefix, two (the header, the chunks in one batch)."""
+    monkeypatch.setattr(mooncake_backend, "MANIFEST_FLUSH_S", 3600.0)  # no manifest write while counting
+    ns = fresh_ns("calls")
+    tier = make_tier(ns)
+    calls = recorded[0].calls
+    tokens = list(range(100, 164))
+    key, nbytes = chain_key(ns.id, ROOT_KEY, tokens), 6 * CHUNK
+    aliases = [(o, bytes([o]) * 16) for o in (16, 32, 48, 64)]
+    calls.clear()
+    done = tier.wait(tier.submit_store(key, payload_for(1, nbytes), tokens, ROOT_KEY, aliases=aliases), 30)
+    assert done.ok, done
+    assert per_operation(calls) <= 4, +calls
+    for want in (None, 2 * CHUNK + 100):
+        calls.clear()
+        status, got = load(tier, key, nbytes, want)
+        assert status is Status.OK and np.array_equal(
+            got[: want or nbytes], payload_for(1, nbytes)[: want or nbytes]
+        )
+        assert per_operation(calls) == 2, +calls
+    calls.clear()
+    store(tier, 1, 10)  # another extent: the calls do not grow with its size
+    assert per_operation(calls) <= 4, +calls
+
+
+@pytest.fixture
+def holder(master: MooncakeMaster) -> Iterator[StoreClient]:
+    """A client that only gives the store memory (as a standalone `mooncake_client` or another
+    server would): what lives in its segment outlives the tiers of a test."""
+    client = connect(master.config(segment_bytes=128 << 20))
+    yield client
+    client.close()
+
+
+def test_a_tier_opened_again_on_the_store_finds_what_was_stored_verified(
+    make_tier: MakeTier, holder: StoreClient, tmp_path: Path
+) -> None:
+    """Issue 40.3, warm start: what a tier stored (with a salt or not) is indexed by the next tier
+    of its namespace opened on the store, verified: loads bit-exact, token ids read back; an extent
+    a chunk of which went is not indexed, nor anything by a tier of another secret. The tiers give
+    the store no memory (a segment of 0 B): everything lives in the holder's segment."""
+    ns = fresh_ns("warm")
+    first = make_tier(ns, segment_bytes=0)
+    keys = [store(first, i, 2 * CHUNK + 7 * i) for i in range(3)]
+    salted = key_of(ns, 3)
+    done = first.wait(first.submit_store(salted, payload_for(3, CHUNK), [3, 4], ROOT_KEY, store_tokens=False,
+                                         cache_salt="s1"), 30)  # fmt: skip
+    assert done.ok, done
+    partial = store(first, 4, 2 * CHUNK)
+    assert holder.remove(extent_objects(first, partial)[1][0]).ok
+    first.close(5)
+
+    again = make_tier(ns, segment_bytes=0)
+    found = {e.key: e for e in again.extents()}
+    assert set(found) == {*keys, salted}
+    assert again.stats().scanned_extents == 4
+    assert [found[k].token_count for k in keys] == [2, 2, 2]
+    assert [found[k].payload_len for k in keys] == [2 * CHUNK + 7 * i for i in range(3)]
+    assert again.read_tokens(keys[1]) is not None and again.read_tokens(keys[1]).tolist() == [1, 2]
+    assert again.read_tokens(salted) is None  # stored without its token ids
+    for i, key in enumerate(keys):
+        status, got = load(again, key, 2 * CHUNK + 7 * i)
+        assert status is Status.OK and np.array_equal(got, payload_for(i, 2 * CHUNK + 7 * i))
+    status, got = load(again, salted, CHUNK)
+    assert status is Status.OK and np.array_equal(got, payload_for(3, CHUNK))
+    assert load(again, partial, 2 * CHUNK)[0] is Status.MISS
+    other = make_tier(ns, segment_bytes=0, directory=tmp_path / "other")  # another deployment's secret
+    assert other.extents() == []
+    close_all([again, other])  # before the holder leaves
+
+
+def test_a_restart_loses_what_its_own_segment_held_but_no_manifest_record(
+    make_tier: MakeTier, holder: StoreClient
+) -> None:
+    """A tier whose client gives the store memory takes what its segment held when it closes (a
+    Mooncake object lives in one client's segment); the manifest's records are kept in two
+    segments, so the next tier still reads every entry, and indexes (and loads, exact) only what is
+    still whole."""
+    ns = fresh_ns("own-segment")
+    first = make_tier(ns, segment_bytes=64 << 20)
+    keys = [store(first, i, CHUNK + i) for i in range(12)]
+    seal = first._seal  # type: ignore[attr-defined]
+    first.close(5)
+    assert len(Manifest(holder, Names(ns.id), seal).scan()) == len(keys)
+    again = make_tier(ns, segment_bytes=0)
+    for info in again.extents():
+        i = keys.index(info.key)
+        status, got = load(again, info.key, CHUNK + i)
+        assert status is Status.OK and np.array_equal(got, payload_for(i, CHUNK + i))
+    close_all([again])
+
+
+def salted_store(tier: IndexedTier, i: int, salt: str | None) -> tuple[ExtentKey, list[str]]:
+    """Store extent `i` of `salt` with two aliases; its key and the names of all its objects."""
+    tokens = [i, i + 1, i + 2, i + 3]
+    key = chain_key(tier.namespace.id, ROOT_KEY, tokens)
+    aliases = [(2, bytes([i, 1]) * 8), (4, bytes([i, 2]) * 8)]
+    done = tier.wait(tier.submit_store(key, payload_for(i, 3 * CHUNK), tokens, ROOT_KEY, store_tokens=salt is None,
+                                       aliases=aliases, cache_salt=salt), 30)  # fmt: skip
+    assert done.ok, done
+    t: Any = tier
+    tag = None if salt is None else t._seal.salt(salt)
+    header, chunks = extent_objects(tier, key)
+    return key, [header, *chunks, *(t._names.alias(pk, tag) for _, pk in aliases)]
+
+
+def test_a_purge_removes_every_object_of_its_salt_in_every_namespace(make_tier: MakeTier) -> None:
+    """Issue 40.3, purge: every object of the salt (headers, chunks, aliases), in this tier's
+    namespace and in another's (another model, another TP rank), goes; other salts' and unsalted
+    extents stay; a tier that stored the salt misses it since."""
+    a, b = make_tier(fresh_ns("purge-a")), make_tier(fresh_ns("purge-b"))
+    doomed = [salted_store(a, 1, "s1"), salted_store(b, 2, "s1")]
+    kept = [(a, 3, salted_store(a, 3, "s2")), (b, 4, salted_store(b, 4, None))]
+    names = [n for _, objs in doomed for n in objs]
+    client: StoreClient = a._client  # type: ignore[attr-defined]
+    assert client.exist(names) == [1] * len(names)
+    done = a.wait(a.submit_purge("s1"), 30)
+    assert done.ok and done.nbytes == len(names), done
+    assert client.exist(names) == [0] * len(names)
+    assert a.stats().purged_extents == len(names) and not a.contains(doomed[0][0])
+    assert load(b, doomed[1][0], 3 * CHUNK)[0] is Status.MISS
+    for tier, i, (key, objs) in kept:
+        assert client.exist(objs) == [1] * len(objs)
+        status, got = load(tier, key, 3 * CHUNK)
+        assert status is Status.OK and np.array_equal(got, payload_for(i, 3 * CHUNK))
+
+
+def test_a_purge_the_store_failed_is_retried_until_done(
+    make_tier: MakeTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A purge whose call the store failed completes IO_ERROR (counted) and runs again on the
+    tier's next tick (counted in `purge_retries`) until every object of the salt is gone."""
+    tier = make_tier(fresh_ns("retry"))
+    _, names = salted_store(tier, 1, "s1")
+    client: StoreClient = tier._client  # type: ignore[attr-defined]
+    remove_matching, failures = client.remove_matching, [-1]
+
+    def fails_once(pattern: str) -> Reply:
+        return Reply(code=failures.pop()) if failures else remove_matching(pattern)
+
+    monkeypatch.setattr(client, "remove_matching", fails_once)
+    done = tier.wait(tier.submit_purge("s1"), 30)
+    assert done.status is Status.IO_ERROR and tier.stats().io_errors == 1
+    deadline = time.monotonic() + 10
+    while client.exist(names) != [0] * len(names):
+        assert time.monotonic() < deadline, "the failed purge was not retried"
+        time.sleep(0.05)
+    assert tier.stats().purge_retries >= 1
+
+
+def test_a_lookup_is_two_store_calls_the_aliases_and_their_headers(
+    make_tier: MakeTier, recorded: list[CallRecorder], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 40.1: a cross-server lookup over the store reads the aliases of all the prompt's block
+    positions in one call and the headers they name in another; the binary search and the walk back
+    run on them, each header verified as a load's."""
+    from sgl_hicache.tier import path_lookup as lookup_mod
+    from sgl_hicache.tier.base import LookupRequest
+    from sgl_hicache.tier.keys import PathHasher
+    from sgl_hicache.tier.path_lookup import alias_marks
+
+    monkeypatch.setattr(lookup_mod, "BLOCK_TOKENS", 16)
+    monkeypatch.setattr(mooncake_backend, "MANIFEST_FLUSH_S", 3600.0)  # no manifest write while counting
+    ns = fresh_ns("lookup")
+    writer, reader = make_tier(ns), make_tier(ns)
+    prompt = np.array([(i * 7) % 50 + 1 for i in range(160)], dtype=np.uint32)
+    cuts, keys = (0, 48, 112, 160), []
+    for start, end in itertools.pairwise(cuts):
+        parent = PathHasher(ns.id).update(prompt[:start]).key()
+        marks = alias_marks(
+            PathHasher(ns.id).update(prompt[:start]), start, prompt[start:end], ns.layout.page_size
+        )
+        keys.append(chain_key(ns.id, parent, prompt[start:end]))
+        done = writer.wait(writer.submit_store(keys[-1], payload_for(start, 5000), prompt[start:end], parent,
+                                               aliases=marks), 30)  # fmt: skip
+        assert done.ok, done
+    calls = recorded[1].calls
+    calls.clear()
+    reader.submit_lookup(LookupRequest(prompt, 0))
+    deadline = time.monotonic() + 20
+    while not (found := reader.lookups_finished()):
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert [s.key for s in found[0].segments] == keys
+    assert calls["get_batch"] == 2 and per_operation(calls) == 2, +calls  # the aliases, their headers

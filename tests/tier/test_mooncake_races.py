@@ -1,20 +1,23 @@
-"""Mooncake tier: a load that straddles a re-publish of its key is a race, not corruption (issue 38.2).
+"""Mooncake tier: a load that straddles a re-publish of its key is never a mix (issue 38.2, 40).
 
-Server A loads key K (header, then chunk by chunk) while server B re-publishes K with its own bytes
-(chunks first, header last). A chunk of B's then fails the checksum of the header A verified. The
-load must act only on what it saw (the file tier's rule, test_load_races.py): B's header is not the
-one A verified, so A's load is a clean MISS, counted as a miss (not a checksum failure, which
-operators alert on), and B's good header stays. A chunk truly corrupted under an unchanged header
-is still CORRUPT, counted, and its header removed.
+Server A loads key K (header, then its chunks) while server B re-publishes K with its own bytes
+(chunks first, header last). Chunk names are unique per publish (client.py), so A reads the chunks
+of the header it verified, or misses them if they went: never B's under A's header. If A's chunk
+fails anyway under a header replaced since, A acts only on what it saw (the file tier's rule,
+test_load_races.py): a clean MISS, counted as a miss (not a checksum failure, which operators alert
+on), and B's good header stays. A chunk truly corrupted under an unchanged header is still CORRUPT,
+counted, and its header removed.
 
 An in-memory store stands in for the Mooncake client (`StoreClient`'s methods): no master needed.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,6 +25,9 @@ import pytest
 import sgl_hicache.tier.mooncake.backend as mc
 from sgl_hicache.config import MooncakeConfig, SpillBackend, TierConfig
 from sgl_hicache.tier import ROOT_KEY, ExtentKey, Status
+from sgl_hicache.tier.base import Ticket
+from sgl_hicache.tier.codec import prepare, store_request
+from sgl_hicache.tier.mooncake import objects
 from sgl_hicache.tier.mooncake.client import Names, Reply
 from tests.tier.common import CHUNK, NS, key_for, payload_for, tokens_for
 
@@ -30,8 +36,8 @@ GONE, TOO_LARGE = -704, -600  # OBJECT_NOT_FOUND, INVALID_PARAMS (mooncake_clien
 
 
 class FakeStore:
-    """Objects by name; every write replaces its object, as Mooncake's upsert does. `before_get`,
-    if set, runs before each `get_into` (with the object's name)."""
+    """Objects by name; every write replaces its object, as Mooncake's upsert does (`put` keeps
+    one). `before_get`, if set, runs before each object a get reads (with the object's name)."""
 
     def __init__(self) -> None:
         self.objs: dict[str, bytes] = {}
@@ -41,9 +47,22 @@ class FakeStore:
     def write_from(self, name: str, data: memoryview) -> Reply:
         return self.write(name, bytes(data))
 
-    def write(self, name: str, data: bytes) -> Reply:
+    def write_many_from(self, names: list[str], data: list[memoryview]) -> list[Reply]:
+        return [self.write(n, bytes(d)) for n, d in zip(names, data, strict=True)]
+
+    def write(self, name: str, data: bytes, copies: int = 1) -> Reply:
         with self.lock:
             self.objs[name] = bytes(data)
+        return Reply()
+
+    def write_many(self, names: list[str], data: list[bytes]) -> Reply:
+        for n, d in zip(names, data, strict=True):
+            self.write(n, d)
+        return Reply()
+
+    def put(self, name: str, data: bytes, copies: int = 1) -> Reply:
+        with self.lock:
+            self.objs.setdefault(name, bytes(data))
         return Reply()
 
     def size(self, name: str) -> Reply:
@@ -63,9 +82,15 @@ class FakeStore:
         dest[: len(obj)] = obj
         return Reply(n=len(obj))
 
+    def get_many_into(self, names: list[str], dest: list[memoryview]) -> list[Reply]:
+        return [self.get_into(n, d) for n, d in zip(names, dest, strict=True)]
+
     def get(self, name: str) -> bytes | None:
         with self.lock:
             return self.objs.get(name)
+
+    def get_many(self, names: list[str]) -> list[bytes | None]:
+        return [self.get(n) for n in names]
 
     def exist(self, names: list[str]) -> list[int]:
         with self.lock:
@@ -75,6 +100,16 @@ class FakeStore:
         with self.lock:
             gone = self.objs.pop(name, None)
         return Reply() if gone is not None else Reply(code=GONE)
+
+    def remove_many(self, names: list[str]) -> list[Reply]:
+        return [self.remove(n) for n in names]
+
+    def remove_matching(self, pattern: str) -> Reply:
+        with self.lock:
+            gone = [n for n in self.objs if re.match(pattern, n)]
+            for n in gone:
+                del self.objs[n]
+        return Reply(n=len(gone))
 
     def register(self, buf: memoryview) -> Reply:
         return Reply()
@@ -109,17 +144,26 @@ def load(tier: mc.MooncakeTier, key: ExtentKey) -> tuple[Status, np.ndarray]:
     return tier.wait(tier.submit_load(key, dest), 10).status, dest
 
 
+def chunks_of(tier: mc.MooncakeTier, key: ExtentKey) -> list[str]:
+    """The names of the chunks `key`'s header in the store names now."""
+    t: Any = tier
+    return objects.open_header(t._client, t._names, NS.id, key, None, t._seal, t._scratch).chunk_names(
+        t._names
+    )
+
+
 def test_a_load_that_straddles_a_republish_is_a_miss_and_keeps_the_new_extent(
     servers: tuple[FakeStore, mc.MooncakeTier, mc.MooncakeTier],
 ) -> None:
     store, a, b = servers
     names, theirs = Names(NS.id), payload_for(2, NBYTES)
     key = store_as(a, 1, payload_for(1, NBYTES))  # A's bytes for K (same tokens, other KV bytes)
-    assert store.remove(names.chunk(key, 3)).ok  # the master evicts a chunk of K: B will store K again
+    ours = chunks_of(a, key)
+    assert store.remove(ours[3]).ok  # the master evicts a chunk of K: B will store K again
     republished: list[Status] = []
 
     def b_republishes(name: str) -> None:  # while A's load reads K's chunks
-        if name == names.chunk(key, 2) and not republished:
+        if name == ours[2] and not republished:
             republished.append(b.wait(b.submit_store(key, theirs, tokens_for(1), ROOT_KEY), 10).status)
 
     store.before_get = b_republishes
@@ -129,7 +173,7 @@ def test_a_load_that_straddles_a_republish_is_a_miss_and_keeps_the_new_extent(
     assert republished == [Status.OK]
     assert status is Status.MISS
     assert a.stats().checksum_failures == 0 and a.stats().misses == 1
-    assert names.header(key) in store.objs  # B's header was not removed
+    assert names.header(key) in store.objs and set(chunks_of(b, key)).isdisjoint(ours)  # B's stays
     status, got = load(b, key)
     assert status is Status.OK and np.array_equal(got, theirs)
     status, got = load(a, key)  # and A, loading again, reads B's extent
@@ -144,7 +188,7 @@ def test_a_corrupt_chunk_under_an_unchanged_header_is_corrupt_and_dropped(
     key = store_as(a, 1, data)
     bad = data[2 * CHUNK : 3 * CHUNK].copy()
     bad[100] ^= 1
-    assert store.write(names.chunk(key, 2), bad.tobytes()).ok  # same length, one bit flipped
+    assert store.write(chunks_of(a, key)[2], bad.tobytes()).ok  # same length, one bit flipped
 
     status, _ = load(a, key)
     assert status is Status.CORRUPT
@@ -182,44 +226,52 @@ def test_a_header_of_a_newer_format_version_is_a_miss_and_never_removed_nor_over
     assert store.objs[names.header(key)] == bytes(header)
 
 
-def test_a_load_that_meets_a_republish_still_under_way_is_a_miss(
+def test_a_load_that_meets_a_republish_under_way_reads_the_publish_it_verified(
     servers: tuple[FakeStore, mc.MooncakeTier, mc.MooncakeTier],
 ) -> None:
-    """The likelier race: B has written some of its chunks but not yet its header when A's load
-    reads one of them, so the header A re-reads at once is still the old one. A waits the grace
-    for the publish to reach its header: a MISS, nothing removed, nothing counted as corrupt."""
+    """Issue 40: B re-publishes K (its chunks, then its header) while A's load, which verified A's
+    header, reads A's chunks: B's chunks have names of their own, so A's load is A's bytes, exact;
+    A's next load reads B's extent."""
     store, a, b = servers
-    names, theirs = Names(NS.id), payload_for(2, NBYTES)
-    key = store_as(a, 1, payload_for(1, NBYTES))
-    assert store.remove(names.chunk(key, 3)).ok  # so B's store rewrites every object
-    publish: list[threading.Thread] = []
-    looked = threading.Event()
-    get = store.get
+    ours, theirs = payload_for(1, NBYTES), payload_for(2, NBYTES)
+    key = store_as(a, 1, ours)
+    first = chunks_of(a, key)[0]
+    published: list[int] = []
 
-    def get_header(name: str) -> bytes | None:  # A re-reads the header after its chunk failed
-        found = get(name)
-        looked.set()
-        return found
+    def b_publishes(name: str) -> None:  # as B does after finding K absent (its header evicted, say)
+        if name == first and not published:
+            t: Any = b
+            req = store_request(NS, t._seal, key, theirs, tokens_for(1), ROOT_KEY, True, (), None, 0)
+            published.append(
+                objects.write_objects(store, Names(NS.id), prepare(req, t._cfg), t._cfg, NS, t._seal)
+            )
 
-    store.get = get_header  # type: ignore[method-assign]
-
-    def b_is_publishing(name: str) -> None:
-        if name == names.chunk(key, 2) and not publish:
-            store.write(names.chunk(key, 2), theirs[2 * CHUNK : 3 * CHUNK].tobytes())  # B's chunk 2 first
-
-            def rest() -> None:  # then, once A has seen the old header, the rest and the header
-                assert looked.wait(10)
-                assert b.wait(b.submit_store(key, theirs, tokens_for(1), ROOT_KEY), 10).status is Status.OK
-
-            publish.append(threading.Thread(target=rest))
-            publish[0].start()
-
-    store.before_get = b_is_publishing
-    status, _ = load(a, key)
+    store.before_get = b_publishes
+    status, got = load(a, key)
     store.before_get = None
-    publish[0].join(10)
-
-    assert status is Status.MISS
-    assert a.stats().checksum_failures == 0
+    assert published and status is Status.OK and np.array_equal(got, ours)
     status, got = load(a, key)
     assert status is Status.OK and np.array_equal(got, theirs)
+
+
+def test_a_store_of_a_salt_in_flight_when_it_is_purged_leaves_nothing(
+    servers: tuple[FakeStore, mc.MooncakeTier, mc.MooncakeTier],
+) -> None:
+    """A purge queued while a store of its salt writes: the store completes REJECTED and no object
+    of the salt is left, whichever ran first."""
+    store, a, _ = servers
+    purged: list[Ticket] = []
+    write_many_from = store.write_many_from
+
+    def purge_meanwhile(names: list[str], data: list[memoryview]) -> list[Reply]:
+        purged.append(a.submit_purge("s1"))
+        return write_many_from(names, data)
+
+    store.write_many_from = purge_meanwhile  # type: ignore[method-assign]
+    done = a.wait(
+        a.submit_store(key_for(1), payload_for(1, NBYTES), tokens_for(1), ROOT_KEY, cache_salt="s1"), 10
+    )
+    store.write_many_from = write_many_from  # type: ignore[method-assign]
+    assert done.status is Status.REJECTED and a.wait(purged[0], 10).ok
+    tag = a._seal.salt("s1").hex()  # type: ignore[attr-defined]
+    assert not [n for n in store.objs if f"/{tag}/" in n]

@@ -181,3 +181,28 @@ def test_a_purge_cut_short_mid_walk_completes_when_sent_again(
     assert purge(tier, "s") == 0  # once more: nothing left, still a success
     tier.check_integrity()
     assert cli_main(["fsck", str(tmp_path / "tier"), "--cache-salt", "s"]) == 0
+
+
+def test_a_purge_cut_short_by_an_io_error_is_retried_until_done(
+    make_tier: Callable[..., Tier], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 40: a purge that failed (EIO mid-walk) completes IO_ERROR and runs again on the tier's
+    periodic refresh, counted in `purge_retries`, until the salt's files are gone."""
+    tier: Any = make_tier()
+    assert store(tier, 1, "s1") is Status.OK and store(tier, 2, "s2") is Status.OK
+    purge_once, failures = tier._retention._purge, [OSError(5, "injected EIO")]
+
+    def fails_once(tag: bytes) -> int:
+        if failures:
+            raise failures.pop()
+        return int(purge_once(tag))
+
+    monkeypatch.setattr(tier._retention, "_purge", fails_once)
+    done = tier.wait(tier.submit_purge("s1"), timeout=30)
+    assert done.status is Status.IO_ERROR
+    deadline = time.monotonic() + 10
+    while key_for(1).hex() + ".ext" in files(tmp_path / "tier"):
+        assert time.monotonic() < deadline, "the failed purge was not retried"
+        time.sleep(0.05)
+    assert tier.stats().purge_retries >= 1
+    assert key_for(2).hex() + ".ext" in files(tmp_path / "tier")

@@ -99,9 +99,11 @@ class FileTier(IndexedTier):
         return self._ns
 
     def _refresh(self) -> None:
-        """About every second on an I/O thread: `shared` without a store, and the volume's free space."""
+        """About every second on an I/O thread: `shared` without a store, the volume's free space,
+        and purges owed (cut short by an I/O error: `TierRetention.retry_purges`)."""
         self._budget.shared.refresh()
         self._budget.free_space.refresh()
+        self._retention.retry_purges()
 
     @property
     def shared(self) -> bool:

@@ -15,7 +15,9 @@
   belongs to the salt (purge.py) is removed from this tier's namespace and, on TP rank 0, from every
   namespace that is no rank's of this server (`purge.purged_namespaces`: the other ranks purge
   their own). Files of a newer format version are kept (their salt cannot be told here) and counted
-  in `newer_extents`.
+  in `newer_extents`. A purge cut short by an I/O error (its completion says so) is *owed*: run
+  again by `retry_purges` (the tier's periodic refresh, about every second) until it is done,
+  each run counted in `purge_retries`.
 
 Methods ending in `_locked` run under `budget.lock`; the others take it themselves.
 """
@@ -26,6 +28,7 @@ import time
 from collections.abc import Container, Sequence
 from pathlib import Path
 
+from sgl_hicache.tier.base import Op
 from sgl_hicache.tier.file.budget.process import ProcessBudget
 from sgl_hicache.tier.file.purge import belongs, marked_extents, purged_namespaces
 from sgl_hicache.tier.format import DirectoryMac
@@ -41,6 +44,7 @@ class TierRetention:
         self._until: dict[ExtentKey, float] = {}  # retained key -> deadline (monotonic)
         self._tags: dict[ExtentKey, bytes] = {}  # salt tag of each store in flight that has one
         self._doomed: set[ExtentKey] = set()  # stores in flight whose file must go once written
+        self._owed: set[bytes] = set()  # salt tags of purges cut short by an I/O error (under budget.lock)
 
     @property
     def retained(self) -> int:
@@ -114,7 +118,30 @@ class TierRetention:
 
     def purge(self, tag: bytes) -> int:
         """Remove every file of the namespaces this tier purges that belongs to the salt of `tag`;
-        how many. Blocks."""
+        how many. Blocks. Raises OSError if cut short (then owed: `retry_purges`)."""
+        try:
+            removed = self._purge(tag)
+        except OSError:
+            with self._budget.lock:
+                self._owed.add(tag)
+            raise
+        with self._budget.lock:
+            self._owed.discard(tag)
+        return removed
+
+    def retry_purges(self) -> None:
+        """Run each owed purge again. Blocks."""
+        with self._budget.lock:
+            owed = list(self._owed)
+        for tag in owed:
+            self._budget.counters.add("purge_retries")
+            try:
+                self.purge(tag)
+            except OSError as e:
+                self._budget.counters.add("io_errors")
+                self._budget.faults.report(Op.PURGE, e, str(self._budget.paths.ns_dir))
+
+    def _purge(self, tag: bytes) -> int:
         ns_dir, root = self._budget.paths.ns_dir, self._budget.paths.root
         removed = 0
         for path, mark in marked_extents(purged_namespaces(root, self._ns), self._seal):

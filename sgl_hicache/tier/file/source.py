@@ -22,6 +22,9 @@ class FileSource:
     def alias(self, path_key: bytes) -> tuple[ExtentKey, int] | None:
         return read_alias(self.paths, path_key)
 
+    def aliases(self, path_keys: list[bytes]) -> list[tuple[ExtentKey, int] | None] | None:
+        return None  # a readlink each: no cheaper at once
+
     def header(self, key: ExtentKey) -> Claimed:
         ext = open_extent(self.paths.extent(key), self.ns, key, False, self.seal)
         os.close(ext.fd)

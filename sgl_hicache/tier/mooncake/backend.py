@@ -2,31 +2,40 @@
 
 One master owns placement, replication, capacity and eviction; every server is a client giving a
 DRAM segment (and, where it mounts NVMe-oF namespaces, Mooncake's SSD tier). An extent is a header
-object and one object per chunk, in the file format (objects.py; names and codes:
-client.py), and every load verifies it as a file load does. The contract's file promises:
+object and one object per chunk, in the file format, in the directory of its salt (objects.py; names
+and codes: client.py), and every load verifies it as a file load does. The contract's file promises:
 
 - Trust: headers are sealed with `TierConfig.directory`'s `.secret` (trust.py): servers sharing
   extents share that file. Another deployment's, namespace's or key's object is CORRUPT or
   MISMATCH, and dropped. Writers inside the cluster are inside the trust boundary.
 - Capacity is the master's: no budget here (`capacity_bytes` unused, `evictions` 0). What it
   evicts, what another client removed, and everything after a master restart is a clean MISS.
-  So is a load whose chunk fails while another client re-publishes its key: a failed load drops
-  (and counts as corrupt) only a header still exactly the one it verified (`_still`).
-- Index: the keys this process stored or loaded; it proves nothing (`shared` is always True), so
-  the cache stores again on eviction, and a store that finds a header of its key that verifies and
-  every chunk it names writes nothing (else it rewrites every object, each replacing its name).
-- Lookups: path_lookup.py's walk over alias objects (the newest writer's wins); a dangling alias is
-  left to the master's eviction. Failures: an unreachable master or peer is an I/O error of that
-  operation (counted, logged at most once a minute); the client reconnects by itself.
-- The store cannot be listed per namespace: no warm start (`extents` is empty; a restarted server
-  finds its history by lookup) and no `submit_purge` (NotImplementedError); `submit_remove` of
-  named keys works, and `retain` keeps nothing (the master alone decides what it evicts).
+  Chunk names are unique per publish (client.py), so a load never meets another publish's chunk:
+  a chunk that fails its checksum under a header still the one the load verified is corrupt (the
+  header is dropped); under a header replaced since, a miss (`_still`; nothing removed).
+- Index: the keys this process found at open, stored, loaded or looked up (recent.py, with each
+  key's salt tag, which names its objects); it proves nothing (`shared` is always True), so the cache
+  stores again on eviction, and a store that finds a header of its key that verifies and every
+  chunk it names writes nothing (else it writes every object anew).
+- Warm start: the namespace's manifest (manifest.py) names the extents its writers stored; at open
+  each is verified like a load's header, its chunks checked present, and indexed (`extents`,
+  `read_tokens`, `scanned_extents`). Every store this tier writes is recorded there within about
+  `MANIFEST_FLUSH_S` (and at close).
+- Lookups: path_lookup.py's walk over alias objects in the request's salt directory (the newest
+  writer's wins); a dangling alias is left to the master's eviction. Failures: an unreachable
+  master or peer is an I/O error of that operation (counted, logged at most once a minute); the
+  client reconnects by itself.
+- Retention: `submit_remove` of named keys removes their objects; `submit_purge` removes every
+  object of the salt, in every namespace, with one `remove_by_regex` (its completion's `nbytes`
+  and `purged_extents` count objects: headers, chunks, aliases); stores of the salt in flight are
+  removed once written (REJECTED). A purge the store failed completes IO_ERROR and is retried about
+  every `MANIFEST_FLUSH_S` until it succeeds (`purge_retries`). `retain` keeps nothing (the master
+  alone decides what it evicts).
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -52,15 +61,16 @@ from sgl_hicache.tier.format import DirectoryMac, FormatError, Mismatch, NewerFo
 from sgl_hicache.tier.keys import ROOT_KEY, ExtentKey, Namespace, check_key
 from sgl_hicache.tier.mooncake import objects
 from sgl_hicache.tier.mooncake.client import Names, connect
+from sgl_hicache.tier.mooncake.manifest import Manifest
+from sgl_hicache.tier.mooncake.purge import Purges
 from sgl_hicache.tier.mooncake.recent import RecentExtents
 from sgl_hicache.tier.mooncake.source import StoreSource
 from sgl_hicache.tier.path_lookup import LookupQueue, run_lookup_in
 from sgl_hicache.tier.scheduler import IoScheduler
 from sgl_hicache.tier.trust import open_trusted
 
-REPUBLISH_GRACE_S = 1.0
-"""How long a load whose chunk failed under an unchanged header waits for a re-publish under way to
-write its header (`MooncakeTier._still`) before it counts the extent as corrupt."""
+MANIFEST_FLUSH_S = 1.0
+"""How often an I/O thread writes the manifest's waiting entries (and retries owed purges)."""
 _NOT_COUNTED = ("extents", "bytes_stored", "direct_io", "volume_free_bytes")
 _COUNTER_OF = {Status.MISS: "misses", Status.CORRUPT: "checksum_failures", Status.MISMATCH: "mismatches",
                Status.NO_SPACE: "no_space", Status.IO_ERROR: "io_errors"}  # fmt: skip
@@ -74,15 +84,48 @@ class MooncakeTier(IndexedTier):
         self._names = Names(namespace.id)
         self._scratch = objects.Scratch(self._client.register)
         self._counters, self._faults = Counters(), FaultLog()
+        self._where = f"the Mooncake Store ({cfg.mooncake.master})"
         self._lock = threading.Lock()
-        self._index = RecentExtents()  # what this process stored or loaded lately
-        self._storing: dict[ExtentKey, Ticket] = {}
+        self._index = RecentExtents()  # what this process found at open, stored, loaded or looked up lately
+        self._storing: dict[ExtentKey, tuple[Ticket, bytes | None]] = {}  # key -> its store's ticket, salt
         self._returned: Returned[int] = Returned(self._lock, lambda landed: landed)
         self._loading = self._returned.loading  # load ticket -> verified prefix so far
         self._completions, self._lookups = self._returned.queue, LookupQueue()
         self._closed = self._abandoned = False
+        self._manifest = Manifest(self._client, self._names, self._seal)
+        self._purges = Purges(self._client, self._counters, self._faults, self._where)
+        self._warm_start()
         self._io = IoScheduler(cfg.io_threads, name="sgl-hicache-mooncake")
+        self._io.every(MANIFEST_FLUSH_S, self._tick)
         logger.info("sgl_hicache: spill tier on the Mooncake Store of master %s", cfg.mooncake.master)
+
+    def _warm_start(self) -> None:
+        """Index every extent the manifest names that verifies and is whole (blocks, as a file scan)."""
+        try:
+            found, newer = objects.find_extents(
+                self._client, self._names, self._ns.id, self._seal, self._manifest.scan()
+            )
+        except OSError as e:
+            self._faults.report(Op.LOAD, e, self._where)
+            return
+        with self._lock:
+            for ext in found:
+                self._index.remember(_info(ext), ext.salt)
+        self._counters.add("scanned_extents", len(found))
+        self._counters.add("newer_extents", newer)
+        if found:
+            logger.info("sgl_hicache: %d extents of this namespace found in the Mooncake Store", len(found))
+
+    def _tick(self) -> None:
+        """Now and then on an I/O thread: the manifest's waiting entries, and owed purges."""
+        self._flush_manifest()
+        self._purges.retry()
+
+    def _flush_manifest(self) -> None:
+        try:
+            self._manifest.flush()
+        except OSError as e:
+            self._faults.report(Op.STORE, e, self._where)
 
     @property
     def namespace(self) -> Namespace:
@@ -110,7 +153,8 @@ class MooncakeTier(IndexedTier):
             self._counters.add("store_failures")
         self._completions.post(Completion(ticket, op, key, status, nbytes, detail))
 
-    def _classify(self, op: Op, key: ExtentKey, err: Exception, seen: objects.Opened | None = None) -> Status:
+    def _classify(self, op: Op, key: ExtentKey, salt: bytes | None, err: Exception,
+                  seen: objects.Opened | None = None) -> Status:  # fmt: skip
         """The status of a failed job, after its side effects: a bad extent dropped, a failure of the
         store logged (rate-limited), a key that did not load forgotten. `seen`: the header the load
         verified, if it got that far (its chunks then failed)."""
@@ -120,15 +164,15 @@ class MooncakeTier(IndexedTier):
             status = Status.MISS
             self._counters.add("newer_extents")
         elif isinstance(err, FormatError) and seen is not None and not self._still(key, seen):
-            # The key was re-published (or removed) while the load read it: a chunk of the new
-            # publish fails the old header's checksum. A race, not corruption: nothing is removed.
+            # The key was re-published (or removed) since the load verified its header: not this
+            # extent's fault. Nothing is removed.
             status = Status.MISS
         elif isinstance(err, FormatError):
             status = Status.MISMATCH if isinstance(err, Mismatch) else Status.CORRUPT
-            self._drop(key)
+            self._drop(key, salt)
         elif isinstance(err, objects.StoreFailed):
             status = Status.NO_SPACE if err.reply.no_space and op is Op.STORE else Status.IO_ERROR
-            self._faults.report(op, err, f"the Mooncake Store ({self._cfg.mooncake.master})")
+            self._faults.report(op, err, self._where)
         else:
             status = Status.IO_ERROR
             logger.error("spill tier (mooncake) %s job failed unexpectedly", op.value, exc_info=err)
@@ -148,9 +192,9 @@ class MooncakeTier(IndexedTier):
         with self._lock:
             closed, leader = self._closed, self._storing.get(key)
             if leader is not None:
-                self._completions.follow(leader, ticket)
+                self._completions.follow(leader[0], ticket)
             elif not closed:
-                self._storing[key] = ticket
+                self._storing[key] = (ticket, req.salt_tag)
         if closed and leader is None:
             self._post(ticket, Op.STORE, key, Status.REJECTED, 0, "tier closed")
         elif leader is None:
@@ -164,23 +208,32 @@ class MooncakeTier(IndexedTier):
                 self._write(req)
                 status, detail = Status.OK, ""
         except Exception as e:
-            status, detail = self._classify(Op.STORE, req.key, e), str(e)
+            status, detail = self._classify(Op.STORE, req.key, req.salt_tag, e), str(e)
         with self._lock:  # before the post: a store of this key submitted later follows no finished one
             self._storing.pop(req.key, None)
+            doomed = self._purges.doomed(req.key)
+        if doomed and status is Status.OK:  # its salt was purged while it was written
+            self._remove(req.key, req.salt_tag)
+            status, detail = Status.REJECTED, "purged while being stored"
         self._post(
             ticket, Op.STORE, req.key, status, req.payload.nbytes if status is Status.OK else 0, detail
         )
 
     def _write(self, req: StoreRequest) -> None:
-        if not objects.present(self._client, self._names, self._ns.id, req.key, self._seal, self._scratch):
+        salt = req.salt_tag
+        if not objects.present(
+            self._client, self._names, self._ns.id, req.key, salt, self._seal, self._scratch
+        ):
             written = objects.write_objects(
                 self._client, self._names, prepare(req, self._cfg), self._cfg, self._ns, self._seal
             )
             self._counters.add("written_bytes", written)
             objects.publish_aliases(self._client, self._names, req)
+            if self._manifest.add(req.key, salt):
+                self._flush_manifest()
         info = ExtentInfo(req.key, req.parent, req.token_count, req.payload.nbytes, req.payload.nbytes)
         with self._lock:
-            self._index.remember(info)
+            self._index.remember(info, salt)
         self._counters.add("stores")
         self._counters.add("store_bytes", req.payload.nbytes)
 
@@ -203,8 +256,11 @@ class MooncakeTier(IndexedTier):
     def _load_job(self, ticket: Ticket, key: ExtentKey, dest: memoryview, nbytes: int | None,
                   group_layers: int | None) -> None:  # fmt: skip
         ext: objects.Opened | None = None
+        salt = self._salt(key)
         try:
-            ext = objects.open_header(self._client, self._names, self._ns.id, key, self._seal, self._scratch)
+            ext = objects.open_header(
+                self._client, self._names, self._ns.id, key, salt, self._seal, self._scratch
+            )
             want = ext.header.payload_len if nbytes is None else nbytes
             if want > dest.nbytes:
                 self._post(ticket, Op.LOAD, key, Status.REJECTED, 0, f"destination too small for {want} B")
@@ -217,14 +273,17 @@ class MooncakeTier(IndexedTier):
                     raise
                 self._post(ticket, Op.LOAD, key, Status.REJECTED, 0, str(e))
                 return
-            h = ext.header
             with self._lock:
-                self._index.remember(ExtentInfo(key, h.parent, h.token_count, h.payload_len, h.file_size))
+                self._index.remember(_info(ext), salt)
             self._counters.add("loads")
             self._counters.add("load_bytes", want)
             self._post(ticket, Op.LOAD, key, Status.OK, want)
         except Exception as e:
-            self._post(ticket, Op.LOAD, key, self._classify(Op.LOAD, key, e, ext), 0, str(e))
+            self._post(ticket, Op.LOAD, key, self._classify(Op.LOAD, key, salt, e, ext), 0, str(e))
+
+    def _salt(self, key: ExtentKey) -> bytes | None:
+        with self._lock:
+            return self._index.salt(key)
 
     def _land(self, ticket: Ticket, n: int) -> None:
         with self._lock:
@@ -232,25 +291,20 @@ class MooncakeTier(IndexedTier):
                 self._loading[ticket] = n
 
     def _still(self, key: ExtentKey, seen: objects.Opened) -> bool:
-        """Whether `key`'s header is still the one a failed load verified, also `REPUBLISH_GRACE_S`
-        later (then its failure is the extent's). A writer puts every chunk before the header, so a
-        load can meet a re-publish still under way: new chunks under the old header. The grace lets
-        that publish reach its header (a failure path only: it holds one I/O thread that long). A
+        """Whether `key`'s header is still the one a failed load verified (then the failure is that
+        extent's; chunk names are unique per publish, so no other publish's chunk was read). A
         store that does not answer proves nothing: not still (a miss, nothing removed). The store
-        has no compare-and-delete: a re-publish landing after the last check and before `_drop`'s
-        remove still loses its header (a miss for every reader, stored again on the next spill;
-        never wrong bytes), and one slower than the grace is counted as corrupt."""
+        has no compare-and-delete: a re-publish landing after this check and before `_drop`'s
+        remove loses its header (a miss for every reader, stored again on the next spill; never
+        wrong bytes)."""
         try:
-            if not objects.header_is(self._client, self._names, key, seen.raw):
-                return False
-            time.sleep(REPUBLISH_GRACE_S)
-            return objects.header_is(self._client, self._names, key, seen.raw)
+            return objects.header_is(self._client, self._names, key, seen.salt, seen.raw)
         except Exception:
             return False
 
-    def _drop(self, key: ExtentKey) -> None:
-        """Remove a bad extent's header (a rewrite of the key replaces its chunks)."""
-        self._client.remove(self._names.header(key))
+    def _drop(self, key: ExtentKey, salt: bytes | None) -> None:
+        """Remove a bad extent's header (its chunks are left to the master's eviction)."""
+        self._client.remove(self._names.header(key, salt))
         with self._lock:
             self._index.forget(key)
 
@@ -272,8 +326,33 @@ class MooncakeTier(IndexedTier):
         self._counters.add("purged_extents", removed)
         self._post(ticket, Op.REMOVE, ROOT_KEY, Status.OK, removed)
 
+    def submit_purge(self, cache_salt: str) -> Ticket:
+        salt, ticket = self._seal.salt(cache_salt), self._completions.issue()
+        with self._lock:
+            closed = self._closed
+            self._purges.doom({k for k, (_, s) in self._storing.items() if s == salt})
+            gone = self._index.of_salt(salt)
+            for key in gone:
+                self._index.forget(key)
+        self._manifest.forget(gone)
+        if closed:
+            self._post(ticket, Op.PURGE, ROOT_KEY, Status.REJECTED, 0, "tier closed")
+        else:
+            self._io.submit_write(lambda: self._post_purge(ticket, salt))
+        return ticket
+
+    def _post_purge(self, ticket: Ticket, salt: bytes) -> None:
+        removed = self._purges.run(salt)
+        if removed is None:
+            self._post(ticket, Op.PURGE, ROOT_KEY, Status.IO_ERROR, 0, "the store did not purge; retried")
+        else:
+            self._post(ticket, Op.PURGE, ROOT_KEY, Status.OK, removed)
+
     def submit_lookup(self, request: LookupRequest) -> None:
-        source = StoreSource(self._client, self._names, self._ns.id, self._seal, self._scratch)
+        salt = None if request.cache_salt is None else self._seal.salt(request.cache_salt)
+        source = StoreSource(
+            self._client, self._names, self._ns.id, self._seal, self._scratch, salt, self._seen
+        )
         job = self._lookups.job(
             request, lambda r: run_lookup_in(r, source, self._ns.id, self._ns.layout.page_size)
         )
@@ -281,6 +360,11 @@ class MooncakeTier(IndexedTier):
             self._io.submit_read(job)
         else:
             self._lookups.post(LookupResult(request))
+
+    def _seen(self, ext: objects.Opened) -> None:
+        """A lookup verified `ext`'s header: index it, so that a load finds its objects."""
+        with self._lock:
+            self._index.remember(_info(ext), ext.salt)
 
     def lookups_finished(self) -> list[LookupResult]:
         return self._lookups.drain()
@@ -293,14 +377,38 @@ class MooncakeTier(IndexedTier):
         with self._lock:
             return self._index.get(key)
 
+    def extents(self) -> list[ExtentInfo]:
+        with self._lock:
+            return self._index.infos()
+
+    def read_tokens(self, key: ExtentKey) -> np.ndarray | None:
+        salt = self._salt(check_key(key))
+        try:
+            ext = objects.open_header(
+                self._client, self._names, self._ns.id, key, salt, self._seal, self._scratch
+            )
+        except NewerFormat:  # a newer server's: kept
+            self._counters.add("newer_extents")
+            return None
+        except FormatError:
+            self._drop(key, salt)
+            return None
+        except OSError:  # gone, or the store did not answer
+            return None
+        return None if ext.tokens is None else np.frombuffer(ext.tokens, dtype="<u4").astype(np.uint32)
+
     def discard(self, key: ExtentKey) -> bool:
-        """Whether its header was there (a load reading it meanwhile fails a chunk: a clean MISS)."""
-        removed = objects.remove_extent(
-            self._client, self._names, self._ns.id, key, self._seal, self._scratch
-        )
+        """Whether its header was there (a load reading it meanwhile misses a chunk: a clean MISS)."""
+        removed = self._remove(key, self._salt(key))
         with self._lock:
             self._index.forget(key)
+        self._manifest.forget([key])
         return removed
+
+    def _remove(self, key: ExtentKey, salt: bytes | None) -> bool:
+        return objects.remove_extent(
+            self._client, self._names, self._ns.id, key, salt, self._seal, self._scratch
+        )
 
     def register_host_memory(self, buf: memoryview) -> None:
         reply = self._client.register(buf)
@@ -328,4 +436,10 @@ class MooncakeTier(IndexedTier):
 
     def _close(self) -> None:
         self._io.close()
+        self._flush_manifest()  # what is waiting: a restart on this store finds it
         self._client.close()  # may wait long for an absent master: bounded by close's timeout
+
+
+def _info(ext: objects.Opened) -> ExtentInfo:
+    h = ext.header
+    return ExtentInfo(h.key, h.parent, h.token_count, h.payload_len, h.file_size)

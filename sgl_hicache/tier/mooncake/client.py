@@ -3,21 +3,30 @@
 `MooncakeDistributedStore` (the `mooncake.store` module of `mooncake-transfer-engine[-non-cuda]`,
 0.3.13) answers with integers: bytes moved, 0 for done, or a negative error code. `StoreClient`
 keeps those calls in one place and turns every code into a `Reply`, so nothing of Mooncake's raises
-into the tier's I/O threads. The import of `mooncake.store` happens in `connect` only: it needs the
-system library libibverbs.so.1 even over TCP (scripts/setup_venv.sh installs it).
+into the tier's I/O threads; its batch calls (`write_many_from`, `get_many_into`, ...) are one call
+of the store each, whatever the number of objects. The import of `mooncake.store` happens in
+`connect` only: it needs the system library libibverbs.so.1 even over TCP (scripts/setup_venv.sh
+installs it).
 
-Objects of one namespace (names carry hashes only, never token ids):
+Objects of one namespace (names carry hashes only, never token ids), in the directory of their
+salt: `<salt>` is the extent's salt tag (`DirectoryMac.salt` of its cache_salt, 32 hex digits) or
+`-` for an extent stored without a cache_salt, so that one `remove_by_regex` reaches every object
+of a salt in every namespace (`salt_pattern`):
 
-    sglhc/<namespace hex>/<extent key hex>        the extent's header: an extent file's first
-                                                  header_len bytes (docs/FORMAT.md), MACs included
-    sglhc/<namespace hex>/<extent key hex>/<i>    chunk i of its payload, as stored (the file's bytes
-                                                  [header_len + offset_i, + length_i))
-    sglhc/<namespace hex>/a/<path key hex>        an alias: "<extent key hex>.<offset>" (file/aliases.py)
+    sglhc2/<ns hex>/<salt>/<key hex>                 the extent's header: an extent file's first
+                                                     header_len bytes (docs/FORMAT.md), MACs included
+    sglhc2/<ns hex>/<salt>/<key hex>.<pub>.<i>       chunk i of its payload, as stored (the file's
+                                                     chunk i, without padding); <pub>: the publish's
+                                                     `created_ns` (16 hex digits), recorded in the header
+    sglhc2/<ns hex>/<salt>/a/<path key hex>          an alias: "<extent key hex>.<offset>" (file/aliases.py)
+    sglhc2/<ns hex>/m/<n>, sglhc2/<ns hex>/m/head    the manifest (manifest.py): which extents the
+                                                     namespace's writers stored, for a warm start
 
-Every write replaces its object (`upsert`: a `put` of a name that exists would keep the first
-object, measured: it answers 0 and leaves the object unchanged, so a stale chunk of an earlier
-write, or of another deployment, would outlive a rewrite and fail every later load). A reader that
-meets a mix of two writes fails a checksum: CORRUPT, never bytes.
+Chunk names are unique per publish: a re-publish of a key writes new chunks, and a load that read
+the header before it reads the chunks that header names (or misses them, if removed since), never a
+mix. Every write of an extent's object replaces it (`upsert`: a `put` of a name that exists keeps
+the first object, measured: it answers 0 and leaves the object unchanged); the manifest's records
+are `put` on purpose (manifest.py claims a slot that way).
 """
 
 from __future__ import annotations
@@ -33,14 +42,18 @@ from sgl_hicache.config import MooncakeConfig
 
 logger = logging.getLogger("sgl_hicache.tier")
 
-PREFIX = "sglhc"
+PREFIX = "sglhc2"  # "sglhc": the layout before salt directories and per-publish chunk names
+NO_SALT = "-"
 
 # Mooncake's error codes (mooncake-store types.h, 0.3.13) that the tier tells apart; any other
 # negative code is an I/O error (the store or a peer unreachable, a transfer failed).
 OBJECT_NOT_FOUND = -704
 REPLICA_IS_NOT_READY = -703  # a put still in flight: not there yet
 NO_AVAILABLE_HANDLE = -200  # no segment has room (also seen right after a master restart)
+OBJECT_ALREADY_EXISTS = -705  # a put of a name that is taken (this version answers 0 instead)
 OBJECT_HAS_LEASE = -706  # being read by someone: removed later by the master's eviction
+NO_ANSWER = -1  # ours: a batch call that did not answer for every object
+INVALID_PARAMS = -600  # e.g. an object larger than the buffer given to read it into
 _GONE = {OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY}
 
 
@@ -79,24 +92,38 @@ def address(view: memoryview) -> int:
 
 
 class Names:
-    """The object names of one namespace."""
+    """The object names of one namespace (the module doc); `salt`: an extent's salt tag or None."""
 
     def __init__(self, ns: bytes) -> None:
         self._base = f"{PREFIX}/{ns.hex()}/"
 
-    def header(self, key: bytes) -> str:
-        return self._base + key.hex()
+    def _dir(self, salt: bytes | None) -> str:
+        return self._base + (NO_SALT if salt is None else salt.hex()) + "/"
 
-    def chunk(self, key: bytes, index: int) -> str:
-        return f"{self._base}{key.hex()}/{index}"
+    def header(self, key: bytes, salt: bytes | None = None) -> str:
+        return self._dir(salt) + key.hex()
 
-    def alias(self, path_key: bytes) -> str:
-        return f"{self._base}a/{path_key.hex()}"
+    def chunk(self, key: bytes, salt: bytes | None, pub: int, index: int) -> str:
+        return f"{self._dir(salt)}{key.hex()}.{pub:016x}.{index}"
+
+    def alias(self, path_key: bytes, salt: bytes | None = None) -> str:
+        return f"{self._dir(salt)}a/{path_key.hex()}"
+
+    def record(self, slot: int) -> str:
+        return f"{self._base}m/{slot}"
+
+    def head(self) -> str:
+        return f"{self._base}m/head"
+
+
+def salt_pattern(salt: bytes) -> str:
+    """The regex of every object of salt tag `salt`, in every namespace."""
+    return f"^{PREFIX}/[0-9a-f]{{32}}/{salt.hex()}/"
 
 
 class StoreClient:
     """Typed calls on one `MooncakeDistributedStore`; thread-safe as the store is. Never raises for
-    what the store answers (codes come back in `Reply`)."""
+    what the store answers (codes come back in `Reply`). Each method is one call of the store."""
 
     def __init__(self, store: Any) -> None:
         self._store = store
@@ -106,9 +133,30 @@ class StoreClient:
         registered memory is read by the transfer engine directly."""
         return _reply(self._store.upsert_from(name, address(data), data.nbytes))
 
-    def write(self, name: str, data: bytes) -> Reply:
-        """Store `data` as `name`, replacing it."""
-        return _reply(self._store.upsert(name, data))
+    def write_many_from(self, names: list[str], data: list[memoryview]) -> list[Reply]:
+        """`write_from` of each (name, bytes) pair, in one call."""
+        if not names:
+            return []
+        codes = self._store.batch_upsert_from(names, [address(d) for d in data], [d.nbytes for d in data])
+        return _replies(codes, len(names))
+
+    def write(self, name: str, data: bytes, copies: int = 1) -> Reply:
+        """Store `data` as `name`, replacing it; in `copies` segments where the store has that many
+        (one per client: an object leaves the store with the client whose segment holds it)."""
+        if copies == 1:
+            return _reply(self._store.upsert(name, data))
+        return _reply(self._store.upsert(name, data, _replicas(copies)))
+
+    def write_many(self, names: list[str], data: list[bytes]) -> Reply:
+        """`write` of each (name, bytes) pair, in one call; one code for all."""
+        return _reply(self._store.upsert_batch(names, data)) if names else Reply()
+
+    def put(self, name: str, data: bytes, copies: int = 1) -> Reply:
+        """Store `data` as `name` (in `copies` segments, as `write`) unless there is an object of
+        that name (then it is kept, and the reply says nothing of which: read it back)."""
+        if copies == 1:
+            return _reply(self._store.put(name, data))
+        return _reply(self._store.put(name, data, _replicas(copies)))
 
     def size(self, name: str) -> Reply:
         return _reply(self._store.get_size(name))
@@ -118,17 +166,44 @@ class StoreClient:
         the store (INVALID_PARAMS), a smaller one answers its size."""
         return _reply(self._store.get_into(name, address(dest), dest.nbytes))
 
+    def get_many_into(self, names: list[str], dest: list[memoryview]) -> list[Reply]:
+        """`get_into` of each (name, destination) pair, in one call."""
+        if not names:
+            return []
+        codes = self._store.batch_get_into(names, [address(d) for d in dest], [d.nbytes for d in dest])
+        return _replies(codes, len(names))
+
     def get(self, name: str) -> bytes | None:
         """A small object's bytes; None if it is missing or the store did not answer."""
         data = self._store.get(name)
         return bytes(data) if data else None
 
+    def get_many(self, names: list[str]) -> list[bytes | None]:
+        """`get` of each name, in one call."""
+        if not names:
+            return []
+        got = list(self._store.get_batch(names))
+        if len(got) != len(names):
+            return [None] * len(names)
+        return [bytes(d) if d else None for d in got]
+
     def exist(self, names: list[str]) -> list[int]:
         """Per name: 1 present, 0 absent, negative: could not tell."""
-        return [int(x) for x in self._store.batch_is_exist(names)] if names else []
+        if not names:
+            return []
+        got = [int(x) for x in self._store.batch_is_exist(names)]
+        return got if len(got) == len(names) else [NO_ANSWER] * len(names)
 
     def remove(self, name: str) -> Reply:
         return _reply(self._store.remove(name, True))
+
+    def remove_many(self, names: list[str]) -> list[Reply]:
+        """`remove` of each name, in one call."""
+        return _replies(self._store.batch_remove(names, True), len(names)) if names else []
+
+    def remove_matching(self, pattern: str) -> Reply:
+        """Remove every object whose name matches the regex `pattern`; `n`: how many went."""
+        return _reply(self._store.remove_by_regex(pattern, True))
 
     def register(self, buf: memoryview) -> Reply:
         return _reply(self._store.register_buffer(address(buf), buf.nbytes))
@@ -138,6 +213,20 @@ class StoreClient:
 
     def close(self) -> None:
         self._store.close()
+
+
+def _replicas(copies: int) -> Any:
+    from mooncake.store import ReplicateConfig
+
+    config = ReplicateConfig()
+    config.replica_num = copies
+    return config
+
+
+def _replies(codes: Any, n: int) -> list[Reply]:
+    """Per-object replies of a batch call; a batch that did not answer for each is an I/O error of each."""
+    got = [int(c) for c in codes]
+    return [_reply(c) for c in got] if len(got) == n else [Reply(code=NO_ANSWER)] * n
 
 
 def connect(cfg: MooncakeConfig) -> StoreClient:

@@ -2,18 +2,25 @@
 
 The bytes are an extent file's (docs/FORMAT.md), cut at its seams: the header object is the file's
 first `header_len` bytes (fixed header, MAC'd meta, padding), chunk object i is the file's chunk i as
-stored. So a load checks exactly what a file load checks, with the same code (format.py, codec.py):
-header MAC and meta MAC (sealed with the tier directory's secret), namespace, key re-derived from
-the header's parent, token count and digest, exact lengths (the header object is `header_len`
-bytes, each chunk object its recorded length) and every chunk's xxh3-64 before its bytes count.
+stored (without its padding). So a load checks exactly what a file load checks, with the same code
+(format.py, codec.py): header MAC and meta MAC (sealed with the tier directory's secret), namespace,
+key re-derived from the header's parent, token count and digest, the salt tag its meta records
+against the salt directory it was found in (client.py: a purge by salt must reach every object the
+tier serves for that salt), exact lengths (the header object is `header_len` bytes, each chunk
+object its recorded length) and every chunk's xxh3-64 before its bytes count.
 
 Publishing is the header's write, after every chunk's: a reader that finds the header and not a
-chunk (evicted since by the master, removed by another client) reports a clean miss. A store finds
-its key present only if a header that verifies and all its chunks are there; else it writes them
-all again (each write replaces its object: client.py).
+chunk (evicted since by the master, removed by another client) reports a clean miss. Chunk names
+carry the publish's `created_ns` (client.py), so a reader never meets another publish's chunk under
+the header it verified. A store finds its key present only if a header that verifies and all its
+chunks are there; else it writes them all again.
 
-Zero copy: an uncompressed chunk goes to the store straight from the caller's payload (`upsert_from`)
-and a whole chunk comes back straight into the caller's destination (`get_into`), verified in
+Store calls (each one call of the store, whatever the number of objects): a store is at most four:
+read the header (absent: go on), one batch write of every chunk (`write_many_from`, straight from
+the caller's payload: an uncompressed chunk is never copied by us), the header, one batch write of
+the aliases; a present extent costs a batch existence check of its chunks instead of the writes. A
+load is two: the header, then one batch read of the chunks it needs (`get_many_into`, up to
+`LOAD_BATCH_BYTES` a call), whole chunks straight into the caller's destination and verified in
 place; only a compressed chunk, or the part of a chunk a prefix load needs, passes through a
 per-thread scratch buffer (registered with the store, as RDMA needs).
 """
@@ -21,7 +28,9 @@ per-thread scratch buffer (registered with the store, as RDMA needs).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import xxhash
 
@@ -48,9 +57,18 @@ from sgl_hicache.tier.format import (
     decode_aliases,
     decode_fixed,
     decode_meta,
+    decode_salt,
+    version_of,
 )
 from sgl_hicache.tier.keys import ExtentKey, Namespace, NamespaceId
-from sgl_hicache.tier.mooncake.client import Names, Reply, StoreClient
+from sgl_hicache.tier.mooncake.client import INVALID_PARAMS, Names, Reply, StoreClient
+
+HEADER_READ_BYTES = 64 << 10
+"""A header is read into a buffer this large in one call (most headers fit); a larger one is
+refused by the store and read again at its size."""
+LOAD_BATCH_BYTES = 64 << 20
+"""A load's chunks go in one batch read up to this many bytes; a larger load reads in several,
+reporting each verified prefix as it lands."""
 
 
 class Gone(FileNotFoundError):
@@ -90,85 +108,149 @@ class Scratch:
         return buf[:nbytes]
 
 
+class _PublishClock:
+    """`created_ns` of each publish: the time, strictly increasing in this process (chunk names)."""
+
+    def __init__(self) -> None:
+        self._lock, self._last = threading.Lock(), 0
+
+    def next(self) -> int:
+        with self._lock:
+            self._last = max(time.time_ns(), self._last + 1)
+            return self._last
+
+
+_clock = _PublishClock()
+
+
 def write_objects(client: StoreClient, names: Names, prep: Prepared, cfg: TierConfig, ns: Namespace,
                   seal: DirectoryMac) -> int:  # fmt: skip
-    """Put every chunk, then the sealed header (the publish); the bytes put. Raises StoreFailed."""
-    req, chunks = prep.req, []
-    for i, data in enumerate(prep.stored):
-        view = memoryview(data).cast("B")
-        chunks.append(Chunk(prep.offsets[i], view.nbytes, xxhash.xxh3_64_intdigest(view)))
-        _checked(client.write_from(names.chunk(req.key, i), view), "chunk write")
-    sealed = sealed_header(prep, cfg, ns, chunks, seal)
-    _checked(client.write(names.header(req.key), sealed), "header write")
+    """Put every chunk (one batch), then the sealed header (the publish); the bytes put. Raises
+    StoreFailed."""
+    req, pub = prep.req, _clock.next()
+    views = [memoryview(data).cast("B") for data in prep.stored]
+    chunks = [Chunk(prep.offsets[i], v.nbytes, xxhash.xxh3_64_intdigest(v)) for i, v in enumerate(views)]
+    chunk_names = [names.chunk(req.key, req.salt_tag, pub, i) for i in range(len(views))]
+    for reply in client.write_many_from(chunk_names, views):
+        _checked(reply, "chunk write")
+    sealed = sealed_header(prep, cfg, ns, chunks, seal, created_ns=pub)
+    _checked(client.write(names.header(req.key, req.salt_tag), sealed), "header write")
     return sum(c.length for c in chunks) + len(sealed)
 
 
 def publish_aliases(client: StoreClient, names: Names, req: StoreRequest) -> None:
-    """Best effort, like alias links: a failed one only makes the extent unfindable there."""
-    for a in req.aliases:
-        client.write(names.alias(a.path_key), f"{req.key.hex()}.{a.offset}".encode())
+    """Best effort, like alias links (one batch): a failed one only makes the extent unfindable there."""
+    value = req.key.hex()
+    client.write_many([names.alias(a.path_key, req.salt_tag) for a in req.aliases],
+                      [f"{value}.{a.offset}".encode() for a in req.aliases])  # fmt: skip
 
 
-def remove_extent(client: StoreClient, names: Names, ns: NamespaceId, key: ExtentKey, seal: DirectoryMac,
-                  scratch: Scratch) -> bool:  # fmt: skip
-    """Remove `key`'s header (a reader then misses), then the chunks it names; whether the header
-    was there."""
-    try:
-        n_chunks = len(open_header(client, names, ns, key, seal, scratch).chunks)
-    except (Gone, FormatError, StoreFailed):
-        n_chunks = 0
-    removed = client.remove(names.header(key)).ok
-    for i in range(n_chunks):
-        client.remove(names.chunk(key, i))
-    return removed
+class Opened(NamedTuple):
+    """An extent's header read from the store and verified (not its chunks yet); `raw`: the header
+    object's bytes as read, to tell later whether the key was re-published since (`header_is`);
+    `salt`: the salt tag its meta records (and whose directory it was found in)."""
+
+    header: Header
+    tokens: bytes | None
+    chunks: list[Chunk]
+    aliases: tuple[Alias, ...]
+    raw: bytes
+    salt: bytes | None
+
+    def chunk_names(self, names: Names) -> list[str]:
+        h = self.header
+        return [names.chunk(h.key, self.salt, h.created_ns, i) for i in range(len(self.chunks))]
 
 
-def present(client: StoreClient, names: Names, ns: NamespaceId, key: ExtentKey, seal: DirectoryMac,
-            scratch: Scratch) -> bool:  # fmt: skip
+def open_header(client: StoreClient, names: Names, ns: NamespaceId, key: ExtentKey, salt: bytes | None,
+                seal: DirectoryMac, scratch: Scratch) -> Opened:  # fmt: skip
+    """Read and verify `key`'s header object in the directory of `salt`. Raises Gone, StoreFailed,
+    FormatError (Mismatch; NewerFormat)."""
+    name = names.header(key, salt)
+    buf = scratch.get(HEADER_READ_BYTES)
+    reply = client.get_into(name, buf)
+    if reply.code == INVALID_PARAMS:  # larger than the guess: read it again at its size
+        buf = scratch.get(_checked(client.size(name), "header size").n)
+        reply = client.get_into(name, buf)
+    return verify_header(buf[: _checked(reply, "header get").n], ns, key, salt, seal)
+
+
+def verify_header(raw: memoryview | bytes, ns: NamespaceId, key: ExtentKey, salt: bytes | None,
+                  seal: DirectoryMac) -> Opened:  # fmt: skip
+    """A header object's bytes as read from the directory of `salt`, verified (raises FormatError)."""
+    header = decode_fixed(raw, seal)
+    tokens, chunks = decode_meta(header, raw, seal)
+    aliases = decode_aliases(header, raw, seal)
+    check_identity(header, ns, key)
+    if len(raw) != header.header_len:
+        raise FormatError(f"header object of {len(raw)} bytes, its header says {header.header_len}")
+    if decode_salt(header, raw, version_of(raw), seal).tag != salt:
+        raise FormatError("the header's salt tag is not its directory's")
+    return Opened(header, tokens, chunks, aliases, bytes(raw), salt)
+
+
+def header_is(client: StoreClient, names: Names, key: ExtentKey, salt: bytes | None, seen: bytes) -> bool:
+    """Whether `key`'s header object is still exactly `seen`: False if it was replaced (another
+    client re-published the key), removed, or the store did not answer (nothing is proven then)."""
+    return client.get(names.header(key, salt)) == seen
+
+
+def present(client: StoreClient, names: Names, ns: NamespaceId, key: ExtentKey, salt: bytes | None,
+            seal: DirectoryMac, scratch: Scratch) -> bool:  # fmt: skip
     """Whether a header of `key` that verifies (ours) and every chunk it names are in the store, or a
     header of a newer format version (a newer server's, which this version never overwrites).
     Raises StoreFailed."""
     try:
-        ext = open_header(client, names, ns, key, seal, scratch)
+        ext = open_header(client, names, ns, key, salt, seal, scratch)
     except NewerFormat:  # a newer server's extent of this key: never overwritten by this version
         return True
     except (Gone, FormatError):
         return False
-    found = client.exist([names.chunk(key, i) for i in range(len(ext.chunks))])
-    return all(x == 1 for x in found)
+    return all(x == 1 for x in client.exist(ext.chunk_names(names)))
 
 
-class Opened:
-    """An extent's header read from the store and verified (not its chunks yet); `raw`: the header
-    object's bytes as read, to tell later whether the key was re-published since (`header_is`)."""
-
-    def __init__(self, header: Header, tokens: bytes | None, chunks: list[Chunk], aliases: tuple[Alias, ...],
-                 raw: bytes) -> None:  # fmt: skip
-        self.header, self.tokens, self.chunks, self.aliases, self.raw = header, tokens, chunks, aliases, raw
+FIND_BATCH = 256  # extents a warm start verifies per round of calls
 
 
-def open_header(client: StoreClient, names: Names, ns: NamespaceId, key: ExtentKey, seal: DirectoryMac,
-                scratch: Scratch) -> Opened:  # fmt: skip
-    """Read and verify `key`'s header object. Raises Gone, StoreFailed, FormatError (Mismatch)."""
-    name = names.header(key)
-    size = _checked(client.size(name), "header size").n
-    buf = scratch.get(size)
-    got = _checked(client.get_into(name, buf), "header get").n
-    if got != size:
-        raise Gone(f"mooncake header get: {got} of {size} bytes (replaced meanwhile)")
-    header = decode_fixed(buf, seal)
-    tokens, chunks = decode_meta(header, buf, seal)
-    aliases = decode_aliases(header, buf, seal)
-    check_identity(header, ns, key)
-    if size != header.header_len:
-        raise FormatError(f"header object of {size} bytes, its header says {header.header_len}")
-    return Opened(header, tokens, chunks, aliases, bytes(buf))
+def find_extents(client: StoreClient, names: Names, ns: NamespaceId, seal: DirectoryMac,
+                 entries: list[tuple[ExtentKey, bytes | None]]) -> tuple[list[Opened], int]:  # fmt: skip
+    """The extents of `entries` (key, salt tag: manifest.py) whose header is there and verifies and
+    whose chunks are all there, in order, and how many were of a newer format version (kept, not
+    used). Three calls per `FIND_BATCH` entries: headers present, headers read, chunks present."""
+    found, newer = [], 0
+    for i in range(0, len(entries), FIND_BATCH):
+        group = entries[i : i + FIND_BATCH]
+        header_names = [names.header(key, salt) for key, salt in group]
+        there = [e for e, x in zip(group, client.exist(header_names), strict=True) if x == 1]
+        opened: list[Opened] = []
+        for (key, salt), raw in zip(
+            there, client.get_many([names.header(k, s) for k, s in there]), strict=True
+        ):
+            try:
+                opened.append(verify_header(raw or b"", ns, key, salt, seal))
+            except NewerFormat:
+                newer += 1
+            except FormatError:  # gone since, another deployment's, tampered: never indexed
+                continue
+        chunks = [ext.chunk_names(names) for ext in opened]
+        flags = client.exist([name for c in chunks for name in c])
+        at = 0
+        for ext, c in zip(opened, chunks, strict=True):
+            if all(x == 1 for x in flags[at : at + len(c)]) and at + len(c) <= len(flags):
+                found.append(ext)
+            at += len(c)
+    return found, newer
 
 
-def header_is(client: StoreClient, names: Names, key: ExtentKey, seen: bytes) -> bool:
-    """Whether `key`'s header object is still exactly `seen`: False if it was replaced (another
-    client re-published the key), removed, or the store did not answer (nothing is proven then)."""
-    return client.get(names.header(key)) == seen
+def remove_extent(client: StoreClient, names: Names, ns: NamespaceId, key: ExtentKey, salt: bytes | None,
+                  seal: DirectoryMac, scratch: Scratch) -> bool:  # fmt: skip
+    """Remove `key`'s header and the chunks it names (one batch: a reader that finds the header and
+    not a chunk misses); whether the header was there."""
+    try:
+        chunks = open_header(client, names, ns, key, salt, seal, scratch).chunk_names(names)
+    except (Gone, FormatError, StoreFailed):
+        chunks = []
+    return client.remove_many([names.header(key, salt), *chunks])[0].ok
 
 
 def read_chunks(client: StoreClient, names: Names, ext: Opened, dest: memoryview, want: int, scratch: Scratch,
@@ -178,34 +260,58 @@ def read_chunks(client: StoreClient, names: Names, ext: Opened, dest: memoryview
     the extent's own), reporting each verified prefix of `dest` to `landed` (at the end only, for a
     load that rearranges its bytes). Raises Gone, StoreFailed, FormatError; ValueError for a
     grouping that cannot be delivered."""
-    h = ext.header
+    h, chunk_names = ext.header, ext.chunk_names(names)
     plan = plan_load(h, want, group_layers)
-    for piece in plan.pieces:
-        end = _read_chunk(client, names.chunk(h.key, piece.chunk), ext, piece, dest, scratch)
+    for batch in _batches(plan.pieces, ext.chunks):
+        end = _read_batch(client, [chunk_names[p.chunk] for p in batch], ext, batch, dest, scratch)
         if plan.convert is None:
             landed(end)
     finish_plan(h, plan, dest, want)
     landed(want)
 
 
-def _read_chunk(client: StoreClient, name: str, ext: Opened, piece: Piece, dest: memoryview,
+def _batches(pieces: list[Piece], chunks: list[Chunk]) -> Iterator[list[Piece]]:
+    batch: list[Piece] = []
+    nbytes = 0
+    for piece in pieces:
+        if batch and nbytes + chunks[piece.chunk].length > LOAD_BATCH_BYTES:
+            yield batch
+            batch, nbytes = [], 0
+        batch.append(piece)
+        nbytes += chunks[piece.chunk].length
+    if batch:
+        yield batch
+
+
+def _read_batch(client: StoreClient, chunk_names: list[str], ext: Opened, pieces: list[Piece], dest: memoryview,
                 scratch: Scratch) -> int:  # fmt: skip
-    """`piece` of its chunk into `dest`; returns the end of the bytes landed so far."""
-    h, chunk = ext.header, ext.chunks[piece.chunk]
-    whole = h.compression is Compression.NONE and piece.need == piece.raw_len
-    at = piece.dest_off
-    target = dest[at : at + chunk.length] if whole else scratch.get(chunk.length)
-    got = _get_exact(client, name, target, chunk.length)
-    verify_chunk(got, chunk, piece.chunk)
-    if not whole:
-        dest[at : at + piece.need] = decode_chunk(got, h.compression, piece.raw_len)[: piece.need]
-    return at + piece.need
+    """`pieces` of their chunks into `dest` in one call, each verified; returns the end of the
+    bytes landed so far. A piece is read whole into `dest` where it lands there as stored, else
+    into its own part of the scratch buffer and decoded from there."""
+    h, chunks = ext.header, ext.chunks
+    whole = [h.compression is Compression.NONE and p.need == p.raw_len for p in pieces]
+    spare = scratch.get(sum(chunks[p.chunk].length for p, w in zip(pieces, whole, strict=True) if not w))
+    targets, at = [], 0
+    for p, w in zip(pieces, whole, strict=True):
+        n = chunks[p.chunk].length
+        if w:
+            targets.append(dest[p.dest_off : p.dest_off + n])
+        else:
+            targets.append(spare[at : at + n])
+            at += n
+    replies = client.get_many_into(chunk_names, targets)
+    end = 0
+    for p, w, name, target, reply in zip(pieces, whole, chunk_names, targets, replies, strict=True):
+        _check_length(reply, name, chunks[p.chunk].length)
+        verify_chunk(target, chunks[p.chunk], p.chunk)
+        if not w:
+            dest[p.dest_off : p.dest_off + p.need] = decode_chunk(target, h.compression, p.raw_len)[: p.need]
+        end = p.dest_off + p.need
+    return end
 
 
-def _get_exact(client: StoreClient, name: str, target: memoryview, length: int) -> memoryview:
-    reply = client.get_into(name, target)
-    if reply.code == -600:  # INVALID_PARAMS: the object is larger than its recorded length
+def _check_length(reply: Reply, name: str, length: int) -> None:
+    if reply.code == INVALID_PARAMS:  # the object is larger than its recorded length
         raise FormatError(f"chunk object {name} is larger than its recorded {length} bytes")
     if _checked(reply, "chunk get").n != length:
         raise FormatError(f"chunk object {name} has {reply.n} bytes, its header says {length}")
-    return target
