@@ -27,10 +27,11 @@ from typing import Any, Protocol
 
 from sglang.srt.mem_cache.radix_cache import TreeNode
 
-from sgl_hicache.cache.controller import Refused, SpillController
+from sgl_hicache.cache.controller import SpillController
 from sgl_hicache.cache.metrics import DropReason, SpillMetrics
 from sgl_hicache.cache.retention import Retention
 from sgl_hicache.cache.spill_state import ExtentState, SpillRef
+from sgl_hicache.cache.staging_share import Refused
 from sgl_hicache.cache.write_admission import WriteAdmission
 from sgl_hicache.config import SpillConfig, WritePolicy
 

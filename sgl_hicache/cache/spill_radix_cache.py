@@ -54,7 +54,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from sgl_hicache.cache.agreement import Agreement, SingleRank
 from sgl_hicache.cache.clean_copies import CleanCopies
-from sgl_hicache.cache.controller import Refused, SpillController
+from sgl_hicache.cache.controller import SpillController
 from sgl_hicache.cache.events import TierEvents
 from sgl_hicache.cache.guard import contained, internal_error, last_resort, nothing
 from sgl_hicache.cache.hint_source import HintSource, ResumeHint, RetentionHint
@@ -64,6 +64,7 @@ from sgl_hicache.cache.reads import Readiness
 from sgl_hicache.cache.restores import EarlyUnpackStats, RestoreProgress
 from sgl_hicache.cache.retention import Retention
 from sgl_hicache.cache.spill_state import ExtentState, SpillRef
+from sgl_hicache.cache.staging_share import Refused
 from sgl_hicache.cache.tree import SpillTree
 from sgl_hicache.cache.warm_start import WarmStart, tree_digest
 from sgl_hicache.cache.write_admission import WriteAdmission
