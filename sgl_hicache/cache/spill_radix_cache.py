@@ -61,6 +61,7 @@ from sgl_hicache.cache.hint_source import HintSource, ResumeHint, RetentionHint
 from sgl_hicache.cache.layerwise import LayerCounter, Layerwise, LayerwiseRestore
 from sgl_hicache.cache.metrics import DropReason, SpillMetrics, written_per_restored
 from sgl_hicache.cache.reads import Readiness
+from sgl_hicache.cache.restore_policy import RestorePolicy
 from sgl_hicache.cache.restores import EarlyUnpackStats, RestoreProgress
 from sgl_hicache.cache.retention import Retention
 from sgl_hicache.cache.spill_state import ExtentState, SpillRef
@@ -68,7 +69,7 @@ from sgl_hicache.cache.staging_share import Refused
 from sgl_hicache.cache.tree import SpillTree
 from sgl_hicache.cache.warm_start import WarmStart, tree_digest
 from sgl_hicache.cache.write_admission import WriteAdmission
-from sgl_hicache.config import PrefetchPolicy, SpillConfig, WritePolicy
+from sgl_hicache.config import SpillConfig, WritePolicy
 from sgl_hicache.tier import ExtentKey, NamespaceId, chain_key
 from sgl_hicache.tier.keys import PathHasher, tenant_of
 from sgl_hicache.tier.path_lookup import alias_marks
@@ -565,12 +566,12 @@ class SpillRadixCache(RadixCache):
 
     def lookup_waiting(self, rid: str | None) -> bool:
         """Whether request `rid`'s admission should wait for its cross-server lookup: still running,
-        within the prefetch policy's limit (never with best_effort). Off where none is started (on a
+        within the prefetch policy's limit (`RestorePolicy.lookup_wait_s`; never with best_effort). Off where none is started (on a
         root no other server uses: `_start_lookup`). Never blocks."""
-        policy = self.spill_config.prefetch_policy
-        if self.controller is None or policy is PrefetchPolicy.BEST_EFFORT:
+        limit_s = RestorePolicy.of(self.spill_config).lookup_wait_s
+        if self.controller is None or limit_s <= 0:
             return False
-        waiting = self.controller.lookups.waiting(rid, self.spill_config.prefetch_timeout_s)
+        waiting = self.controller.lookups.waiting(rid, limit_s)
         self.spill_metrics.inc("lookups_waited", int(waiting))
         return waiting
 
@@ -680,10 +681,8 @@ class SpillRadixCache(RadixCache):
 
     @contained("init_load_back (readiness)", _not_ready)
     def _restore_readiness(self, nodes: list[TreeNode], rid: str | None) -> Readiness:
-        """Apply the prefetch policy to the reads this restore needs (starting any missing ones):
-        WAIT defers admission until they land (up to the I/O timeout), TIMEOUT up to
-        `prefetch_timeout_s`, BEST_EFFORT not at all; past the limit the request recomputes. The
-        wait counts from the oldest read or the request's first deferral, whichever is earlier, so
+        """The reads this restore needs (starting any missing ones), within the prefetch policy's
+        limit (`RestorePolicy.restore_wait_s`); past it the request recomputes. The wait counts from the oldest read or the request's first deferral, whichever is earlier, so
         reads restarted meanwhile (a TTL expiry, a split) never defer a request forever."""
         if self.controller is None:
             return Readiness.FAILED
@@ -695,10 +694,7 @@ class SpillRadixCache(RadixCache):
         if rid is not None:
             now = time.monotonic()
             waited = max(waited, now - self._deferred_since.setdefault(rid, now))
-        policy = self.spill_config.prefetch_policy
-        limit = {PrefetchPolicy.WAIT_COMPLETE: self.controller.timeout_s, PrefetchPolicy.TIMEOUT: self.spill_config.prefetch_timeout_s,
-                 PrefetchPolicy.BEST_EFFORT: 0.0}[policy]  # fmt: skip
-        if waited < limit:
+        if waited < RestorePolicy.of(self.spill_config).restore_wait_s:
             return state
         self.spill_metrics.inc("restores_too_late")
         return Readiness.FAILED
