@@ -16,7 +16,8 @@ before):
   `SpillConfig.clean_ahead` of the device pool.
 Neither writes a node the write admission rule does not admit (write_admission.py): its eviction
 would drop it.
-The cache calls these through its guarded methods (guard.py): nothing here is called by sglang.
+The cache calls these through guarded methods (guard.py: `Spilling.write_through`,
+`SpillRadixCache.clean_ahead`): nothing here is called by sglang.
 """
 
 from __future__ import annotations

@@ -432,19 +432,3 @@ class SpillController:
 
     def _extents_in_flight(self) -> list[Extent]:
         return [*self._writing.values(), *(request.extent for request in self._packing)]
-
-    def report(self) -> dict[str, Any]:
-        """Staging, writes and early unpacking, for `GET /server_info`."""
-        import dataclasses
-
-        return {
-            "staging_used_bytes": self.staging.used_bytes,
-            "staging_capacity_bytes": self.staging.capacity_bytes,
-            "staging_peak_bytes": self.staging.peak_bytes,
-            "staging_refused": self.staging.refused,
-            "staging_pinned": self.staging.pinned,
-            "writes_in_flight": self.writes_in_flight,
-            "partial_restores": len(self.restores.held_slots()),
-            "early_unpack": dataclasses.asdict(self.restores.stats),
-            "tier": dataclasses.asdict(self.tier.stats()),
-        }
