@@ -16,7 +16,8 @@ before):
   `SpillConfig.clean_ahead` of the device pool.
 Neither writes a node the write admission rule does not admit (write_admission.py): its eviction
 would drop it.
-The cache calls these through its guarded methods (guard.py): nothing here is called by sglang.
+The cache calls these through guarded methods (guard.py: `Spilling.write_through`,
+`SpillRadixCache.clean_ahead`): nothing here is called by sglang.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from typing import Any, Protocol
 
 from sglang.srt.mem_cache.radix_cache import TreeNode
 
-from sgl_hicache.cache.controller import Refused, SpillController
+from sgl_hicache.cache.controller import SpillController
 from sgl_hicache.cache.metrics import DropReason, SpillMetrics
 from sgl_hicache.cache.retention import Retention
 from sgl_hicache.cache.spill_state import ExtentState, SpillRef
+from sgl_hicache.cache.staging_share import Refused
 from sgl_hicache.cache.write_admission import WriteAdmission
 from sgl_hicache.config import SpillConfig, WritePolicy
 

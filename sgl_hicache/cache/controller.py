@@ -13,7 +13,8 @@ Contract:
   (never: larger than all of staging; logged once with the flag to raise). A `background` store (a
   write-through: nothing is lost without it) may fill staging only up to `BACKGROUND_SHARE` of it,
   so eviction spills and reads always have the rest; refused, it is counted as
-  `writes_through_deferred` or `writes_through_too_large` (logged once). The caller may free the
+  `writes_through_deferred` or `writes_through_too_large` (logged once). That rule and those
+  refusals are `StagingShare`'s (staging_share.py). The caller may free the
   slots as soon as `store` returns (later forwards wait for the pack's gather).
 - `poll` (never blocks) submits the writes whose packs are done, moves finished writes to ON_TIER
   or LOST, hands finished loads to `reads`, and gives back staging whose copies are done. It never
@@ -33,7 +34,6 @@ Contract:
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from collections.abc import Sequence
@@ -50,24 +50,12 @@ from sgl_hicache.cache.reads import ExtentReads, Landing, Readiness, needs
 from sgl_hicache.cache.restores import RestoreProgress, Restores
 from sgl_hicache.cache.spill_state import Extent, ExtentState, SpillRef
 from sgl_hicache.cache.staging import StagingPool
+from sgl_hicache.cache.staging_share import Refused, StagingShare
 from sgl_hicache.kernels import DEFAULT_LAYER_GROUPS, KVPoolView, default_group_layers, packed_nbytes
 from sgl_hicache.tier import Completion, ExtentKey, Ticket, Tier
 from sgl_hicache.tier.base import LookupResult
 
 logger = logging.getLogger(__name__)
-
-BACKGROUND_SHARE = 0.5
-"""The part of staging that background stores (write-through) may fill: the rest is kept for
-eviction spills (else a dropped node) and reads (else a recompute), which share it."""
-
-
-class Refused(enum.Enum):
-    """Why `store` did not take a node (see the module doc)."""
-
-    STAGING_FULL = "staging_full"  # momentarily: writes in flight hold staging
-    TOO_LARGE = "too_large"  # never: larger than all of staging
-    DEFERRED = "deferred"  # a write-through: its share of staging is full now
-    TOO_LARGE_FOR_SHARE = "too_large_for_share"  # a write-through: larger than its share
 
 
 @dataclass(frozen=True)
@@ -102,19 +90,8 @@ class SpillController:
         self._retiring: list[
             tuple[torch.Tensor, list[Copy]]
         ] = []  # blocks released once their copies are done
-        self._logged: set[str] = set()  # counters whose warning was logged (`_count_once`)
-        self._log_extent_bound()
-
-    def _log_extent_bound(self) -> None:
-        """At start, once: the longest extent staging can hold. A node is written as one extent
-        and restored by one read of it, so a longer node is dropped when evicted; a history of many
-        extents streams through staging whatever its length. No config check can refuse a staging
-        for this: no flag bounds a node's length (a whole prompt can be one node)."""
-        page = self.view.page_size
-        tokens = self.staging.capacity_bytes // packed_nbytes(self.view, page) * page
-        logger.info("sgl_hicache: staging of %d B holds an extent of at most %d tokens (%d B of KV a "
-                    "page of %d); longer nodes are dropped when evicted (spills_refused_too_large)",
-                    self.staging.capacity_bytes, tokens, packed_nbytes(self.view, page), page)  # fmt: skip
+        self.share = StagingShare(view, metrics)  # what a store may take of staging, its refusals
+        self.share.log_extent_bound(staging)
 
     @property
     def tier(self) -> Tier:
@@ -135,10 +112,10 @@ class SpillController:
         `cache_salt`: the request's tenant salt, tagged in the file so a purge finds it;
         `background`: a write-through, bounded by `BACKGROUND_SHARE` of staging."""
         nbytes = packed_nbytes(self.view, len(slots))
-        limit = self._background_limit if background else None
+        limit = self.share.background_limit(self.staging) if background else None
         buf = self.staging.acquire(nbytes, limit)
         if buf is None:
-            return self._refused(len(slots), nbytes, limit)
+            return self.share.refused(self.staging, len(slots), nbytes, limit)
         t0 = time.perf_counter()
         try:
             copy = self.engine.pack(slots, buf)
@@ -153,18 +130,8 @@ class SpillController:
         return extent
 
     def background_fit(self, tokens: int) -> Refused | None:
-        """Whether a background store of `tokens` tokens would find its share of staging now (None),
-        or DEFERRED (not now: writes in flight hold it) or TOO_LARGE_FOR_SHARE (never); counts
-        nothing (`store` counts its own refusals)."""
-        nbytes, limit = packed_nbytes(self.view, tokens), self._background_limit
-        if nbytes > limit:
-            return Refused.TOO_LARGE_FOR_SHARE
-        return Refused.DEFERRED if self.staging.used_bytes + nbytes > limit else None
-
-    @property
-    def _background_limit(self) -> int:
-        """The bytes of staging background stores (write-through, write-ahead) may hold at once."""
-        return int(self.staging.capacity_bytes * BACKGROUND_SHARE)
+        """`StagingShare.background_fit` on this controller's staging; counts nothing."""
+        return self.share.background_fit(self.staging, tokens)
 
     def _submit_packed(self) -> None:
         """Submit the writes whose packs are done, oldest first; stop at the first still running."""
@@ -192,39 +159,6 @@ class SpillController:
     def _stored_groups(self) -> int:
         """The `group_layers` of the extents this controller writes (0: page-major, one group)."""
         return self.layout.group_layers if self.layout.count > 1 else 0
-
-    def _refused(self, tokens: int, nbytes: int, limit: int | None) -> Refused:
-        if limit is not None and nbytes <= limit:
-            self.metrics.inc("writes_through_deferred")
-            return Refused.DEFERRED
-        if limit is not None:
-            self._count_once(
-                "writes_through_too_large",
-                "sgl_hicache: a node of %d tokens (%d B of KV) is never written through: write-through may "
-                "fill %d B of staging; it is written when evicted instead, and the nodes below it on its "
-                "path too (logged once; counted in writes_through_too_large): raise --hicache-spill-staging "
-                "to at least %s",
-                tokens, nbytes, limit, _size_flag(int(nbytes / BACKGROUND_SHARE) + 1),
-            )  # fmt: skip
-            return Refused.TOO_LARGE_FOR_SHARE
-        if nbytes <= self.staging.capacity_bytes:
-            self.metrics.inc("spills_refused_staging_full")
-            return Refused.STAGING_FULL
-        self._count_once(
-            "spills_refused_too_large",
-            "sgl_hicache: a node of %d tokens (%d B of KV) can never spill: staging holds %d B in all; "
-            "it and any like it are dropped (logged once; counted in spills_refused_too_large): raise "
-            "--hicache-spill-staging to at least %s",
-            tokens, nbytes, self.staging.capacity_bytes, _size_flag(nbytes),
-        )  # fmt: skip
-        return Refused.TOO_LARGE
-
-    def _count_once(self, counter: str, warning: str, *args: object) -> None:
-        """Count `counter`; log `warning` the first time only (a condition that will recur)."""
-        self.metrics.inc(counter)
-        if counter not in self._logged:
-            self._logged.add(counter)
-            logger.warning(warning, *args)
 
     def still_stored(self, extent: Extent) -> bool:
         """Whether `extent` is on its way (its bytes in staging) or, as this process's index says,
@@ -498,24 +432,3 @@ class SpillController:
 
     def _extents_in_flight(self) -> list[Extent]:
         return [*self._writing.values(), *(request.extent for request in self._packing)]
-
-    def report(self) -> dict[str, Any]:
-        """Staging, writes and early unpacking, for `GET /server_info`."""
-        import dataclasses
-
-        return {
-            "staging_used_bytes": self.staging.used_bytes,
-            "staging_capacity_bytes": self.staging.capacity_bytes,
-            "staging_peak_bytes": self.staging.peak_bytes,
-            "staging_refused": self.staging.refused,
-            "staging_pinned": self.staging.pinned,
-            "writes_in_flight": self.writes_in_flight,
-            "partial_restores": len(self.restores.held_slots()),
-            "early_unpack": dataclasses.asdict(self.restores.stats),
-            "tier": dataclasses.asdict(self.tier.stats()),
-        }
-
-
-def _size_flag(nbytes: int) -> str:
-    """`nbytes` rounded up to whole MiB, as --hicache-spill-staging takes it (a bare number is GB)."""
-    return f"{-(-nbytes // (1 << 20))}M"

@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
+from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
 from sgl_hicache.cache.metrics import SpillMetrics
 
@@ -34,12 +34,16 @@ logger = logging.getLogger(__name__)
 
 
 class Guarded(Protocol):
-    spill_metrics: SpillMetrics
-    errors_logged: set[str]
+    @property
+    def spill_metrics(self) -> SpillMetrics: ...
+
+    @property
+    def errors_logged(self) -> set[str]: ...
 
     def disable_spill(self) -> None: ...
 
 
+H = TypeVar("H", bound=Guarded)
 S = TypeVar("S", bound=Guarded)
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -106,6 +110,26 @@ def contained(
         return run
 
     return wrap
+
+
+class GuardedPart(Generic[H]):
+    """A part of the cache (spilling.py, matching.py, ...) whose steps are `contained`: their errors
+    count on the cache's metrics and are logged once per name for the whole cache, and a fallback
+    that fails turns spill off on the cache."""
+
+    def __init__(self, host: H) -> None:
+        self.host = host
+
+    @property
+    def spill_metrics(self) -> SpillMetrics:
+        return self.host.spill_metrics
+
+    @property
+    def errors_logged(self) -> set[str]:
+        return self.host.errors_logged
+
+    def disable_spill(self) -> None:
+        self.host.disable_spill()
 
 
 def nothing(_cache: Any, *_args: Any, **_kwargs: Any) -> None:

@@ -15,7 +15,7 @@ use it. Lookups, and so their waits, are off on a root no other server uses: unt
 seen another process there (`Tier.shared`; an I/O thread looks every `tier.shared.REFRESH_S`, so a
 server that never stores sees a live peer within about that of either's start), unless the write
 policy is write-through (which assumes a shared root); and with TP > 1 (their outcome depends on
-each rank's own file system calls and is not agreed). The cache decides (`_start_lookup`).
+each rank's own file system calls and is not agreed). The cache decides (`Matching._start_lookup`).
 """
 
 from __future__ import annotations

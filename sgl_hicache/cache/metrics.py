@@ -105,7 +105,7 @@ COUNTERS = {
     "written_ahead_tokens": "tokens an idle server wrote to the tier before their eviction (clean_ahead): "
     "evicting them then copies nothing",
     "writes_through_deferred": "write-throughs not submitted because staging was half full or more "
-    "then (controller.BACKGROUND_SHARE; the next insert on the path tries again; eviction writes it otherwise)",
+    "then (staging_share.BACKGROUND_SHARE; the next insert on the path tries again; eviction writes it otherwise)",
     "writes_through_too_large": "write-throughs never submitted because the node is larger than "
     "write-through's share of staging (eviction writes it; raise --hicache-spill-staging)",
     "spilled_bytes": "packed KV bytes submitted to the tier",

@@ -173,7 +173,7 @@ class Retention:
                              "only: %s; its extents stay until the store evicts them (logged once; counted "
                              "in purges_incomplete)", e)  # fmt: skip
 
-    # ---- eviction of covered nodes (the cache's `_spill_node`) --------------------------------
+    # ---- eviction of covered nodes (`Spilling._spill_node`) ------------------------------------
 
     def pin_of(self, node: TreeNode) -> Pin | None:
         """The pin covering resident `node` about to be evicted, if any."""

@@ -6,7 +6,7 @@ or write-through, every cached one) can write far more than it ever reads back. 
 HiCache's `write_through_selective` (a node goes to the host once its hit count reaches 2) and
 Dynamo's frequency filter (blocks seen more than once are offloaded). Under `ALL` every node is
 (today's behaviour). The cache asks `reason` where a write would happen: before an eviction's store
-(`SpillRadixCache._spill_node`: a node not admitted is dropped, as sglang's plain cache drops it),
+(`Spilling._spill_node`, spilling.py: a node not admitted is dropped, as sglang's plain cache drops it),
 and before a write-through or a write-ahead (`clean_copies.py`: skipped). An eviction that only
 points at a clean copy writes nothing and asks nothing.
 
@@ -15,7 +15,7 @@ recomputed; nothing here is ever served.
 
 TP ranks: every input but the pins is the same on every rank (sglang's hit counts, the hints, which
 reach every rank in the same iteration, the tree's shape and lengths). A pin may expire on one rank
-a moment before another; an eviction's spills are agreed anyway (`_agree_on_spills`: a victim one
+a moment before another; an eviction's spills are agreed anyway (`Spilling._agree_on_spills`: a victim one
 rank dropped is dropped on all), and write-throughs and write-aheads change no tree structure.
 """
 

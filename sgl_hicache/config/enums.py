@@ -32,6 +32,8 @@ class PrefetchPolicy(enum.StrEnum):
     WAIT_COMPLETE: only after its reads landed or failed (bounded by the tier's I/O timeout,
     max(`prefetch_timeout_s`, 10 s)). TIMEOUT: waits up to `prefetch_timeout_s`, then recomputes.
     BEST_EFFORT: at once; if the reads have not landed yet the prefix is recomputed.
+    A policy also bounds how long admission waits for a cross-server lookup. Both limits, one rule per
+    policy, are set in one place: `sgl_hicache.cache.restore_policy.RestorePolicy.of`.
     """
 
     WAIT_COMPLETE = "wait_complete"

@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 def build_spill_cache(ctx: TreeCacheBuildContext) -> BasePrefixCache:
     from sgl_hicache.cache.agreement import for_group
+    from sgl_hicache.cache.build import SpillCacheBuild
     from sgl_hicache.cache.metrics import SpillMetrics, sglang_labels
     from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
     from sgl_hicache.kernels import from_sglang_pool
@@ -55,7 +56,9 @@ def build_spill_cache(ctx: TreeCacheBuildContext) -> BasePrefixCache:
         controller.tier.close()
         controller = None
     hints = open_hint_inbox(ctx) if controller is not None else None
-    return SpillRadixCache(ctx.params, config, metrics, controller, namespace.id, hints, agreement)
+    build = SpillCacheBuild(params=ctx.params, config=config, metrics=metrics, controller=controller,
+                            namespace_id=namespace.id, hints=hints, agreement=agreement)  # fmt: skip
+    return SpillRadixCache(build)
 
 
 def open_hint_inbox(ctx: TreeCacheBuildContext) -> HintInbox | None:

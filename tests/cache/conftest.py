@@ -146,6 +146,7 @@ def build_stack(tier_dir: Path, size: int = 256, spill: bool = True, chunk_bytes
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
+    from sgl_hicache.cache.build import SpillCacheBuild
     from sgl_hicache.cache.metrics import SpillMetrics
     from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
     from sgl_hicache.config import SpillConfig, TierConfig
@@ -177,7 +178,10 @@ def build_stack(tier_dir: Path, size: int = 256, spill: bool = True, chunk_bytes
     ns = Namespace("test-model", KVLayout(layers, HEADS, HEAD_DIM, KVDtype.BF16, page_size))
     metrics = SpillMetrics()
     controller = open_controller(config, ns, view, metrics, allocator, streams=streams) if spill else None
-    cache = SpillRadixCache(params, config, metrics, controller, ns.id)
+    build = SpillCacheBuild(
+        params=params, config=config, metrics=metrics, controller=controller, namespace_id=ns.id
+    )
+    cache = SpillRadixCache(build)
     return Stack(cache, pool, allocator, tier_dir, metrics, controller.tier if controller else None)
 
 

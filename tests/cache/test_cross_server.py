@@ -30,7 +30,7 @@ def settle(stack: Stack, timeout_s: float = 10.0) -> None:
     while stack.cache.controller.lookups._pending:
         assert time.monotonic() < deadline, "lookup did not finish"
         time.sleep(0.002)
-        stack.cache._attach_lookups()
+        stack.cache.matching.attach_lookups()
 
 
 @pytest.fixture

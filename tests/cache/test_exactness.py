@@ -97,7 +97,8 @@ def _forge(s: Any, tokens: list[int], payload_tokens: int, parent: bytes | None 
     paths = ExtentPaths(s.tier_dir, ns.id)
     paths.extent(key).unlink()
     payload = np.zeros(payload_tokens * 2 * 2 * 2 * 8 * 2, dtype=np.uint8)
-    parent = parent or s.cache._node_keys(node)[0]  # the cache's own parent: only the checked field differs
+    # the cache's own parent: only the checked field differs
+    parent = parent or s.cache.spilling.node_keys(node)[0]
     req = StoreRequest.of(key, parent, header_tokens or tokens, memoryview(payload))
     cfg = tier._cfg
     # sealed with the directory's secret: only the key check can refuse it

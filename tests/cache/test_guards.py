@@ -115,16 +115,15 @@ def test_evict_falls_back_to_dropping(make_stack: Any, caplog: Any, monkeypatch:
     [
         ("reads.readiness", "init_load_back (readiness)"),
         ("complete", "init_load_back (restore)"),
-        ("cache._agreed_readiness", "init_load_back"),
+        ("admission._agreed_readiness", "init_load_back"),
     ],
 )
 def test_init_load_back_recomputes(
     spilled: Any, caplog: Any, monkeypatch: Any, target: str, name: str
 ) -> None:
     owner, attr = target.rsplit(".", 1) if "." in target else ("", target)
-    obj = {"reads": spilled.cache.controller.reads, "cache": spilled.cache, "": spilled.cache.controller}[
-        owner
-    ]
+    obj = {"reads": spilled.cache.controller.reads, "admission": spilled.cache.admission,
+           "": spilled.cache.controller}[owner]  # fmt: skip
     free = spilled.allocator.available_size()
     monkeypatch.setattr(obj, attr, boom)
     m = spilled.match(A)
@@ -285,7 +284,7 @@ def test_a_drop_that_raises_leaves_the_node_whole(make_stack: Any, monkeypatch: 
     (leaf,) = s.cache.root_node.children.values()
     monkeypatch.setattr(s.cache, "_delete_leaf", boom)
     with pytest.raises(RuntimeError, match="injected"):
-        s.cache._drop_node(leaf, DropReason.TOO_SHORT)
+        s.cache.spilling.drop_node(leaf, DropReason.TOO_SHORT)
     s.cache.check_integrity()
 
 
@@ -353,7 +352,7 @@ def test_a_reset_whose_fallback_fails_too_is_sglangs_reset(
     spilled: Any, caplog: Any, monkeypatch: Any
 ) -> None:
     monkeypatch.setattr(spilled.cache.controller.reads, "clear", boom)
-    monkeypatch.setattr(spilled.cache, "start_epoch", boom)  # the fallback's last step
+    monkeypatch.setattr(spilled.cache.lifecycle, "start_epoch", boom)  # the fallback's last step
     contained_twice(spilled, caplog, "reset", spilled.cache.reset, errors=4)
     assert spilled.cache.controller is None and spilled.cache.spilled_tokens == 0
     assert spilled.match(A).host_hit_length == 0  # an empty tree
@@ -420,7 +419,7 @@ def test_a_restore_whose_eviction_disables_spill_strands_no_slot(make_stack: Any
     s.evict_all()
     s.insert(list(range(1000, 1240)))  # the pool nearly full: A's restore must evict
     cache = s.cache
-    victims = type(cache)._victims
+    victims = type(cache.spilling).victims
     calls: list[int] = []
 
     def once(self: Any, n: int) -> Any:  # the eviction's own walk, then its fallback's, which fails
@@ -429,7 +428,7 @@ def test_a_restore_whose_eviction_disables_spill_strands_no_slot(make_stack: Any
             raise RuntimeError("injected (fallback)")
         return victims(self, n)
 
-    monkeypatch.setattr(type(cache), "_victims", once)
+    monkeypatch.setattr(type(cache.spilling), "victims", once)
     monkeypatch.setattr(cache, "update_eviction_metrics", boom)
     loaded, _ = s.load_back(s.match(A))
     assert cache.controller is None and loaded == 0

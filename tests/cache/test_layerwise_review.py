@@ -59,7 +59,7 @@ def test_review_a_write_that_completes_mid_restore_does_not_fail_a_layerwise_res
     """DEFECT (cache loss, spurious retraction): a layer-wise restore whose chain holds a node still
     being written (its bytes in staging, unpacked whole at admission) and a node read from the tier.
     When the write completes while the forward waits for the read's later group, the staging goes
-    back and `_layerwise_read_failed` finds no read for the written extent: the restore fails, its
+    back and `LayerwiseFlow._read_failed` finds no read for the written extent: the restore fails, its
     request is retracted and recomputes, and the restored nodes are dropped, although every byte
     landed and was verified. Fails on main at c91bd7a (`after_forward` returns the request)."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams

@@ -144,7 +144,7 @@ def test_a_node_larger_than_all_of_staging_is_refused_and_logged_once(make_stack
     s.insert(A)
     s.insert(B)
     s.insert(C)
-    with caplog.at_level(logging.WARNING, logger="sgl_hicache.cache.controller"):
+    with caplog.at_level(logging.WARNING, logger="sgl_hicache.cache.staging_share"):
         s.evict_all()
     assert [n.key.token_ids[0] for n in s.cache.root_node.children.values()] == [B[0]]
     assert s.metrics.totals["spills_refused_too_large"] == 2 and s.metrics.totals["dropped_tokens"] == 80

@@ -565,7 +565,7 @@ class TwoCachesOneDirectory(SpillCacheMachine):
         deadline = time.monotonic() + 10
         while server.stack.cache.controller.lookups.waiting(rid, 10.0) and time.monotonic() < deadline:
             time.sleep(0.001)
-            server.stack.cache._attach_lookups()
+            server.stack.cache.matching.attach_lookups()
         self._admit(server, rid, tokens, salt)
 
     @rule(data=st.data(), which=st.integers(0, 1))

@@ -15,7 +15,7 @@ import pytest
 from sgl_hicache.kernels import packed_nbytes
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-from sgl_hicache.cache.controller import BACKGROUND_SHARE, Refused
+from sgl_hicache.cache.staging_share import BACKGROUND_SHARE, Refused
 from sgl_hicache.config import WritePolicy
 from tests.cache.conftest import Stack, read_kv
 from tests.cache.test_cross_server import PROMPT, restore_on

@@ -18,7 +18,7 @@ import msgpack
 import pytest
 import zmq
 
-from sgl_hicache.cache.spill_radix_cache import INTEGRITY_ENV, SpillRadixCache
+from sgl_hicache.cache.reporting import INTEGRITY_ENV, integrity_verdict
 from sgl_hicache.server import hooks
 from sgl_hicache.server.hints import (
     DRAIN_PER_ITERATION,
@@ -287,11 +287,11 @@ def test_the_integrity_verdict_is_opt_in_and_survives_a_vanished_file(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv(INTEGRITY_ENV, raising=False)
-    assert SpillRadixCache._integrity_verdict(FakeCache(AssertionError("x")), idle=True) == "off"  # type: ignore[arg-type]
+    assert integrity_verdict(FakeCache(AssertionError("x")), idle=True) == "off"  # type: ignore[arg-type]
     monkeypatch.setenv(INTEGRITY_ENV, "1")
-    assert SpillRadixCache._integrity_verdict(FakeCache(None), idle=True) == "ok"  # type: ignore[arg-type]
-    assert SpillRadixCache._integrity_verdict(FakeCache(None), idle=False).startswith("skipped")  # type: ignore[arg-type]
+    assert integrity_verdict(FakeCache(None), idle=True) == "ok"  # type: ignore[arg-type]
+    assert integrity_verdict(FakeCache(None), idle=False).startswith("skipped")  # type: ignore[arg-type]
     gone = FileNotFoundError(2, "No such file or directory", "/tier/ab/x.ext")
-    assert SpillRadixCache._integrity_verdict(FakeCache(gone), idle=True).startswith("failed: ")  # type: ignore[arg-type]
-    verdict = SpillRadixCache._integrity_verdict(FakeCache(AssertionError("3 != 4")), idle=True)  # type: ignore[arg-type]
+    assert integrity_verdict(FakeCache(gone), idle=True).startswith("failed: ")  # type: ignore[arg-type]
+    verdict = integrity_verdict(FakeCache(AssertionError("3 != 4")), idle=True)  # type: ignore[arg-type]
     assert verdict == "failed: 3 != 4"

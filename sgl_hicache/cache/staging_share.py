@@ -1,0 +1,108 @@
+"""What of staging a store may take, and why a store is refused: one rule, asked by the controller's
+`store` and `background_fit` (controller.py), and the one place those refusals are counted and
+logged.
+
+- An eviction's spill may fill all of staging; a **background** store (a write-through or a
+  write-ahead: nothing is lost without it) only `BACKGROUND_SHARE` of it, so eviction spills and
+  reads always have the rest.
+- A refusal is `Refused`: momentary (writes in flight hold staging) or for good (a node larger than
+  all of staging, or than the background share). The lasting ones are logged once with the flag to
+  raise; every one is counted.
+Staging is passed in at each call (tests swap the controller's arena for a smaller one).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+
+from sgl_hicache.cache.metrics import SpillMetrics
+from sgl_hicache.cache.staging import StagingPool
+from sgl_hicache.kernels import KVPoolView, packed_nbytes
+
+logger = logging.getLogger(__name__)
+
+BACKGROUND_SHARE = 0.5
+"""The part of staging that background stores (write-through) may fill: the rest is kept for
+eviction spills (else a dropped node) and reads (else a recompute), which share it."""
+
+
+class Refused(enum.Enum):
+    """Why `SpillController.store` did not take a node (see controller.py's module doc)."""
+
+    STAGING_FULL = "staging_full"  # momentarily: writes in flight hold staging
+    TOO_LARGE = "too_large"  # never: larger than all of staging
+    DEFERRED = "deferred"  # a write-through: its share of staging is full now
+    TOO_LARGE_FOR_SHARE = "too_large_for_share"  # a write-through: larger than its share
+
+
+class StagingShare:
+    def __init__(self, view: KVPoolView, metrics: SpillMetrics) -> None:
+        self.view = view
+        self.metrics = metrics
+        self._logged: set[str] = set()  # counters whose warning was logged (`_count_once`)
+
+    @staticmethod
+    def background_limit(staging: StagingPool) -> int:
+        """The bytes of staging background stores (write-through, write-ahead) may hold at once."""
+        return int(staging.capacity_bytes * BACKGROUND_SHARE)
+
+    def background_fit(self, staging: StagingPool, tokens: int) -> Refused | None:
+        """Whether a background store of `tokens` tokens would find its share of staging now (None),
+        or DEFERRED (not now: writes in flight hold it) or TOO_LARGE_FOR_SHARE (never); counts
+        nothing (`refused` counts a store's refusals)."""
+        nbytes, limit = packed_nbytes(self.view, tokens), self.background_limit(staging)
+        if nbytes > limit:
+            return Refused.TOO_LARGE_FOR_SHARE
+        return Refused.DEFERRED if staging.used_bytes + nbytes > limit else None
+
+    def refused(self, staging: StagingPool, tokens: int, nbytes: int, limit: int | None) -> Refused:
+        """Why a store of `tokens` tokens (`nbytes` packed) found no block of staging within `limit`
+        (None: all of it; else a background store's share); counted, and logged once if lasting."""
+        if limit is not None and nbytes <= limit:
+            self.metrics.inc("writes_through_deferred")
+            return Refused.DEFERRED
+        if limit is not None:
+            self._count_once(
+                "writes_through_too_large",
+                "sgl_hicache: a node of %d tokens (%d B of KV) is never written through: write-through may "
+                "fill %d B of staging; it is written when evicted instead, and the nodes below it on its "
+                "path too (logged once; counted in writes_through_too_large): raise --hicache-spill-staging "
+                "to at least %s",
+                tokens, nbytes, limit, _size_flag(int(nbytes / BACKGROUND_SHARE) + 1),
+            )  # fmt: skip
+            return Refused.TOO_LARGE_FOR_SHARE
+        if nbytes <= staging.capacity_bytes:
+            self.metrics.inc("spills_refused_staging_full")
+            return Refused.STAGING_FULL
+        self._count_once(
+            "spills_refused_too_large",
+            "sgl_hicache: a node of %d tokens (%d B of KV) can never spill: staging holds %d B in all; "
+            "it and any like it are dropped (logged once; counted in spills_refused_too_large): raise "
+            "--hicache-spill-staging to at least %s",
+            tokens, nbytes, staging.capacity_bytes, _size_flag(nbytes),
+        )  # fmt: skip
+        return Refused.TOO_LARGE
+
+    def _count_once(self, counter: str, warning: str, *args: object) -> None:
+        """Count `counter`; log `warning` the first time only (a condition that will recur)."""
+        self.metrics.inc(counter)
+        if counter not in self._logged:
+            self._logged.add(counter)
+            logger.warning(warning, *args)
+
+    def log_extent_bound(self, staging: StagingPool) -> None:
+        """At start, once: the longest extent staging can hold. A node is written as one extent
+        and restored by one read of it, so a longer node is dropped when evicted; a history of many
+        extents streams through staging whatever its length. No config check can refuse a staging
+        for this: no flag bounds a node's length (a whole prompt can be one node)."""
+        page = self.view.page_size
+        tokens = staging.capacity_bytes // packed_nbytes(self.view, page) * page
+        logger.info("sgl_hicache: staging of %d B holds an extent of at most %d tokens (%d B of KV a "
+                    "page of %d); longer nodes are dropped when evicted (spills_refused_too_large)",
+                    staging.capacity_bytes, tokens, packed_nbytes(self.view, page), page)  # fmt: skip
+
+
+def _size_flag(nbytes: int) -> str:
+    """`nbytes` rounded up to whole MiB, as --hicache-spill-staging takes it (a bare number is GB)."""
+    return f"{-(-nbytes // (1 << 20))}M"
