@@ -24,16 +24,13 @@ from typing import Any, Protocol
 from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
 from sglang.srt.mem_cache.radix_cache import TreeNode
 
-from sgl_hicache.cache.agreement import Agreement
-from sgl_hicache.cache.controller import SpillController
 from sgl_hicache.cache.guard import GuardedPart, contained
 from sgl_hicache.cache.layerwise_flow import LayerwiseFlow
-from sgl_hicache.cache.metrics import SpillMetrics
+from sgl_hicache.cache.part_host import PartHost
 from sgl_hicache.cache.reads import Readiness
 from sgl_hicache.cache.restore_policy import RestorePolicy
 from sgl_hicache.cache.restoring import Restoring, owner_of
 from sgl_hicache.cache.spill_state import ExtentState
-from sgl_hicache.cache.tree import SpillTree
 from sgl_hicache.config import SpillConfig
 
 
@@ -46,18 +43,11 @@ class Admission:
         self.deferred = False
 
 
-class Host(Protocol):
+class Host(PartHost, Protocol):
     """What admission needs of the cache (`SpillRadixCache` is one)."""
 
-    controller: SpillController | None
     spill_config: SpillConfig
-    spill_metrics: SpillMetrics
-    errors_logged: set[str]
-    agreement: Agreement
-    tree: SpillTree
     root_node: TreeNode
-
-    def disable_spill(self) -> None: ...
 
 
 class RestoreAdmission(GuardedPart[Host]):

@@ -21,29 +21,20 @@ from typing import Any, Protocol
 
 from sglang.srt.mem_cache.radix_cache import TreeNode
 
-from sgl_hicache.cache.agreement import Agreement
 from sgl_hicache.cache.controller import SpillController
 from sgl_hicache.cache.guard import GuardedPart, contained, internal_error
 from sgl_hicache.cache.layerwise import LayerCounter, Layerwise, LayerwiseRestore
-from sgl_hicache.cache.metrics import SpillMetrics
+from sgl_hicache.cache.part_host import PartHost
 from sgl_hicache.cache.reads import Readiness
 from sgl_hicache.cache.restores import RestoreProgress
 from sgl_hicache.cache.restoring import Restoring, owner_of
-from sgl_hicache.cache.tree import SpillTree
 
 
-class Host(Protocol):
+class Host(PartHost, Protocol):
     """What layer-wise restores need of the cache (`SpillRadixCache` is one)."""
 
-    controller: SpillController | None
-    spill_metrics: SpillMetrics
-    errors_logged: set[str]
-    agreement: Agreement
-    tree: SpillTree
     root_node: TreeNode
     token_to_kv_pool_allocator: Any
-
-    def disable_spill(self) -> None: ...
 
     def inc_lock_ref(self, node: TreeNode) -> Any: ...
 

@@ -21,30 +21,20 @@ from typing import Protocol
 
 from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 
-from sgl_hicache.cache.agreement import Agreement
-from sgl_hicache.cache.controller import SpillController
 from sgl_hicache.cache.guard import GuardedPart, contained
 from sgl_hicache.cache.layerwise_flow import LayerwiseFlow
-from sgl_hicache.cache.metrics import SpillMetrics
-from sgl_hicache.cache.tree import SpillTree
+from sgl_hicache.cache.part_host import PartHost
 from sgl_hicache.cache.warm_start import WarmStart, tree_digest
 
 logger = logging.getLogger(__name__)
 
 
-class Host(Protocol):
+class Host(PartHost, Protocol):
     """What the lifecycle needs of the cache (`SpillRadixCache` is one)."""
 
-    controller: SpillController | None
-    spill_metrics: SpillMetrics
-    errors_logged: set[str]
-    agreement: Agreement
-    tree: SpillTree
     warm: WarmStart
     epoch: bytes | None  # seeds every path key; None until the first reset
     root_node: TreeNode
-
-    def disable_spill(self) -> None: ...
 
 
 class Lifecycle(GuardedPart[Host]):

@@ -20,26 +20,18 @@ from typing import Any, Protocol
 from sglang.srt.mem_cache.base_prefix_cache import MatchResult
 from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
-from sgl_hicache.cache.agreement import Agreement
 from sgl_hicache.cache.clean_copies import CleanCopies
-from sgl_hicache.cache.controller import SpillController
 from sgl_hicache.cache.guard import GuardedPart, contained, nothing
-from sgl_hicache.cache.metrics import SpillMetrics
+from sgl_hicache.cache.part_host import PartHost
 from sgl_hicache.cache.spill_state import SpillRef
-from sgl_hicache.cache.tree import SpillTree
 from sgl_hicache.cache.warm_start import WarmStart
 from sgl_hicache.cache.write_admission import WriteAdmission
 from sgl_hicache.tier.keys import PathHasher, tenant_of
 
 
-class Host(Protocol):
+class Host(PartHost, Protocol):
     """What matching needs of the cache (`SpillRadixCache` is one)."""
 
-    controller: SpillController | None
-    spill_metrics: SpillMetrics
-    errors_logged: set[str]
-    agreement: Agreement
-    tree: SpillTree
     warm: WarmStart
     clean: CleanCopies
     write_admission: WriteAdmission
@@ -48,8 +40,6 @@ class Host(Protocol):
     page_size: int
     disable: bool
     is_eagle: bool
-
-    def disable_spill(self) -> None: ...
 
     def path_hasher(self, key: RadixKey) -> PathHasher: ...
 

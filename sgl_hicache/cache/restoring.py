@@ -22,13 +22,10 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
 from sglang.srt.mem_cache.radix_cache import TreeNode
 
-from sgl_hicache.cache.agreement import Agreement
-from sgl_hicache.cache.controller import SpillController
 from sgl_hicache.cache.guard import GuardedPart, contained, nothing
-from sgl_hicache.cache.metrics import SpillMetrics
+from sgl_hicache.cache.part_host import PartHost
 from sgl_hicache.cache.reads import Readiness
 from sgl_hicache.cache.spill_state import SpillRef
-from sgl_hicache.cache.tree import SpillTree
 
 ANONYMOUS = "sgl-hicache:restore"  # the owner of a restore whose request has no id (never deferred)
 
@@ -38,18 +35,11 @@ def owner_of(rid: str | None) -> object:
     return rid if rid is not None else ANONYMOUS
 
 
-class Host(Protocol):
+class Host(PartHost, Protocol):
     """What restoring needs of the cache (`SpillRadixCache` is one)."""
 
-    controller: SpillController | None
-    spill_metrics: SpillMetrics
-    errors_logged: set[str]
-    agreement: Agreement
-    tree: SpillTree
     root_node: TreeNode
     token_to_kv_pool_allocator: Any
-
-    def disable_spill(self) -> None: ...
 
     def evict(self, params: EvictParams) -> EvictResult: ...
 

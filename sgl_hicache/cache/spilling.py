@@ -25,15 +25,13 @@ from typing import Any, Protocol
 import numpy as np
 from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
-from sgl_hicache.cache.agreement import Agreement
 from sgl_hicache.cache.clean_copies import CleanCopies
-from sgl_hicache.cache.controller import SpillController
 from sgl_hicache.cache.guard import GuardedPart, contained, nothing
-from sgl_hicache.cache.metrics import DropReason, SpillMetrics
+from sgl_hicache.cache.metrics import DropReason
+from sgl_hicache.cache.part_host import PartHost
 from sgl_hicache.cache.retention import Retention
 from sgl_hicache.cache.spill_state import SpillRef
 from sgl_hicache.cache.staging_share import Refused
-from sgl_hicache.cache.tree import SpillTree
 from sgl_hicache.cache.write_admission import WriteAdmission
 from sgl_hicache.config import SpillConfig
 from sgl_hicache.tier import ExtentKey, NamespaceId, chain_key
@@ -41,16 +39,11 @@ from sgl_hicache.tier.keys import PathHasher, tenant_of
 from sgl_hicache.tier.path_lookup import alias_marks
 
 
-class Host(Protocol):
+class Host(PartHost, Protocol):
     """What spilling needs of the cache (`SpillRadixCache` is one)."""
 
-    controller: SpillController | None
     spill_config: SpillConfig
-    spill_metrics: SpillMetrics
-    errors_logged: set[str]
-    agreement: Agreement
     namespace_id: NamespaceId
-    tree: SpillTree
     retention: Retention
     write_admission: WriteAdmission
     clean: CleanCopies
@@ -58,8 +51,6 @@ class Host(Protocol):
     eviction_strategy: Any
     evictable_leaves: Any
     kv_events: Any
-
-    def disable_spill(self) -> None: ...
 
     def path_hasher(self, key: RadixKey) -> PathHasher: ...
 
