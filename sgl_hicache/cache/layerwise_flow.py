@@ -160,6 +160,7 @@ class LayerwiseFlow(GuardedPart[Host]):
         if ctl is not None:
             ctl.engine.forward_waits(restore.progress.last_copy)
             ctl.restores.landed(restore.progress)
+            ctl.reads.count_read_span({id(ref.extent) for ref in restore.progress.refs})
             ctl.finish_reads(restore.progress.refs)
         self.host.spill_metrics.observe_restore(time.monotonic() - restore.progress.started)
         self._unlock(restore)

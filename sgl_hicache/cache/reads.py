@@ -19,7 +19,11 @@ Contract (every method runs on the scheduler thread and never blocks on I/O):
   first that finds none stops it (`Readiness.STREAMING`: the caller unpacks what lands and gives
   those reads back, `finish_extent`, then asks again), and prefetches start no new read while a
   restore waits for room (`prefetch`). Only a read larger than all of staging fails a restore for
-  room: it could never start.
+  room: it could never start;
+- `restore_read_seconds` (`count_read_span`): the first read a restore used starting to the last
+  one completing, as the scheduler saw it; counted once per restore that got all its bytes, whole
+  (`gather`) or layer-wise (when it settled: a read whose completion was not taken yet by then
+  counts until then).
 """
 
 from __future__ import annotations
@@ -238,16 +242,20 @@ class ExtentReads:
             if landing is None:
                 return None
             sources[eid] = landing
-        self._count_read_span(wanted)
+        self.count_read_span(wanted)
         return sources
 
-    def _count_read_span(self, wanted: dict[int, tuple[Extent, int]]) -> None:
-        """`restore_read_seconds`: the first of the restore's reads starting to the last completing."""
-        used = [r for r in (self._reads.get(eid) for eid in wanted) if r is not None and r.finished]
+    def count_read_span(self, wanted: Collection[int]) -> None:
+        """`restore_read_seconds` of a restore that got all its bytes from the reads of the extents
+        `wanted` (by identity): the first of them starting to the last completing; one whose
+        completion was not taken yet (a layer-wise restore settles on the bytes that landed, before
+        its reads' completions are taken) counts until now. Extents with no read (a write's staging,
+        or given back) count nothing."""
+        used = [r for r in (self._reads.get(eid) for eid in wanted) if r is not None]
         if used:
-            self.metrics.inc(
-                "restore_read_seconds", max(r.finished for r in used) - min(r.started for r in used)
-            )
+            now = time.monotonic()
+            last = max(r.finished or now for r in used)
+            self.metrics.inc("restore_read_seconds", last - min(r.started for r in used))
 
     def _at_hand(self, extent: Extent, need: int) -> Landing | None:
         groups = self.layout.count

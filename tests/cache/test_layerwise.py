@@ -73,6 +73,7 @@ def test_the_prefill_starts_before_the_last_group_landed_and_reads_every_layer_r
     make_stack: Any,
 ) -> None:
     s = spilled(make_stack)
+    t0 = time.monotonic()
     (loaded, node), req, _ = admit(s)
     assert loaded == len(B) and not node.evicted
     lw = s.cache.layerwise
@@ -85,6 +86,8 @@ def test_the_prefill_starts_before_the_last_group_landed_and_reads_every_layer_r
     totals = s.metrics.totals
     assert (totals["layerwise_restores"], totals["layerwise_overlapped_restores"]) == (1, 1)
     assert totals["restored_tokens"] == len(B) and totals["layerwise_failed_restores"] == 0
+    # its read took LATENCY_S (the slow disk's pace), counted as a whole restore's read is
+    assert LATENCY_S / 2 <= totals["restore_read_seconds"] <= time.monotonic() - t0
     assert not lw.active and node.lock_ref == 1, "the table's lock went; the request's stays"
     s.cache.dec_lock_ref(node)
     assert read_kv(s.pool, slots) == expected_kv(B)
