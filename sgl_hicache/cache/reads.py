@@ -20,6 +20,10 @@ Contract (every method runs on the scheduler thread and never blocks on I/O):
   those reads back, `finish_extent`, then asks again), and prefetches start no new read while a
   restore waits for room (`prefetch`). Only a read larger than all of staging fails a restore for
   room: it could never start;
+- the tier reads a restore's (or a prefetch's) extents one after another, or, with `group_major`
+  (layer-wise restores), layer group by layer group across them (`Tier.submit_load`'s `batch`: the
+  reads started together join the first of them still running), so that group 0 of every extent
+  lands first and the prefill can start after about 1/groups of the reads, not after most of them;
 - `restore_read_seconds` (`count_read_span`): the first read a restore used starting to the last
   one completing, as the scheduler saw it; counted once per restore that got all its bytes, whole
   (`gather`) or layer-wise (when it settled: a read whose completion was not taken yet by then
@@ -82,6 +86,19 @@ class Landing:
     groups: tuple[int, ...]
 
 
+class _Batch:
+    """The reads started together (one restore's, or one prefetch's): with `group_major`, each new
+    one is read with the first of them still running (`Tier.submit_load`'s `batch`)."""
+
+    def __init__(self, group_major: bool) -> None:
+        self.group_major = group_major
+        self.ticket: Ticket | None = None
+
+    def joined(self, read: PendingRead) -> None:
+        if self.group_major and self.ticket is None and read.done is None:
+            self.ticket = read.ticket
+
+
 def needs(refs: Sequence[SpillRef]) -> dict[int, tuple[Extent, int]]:
     """Per extent (by identity): the extent and how many of its leading tokens the refs need."""
     out: dict[int, tuple[Extent, int]] = {}
@@ -107,6 +124,7 @@ class ExtentReads:
         self._waiting: dict[int, float] = {}  # by id(extent): reads restores wait to start (no room)
         self._mismatch_logged = False
         self._too_large_logged = False
+        self.group_major = False  # read the extents started together layer group by layer group
 
     def completed(self, done: Completion) -> bool:
         """Take a load's completion (from the tier's `get_finished`); False if not one of ours."""
@@ -133,9 +151,12 @@ class ExtentReads:
         already started; starts none while a restore waits for room in staging (restores come
         first), and none after the first that finds no room (the prefix first). Returns the tokens
         now on their way."""
-        tokens, room = 0, not self._waiting
+        tokens, room, batch = 0, not self._waiting, _Batch(self.group_major)
         for extent, need in needs(refs).values():
-            if extent.state is ExtentState.WRITING or self.start(extent, need, True, room) is not None:
+            if extent.state is ExtentState.WRITING:
+                tokens += need
+            elif (read := self.start(extent, need, True, room, batch.ticket)) is not None:
+                batch.joined(read)
                 tokens += need
             else:
                 room = False
@@ -149,11 +170,11 @@ class ExtentReads:
         pending read has run."""
         waited = 0.0
         state = Readiness.READY
-        room = True
+        room, batch = True, _Batch(self.group_major)
         for eid, (extent, need) in needs(refs).items():
             if eid in done or (extent.state is ExtentState.WRITING and extent.staged is not None):
                 continue
-            read = self.start(extent, need, prefetch=False, new=room)
+            read = self.start(extent, need, prefetch=False, new=room, batch=batch.ticket)
             if read is None:
                 if extent.state is not ExtentState.ON_TIER or not self._fits(extent, need):
                     return Readiness.FAILED, 0.0
@@ -162,6 +183,7 @@ class ExtentReads:
                 room, state = False, Readiness.STREAMING
                 continue
             self._waiting.pop(eid, None)
+            batch.joined(read)
             if read.done is not None and not read.done.ok:
                 self._lose(read)
                 return Readiness.FAILED, 0.0
@@ -270,9 +292,10 @@ class ExtentReads:
             return None
         return Landing(read.buf, read.tokens, (read.tokens,) * groups)
 
-    def start(self, extent: Extent, tokens: int, prefetch: bool, new: bool = True) -> PendingRead | None:
+    def start(self, extent: Extent, tokens: int, prefetch: bool, new: bool = True,
+              batch: Ticket | None = None) -> PendingRead | None:  # fmt: skip
         """The read of `extent`'s first `tokens` tokens: the one under way, or a new one (only if
-        `new`, and staging has room)."""
+        `new`, and staging has room), read with the load `batch` (`Tier.submit_load`)."""
         read = self._reads.get(id(extent))
         if read is not None and read.tokens >= tokens and read.usable:
             if prefetch:
@@ -289,7 +312,7 @@ class ExtentReads:
             return None
         try:
             ticket = self.tier.submit_load(
-                extent.key, buf.numpy(), nbytes, group_layers=self.layout.group_layers
+                extent.key, buf.numpy(), nbytes, group_layers=self.layout.group_layers, batch=batch
             )
         except BaseException:  # nothing was queued (a submit raises before queueing): nobody holds it
             self.release(buf)

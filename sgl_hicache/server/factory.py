@@ -137,7 +137,7 @@ def open_controller(
     if view.device.type == "cuda":
         staging.pin()
     tier.register_host_memory(staging.arena)  # a Mooncake tier's transfers then go straight from it
-    return SpillController(
+    controller = SpillController(
         tier,
         view,
         staging,
@@ -148,3 +148,6 @@ def open_controller(
         streams,
         config.layer_groups,
     )
+    # layer-wise restores start once group 0 of every extent landed: the tier reads that first
+    controller.reads.group_major = config.layerwise_restore
+    return controller

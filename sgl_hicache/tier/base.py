@@ -266,8 +266,15 @@ class Tier(abc.ABC):
 
     @abc.abstractmethod
     def submit_load(self, key: ExtentKey, dest: Buffer, nbytes: int | None = None,
-                    group_layers: int | None = None) -> Ticket:  # fmt: skip
+                    group_layers: int | None = None, batch: Ticket | None = None) -> Ticket:  # fmt: skip
         """Queue reading the first `nbytes` payload bytes (all if None) of `key` into `dest`.
+
+        `batch`: the ticket of an earlier load this one is read with (the first of a restore's
+        loads): the loads of one batch are read layer group by layer group, every load's group g
+        before any load's group g + 1, so that the first group of all of them lands first (a
+        layer-wise restore starts then). Loads of other batches, or of none, are read in the order
+        they were submitted. The order of reads only, never their outcome; a backend that reads
+        each load in one job, group by group (Mooncake), may ignore it.
 
         Never blocks. Only chunks covering the prefix are read and verified; an OK completion has
         exactly `nbytes` (or the payload length, if None). `dest` must hold that many bytes, else

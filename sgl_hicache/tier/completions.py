@@ -19,6 +19,7 @@ class CompletionQueue:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._tickets = itertools.count(1)
+        self._issued = 0
         self._pending: set[Ticket] = set()
         self._done: dict[Ticket, Completion] = {}
         self._followers: dict[Ticket, list[Ticket]] = {}
@@ -26,8 +27,15 @@ class CompletionQueue:
     def issue(self) -> Ticket:
         with self._cond:
             ticket = Ticket(next(self._tickets))
+            self._issued = int(ticket)
             self._pending.add(ticket)
             return ticket
+
+    @property
+    def issued(self) -> int:
+        """The last ticket issued (0: none yet); tickets are issued in increasing order."""
+        with self._cond:
+            return self._issued
 
     def follow(self, leader: Ticket, ticket: Ticket) -> None:
         """Complete `ticket` (pending) with `leader`'s outcome; call before `leader` is posted."""

@@ -3,6 +3,8 @@ section into chunks; and the rearrangement of a payload from one grouping to ano
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -42,6 +44,12 @@ def chunk_spans(sections: Sequence[int], chunk_bytes: int) -> list[tuple[int, in
         out.extend((start + o, min(chunk_bytes, length - o)) for o in range(0, length, chunk_bytes))
         start += length
     return out
+
+
+def section_of(sections: Sequence[int], offsets: Sequence[int]) -> list[int]:
+    """The section (layer group) each raw payload offset lies in, for a payload cut into `sections`."""
+    ends = list(itertools.accumulate(sections))
+    return [bisect.bisect_right(ends, offset) for offset in offsets]
 
 
 def regroup(buf: memoryview, pages: int, num_layers: int, src_groups: int, dst_groups: int) -> None:

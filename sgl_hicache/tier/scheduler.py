@@ -12,6 +12,12 @@ queue behind them for that long. With `threads >= 2` at most `threads - 1` store
 load always finds a thread within one load's time. With one thread stores and loads take turns on
 it; a store can then never wait for room (no other store holds bytes in flight), only for its write.
 
+Reads run in the order of their `rank` (a tuple, compared as tuples: `()` first), first come first
+served among equal ranks. The file tier ranks a load's jobs by (batch, layer group), so that the
+extents of one restore are read layer group by layer group and restores one after another
+(`FileTier.submit_load`); unranked reads keep their arrival order. Ranks order reads among
+themselves only: the stores' share above is counted the same.
+
 Periodic jobs (`every`: the refresh of `Tier.shared`) run on the same threads, ahead of queued
 jobs when due; an idle worker waits on the condition with a timeout until the next one is due,
 so they need no thread of their own, and `close` stops them with the workers.
@@ -19,6 +25,8 @@ so they need no thread of their own, and `close` stops them with the workers.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import math
 import threading
@@ -32,6 +40,7 @@ WRITE_EVERY = 4
 logger = logging.getLogger("sgl_hicache.tier")
 
 Job = Callable[[], None]
+Rank = tuple[int, ...]
 
 
 @dataclass
@@ -44,7 +53,8 @@ class _Periodic:
 class IoScheduler:
     def __init__(self, threads: int, name: str = "sgl-hicache-io") -> None:
         self._cond = threading.Condition()
-        self._reads: deque[Job] = deque()
+        self._reads: list[tuple[Rank, int, Job]] = []  # a heap: rank, then arrival
+        self._arrivals = itertools.count()
         self._writes: deque[Job] = deque()
         self._reads_since_write = 0
         self._closed = False
@@ -58,11 +68,16 @@ class IoScheduler:
         for t in self._threads:
             t.start()
 
-    def submit_read(self, job: Job) -> None:
-        self._push(self._reads, job)
+    def submit_read(self, job: Job, rank: Rank = ()) -> None:
+        """Queue a read; it runs before every queued read of a higher `rank` (see the module doc)."""
+        with self._cond:
+            heapq.heappush(self._reads, (rank, next(self._arrivals), job))
+            self._cond.notify_all()
 
     def submit_write(self, job: Job) -> None:
-        self._push(self._writes, job)
+        with self._cond:
+            self._writes.append(job)
+            self._cond.notify_all()  # a thread that may not take a store must not swallow the wake-up
 
     def every(self, period_s: float, job: Job) -> None:
         """Run `job` on a worker now and then `period_s` after each run ends, ahead of queued jobs,
@@ -71,11 +86,6 @@ class IoScheduler:
         with self._cond:
             self._periodic.append(_Periodic(job, period_s, time.monotonic()))
             self._cond.notify_all()
-
-    def _push(self, queue: deque[Job], job: Job) -> None:
-        with self._cond:
-            queue.append(job)
-            self._cond.notify_all()  # a thread that may not take a store must not swallow the wake-up
 
     def _next(self) -> tuple[Job, bool] | None:
         """The next job and whether it is a store; None when closed and drained."""
@@ -95,7 +105,7 @@ class IoScheduler:
             if self._reads:
                 self._reads_since_write += 1 if self._writes else 0
                 self._active += 1
-                return self._reads.popleft(), False
+                return heapq.heappop(self._reads)[2], False
             self._cond.notify_all()
             return None
 

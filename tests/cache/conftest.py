@@ -136,10 +136,11 @@ def read_kv(pool: Any, slots: torch.Tensor, layers: range | None = None) -> list
 def build_stack(tier_dir: Path, size: int = 256, spill: bool = True, chunk_bytes: int = 4 << 20,
                 page_size: int = 1, capacity_bytes: int = 1 << 30, streams: Any = None,
                 device: str = "cpu", kv_events: bool = False, layers: int = LAYERS, min_free_bytes: int = 0,
-                **overrides: Any) -> Stack:  # fmt: skip
+                io_threads: int | None = None, **overrides: Any) -> Stack:  # fmt: skip
     """A real sglang pool and allocator under a SpillRadixCache whose tier lives in `tier_dir`
     (`streams`: the copy streams' stand-in, see fake_device.py; default the CPU's; `kv_events`:
-    record sglang's KV cache events, as `--kv-events-config` does)."""
+    record sglang's KV cache events, as `--kv-events-config` does; `io_threads`: the tier's, if not
+    its default)."""
     from sgl_hicache.kernels import from_sglang_pool
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
@@ -173,6 +174,8 @@ def build_stack(tier_dir: Path, size: int = 256, spill: bool = True, chunk_bytes
         min_free_bytes=min_free_bytes,
         chunk_bytes=chunk_bytes,
     )
+    if io_threads is not None:
+        tier = replace(tier, io_threads=io_threads)
     config = replace(SpillConfig(tier=tier), enabled=True, min_spill_tokens=4, **overrides)
     view = from_sglang_pool(pool)
     ns = Namespace("test-model", KVLayout(layers, HEADS, HEAD_DIM, KVDtype.BF16, page_size))

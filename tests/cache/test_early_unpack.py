@@ -167,13 +167,15 @@ class LateBytes:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def submit_load(self, key: Any, dest: Any, nbytes: Any = None, group_layers: Any = None) -> Any:
+    def submit_load(
+        self, key: Any, dest: Any, nbytes: Any = None, group_layers: Any = None, batch: Any = None
+    ) -> Any:
         import numpy as np
 
         from sgl_hicache.tier import alloc_aligned
 
         private = np.frombuffer(alloc_aligned(max(dest.nbytes, 1)), dtype=np.uint8)[: dest.nbytes]
-        ticket = self.inner.submit_load(key, private, nbytes, group_layers)
+        ticket = self.inner.submit_load(key, private, nbytes, group_layers, batch)
         self.loads[ticket] = (private, dest)
         return ticket
 

@@ -77,3 +77,28 @@ def test_a_due_periodic_job_goes_ahead_of_queued_jobs_and_survives_raising():
         assert time.monotonic() < deadline
         time.sleep(0.005)
     again.close()
+
+
+def test_reads_run_in_rank_order_first_come_first_served_among_equal_ranks():
+    io = IoScheduler(threads=1)
+    gate, order = threading.Event(), []
+    io.submit_read(gate.wait)  # hold the only thread while we queue
+    for name, rank in [("b0", (2, 0)), ("a1", (1, 1)), ("c", ()), ("a0", (1, 0)), ("b1", (2, 1)),
+                       ("a0'", (1, 0)), ("c'", ())]:  # fmt: skip
+        io.submit_read(lambda name=name: order.append(name), rank)
+    gate.set()
+    io.close()
+    assert order == ["c", "c'", "a0", "a0'", "a1", "b0", "b1"]
+
+
+def test_ranked_reads_still_leave_stores_their_share():
+    io = IoScheduler(threads=1)
+    gate, order = threading.Event(), []
+    io.submit_read(gate.wait)
+    io.submit_write(lambda: order.append("w"))
+    for i in range(10):
+        io.submit_read(lambda i=i: order.append(f"r{i}"), (10 - i, 0))
+    gate.set()
+    io.close()
+    assert order.index("w") == WRITE_EVERY - 1, order
+    assert [o for o in order if o != "w"] == [f"r{i}" for i in reversed(range(10))]

@@ -7,6 +7,12 @@ file and renames it; one that finds the directory removed re-creates it and retr
 (recreate.py). A load job pins the key, opens and verifies the header (MACs, key), then queues one
 job per chunk of the requested prefix; the last chunk job closes the file and posts the completion.
 
+Read order (`IoScheduler` ranks): every job of a load is ranked (batch, layer group), its batch its
+own ticket or, if it was submitted with `batch`, that earlier load's; so the loads of one batch (a
+restore's extents) are read layer group by layer group, each group's chunks in load and chunk
+order, and batches one after another in the order they began. A lookup ranks after every load
+submitted before it.
+
 Sharing a root with other processes (docs/DESIGN.md "Sharing a tier"): the byte budget is the
 root's (ledger.py, shared.py); the index is never trusted as proof that a file exists: a store
 checks the file before answering "present" (and writes it again if it is gone; a file there that
@@ -61,6 +67,7 @@ from sgl_hicache.tier.file.retain import TierRetention
 from sgl_hicache.tier.file.scan import scan
 from sgl_hicache.tier.file.source import run_lookup
 from sgl_hicache.tier.format import DirectoryMac, FormatError, Mismatch, NewerFormat
+from sgl_hicache.tier.groups import section_of
 from sgl_hicache.tier.keys import ROOT_KEY, ExtentKey, Namespace, check_key
 from sgl_hicache.tier.path_lookup import LookupQueue
 from sgl_hicache.tier.scheduler import IoScheduler
@@ -186,19 +193,20 @@ class FileTier(IndexedTier):
     # -- loads --------------------------------------------------------------------------------
 
     def submit_load(self, key: ExtentKey, dest: Buffer, nbytes: int | None = None,
-                    group_layers: int | None = None) -> Ticket:  # fmt: skip
+                    group_layers: int | None = None, batch: Ticket | None = None) -> Ticket:  # fmt: skip
         view, ticket = as_view(dest, writable=True), self._completions.issue()
-        job = partial(self._open_job, ticket, check_key(key), view, nbytes, group_layers)
+        first = int(ticket) if batch is None else min(int(batch), int(ticket))
+        job = partial(self._open_job, ticket, check_key(key), view, nbytes, group_layers, first)
         with self._lock:
             closed = self._closed
             if not closed:
-                self._io.submit_read(job)
+                self._io.submit_read(job, (first, 0))
         if closed:
             self._completions.post(Completion(ticket, Op.LOAD, key, Status.REJECTED, 0, "closed"))
         return ticket
 
     def _open_job(self, ticket: Ticket, key: ExtentKey, dest: memoryview, nbytes: int | None,
-                  group_layers: int | None) -> None:  # fmt: skip
+                  group_layers: int | None, batch: int) -> None:  # fmt: skip
         with self._lock:
             self._index.pin(key)
             seen = self._index.get(key)
@@ -234,8 +242,9 @@ class FileTier(IndexedTier):
         if load.remaining == 0:
             self._end_load(load)
             return
-        for i in range(1, load.remaining):  # in order: the I/O threads take group 0's chunks first
-            self._io.submit_read(partial(self._chunk_job, load, i))
+        groups = section_of(ext.header.sections, [piece.raw_off for piece in load.pieces])
+        for i in range(1, load.remaining):  # ranked: the batch's group 0 first (see the module doc)
+            self._io.submit_read(partial(self._chunk_job, load, i), (batch, groups[i]))
         self._chunk_job(load, 0)
 
     def _chunk_job(self, load: LoadState, index: int) -> None:
@@ -281,8 +290,9 @@ class FileTier(IndexedTier):
     def submit_lookup(self, request: LookupRequest) -> None:
         with self._lock:
             closed = self._closed
-            if not closed:
-                self._io.submit_read(self._lookups.job(request, self._lookup))
+            if not closed:  # after the loads submitted so far, before those to come
+                rank = (self._completions.issued + 1, -1)
+                self._io.submit_read(self._lookups.job(request, self._lookup), rank)
         if closed:
             self._lookups.post(LookupResult(request))
 

@@ -238,7 +238,8 @@ class MooncakeTier(IndexedTier):
         self._counters.add("store_bytes", req.payload.nbytes)
 
     def submit_load(self, key: ExtentKey, dest: Buffer, nbytes: int | None = None,
-                    group_layers: int | None = None) -> Ticket:  # fmt: skip
+                    group_layers: int | None = None, batch: Ticket | None = None) -> Ticket:  # fmt: skip
+        """`batch` is ignored: each load is one job that reads its groups in order (see the base)."""
         view = as_view(dest, writable=True)
         check_key(key)
         ticket = self._completions.issue()

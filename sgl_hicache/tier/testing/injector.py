@@ -181,14 +181,14 @@ class FaultyTier(IndexedTier):
         return ticket
 
     def submit_load(self, key: ExtentKey, dest: Buffer, nbytes: int | None = None,
-                    group_layers: int | None = None) -> Ticket:  # fmt: skip
+                    group_layers: int | None = None, batch: Ticket | None = None) -> Ticket:  # fmt: skip
         ticket, release_at, fail, corrupt, silent = self._draw()
         if fail:
             return self._inject_failure(ticket, Op.LOAD, key, release_at)
         late = self._draw_late() and not (corrupt or silent)
         view = as_view(dest, writable=True)
         with self._lock:
-            inner = self._inner.submit_load(key, view, nbytes, group_layers)
+            inner = self._inner.submit_load(key, view, nbytes, group_layers, self._inner_ticket(batch))
             self._plans[inner] = _Plan(ticket, release_at, view if corrupt or silent else None, silent,
                                        view if late else None)  # fmt: skip
             if not (corrupt or silent):  # a load bound to be corrupted never shows verified bytes
@@ -196,6 +196,12 @@ class FaultyTier(IndexedTier):
                 cap = int(total * self._spec.late_fault_share) if late else None
                 self._progress[ticket] = _Progress(inner, time.monotonic(), release_at, total, cap=cap)
         return ticket
+
+    def _inner_ticket(self, batch: Ticket | None) -> Ticket | None:
+        """The wrapped tier's ticket of load `batch` while it runs there (None: it is not). Locked."""
+        if batch is None:
+            return None
+        return next((inner for inner, plan in self._plans.items() if plan.ticket == batch), None)
 
     def landed(self, ticket: Ticket) -> int:
         with self._lock:

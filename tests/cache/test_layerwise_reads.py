@@ -1,0 +1,101 @@
+"""Issue 37 item 1, measured: a layer-wise restore of a history of several extents must be admitted
+once layer group 0 of each has landed, not once most of the history has. The tier reads a restore's
+extents layer group by layer group (`Tier.submit_load(batch=...)`): every extent's group 0 before
+any byte of a later group, so the prefill starts after about 1/groups of the restore's reads.
+
+The tier has one I/O thread here and the test holds it at its first chunk until the admission has
+started every read (so the order does not depend on thread timing), then at the first chunk of a
+later group: the restore must be admitted layer-wise with that thread still held. Read extent by
+extent (group 0 of the second extent queued behind the first extent's group 1), it never is.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from tests.cache.conftest import LAYERS, expected_kv
+from tests.cache.test_layerwise import forward
+
+CHUNK = 4096
+TURN = 200  # tokens a node, so an extent: 25,600 B of packed KV (128 B a token), 12,800 B a group
+GROUP_CHUNKS = 4  # chunks of 4 KiB a group
+TURNS = 4
+
+
+def test_a_restore_of_several_extents_is_admitted_before_any_later_group_is_read(
+    make_stack: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+
+    from sgl_hicache.tier.file import backend
+
+    s = make_stack(size=2048, chunk_bytes=CHUNK, layerwise_restore=True, io_threads=1)
+    tokens = list(range(300, 300 + TURN * TURNS))
+    for end in range(TURN, len(tokens) + 1, TURN):
+        s.insert(tokens[:end])  # one node (one extent) per turn
+    s.evict_all()
+    assert s.cache.controller.layout.count == LAYERS == 2
+
+    started, later = threading.Event(), threading.Event()
+    reads: list[tuple[bytes, int]] = []  # (extent key, layer group) of each chunk read, in order
+    real = backend.read_chunk
+
+    def read_chunk(ext: Any, piece: Any, dest: Any) -> int:
+        group = bisect.bisect_right(list(itertools.accumulate(ext.header.sections)), piece.raw_off)
+        reads.append((bytes(ext.header.key), group))
+        started.wait(30)  # the first read waits until the admission has started every read
+        if group > 0:
+            later.wait(30)  # hold the only I/O thread at the first chunk of a later group
+        return real(ext, piece, dest)
+
+    monkeypatch.setattr(backend, "read_chunk", read_chunk)
+    keys = {bytes(node.spill.extent.key) for node in spilled_chain(s, tokens)}
+    assert len(keys) == TURNS
+    m = s.match(tokens)
+    assert m.host_hit_length == len(tokens)
+    req = SimpleNamespace(last_node=m.last_device_node, rid="resume")
+    params = InitLoadBackParams(m.best_match_node, m.host_hit_length, req=req)
+    t0 = time.monotonic()
+    try:
+        assert s.cache.init_load_back(params) is None, "admitted before any read landed"
+        started.set()
+        deadline = time.monotonic() + 20
+        while (answer := s.cache.init_load_back(params)) is None:
+            assert time.monotonic() < deadline, (
+                f"not admitted while a later group's read waits: read so far {[g for _, g in reads]}"
+            )
+            time.sleep(0.005)
+        groups = [g for _, g in reads]
+        assert answer[0] == len(tokens), f"recomputed: group 0 never landed (groups read: {groups})"
+        (restore,) = s.cache.layerwise.active
+        assert restore.overlapped and not restore.done(1)
+        first = TURNS * GROUP_CHUNKS  # every chunk of group 0, then (perhaps) the held one
+        assert groups[:first] == [0] * first and groups[first:] in ([], [1]), groups
+        assert {key for key, _ in reads} == keys
+    finally:
+        started.set()
+        later.set()
+    _, node = answer
+    req.last_node = node
+    s.cache.inc_lock_ref(node)
+    assert forward(s, s.cache.path_device_indices(node)) == [expected_kv(tokens)] * LAYERS
+    assert s.cache.after_forward([req]) == []
+    elapsed = time.monotonic() - t0
+    totals = s.metrics.totals
+    assert totals["layerwise_overlapped_restores"] == 1 and totals["restored_tokens"] == len(tokens)
+    assert 0 < totals["restore_read_seconds"] <= elapsed, "the restore's reads were not counted"
+    s.cache.dec_lock_ref(node)
+    s.cache.check_integrity()
+
+
+def spilled_chain(s: Any, tokens: list[int]) -> list[Any]:
+    """The spilled nodes `tokens` match, top down."""
+    m = s.match(tokens)
+    return [n for n in s.cache.tree.path_up(m.best_match_node, s.cache.root_node) or [] if n.evicted]
