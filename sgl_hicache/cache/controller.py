@@ -322,6 +322,7 @@ class SpillController:
         sources = self.reads.gather({e: n for e, n in needs(progress.refs).items() if e not in done})
         try:
             if sources is not None:
+                self.reads.count_read_span(needs(progress.refs))  # also the reads unpacked early
                 for i, ref, _ in progress.parts():
                     if id(ref.extent) in done:
                         continue

@@ -25,9 +25,11 @@ Contract (every method runs on the scheduler thread and never blocks on I/O):
   reads started together join the first of them still running), so that group 0 of every extent
   lands first and the prefill can start after about 1/groups of the reads, not after most of them;
 - `restore_read_seconds` (`count_read_span`): the first read a restore used starting to the last
-  one completing, as the scheduler saw it; counted once per restore that got all its bytes, whole
-  (`gather`) or layer-wise (when it settled: a read whose completion was not taken yet by then
-  counts until then).
+  one completing, as the scheduler saw it; counted by the controller once per restore that got all
+  its bytes, whole (at `complete`, the reads of extents unpacked early included) or layer-wise
+  (when it settled), a read whose completion was not taken yet by then counting until then. The
+  reads of a restore streamed through staging that were given back before it completed are not
+  in its window.
 """
 
 from __future__ import annotations
@@ -264,7 +266,6 @@ class ExtentReads:
             if landing is None:
                 return None
             sources[eid] = landing
-        self.count_read_span(wanted)
         return sources
 
     def count_read_span(self, wanted: Collection[int]) -> None:

@@ -240,3 +240,38 @@ def test_a_partial_restore_whose_chain_was_split_meanwhile_is_replaced(make_stac
     assert s.metrics.totals.get("internal_errors", 0) == 0
     assert s.cache.controller.restores.get(RID) is None
     s.cache.check_integrity()
+
+
+class HeldCompletions:
+    """A tier whose completions the caller gets only once `hold` is off (its loads land meanwhile)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.hold = True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def get_finished(self) -> list[Any]:
+        return [] if self.hold else self.inner.get_finished()
+
+
+def test_a_restore_unpacked_whole_before_its_completion_counts_its_read_time(make_stack: Any) -> None:
+    """`restore_read_seconds` counts every read a whole restore used, also those whose bytes were all
+    unpacked early (here its only one: unpacked whole while the completion was still on its way)."""
+    s = make_stack(size=512, chunk_bytes=CHUNK)
+    s.insert(B)
+    s.evict_all()
+    tier = s.cache.controller.tier = HeldCompletions(s.cache.controller.tier)
+    m, params = admission(s)
+    t0 = time.monotonic()
+    deadline = t0 + 30
+    while not ((progress := s.cache.controller.restores.get(RID)) and progress.done_extents()):
+        assert s.cache.init_load_back(params) is None, "admitted before its read completed"
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    tier.hold = False
+    loaded, last = retry_until_answered(s, m, params)
+    assert loaded == len(B) and read_kv(s.pool, last.value) == expected_kv(B)
+    assert 0 < s.metrics.totals["restore_read_seconds"] <= time.monotonic() - t0
+    s.cache.check_integrity()
