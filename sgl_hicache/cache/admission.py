@@ -133,13 +133,17 @@ class RestoreAdmission(GuardedPart[Host]):
         return params.host_hit_length, params.best_match_node
 
     def _agreed_readiness(self, nodes: list[TreeNode], ready: Readiness) -> Readiness | None:
-        """The readiness every rank agrees on (the least ready); None: some rank's extent is LOST."""
+        """The readiness every rank agrees on (the least ready); None: some rank's extent is LOST.
+        A disagreement is counted only where another rank's verdict changed the outcome here (the
+        restore goes on, recomputes, or drops the chain): a read landing a round later on one rank
+        makes the others wait a round, which is timing, not a disagreement."""
         host = self.host
         lost = any(node.spill.extent.state is ExtentState.LOST for node in nodes)
         codes = {Readiness.READY: 5, Readiness.LAYERWISE: 4, Readiness.PENDING: 3, Readiness.STREAMING: 2}
         code = codes.get(ready, 0 if lost else 1)
         agreed = host.agreement.min([code])[0]
-        host.spill_metrics.inc("tp_disagreements", int(agreed != code))
+        goes_on = codes[Readiness.STREAMING]  # every level from here up: the restore goes on
+        host.spill_metrics.inc("tp_disagreements", int(min(agreed, goes_on) != min(code, goes_on)))
         if agreed == 0 and host.agreement.size > 1:
             return None
         return {v: k for k, v in codes.items()}.get(agreed, Readiness.FAILED)

@@ -122,7 +122,8 @@ COUNTERS = {
     "lost_extents": "extents gone when read (evicted or removed by another process, a store restarted): clean misses",
     "mismatch_extents": "extents whose header or length was not what their key names (never used as KV)",
     "flushes": "cache flushes (flush_cache, weight updates): each starts a new key epoch",
-    "tp_disagreements": "decisions one TP rank could take and another could not (spill, restore, warm start): all took the safe one",
+    "tp_disagreements": "decisions one TP rank could take and another could not (spill, restore, warm start): all took "
+    "the safe one (not a read landing a scheduler round later on one rank: the others wait that round)",
     "prefetch_requests": "arriving requests whose prefix runs into spilled KV (reads started at arrival)",
     "prefetch_issued": "extent reads started by a prefetch",
     "prefetch_coalesced": "prefetches that joined a read already started for the same extent",

@@ -185,8 +185,8 @@ def test_a_rank_short_of_staging_streams_and_the_other_follows(tmp_path: Path) -
         assert records[0] == records[1], "the ranks' restores diverged"
         assert records[1][0][:2] == (len(tokens), expected_kv(tokens))
         assert stacks[1].metrics.totals["restores_streamed"] == 1
-        for stack in stacks:
-            assert stack.metrics.totals["restore_failures"] == 0
+        for stack in stacks:  # rank 0 waited for rank 1's windows: timing, not a disagreement
+            assert stack.metrics.totals["restore_failures"] == stack.metrics.totals["tp_disagreements"] == 0
             stack.cache.check_integrity()
     finally:
         for stack in stacks:
