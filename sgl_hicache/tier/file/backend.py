@@ -7,11 +7,8 @@ file and renames it; one that finds the directory removed re-creates it and retr
 (recreate.py). A load job pins the key, opens and verifies the header (MACs, key), then queues one
 job per chunk of the requested prefix; the last chunk job closes the file and posts the completion.
 
-Read order (`IoScheduler` ranks): every job of a load is ranked (batch, layer group), its batch its
-own ticket or, if it was submitted with `batch`, that earlier load's; so the loads of one batch (a
-restore's extents) are read layer group by layer group, each group's chunks in load and chunk
-order, and batches one after another in the order they began. A lookup ranks after every load
-submitted before it.
+Read order: a load's jobs are ranked (batch, layer group) (`IoScheduler`; the batch: the load's own
+ticket or the one it joined) and a lookup after the loads before it: a restore is read group-major.
 
 Sharing a root with other processes (docs/DESIGN.md "Sharing a tier"): the byte budget is the
 root's (ledger.py, shared.py); the index is never trusted as proof that a file exists: a store
