@@ -25,9 +25,10 @@ Contract (every method runs on the scheduler thread and never blocks on I/O):
   reads started together join the first of them still running), so that group 0 of every extent
   lands first and the prefill can start after about 1/groups of the reads, not after most of them;
 - `restore_read_seconds` (`count_read_span`): the first read a restore used starting to the last
-  one completing, as the scheduler saw it; counted by the controller once per restore that got all
-  its bytes, whole (at `complete`, the reads of extents unpacked early included) or layer-wise
-  (when it settled), a read whose completion was not taken yet by then counting until then. The
+  one completing (when the tier posted its completion, `Completion.at`, not when the scheduler
+  took it); counted by the controller once per restore that got all its bytes, whole (at
+  `complete`, the reads of extents unpacked early included) or layer-wise (when it settled), a
+  read whose completion was not taken yet by then counting until then (an upper bound). The
   reads of a restore streamed through staging that were given back before it completed are not
   in its window.
 """
@@ -73,7 +74,7 @@ class PendingRead:
     started: float
     prefetched: bool
     done: Completion | None = None
-    finished: float = 0.0  # when the scheduler took its completion (monotonic)
+    finished: float = 0.0  # when the tier posted its completion (monotonic; 0: not taken yet)
     usable: bool = True
     deferred: bool = False  # a restore already found it pending
 
@@ -134,7 +135,7 @@ class ExtentReads:
         if read is None:
             return False
         read.done = self._checked(read, done)
-        read.finished = time.monotonic()
+        read.finished = done.at
         if not read.usable:
             self.release(read.buf)
         return True

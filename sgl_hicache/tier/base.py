@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import abc
 import enum
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NewType, TypeAlias
 
 import numpy as np
@@ -60,7 +61,8 @@ class Status(enum.Enum):
 
 @dataclass(frozen=True)
 class Completion:
-    """Result of one operation. `nbytes`: payload bytes stored, or loaded into the destination."""
+    """Result of one operation. `nbytes`: payload bytes stored, or loaded into the destination;
+    `at`: when the tier posted it (`time.monotonic()`, on the thread that ended the operation)."""
 
     ticket: Ticket
     op: Op
@@ -68,6 +70,7 @@ class Completion:
     status: Status
     nbytes: int = 0
     detail: str = ""
+    at: float = field(default_factory=time.monotonic, compare=False)
 
     @property
     def ok(self) -> bool:

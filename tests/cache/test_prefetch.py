@@ -123,6 +123,29 @@ def test_reads_restarted_past_their_ttl_never_defer_a_request_forever(make_stack
     assert answer == (0, m.last_device_node) and s.metrics.totals["restores_too_late"] == 1
 
 
+def test_the_read_time_ends_when_the_tier_finished_not_when_the_scheduler_looked(make_stack: Any) -> None:
+    """`restore_read_seconds` is the reads' own time: a read that finished while the scheduler was
+    busy for a second (a long forward) does not count that second (the completion's `at`)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+
+    from sgl_hicache.config import PrefetchPolicy
+
+    s = make_stack(prefetch_policy=PrefetchPolicy.WAIT_COMPLETE)
+    s.insert(A)
+    s.evict_all()
+    m = s.match(A)
+    req = SimpleNamespace(last_node=m.last_device_node, rid="busy")
+    params = InitLoadBackParams(m.best_match_node, m.host_hit_length, req=req)
+    assert s.cache.init_load_back(params) is None  # the reads start; admission is deferred
+    time.sleep(1.0)  # the scheduler is in a forward; the tier finishes the small read meanwhile
+    loaded, last = s.load_back(m, rid="busy")
+    assert loaded == 40 and read_kv(s.pool, last.value) == expected_kv(A)
+    read = s.metrics.totals["restore_read_seconds"]
+    assert 0 < read < 0.5, f"the read's time ({read:.2f} s) includes the scheduler's busy second"
+
+
 def test_a_resumed_turns_phases_are_counted(make_stack: Any) -> None:
     """The benchmark's per-phase breakdown (`restore_*_seconds`): a read of 0.3 s that the admission
     waited for shows as wait and read time, and the unpack that followed as unpack time."""

@@ -3,7 +3,7 @@
 For other components' tests (the cache, prefetch): every submit draws from one `random.Random(seed)`
 in submission order, so a test that submits the same sequence sees the same faults.
 
-- latency: a completion is not returned before `latency_s` (+ uniform jitter) after its submit;
+- latency: a completion is not returned before `latency_s` (+ uniform jitter) after its submit (its `at`: then);
   meanwhile `landed` reveals the load's verified bytes at a steady rate over that time (a slow disk
   reading chunk after chunk), never more than the wrapped tier has verified.
 - fail_rate: the operation is not passed on; it completes IO_ERROR.
@@ -239,7 +239,7 @@ class FaultyTier(IndexedTier):
                     self._progress[plan.ticket].verified = c.nbytes
         now = time.monotonic()
         with self._lock:
-            due = [c for t, c in self._held if t <= now]
+            due = [replace(c, at=max(c.at, t)) for t, c in self._held if t <= now]  # done when released
             self._held = [(t, c) for t, c in self._held if t > now]
             self._ready.update((c.ticket, c) for c in due)
 
