@@ -14,7 +14,8 @@ one question of 96 tokens):
 
   1. history: a prompt of L tokens is served (the conversation so far);
   2. resident: n new tokens on it while it is still in the device pool (`resident_ms`: the
-     floor any cache is compared with, measured on every server after every resume too);
+     floor any cache is compared with, measured on every server after every resume too, once
+     the resume's own writes are done, as the resume is timed after the other work's);
   3. other work: unrelated short prompts of more tokens than the device pool and the host pool
      (HiCache's, LMCache's L1) together, so the history is in neither; once their writes are done, the tier's files
      are dropped from the page cache (fadvise: the servers' own code stays cached, else the
@@ -145,6 +146,7 @@ def run_server(system: System, shape: Shape, model: Path, lengths: list[int], re
                     before = spill_counters(base) if ours else {}
                     ms, cached = ttft(base, history + seq(1000 + rep + 10 * n, n))
                     after = spill_counters(base) if ours else {}
+                    settle(system, base)  # the resume's new tokens written back: no write beside it either
                     resident_ms, _ = ttft(base, history + seq(2000 + rep + 10 * n, n))
                     row = dict(system=system.name, round=round_, rep=rep, length=length, new_tokens=n,
                                resume_ms=ms, cached=cached, resident_ms=resident_ms, **phases(before, after))  # fmt: skip
