@@ -1,7 +1,9 @@
-"""What the wheels hold (issue 28): the runtime wheel (`sgl-hicache`, the repository root) holds the
-runtime only, every module of it, and names in its entry points only what it holds; the CPU profile's
-wheel (`sgl-hicache-cpu`, `cpu/`) holds the CPU pieces and its entry points. The benchmarks and the
-model generator (`benchmarks/`) are in neither: they run from a checkout, and the runtime says so."""
+"""What the wheels hold (issues 28, 39): the runtime wheel (`sgl-hicache`, the repository root) holds
+the runtime only, every module of it, names in its entry points only what it holds, and depends on
+the kernels' wheel (`sgl-hicache-kernels`, `kernels/`) at its version, which holds every kernel
+module; the CPU profile's wheel (`sgl-hicache-cpu`, `cpu/`) holds the CPU pieces and its entry
+points. The benchmarks and the model generator (`benchmarks/`) are in none: they run from a
+checkout, and the runtime says so."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ import configparser
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
+from email.parser import HeaderParser
 from pathlib import Path
 
 import pytest
@@ -49,6 +53,12 @@ def entry_points(wheel: zipfile.ZipFile) -> dict[str, dict[str, str]]:
     return {section: dict(parser[section]) for section in parser.sections()}
 
 
+def requirements(wheel: zipfile.ZipFile) -> list[str]:
+    """The wheel's `Requires-Dist` lines (its METADATA)."""
+    (name,) = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
+    return HeaderParser().parsestr(wheel.read(name).decode()).get_all("Requires-Dist") or []
+
+
 def module_file(target: str) -> str:
     """`pkg.mod:attr` -> `pkg/mod.py`."""
     return target.partition(":")[0].replace(".", "/") + ".py"
@@ -57,7 +67,14 @@ def module_file(target: str) -> str:
 @pytest.fixture(scope="module")
 def runtime(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
     return build_wheel(
-        ROOT, ("pyproject.toml", "README.md", "sgl_hicache", "kernels"), tmp_path_factory.mktemp("runtime")
+        ROOT, ("pyproject.toml", "README.md", "sgl_hicache"), tmp_path_factory.mktemp("runtime")
+    )
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
+    return build_wheel(
+        ROOT / "kernels", ("pyproject.toml", "sgl_hicache_kernels"), tmp_path_factory.mktemp("kernels")
     )
 
 
@@ -71,12 +88,24 @@ def test_the_runtime_wheel_holds_every_runtime_module_and_nothing_else(runtime: 
     expected = {
         f"sgl_hicache/{p.relative_to(ROOT / 'sgl_hicache')}" for p in (ROOT / "sgl_hicache").rglob("*.py")
     }
-    expected |= {
-        f"sgl_hicache/kernels/{p.relative_to(ROOT / 'kernels')}" for p in (ROOT / "kernels").rglob("*.py")
-    }
     assert held == expected
-    assert not [n for n in runtime.namelist() if n.startswith(("benchmarks/", "sgl_hicache_cpu/", "tests/"))]
-    assert not [n for n in held if "modelgen" in n or "/platform/" in n or "/bench/" in n]
+    outside = ("benchmarks/", "sgl_hicache_cpu/", "sgl_hicache_kernels/", "kernels/", "tests/")
+    assert not [n for n in runtime.namelist() if n.startswith(outside)]
+    assert not [n for n in held if "modelgen" in n or "/platform/" in n or "/bench/" in n or "kernels" in n]
+
+
+def test_the_runtime_wheel_depends_on_the_kernels_at_their_version(runtime: zipfile.ZipFile) -> None:
+    version = tomllib.loads((ROOT / "kernels" / "pyproject.toml").read_text())["project"]["version"]
+    assert version == tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert f"sgl-hicache-kernels=={version}" in requirements(runtime)
+
+
+def test_the_kernels_wheel_holds_every_kernel_module_and_nothing_else(kernels: zipfile.ZipFile) -> None:
+    package = ROOT / "kernels" / "sgl_hicache_kernels"
+    held = {n for n in kernels.namelist() if not n.startswith("sgl_hicache_kernels-")}  # not .dist-info
+    assert held == {f"sgl_hicache_kernels/{p.relative_to(package)}" for p in package.rglob("*.py")}
+    assert not [n for n in kernels.namelist() if n.endswith("entry_points.txt")]
+    assert not [r for r in requirements(kernels) if r.startswith(("sgl-hicache", "sglang"))]
 
 
 def test_the_runtime_wheel_names_only_what_it_holds(runtime: zipfile.ZipFile) -> None:
