@@ -22,7 +22,7 @@ lint: setup
 	$(PY) -m ruff format --check .
 
 typecheck: setup
-	$(PY) -m mypy sgl_hicache kernels cpu/sgl_hicache_cpu benchmarks/bench benchmarks/modelgen
+	$(PY) -m mypy sgl_hicache kernels/sgl_hicache_kernels cpu/sgl_hicache_cpu benchmarks/bench benchmarks/modelgen
 
 # pytest exits 5 when it collected no tests: that is a failure here, never a pass.
 pytest: setup

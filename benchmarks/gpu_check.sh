@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# GPU check of the KV pack/unpack kernels (kernels/) on a fresh CUDA or ROCm machine.
+# GPU check of the KV pack/unpack kernels (kernels/, sgl_hicache_kernels) on a fresh CUDA or ROCm machine.
 #
 #   bash benchmarks/gpu_check.sh
 #
 # 1. Setup (not counted in the 3 minutes): a venv at $GPU_CHECK_VENV (default /tmp/sgl-hicache-gpu)
 #    that sees the system's packages, so a preinstalled CUDA/ROCm torch is reused; torch and triton
 #    are installed from pip only if missing (ROCm: set TORCH_INDEX_URL, e.g.
-#    https://download.pytorch.org/whl/rocm6.4), then pytest and this repo with `pip install --no-deps -e .`
-#    (the kernels import neither sglang nor the rest of the project's dependencies). Offline, with
-#    torch and triton preinstalled: pytest is skipped if missing and, if the install fails,
-#    sgl_hicache.kernels is mapped to kernels/ through a PYTHONPATH shim.
+#    https://download.pytorch.org/whl/rocm6.4), then pytest and the kernels' distribution with
+#    `pip install --no-deps -e ./kernels` (the kernels import neither sglang nor the rest of the
+#    project). Offline, with torch and triton preinstalled: pytest is skipped if missing and, if the
+#    install fails, kernels/ goes on PYTHONPATH (it holds the package sgl_hicache_kernels).
 #    GPU_CHECK_PYTHON=/path/to/python skips all of this and uses that interpreter as it is.
 # 2. Within 3 minutes: the Triton cases of tests/kernels/test_pack.py on the GPU (marker `gpu`,
 #    torch.equal against the plain-torch reference), then `python -m benchmarks.kernels` for a Llama-8B-like
@@ -17,7 +17,7 @@
 #    GB/s of pack/unpack vs a device-to-device copy of the same bytes, for the Triton backend and
 #    for the torch backend on the same GPU. Exit status: non-zero if any of these fails. Then, in
 #    the time left, a sweep of Triton launch configs (block bytes x spans per program) to pick the
-#    defaults in kernels/pack_triton.py by measurement.
+#    defaults in kernels/sgl_hicache_kernels/pack_triton.py by measurement.
 #
 # Dry run on a CPU box (checks the script, not the kernels):
 #   GPU_CHECK_ALLOW_CPU=1 GPU_CHECK_PRESET=cpu GPU_CHECK_BACKENDS=torch \
@@ -39,14 +39,12 @@ else
   fi
   "$PY" -c "import pytest" 2>/dev/null || "$PY" -m pip install -q pytest pytest-timeout ||
     echo "gpu_check: no pytest (offline?): the benchmark's torch.equal checks remain"
-  "$PY" -m pip install -q --no-deps -e . || echo "gpu_check: pip install -e . failed (offline?)"
+  "$PY" -m pip install -q --no-deps -e ./kernels || echo "gpu_check: pip install -e ./kernels failed (offline?)"
 fi
-# Without the install (offline, no setuptools), map sgl_hicache.kernels -> kernels/ by hand.
-if ! "$PY" -c "import sgl_hicache.kernels" 2>/dev/null; then
-  shim="$(mktemp -d)/sgl_hicache"
-  mkdir -p "$shim" && cp sgl_hicache/__init__.py "$shim/" && ln -s "$ROOT/kernels" "$shim/kernels"
-  export PYTHONPATH="$(dirname "$shim"):$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-  "$PY" -c "import sgl_hicache.kernels"
+# Without the install (offline, no setuptools), the package from kernels/ through PYTHONPATH.
+if ! "$PY" -c "import sgl_hicache_kernels" 2>/dev/null; then
+  export PYTHONPATH="$ROOT/kernels${PYTHONPATH:+:$PYTHONPATH}"
+  "$PY" -c "import sgl_hicache_kernels"
 fi
 
 if "$PY" - <<'EOF'

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from sgl_hicache.kernels import KVKind, KVPoolView, pack_kv, packed_nbytes, unpack_kv
+from sgl_hicache_kernels import KVKind, KVPoolView, pack_kv, packed_nbytes, unpack_kv
 
 from benchmarks.harness import emit, gbps, log
 
@@ -129,8 +129,8 @@ def measure(view: KVPoolView, n: int, backend: str, rounds: int, runs: int = 0) 
 
 def sweep(view: KVPoolView, n: int, rounds: int) -> dict[str, Any]:
     """Time the Triton kernels over launch configs (block bytes x group; warps follow the block)."""
-    from sgl_hicache.kernels.pack_triton import LaunchConfig, pack_kv_triton, unpack_kv_triton
-    from sgl_hicache.kernels.plan import plan_copy
+    from sgl_hicache_kernels.pack_triton import LaunchConfig, pack_kv_triton, unpack_kv_triton
+    from sgl_hicache_kernels.plan import plan_copy
 
     slots = make_slots(view, n)
     out = torch.empty(packed_nbytes(view, n), dtype=torch.uint8, device=view.device)

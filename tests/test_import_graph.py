@@ -4,9 +4,9 @@
   `if TYPE_CHECKING:` imports do not (they never run). A function-level import can run at any
   moment, a signal handler included: one that finds its module half-imported fails.
 - Inside `tier/` and `cache/` no cycles at all, type-only imports included.
-- Layers: `tier` imports nothing of `cache`/`server`/`bench`, and `kernels` (the top-level
-  `kernels/` directory, installed as `sgl_hicache.kernels`) nothing of `cache`/`server`; here
-  type-only imports count too (a type is a dependency).
+- Layers: `tier` imports nothing of `cache`/`server`/`bench`, and the kernels (`sgl_hicache_kernels`,
+  the top-level `kernels/` directory, a distribution the runtime depends on) nothing of the runtime
+  `sgl_hicache`; here type-only imports count too (a type is a dependency).
 - The tier's wings (`tier/file`, `tier/mooncake`, `tier/testing`) never import each other, and the
   top of `tier/` (the contract and what every backend shares) imports no wing: it reaches a
   backend only through `tier/registry.py`, whose lazy imports name each wing's module by string
@@ -44,9 +44,10 @@ class Edge:
 
 PACKAGES = {
     "sgl_hicache": ROOT / "sgl_hicache",
-    "sgl_hicache.kernels": ROOT / "kernels",
-    # Not in the runtime wheel: the benchmarks and the model generator (run from a checkout) and the
-    # CPU profile (distribution sgl-hicache-cpu). Read so that edges into them are seen.
+    # The kernels: distribution sgl-hicache-kernels, which the runtime depends on.
+    "sgl_hicache_kernels": ROOT / "kernels" / "sgl_hicache_kernels",
+    # Not installed with the runtime: the benchmarks and the model generator (run from a checkout) and
+    # the CPU profile (distribution sgl-hicache-cpu). Read so that edges into them are seen.
     "benchmarks.bench": ROOT / "benchmarks" / "bench",
     "benchmarks.modelgen": ROOT / "benchmarks" / "modelgen",
     "sgl_hicache_cpu": ROOT / "cpu" / "sgl_hicache_cpu",
@@ -54,7 +55,8 @@ PACKAGES = {
 DEV = ("benchmarks.bench", "benchmarks.modelgen", "sgl_hicache_cpu")
 LAYERS = {
     "sgl_hicache.tier": ("sgl_hicache.cache", "sgl_hicache.server", *DEV),
-    "sgl_hicache.kernels": ("sgl_hicache.cache", "sgl_hicache.server", *DEV),
+    # The runtime depends on the kernels' distribution: the kernels import none of it.
+    "sgl_hicache_kernels": ("sgl_hicache", *DEV),
     "sgl_hicache.cache": ("sgl_hicache.server", *DEV),
     "sgl_hicache.server": DEV,
     "sgl_hicache.cli": ("sgl_hicache.cache", "sgl_hicache.server", *DEV),
@@ -62,7 +64,7 @@ LAYERS = {
     # The CPU profile's platform, its plugin and its patches never import the runtime's cache.
     "sgl_hicache_cpu": ("sgl_hicache.cache", "sgl_hicache.server", "benchmarks.bench"),
 }
-# The only edges from the runtime into what the wheel does not hold, each a function-level import
+# The only edges from the runtime into what its install does not hold, each a function-level import
 # that fails with a one-line message where that piece is missing: the benchmark's forwarder, and
 # the CPU profile's defaults for `--device cpu --tp-size N` in the launcher.
 RUNTIME_TO_DEV = {
@@ -162,11 +164,11 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_the_graph_is_read() -> None:
-    assert "sgl_hicache.kernels.layout" in modules() and "sgl_hicache.cache.spill_radix_cache" in modules()
-    assert Edge("sgl_hicache.cache.controller", "sgl_hicache.kernels", False) in edges()
+    assert "sgl_hicache_kernels.layout" in modules() and "sgl_hicache.cache.spill_radix_cache" in modules()
+    assert Edge("sgl_hicache.cache.controller", "sgl_hicache_kernels", False) in edges()
     assert Edge("sgl_hicache.cache.warm_start", "sgl_hicache.cache.tree", False) in edges()
     assert Edge("sgl_hicache.server.factory", "sgl_hicache.cache.device", True) in edges()
-    assert Edge("sgl_hicache.kernels", "sgl_hicache.kernels.layout", False) in edges()  # relative
+    assert Edge("sgl_hicache_kernels", "sgl_hicache_kernels.layout", False) in edges()  # relative
     assert cycles({"a": {"b"}, "b": {"a"}, "c": {"c"}, "d": {"a"}}) == [["a", "b"], ["c"]]
 
 

@@ -1,15 +1,20 @@
-"""What the wheels hold (issue 28): the runtime wheel (`sgl-hicache`, the repository root) holds the
-runtime only, every module of it, and names in its entry points only what it holds; the CPU profile's
-wheel (`sgl-hicache-cpu`, `cpu/`) holds the CPU pieces and its entry points. The benchmarks and the
-model generator (`benchmarks/`) are in neither: they run from a checkout, and the runtime says so."""
+"""What the wheels hold (issues 28, 39): the runtime wheel (`sgl-hicache`, the repository root) holds
+the runtime only, every module of it, names in its entry points only what it holds, and depends on
+the kernels' wheel (`sgl-hicache-kernels`, `kernels/`) at its version, which holds every kernel
+module; the CPU profile's wheel (`sgl-hicache-cpu`, `cpu/`) holds the CPU pieces and its entry
+points. The benchmarks and the model generator (`benchmarks/`) are in none: they run from a
+checkout's root, and the runtime says so."""
 
 from __future__ import annotations
 
 import configparser
+import os
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
+from email.parser import HeaderParser
 from pathlib import Path
 
 import pytest
@@ -49,6 +54,12 @@ def entry_points(wheel: zipfile.ZipFile) -> dict[str, dict[str, str]]:
     return {section: dict(parser[section]) for section in parser.sections()}
 
 
+def requirements(wheel: zipfile.ZipFile) -> list[str]:
+    """The wheel's `Requires-Dist` lines (its METADATA)."""
+    (name,) = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
+    return HeaderParser().parsestr(wheel.read(name).decode()).get_all("Requires-Dist") or []
+
+
 def module_file(target: str) -> str:
     """`pkg.mod:attr` -> `pkg/mod.py`."""
     return target.partition(":")[0].replace(".", "/") + ".py"
@@ -57,7 +68,14 @@ def module_file(target: str) -> str:
 @pytest.fixture(scope="module")
 def runtime(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
     return build_wheel(
-        ROOT, ("pyproject.toml", "README.md", "sgl_hicache", "kernels"), tmp_path_factory.mktemp("runtime")
+        ROOT, ("pyproject.toml", "README.md", "sgl_hicache"), tmp_path_factory.mktemp("runtime")
+    )
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
+    return build_wheel(
+        ROOT / "kernels", ("pyproject.toml", "sgl_hicache_kernels"), tmp_path_factory.mktemp("kernels")
     )
 
 
@@ -71,12 +89,24 @@ def test_the_runtime_wheel_holds_every_runtime_module_and_nothing_else(runtime: 
     expected = {
         f"sgl_hicache/{p.relative_to(ROOT / 'sgl_hicache')}" for p in (ROOT / "sgl_hicache").rglob("*.py")
     }
-    expected |= {
-        f"sgl_hicache/kernels/{p.relative_to(ROOT / 'kernels')}" for p in (ROOT / "kernels").rglob("*.py")
-    }
     assert held == expected
-    assert not [n for n in runtime.namelist() if n.startswith(("benchmarks/", "sgl_hicache_cpu/", "tests/"))]
-    assert not [n for n in held if "modelgen" in n or "/platform/" in n or "/bench/" in n]
+    outside = ("benchmarks/", "sgl_hicache_cpu/", "sgl_hicache_kernels/", "kernels/", "tests/")
+    assert not [n for n in runtime.namelist() if n.startswith(outside)]
+    assert not [n for n in held if "modelgen" in n or "/platform/" in n or "/bench/" in n or "kernels" in n]
+
+
+def test_the_runtime_wheel_depends_on_the_kernels_at_their_version(runtime: zipfile.ZipFile) -> None:
+    version = tomllib.loads((ROOT / "kernels" / "pyproject.toml").read_text())["project"]["version"]
+    assert version == tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert f"sgl-hicache-kernels=={version}" in requirements(runtime)
+
+
+def test_the_kernels_wheel_holds_every_kernel_module_and_nothing_else(kernels: zipfile.ZipFile) -> None:
+    package = ROOT / "kernels" / "sgl_hicache_kernels"
+    held = {n for n in kernels.namelist() if not n.startswith("sgl_hicache_kernels-")}  # not .dist-info
+    assert held == {f"sgl_hicache_kernels/{p.relative_to(package)}" for p in package.rglob("*.py")}
+    assert not [n for n in kernels.namelist() if n.endswith("entry_points.txt")]
+    assert not [r for r in requirements(kernels) if r.startswith(("sgl-hicache", "sglang"))]
 
 
 def test_the_runtime_wheel_names_only_what_it_holds(runtime: zipfile.ZipFile) -> None:
@@ -103,6 +133,44 @@ def test_the_cpu_profile_wheel_holds_the_cpu_pieces(cpu_profile: zipfile.ZipFile
             assert module_file(target) in held, target
 
 
+def without_the_checkout(tmp_path: Path) -> dict[str, str]:
+    """An environment where this checkout's `sgl_hicache` is importable but the checkout is not on the
+    import path: a directory holding only a link to the package (as an install would) takes the
+    place of PYTHONPATH, which may name the checkout (`PYTHONPATH=$PWD` in a worktree)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sgl_hicache").symlink_to(ROOT / "sgl_hicache", target_is_directory=True)
+    return {**os.environ, "PYTHONPATH": str(site)}
+
+
+def bench_help(code: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """Run `code` (`python -c`) from `tmp_path`, a directory outside the checkout."""
+    return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=without_the_checkout(tmp_path),
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+
+
+def one_line(where: str) -> list[str]:
+    return [
+        "python -m sgl_hicache.bench: the benchmark runs from a source checkout of sgl-hicache "
+        f"(it is not in the installed package): run it from {where}"
+    ]
+
+
+FORWARD = """
+import runpy, sys
+sys.argv[1:] = ["--help"]
+runpy.run_module("sgl_hicache.bench", run_name="__main__")
+"""
+
+
+def test_the_benchmark_outside_the_checkouts_root_names_the_checkout(tmp_path: Path) -> None:
+    """An editable install knows its checkout, but the benchmark is run from there only: the
+    forwarder puts nothing on the import path (issue 39)."""
+    out = bench_help(FORWARD, tmp_path)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines() == one_line(str(ROOT))
+
+
 NO_CHECKOUT = """
 import sys
 from pathlib import Path
@@ -113,14 +181,10 @@ sys.exit(forwarder.main())
 """
 
 
-def test_the_benchmark_outside_a_checkout_says_where_it_runs(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-c", NO_CHECKOUT], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert out.returncode == 2
-    assert out.stderr.strip().splitlines() == [
-        "python -m sgl_hicache.bench: the benchmark runs from a source checkout of sgl-hicache "
-        "(it is not in the installed package): run it from the checkout's root"
-    ]
+def test_the_benchmark_of_an_installed_wheel_says_where_it_runs(tmp_path: Path) -> None:
+    out = bench_help(NO_CHECKOUT, tmp_path)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines() == one_line("a checkout's root")
 
 
 WITHOUT_CPU_PROFILE = """
@@ -131,11 +195,8 @@ runpy.run_module("sgl_hicache.bench", run_name="__main__")
 """
 
 
-@pytest.mark.parametrize("where", ["root", "elsewhere"])
-def test_the_benchmark_of_a_checkout_runs_without_the_cpu_profile(where: str, tmp_path: Path) -> None:
-    """From the checkout's root, or from anywhere through the editable install's checkout."""
-    cwd = ROOT if where == "root" else tmp_path
-    out = subprocess.run([sys.executable, "-c", WITHOUT_CPU_PROFILE], cwd=cwd,
+def test_the_benchmark_runs_from_the_checkouts_root_without_the_cpu_profile() -> None:
+    out = subprocess.run([sys.executable, "-c", WITHOUT_CPU_PROFILE], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert "--servers" in out.stdout and "--device" in out.stdout

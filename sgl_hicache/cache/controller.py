@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from sgl_hicache_kernels import DEFAULT_LAYER_GROUPS, KVPoolView, default_group_layers, packed_nbytes
 
 from sgl_hicache.cache.device import Copy, CopyEngine, Streams, streams_for
 from sgl_hicache.cache.lookups import FoundSegments, Lookups
@@ -51,7 +52,6 @@ from sgl_hicache.cache.restores import RestoreProgress, Restores
 from sgl_hicache.cache.spill_state import Extent, ExtentState, SpillRef
 from sgl_hicache.cache.staging import StagingPool
 from sgl_hicache.cache.staging_share import Refused, StagingShare
-from sgl_hicache.kernels import DEFAULT_LAYER_GROUPS, KVPoolView, default_group_layers, packed_nbytes
 from sgl_hicache.tier import Completion, ExtentKey, Ticket, Tier
 from sgl_hicache.tier.base import LookupResult
 

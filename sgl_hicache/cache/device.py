@@ -34,8 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from sgl_hicache.kernels import KVPoolView, LayerGroups, pack_kv, packed_nbytes, unpack_kv
+from sgl_hicache_kernels import KVPoolView, LayerGroups, pack_kv, packed_nbytes, unpack_kv
 
 TEMP_BYTES = 256 << 20
 """Device temp per copy: a node up to this size is gathered whole, so the forward waits for the
@@ -157,7 +156,7 @@ class Copy:
 class CopyEngine:
     """Packs and unpacks of one pool's KV, ordered against sglang's forward (see the module doc).
     Scheduler thread only; never blocks. Packed bytes are in `layout`'s layer groups (one section
-    per group, kernels/layout.py); an unpack moves one group's layers."""
+    per group, sgl_hicache_kernels/layout.py); an unpack moves one group's layers."""
 
     def __init__(self, view: KVPoolView, streams: Streams, layout: LayerGroups | None = None) -> None:
         self.view = view

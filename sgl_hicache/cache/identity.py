@@ -26,9 +26,9 @@ from sgl_hicache.config import ConfigError, KiB, MiB
 
 if TYPE_CHECKING:
     import torch
+    from sgl_hicache_kernels import KVPoolView
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
-    from sgl_hicache.kernels import KVPoolView
     from sgl_hicache.tier import KVDtype, Namespace
 
 logger = logging.getLogger(__name__)

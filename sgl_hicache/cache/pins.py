@@ -27,8 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from sgl_hicache_kernels import LayerGroups, packed_nbytes
 
-from sgl_hicache.kernels import LayerGroups, packed_nbytes
 from sgl_hicache.tier.format import file_bound
 from sgl_hicache.tier.keys import ExtentKey, token_digest
 from sgl_hicache.tier.path_lookup import block_tokens

@@ -42,11 +42,11 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 
 import torch
+from sgl_hicache_kernels import KVPoolView, LayerGroups, packed_nbytes
 
 from sgl_hicache.cache.metrics import SpillMetrics
 from sgl_hicache.cache.spill_state import Extent, ExtentState, SpillRef
 from sgl_hicache.cache.staging import StagingPool
-from sgl_hicache.kernels import KVPoolView, LayerGroups, packed_nbytes
 from sgl_hicache.tier import Completion, Status, Ticket, Tier
 
 logger = logging.getLogger(__name__)

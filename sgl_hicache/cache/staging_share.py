@@ -16,9 +16,10 @@ from __future__ import annotations
 import enum
 import logging
 
+from sgl_hicache_kernels import KVPoolView, packed_nbytes
+
 from sgl_hicache.cache.metrics import SpillMetrics
 from sgl_hicache.cache.staging import StagingPool
-from sgl_hicache.kernels import KVPoolView, packed_nbytes
 
 logger = logging.getLogger(__name__)
 

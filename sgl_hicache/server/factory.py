@@ -9,13 +9,13 @@ from sgl_hicache.cache.identity import namespace_for
 from sgl_hicache.config import ConfigError, SpillBackend, SpillConfig
 
 if TYPE_CHECKING:
+    from sgl_hicache_kernels import KVPoolView
     from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
     from sgl_hicache.cache.controller import SpillController
     from sgl_hicache.cache.device import Streams
     from sgl_hicache.cache.metrics import SpillMetrics
-    from sgl_hicache.kernels import KVPoolView
     from sgl_hicache.server.hints import HintInbox
     from sgl_hicache.tier import IndexedTier, Namespace
 
@@ -23,11 +23,12 @@ logger = logging.getLogger(__name__)
 
 
 def build_spill_cache(ctx: TreeCacheBuildContext) -> BasePrefixCache:
+    from sgl_hicache_kernels import from_sglang_pool
+
     from sgl_hicache.cache.agreement import for_group
     from sgl_hicache.cache.build import SpillCacheBuild
     from sgl_hicache.cache.metrics import SpillMetrics, sglang_labels
     from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
-    from sgl_hicache.kernels import from_sglang_pool
     from sgl_hicache.server.handoff import import_config
     from sgl_hicache.server.sglang_args import refuse_unserved
     from sgl_hicache.server.sglang_seam import check_seam

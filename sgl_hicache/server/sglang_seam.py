@@ -237,7 +237,7 @@ SEAM = (
     Touch("sglang.srt.utils.server_args_config_parser.ConfigArgumentMerger", CLASS, ("parser",),
           members=("merge_config_with_args",)),
     Touch("sglang.srt.arg_groups.overrides.resolution_result", FUNCTION, ("server_args", "field", "default")),
-    # the KV pools (kernels/sglang_pools.py)
+    # the KV pools (sgl_hicache_kernels/sglang_pools.py)
     Touch(_POOL + "MHATokenToKVPool", CLASS, members=("kv_cache_layout", "is_quantized_kv_cache", "k_buffer",
           "v_buffer", "page_size", "dtype", "head_num", "head_dim", "v_head_dim", "start_layer")),
     Touch(_POOL + "MLATokenToKVPool", CLASS, members=("kv_buffer", "kv_scale_buffer", "page_size", "dtype",

@@ -15,7 +15,7 @@ meta and so for every chunk checksum: only a holder of the secret could have wri
 
 Payload layout (v6, `group_layers`, the fixed header's former reserved u16): 0 (every file before
 v6) is page-major; g > 0 cuts the layers into groups of g and stores one section per group, each the
-page-major layout of its own layers (kernels/layout.py `LayerGroups`). Each section is cut into
+page-major layout of its own layers (sgl_hicache_kernels/layout.py `LayerGroups`). Each section is cut into
 chunks of `chunk_bytes` raw bytes (its last chunk may be short), in section order, so every chunk
 belongs to one group and is verified alone; its checksum covers the bytes as stored (compressed or
 not). A prefix of n pages is a prefix of every section (`load_pieces`): a load reads and verifies

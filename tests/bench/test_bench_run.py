@@ -5,6 +5,7 @@ without errors, each reuses KV from the tier it has, and the report is complete.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.server
+ROOT = Path(__file__).resolve().parents[2]
 HICACHE = "hicache-buffer"
 
 
@@ -54,7 +56,12 @@ def test_soak_alone_passes_and_reports(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "sgl_hicache.bench", "--model", "tiny", "--pool-tokens", "512",
            "--concurrency", "", "--no-trace", "--rounds", "2", "--first-tokens", "200",
            "--output-tokens", "4", "--soak", "0.4", "--out", "relative/out"]  # fmt: skip
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)  # a relative --out
+    # a relative --out, so from another directory: the checkout's root on the import path instead
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
+    }
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     line = json.loads(p.stdout.strip().splitlines()[-1])
     assert line["gate"] == "pass" and line["gate_failures"] == []

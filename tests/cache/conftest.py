@@ -141,7 +141,7 @@ def build_stack(tier_dir: Path, size: int = 256, spill: bool = True, chunk_bytes
     (`streams`: the copy streams' stand-in, see fake_device.py; default the CPU's; `kv_events`:
     record sglang's KV cache events, as `--kv-events-config` does; `io_threads`: the tier's, if not
     its default)."""
-    from sgl_hicache.kernels import from_sglang_pool
+    from sgl_hicache_kernels import from_sglang_pool
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams

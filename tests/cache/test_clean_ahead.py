@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from sgl_hicache.kernels import packed_nbytes
+from sgl_hicache_kernels import packed_nbytes
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
 import sgl_hicache.cache.clean_copies as clean_copies

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from sgl_hicache.kernels import KVKind, KVPoolView
+from sgl_hicache_kernels import KVKind, KVPoolView
 
 from sgl_hicache.cache.identity import UNISOLATED, namespace_for, weights_fingerprint
 from sgl_hicache.config import ConfigError

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from sgl_hicache.kernels import packed_nbytes
+from sgl_hicache_kernels import packed_nbytes
 
 from sgl_hicache.cache.hint_source import HintRefused, RetentionHint
 from sgl_hicache.config import ConfigError, SpillConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from sgl_hicache.kernels import packed_nbytes
+from sgl_hicache_kernels import packed_nbytes
 
 from sgl_hicache.cache.metrics import DropReason
 from tests.cache.conftest import expected_kv, read_kv

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from sgl_hicache.kernels import packed_nbytes
+from sgl_hicache_kernels import packed_nbytes
 
 from sgl_hicache.cache.metrics import SpillMetrics
 from sgl_hicache.config import SpillConfig

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sgl_hicache.kernels import packed_nbytes
+from sgl_hicache_kernels import packed_nbytes
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
 from sgl_hicache.cache.staging_share import BACKGROUND_SHARE, Refused

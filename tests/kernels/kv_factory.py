@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from sgl_hicache.kernels import KVKind, KVPoolView
+from sgl_hicache_kernels import KVKind, KVPoolView
 
 FP8 = torch.float8_e4m3fn
 

@@ -16,8 +16,8 @@ triton = pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("kernels are interpreted in this process", allow_module_level=True)
 
-from sgl_hicache.kernels import KVKind, pack_triton, packed_nbytes  # noqa: E402
-from sgl_hicache.kernels.plan import CopyPlan  # noqa: E402
+from sgl_hicache_kernels import KVKind, pack_triton, packed_nbytes  # noqa: E402
+from sgl_hicache_kernels.plan import CopyPlan  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 

@@ -6,8 +6,8 @@ import os
 
 import pytest
 import torch
-from sgl_hicache.kernels import KVKind, KVPoolView, pack_kv, packed_nbytes, page_bytes, unpack_kv
-from sgl_hicache.kernels.plan import plan_copy
+from sgl_hicache_kernels import KVKind, KVPoolView, pack_kv, packed_nbytes, page_bytes, unpack_kv
+from sgl_hicache_kernels.plan import plan_copy
 
 from .kv_factory import FP8, fresh_like, make_slots, make_view
 

@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from sgl_hicache.kernels import KVKind, KVPoolView, default_group_layers, pack_kv, packed_nbytes, unpack_kv
+from sgl_hicache_kernels import KVKind, KVPoolView, default_group_layers, pack_kv, packed_nbytes, unpack_kv
 
 from .kv_factory import FP8, byte_rows, fresh_like, make_slots, make_view
 

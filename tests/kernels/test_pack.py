@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from sgl_hicache.kernels import KVKind, KVPoolView, pack_kv, packed_nbytes, unpack_kv
+from sgl_hicache_kernels import KVKind, KVPoolView, pack_kv, packed_nbytes, unpack_kv
 
 from .kv_factory import FP8, byte_rows, fresh_like, make_slots, make_view
 
@@ -206,8 +206,8 @@ def test_backends_agree_on_unaligned_buffers(backend: str) -> None:
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_triton_launch_configs(config: tuple[int, int, int], page_size: int) -> None:
     """Forced configs: many steps per span (the looped path), groups that do not divide the spans."""
-    from sgl_hicache.kernels.pack_triton import LaunchConfig, pack_kv_triton, unpack_kv_triton
-    from sgl_hicache.kernels.plan import plan_copy
+    from sgl_hicache_kernels.pack_triton import LaunchConfig, pack_kv_triton, unpack_kv_triton
+    from sgl_hicache_kernels.plan import plan_copy
 
     view = build(TRITON_SHAPES[3], page_size, TRITON_DEVICE or "cpu")
     for pattern in ("scattered", "pages"):

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sgl_hicache.kernels import KVKind, KVPoolView, pack_torch
-from sgl_hicache.kernels.pack_torch import long_runs
+from sgl_hicache_kernels import KVKind, KVPoolView, pack_torch
+from sgl_hicache_kernels.pack_torch import long_runs
 
 from .kv_factory import FP8, make_slots
 from .test_pack import build, check_pack, check_round_trip, check_unpack

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from sgl_hicache.kernels import KVKind, from_sglang_pool, pack_kv, packed_nbytes, unpack_kv
+from sgl_hicache_kernels import KVKind, from_sglang_pool, pack_kv, packed_nbytes, unpack_kv
 
 memory_pool = pytest.importorskip("sglang.srt.mem_cache.memory_pool")
 

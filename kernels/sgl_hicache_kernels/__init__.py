@@ -1,4 +1,4 @@
-"""Bulk pack / unpack of paged KV (installed as `sgl_hicache.kernels`).
+"""Bulk pack / unpack of paged KV (the distribution sgl-hicache-kernels, `kernels/` of the repository).
 
     view = from_sglang_pool(pool)                      # once per pool
     out = torch.empty(packed_nbytes(view, len(slots)), dtype=torch.uint8, device=view.device)
@@ -9,7 +9,7 @@ The packed layout is page-major, or with `group_layers` layer-grouped: one page-
 group of that many layers (see `layout.py` and docs/KERNELS.md); `view.groups(group_layers)` gives
 each group's sub-view and byte ranges, so one group unpacks alone. `backend="auto"` runs Triton
 on CUDA/ROCm devices and torch on CPU; "triton" / "torch" force one (Triton on CPU tensors needs
-TRITON_INTERPRET=1 set before `sgl_hicache.kernels.pack_triton` is first imported).
+TRITON_INTERPRET=1 set before `sgl_hicache_kernels.pack_triton` is first imported).
 """
 
 from __future__ import annotations
