@@ -163,8 +163,8 @@ COUNTERS = {
     "restore_wait_seconds": "seconds admitted requests waited (deferred, the rest of the batch running) "
     "for the reads of their spilled prefix",
     "restore_read_seconds": "seconds from the first read a restore used starting to the last one "
-    "completing, as the scheduler saw them (verification included: the tier verifies as it reads; "
-    "a layer-wise restore's up to when it settled)",
+    "completing, when the tier finished it (verification included: the tier verifies as it reads; "
+    "a layer-wise restore's too)",
     "restore_unpack_seconds": "seconds the scheduler thread spent issuing unpacks (on a GPU, enqueueing "
     "them on the copy stream; on CPU, the copies themselves)",
     "lookup_seconds": "seconds cross-server lookups ran (start to result taken by the scheduler)",

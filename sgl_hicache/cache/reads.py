@@ -22,13 +22,13 @@ Contract (every method runs on the scheduler thread and never blocks on I/O):
   room: it could never start;
 - the tier reads a restore's (or a prefetch's) extents one after another, or, with `group_major`
   (layer-wise restores), layer group by layer group across them (`Tier.submit_load`'s `batch`: the
-  reads started together join the first of them still running), so that group 0 of every extent
+  reads one call starts join the first of them, never an earlier call's), so that group 0 of every extent
   lands first and the prefill can start after about 1/groups of the reads, not after most of them;
 - `restore_read_seconds` (`count_read_span`): the first read a restore used starting to the last
   one completing (when the tier posted its completion, `Completion.at`, not when the scheduler
   took it); counted by the controller once per restore that got all its bytes, whole (at
-  `complete`, the reads of extents unpacked early included) or layer-wise (when it settled), a
-  read whose completion was not taken yet by then counting until then (an upper bound). The
+  `complete`, the reads of extents unpacked early included) or layer-wise (when it settled; a
+  read whose completion was not taken yet is counted when it is). The
   reads of a restore streamed through staging that were given back before it completed are not
   in its window.
 """
@@ -90,15 +90,18 @@ class Landing:
 
 
 class _Batch:
-    """The reads started together (one restore's, or one prefetch's): with `group_major`, each new
-    one is read with the first of them still running (`Tier.submit_load`'s `batch`)."""
+    """The reads one call starts (one restore's, or one prefetch's): with `group_major`, each is
+    read with the first of them (`Tier.submit_load`'s `batch`). A read started earlier (another
+    request's prefetch of a shared prefix) is never joined: work joining it would rank ahead of
+    everything submitted since, for as long as reads kept joining."""
 
     def __init__(self, group_major: bool) -> None:
         self.group_major = group_major
+        self.began = time.monotonic()
         self.ticket: Ticket | None = None
 
     def joined(self, read: PendingRead) -> None:
-        if self.group_major and self.ticket is None and read.done is None:
+        if self.group_major and self.ticket is None and read.done is None and read.started >= self.began:
             self.ticket = read.ticket
 
 
@@ -124,6 +127,7 @@ class ExtentReads:
         self.ttl_s = ttl_s
         self._reads: dict[int, PendingRead] = {}  # by id(extent): loads started (prefetch or restore)
         self._tickets: dict[Ticket, PendingRead] = {}  # loads whose completion is still due
+        self._spans: list[list[PendingRead]] = []  # read spans to count once their reads complete
         self._waiting: dict[int, float] = {}  # by id(extent): reads restores wait to start (no room)
         self._mismatch_logged = False
         self._too_large_logged = False
@@ -136,6 +140,8 @@ class ExtentReads:
             return False
         read.done = self._checked(read, done)
         read.finished = done.at
+        if self._spans:
+            self._count_spans()
         if not read.usable:
             self.release(read.buf)
         return True
@@ -271,15 +277,25 @@ class ExtentReads:
 
     def count_read_span(self, wanted: Collection[int]) -> None:
         """`restore_read_seconds` of a restore that got all its bytes from the reads of the extents
-        `wanted` (by identity): the first of them starting to the last completing; one whose
-        completion was not taken yet (a layer-wise restore settles on the bytes that landed, before
-        its reads' completions are taken) counts until now. Extents with no read (a write's staging,
-        or given back) count nothing."""
+        `wanted` (by identity): the first of them starting to the last completing (`Completion.at`).
+        If a completion was not taken yet (a layer-wise restore settles, inside the forward, on the
+        bytes that landed), it is counted once the last one is (`completed`). Extents with no read
+        (a write's staging, or given back) count nothing."""
         used = [r for r in (self._reads.get(eid) for eid in wanted) if r is not None]
         if used:
-            now = time.monotonic()
-            last = max(r.finished or now for r in used)
-            self.metrics.inc("restore_read_seconds", last - min(r.started for r in used))
+            self._spans.append(used)
+            self._count_spans()
+
+    def _count_spans(self) -> None:
+        """Count the read spans whose every read has completed."""
+        open_spans = []
+        for used in self._spans:
+            if all(r.finished for r in used):
+                span = max(r.finished for r in used) - min(r.started for r in used)
+                self.metrics.inc("restore_read_seconds", max(0.0, span))
+            else:
+                open_spans.append(used)
+        self._spans = open_spans
 
     def _at_hand(self, extent: Extent, need: int) -> Landing | None:
         groups = self.layout.count
@@ -312,6 +328,7 @@ class ExtentReads:
         buf = self.staging.acquire(nbytes)
         if buf is None:
             return None
+        started = time.monotonic()  # before the submit: its completion may be posted before it returns
         try:
             ticket = self.tier.submit_load(
                 extent.key, buf.numpy(), nbytes, group_layers=self.layout.group_layers, batch=batch
@@ -321,7 +338,7 @@ class ExtentReads:
             raise
         if read is not None:
             self._abandon(read)
-        read = PendingRead(extent, ticket, buf, tokens, time.monotonic(), prefetched=prefetch)
+        read = PendingRead(extent, ticket, buf, tokens, started, prefetched=prefetch)
         self._reads[id(extent)] = read
         self._tickets[ticket] = read
         self.metrics.inc("prefetch_issued" if prefetch else "reads_on_demand")

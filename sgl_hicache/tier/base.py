@@ -272,11 +272,11 @@ class Tier(abc.ABC):
                     group_layers: int | None = None, batch: Ticket | None = None) -> Ticket:  # fmt: skip
         """Queue reading the first `nbytes` payload bytes (all if None) of `key` into `dest`.
 
-        `batch`: the ticket of an earlier load this one is read with (the first of a restore's
-        loads): the loads of one batch are read layer group by layer group, every load's group g
-        before any load's group g + 1, so that the first group of all of them lands first (a
-        layer-wise restore starts then). Loads of other batches, or of none, are read in the order
-        they were submitted. The order of reads only, never their outcome; a backend that reads
+        `batch`: the ticket of an earlier load this one is read with (the first load the same
+        restore or prefetch submitted): the loads of one batch are read layer group by layer group,
+        every load's group g before any load's group g + 1, so that the first group of all of them
+        lands first (a layer-wise restore starts then); a batch ranks where its first load was
+        submitted. Loads of other batches, or of none, are read in the order they were submitted. The order of reads only, never their outcome; a backend that reads
         each load in one job, group by group (Mooncake), may ignore it.
 
         Never blocks. Only chunks covering the prefix are read and verified; an OK completion has

@@ -94,6 +94,24 @@ def test_the_prefill_starts_before_the_last_group_landed_and_reads_every_layer_r
     s.cache.check_integrity()
 
 
+def test_a_long_forward_that_settles_a_restore_does_not_count_as_its_read_time(make_stack: Any) -> None:
+    """`restore_read_seconds` of a layer-wise restore ends when its reads did: a forward that
+    reaches the last group long after they finished (a long prefill: nobody took the completions
+    meanwhile) settles the restore there, and that time is not read time."""
+    s = spilled(make_stack)
+    (loaded, node), req, _ = admit(s)
+    assert loaded == len(B)
+    slots = s.cache.path_device_indices(node)
+    time.sleep(LATENCY_S + 1.0)  # the forward's other work; the reads finish meanwhile
+    assert forward(s, slots) == [expected_kv(B)] * LAYERS
+    assert s.cache.after_forward([req]) == []
+    s.cache.controller.poll()  # the scheduler's next poll takes the completions
+    read = s.metrics.totals["restore_read_seconds"]
+    assert LATENCY_S / 2 <= read <= LATENCY_S + 0.75, f"read time {read:.2f} s includes the forward's"
+    s.cache.dec_lock_ref(node)
+    s.cache.check_integrity()
+
+
 def test_without_the_flag_the_request_waits_for_every_group(make_stack: Any) -> None:
     from sgl_hicache.tier.testing.injector import FaultSpec, FaultyTier
 

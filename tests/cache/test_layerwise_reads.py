@@ -87,6 +87,7 @@ def test_a_restore_of_several_extents_is_admitted_before_any_later_group_is_read
     s.cache.inc_lock_ref(node)
     assert forward(s, s.cache.path_device_indices(node)) == [expected_kv(tokens)] * LAYERS
     assert s.cache.after_forward([req]) == []
+    s.cache.controller.poll()  # the scheduler's next poll takes the reads' completions
     elapsed = time.monotonic() - t0
     totals = s.metrics.totals
     assert totals["layerwise_overlapped_restores"] == 1 and totals["restored_tokens"] == len(tokens)
@@ -99,3 +100,47 @@ def spilled_chain(s: Any, tokens: list[int]) -> list[Any]:
     """The spilled nodes `tokens` match, top down."""
     m = s.match(tokens)
     return [n for n in s.cache.tree.path_up(m.best_match_node, s.cache.root_node) or [] if n.evicted]
+
+
+def test_a_restore_never_joins_a_read_another_request_started(make_stack: Any) -> None:
+    """A restore's reads are batched with the first read *it* started, never with an older one
+    (another request's prefetch of the shared first extent): loads joining an older batch would
+    rank ahead of every read and lookup submitted since, for as long as requests kept joining."""
+    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+
+    from sgl_hicache.tier.testing.injector import FaultSpec, FaultyTier
+
+    s = make_stack(size=2048, chunk_bytes=CHUNK, layerwise_restore=True)
+    tokens = list(range(300, 300 + TURN * TURNS))
+    for end in range(TURN, len(tokens) + 1, TURN):
+        s.insert(tokens[:end])
+    s.evict_all()
+    ctl = s.cache.controller
+    ctl.tier = FaultyTier(ctl.tier, FaultSpec(latency_s=1.0))
+    loads: list[tuple[bytes, Any, Any]] = []  # (key, batch, ticket) of each load submitted
+    submit = ctl.tier.submit_load
+
+    def recording(
+        key: Any, dest: Any, nbytes: Any = None, group_layers: Any = None, batch: Any = None
+    ) -> Any:
+        ticket = submit(key, dest, nbytes, group_layers, batch)
+        loads.append((bytes(key), batch, ticket))
+        return ticket
+
+    ctl.tier.submit_load = recording  # type: ignore[method-assign]
+    chain = spilled_chain(s, tokens)
+    assert ctl.reads.prefetch([chain[0].spill]) > 0  # another request's read of the shared prefix
+    ((_, _, older),) = loads
+    m = s.match(tokens)
+    req = SimpleNamespace(last_node=m.last_device_node, rid="resume")
+    assert s.cache.init_load_back(InitLoadBackParams(m.best_match_node, m.host_hit_length, req=req)) is None
+    ours = loads[1:]
+    assert [key for key, _, _ in ours] == [bytes(n.spill.extent.key) for n in chain[1:]]
+    assert all(batch != older for _, batch, _ in ours), "the restore joined another request's read"
+    first = ours[0][2]
+    assert [batch for _, batch, _ in ours] == [None] + [first] * (len(ours) - 1), ours
+    deadline = time.monotonic() + 20
+    while s.cache.init_load_back(InitLoadBackParams(m.best_match_node, m.host_hit_length, req=req)) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    s.cache.check_integrity()
