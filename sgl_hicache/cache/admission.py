@@ -26,7 +26,7 @@ from sglang.srt.mem_cache.radix_cache import TreeNode
 
 from sgl_hicache.cache.guard import GuardedPart, contained
 from sgl_hicache.cache.layerwise_flow import LayerwiseFlow
-from sgl_hicache.cache.part_host import PartHost
+from sgl_hicache.cache.owning_cache import OwningCache
 from sgl_hicache.cache.reads import Readiness
 from sgl_hicache.cache.restore_policy import RestorePolicy
 from sgl_hicache.cache.restoring import Restoring, owner_of
@@ -43,16 +43,16 @@ class Admission:
         self.deferred = False
 
 
-class Host(PartHost, Protocol):
+class AdmissionCache(OwningCache, Protocol):
     """What admission needs of the cache (`SpillRadixCache` is one)."""
 
     spill_config: SpillConfig
     root_node: TreeNode
 
 
-class RestoreAdmission(GuardedPart[Host]):
-    def __init__(self, host: Host, restoring: Restoring, layerwise: LayerwiseFlow) -> None:
-        super().__init__(host)
+class RestoreAdmission(GuardedPart[AdmissionCache]):
+    def __init__(self, cache: AdmissionCache, restoring: Restoring, layerwise: LayerwiseFlow) -> None:
+        super().__init__(cache)
         self.restoring = restoring
         self.layerwise = layerwise
         self._deferred_since: dict[str, float] = {}  # rid -> when its admission was first deferred
@@ -74,35 +74,35 @@ class RestoreAdmission(GuardedPart[Host]):
         within the prefetch policy's limit (`RestorePolicy.lookup_wait_s`; never with best_effort).
         Off where none is started (on a root no other server uses: `Matching._start_lookup`).
         Never blocks."""
-        ctl, limit_s = self.host.controller, RestorePolicy.of(self.host.spill_config).lookup_wait_s
+        ctl, limit_s = self.cache.controller, RestorePolicy.of(self.cache.spill_config).lookup_wait_s
         if ctl is None or limit_s <= 0:
             return False
         waiting = ctl.lookups.waiting(rid, limit_s)
-        self.host.spill_metrics.inc("lookups_waited", int(waiting))
+        self.cache.spill_metrics.inc("lookups_waited", int(waiting))
         return waiting
 
     def load_back(self, params: InitLoadBackParams) -> tuple[int, Any] | None:
         """`SpillRadixCache.init_load_back` after its poll (see there)."""
-        host = self.host
+        cache = self.cache
         rid = getattr(params.req, "rid", None)
         answer = self._load_back(params, rid)
         if answer is None:
             if self._attempt is not None and self._attempt.rid == rid:
                 self._attempt.deferred = True
             return None
-        if host.controller is not None:  # admitted: a restore in progress not consumed now never will be
-            host.controller.restores.drop(owner_of(rid))
+        if cache.controller is not None:  # admitted: a restore in progress not consumed now never will be
+            cache.controller.restores.drop(owner_of(rid))
         since = self._deferred_since.pop(rid, None) if rid is not None else None
         if since is not None:  # the admission waited for reads: the resumed turn's "wait" phase
-            host.spill_metrics.inc("restore_wait_seconds", time.monotonic() - since)
+            cache.spill_metrics.inc("restore_wait_seconds", time.monotonic() - since)
         return answer
 
     def _load_back(self, params: InitLoadBackParams, rid: str | None) -> tuple[int, Any] | None:
-        host = self.host
+        cache = self.cache
         anchor = params.req.last_node if params.req is not None else None
-        chain = host.tree.path_up(params.best_match_node, anchor)
+        chain = cache.tree.path_up(params.best_match_node, anchor)
         if chain is None or sum(len(n.key) for n in chain) != params.host_hit_length:
-            return 0, anchor if anchor is not None else host.root_node
+            return 0, anchor if anchor is not None else cache.root_node
         spilled = [n for n in chain if n.evicted]
         if spilled:
             ready = self._agreed_readiness(
@@ -122,9 +122,9 @@ class RestoreAdmission(GuardedPart[Host]):
                     self.restoring.stream(spilled, rid, anchor, ready)
                 return None  # the scheduler retries admission next round; its loop never waits on I/O
             if ready is Readiness.FAILED:
-                host.spill_metrics.inc("restore_failures")
-                if host.controller is not None:
-                    host.controller.finish_reads([node.spill for node in spilled], owner_of(rid))
+                cache.spill_metrics.inc("restore_failures")
+                if cache.controller is not None:
+                    cache.controller.finish_reads([node.spill for node in spilled], owner_of(rid))
                 return 0, anchor
             if not self.restoring.restore(spilled, rid, anchor):
                 return 0, anchor
@@ -137,25 +137,25 @@ class RestoreAdmission(GuardedPart[Host]):
         A disagreement is counted only where another rank's verdict changed the outcome here (the
         restore goes on, recomputes, or drops the chain): a read landing a round later on one rank
         makes the others wait a round, which is timing, not a disagreement."""
-        host = self.host
+        cache = self.cache
         lost = any(node.spill.extent.state is ExtentState.LOST for node in nodes)
         codes = {Readiness.READY: 5, Readiness.LAYERWISE: 4, Readiness.PENDING: 3, Readiness.STREAMING: 2}
         code = codes.get(ready, 0 if lost else 1)
-        agreed = host.agreement.min([code])[0]
+        agreed = cache.agreement.min([code])[0]
         goes_on = codes[Readiness.STREAMING]  # every level from here up: the restore goes on
-        host.spill_metrics.inc("tp_disagreements", int(min(agreed, goes_on) != min(code, goes_on)))
-        if agreed == 0 and host.agreement.size > 1:
+        cache.spill_metrics.inc("tp_disagreements", int(min(agreed, goes_on) != min(code, goes_on)))
+        if agreed == 0 and cache.agreement.size > 1:
             return None
         return {v: k for k, v in codes.items()}.get(agreed, Readiness.FAILED)
 
     def _drop_lost(self, nodes: list[TreeNode], rid: str | None) -> None:
         """After an agreed loss: the first spilled node of the chain goes, with its subtree."""
-        host = self.host
-        host.spill_metrics.inc("restore_failures")
-        if host.controller is not None:
-            host.controller.finish_reads([node.spill for node in nodes], owner_of(rid))
-        if host.tree.attached(nodes[0]):
-            host.tree.prune(nodes[0])
+        cache = self.cache
+        cache.spill_metrics.inc("restore_failures")
+        if cache.controller is not None:
+            cache.controller.finish_reads([node.spill for node in nodes], owner_of(rid))
+        if cache.tree.attached(nodes[0]):
+            cache.tree.prune(nodes[0])
 
     def _not_ready(self, *_args: Any) -> Readiness:
         """A restore whose readiness could not be judged recomputes (its verdict is still agreed)."""
@@ -167,10 +167,10 @@ class RestoreAdmission(GuardedPart[Host]):
         limit (`RestorePolicy.restore_wait_s`); past it the request recomputes. The wait counts
         from the oldest read or the request's first deferral, whichever is earlier, so reads
         restarted meanwhile (a TTL expiry, a split) never defer a request forever."""
-        host = self.host
-        if host.controller is None:
+        cache = self.cache
+        if cache.controller is None:
             return Readiness.FAILED
-        state, waited = host.controller.readiness([node.spill for node in nodes], owner_of(rid))
+        state, waited = cache.controller.readiness([node.spill for node in nodes], owner_of(rid))
         if state not in (Readiness.PENDING, Readiness.STREAMING):
             return state
         if rid is None and state is Readiness.STREAMING:  # no later attempt to stream it to
@@ -178,14 +178,14 @@ class RestoreAdmission(GuardedPart[Host]):
         if rid is not None:
             now = time.monotonic()
             waited = max(waited, now - self._deferred_since.setdefault(rid, now))
-        if waited < RestorePolicy.of(host.spill_config).restore_wait_s:
+        if waited < RestorePolicy.of(cache.spill_config).restore_wait_s:
             return state
-        host.spill_metrics.inc("restores_too_late")
+        cache.spill_metrics.inc("restores_too_late")
         return Readiness.FAILED
 
     def forget_old_deferrals(self) -> None:
         """Requests deferred long ago and never seen again (aborted) leave no state behind."""
-        config = self.host.spill_config
+        config = self.cache.spill_config
         cutoff = time.monotonic() - 2 * (config.io_timeout_s + config.prefetch_ttl_s)
         for rid in [r for r, t in self._deferred_since.items() if t < cutoff]:
             del self._deferred_since[rid]

@@ -39,7 +39,7 @@ from sgl_hicache.config import SpillConfig, WritePolicy
 LOOK_EVERY_S = 0.1  # an idle loop spins: look for victims to write ahead at most this often
 
 
-class Host(Protocol):
+class CleanCopiesCache(Protocol):
     """What clean copies need of the cache (`SpillRadixCache` is one)."""
 
     controller: SpillController | None
@@ -59,8 +59,8 @@ class Host(Protocol):
 
 
 class CleanCopies:
-    def __init__(self, host: Host) -> None:
-        self.host = host
+    def __init__(self, cache: CleanCopiesCache) -> None:
+        self.cache = cache
         self._looked_at = 0.0  # when `clean_ahead` last looked (monotonic)
         self._changes = 0  # inserts and splits so far: what can leave a resident node unwritten
         self._walked_changes = -1  # `_changes` when `clean_ahead` last walked to its end
@@ -72,9 +72,9 @@ class CleanCopies:
     def root_shared(self) -> bool:
         """Whether other servers may use the tier's root (evict our files, hold extents a lookup
         can find): write-through assumes so; otherwise once the tier has seen one (`Tier.shared`)."""
-        ctl = self.host.controller
+        ctl = self.cache.controller
         assert ctl is not None
-        shared = self.host.spill_config.write_policy is WritePolicy.WRITE_THROUGH
+        shared = self.cache.spill_config.write_policy is WritePolicy.WRITE_THROUGH
         return shared or bool(getattr(ctl.tier, "shared", False))
 
     def is_clean(self, node: TreeNode) -> bool:
@@ -84,7 +84,7 @@ class CleanCopies:
         index entry proves nothing, so the node is stored again: the tier writes nothing when the
         file is still there (it only refreshes its age), and writes it anew when it is gone."""
         ref: SpillRef | None = getattr(node, "spill", None)
-        ctl = self.host.controller
+        ctl = self.cache.controller
         if ref is None or ref.count != len(node.value) or ctl is None:
             return False
         if ref.extent.state is ExtentState.ON_TIER and self.root_shared():
@@ -96,17 +96,17 @@ class CleanCopies:
         and keep them resident with a clean reference. Stops at the first that cannot be written
         (write-through's share of staging full) or is not admitted (write_admission.py): its
         descendants' extents would follow a gap no warm start or lookup can cross."""
-        host, ctl = self.host, self.host.controller
-        if host.disable or ctl is None:
+        cache, ctl = self.cache, self.cache.controller
+        if cache.disable or ctl is None:
             return
         todo = []
-        while node is not host.root_node and not node.evicted:
+        while node is not cache.root_node and not node.evicted:
             ref: SpillRef | None = getattr(node, "spill", None)
             if ref is None or ref.count != len(node.value) or not ctl.still_stored(ref.extent):
                 todo.append(node)
             node = node.parent
         for node in reversed(todo):
-            if host.write_admission.reason(node) is None:
+            if cache.write_admission.reason(node) is None:
                 return
             if self._write(node, "written_through_tokens") is not None:
                 return
@@ -119,24 +119,24 @@ class CleanCopies:
         within write-through's share of staging (a node larger than that share is left to its
         eviction). Not on a shared root (an eviction there stores again anyway: another process may
         have evicted the file) nor under write-through (done at insert)."""
-        host = self.host
+        cache = self.cache
         now = time.monotonic()
-        share = host.spill_config.clean_ahead
+        share = cache.spill_config.clean_ahead
         if (
-            host.disable
-            or host.controller is None
+            cache.disable
+            or cache.controller is None
             or share <= 0
             or now - self._looked_at < LOOK_EVERY_S
             or self._changes == self._walked_changes  # the last walk left nothing to write since
         ):
             return
         self._looked_at = now
-        if host.spill_config.write_policy is not WritePolicy.WRITE_BACK or self.root_shared():
+        if cache.spill_config.write_policy is not WritePolicy.WRITE_BACK or self.root_shared():
             return
-        allocator, priority = host.token_to_kv_pool_allocator, host.eviction_strategy.get_priority
+        allocator, priority = cache.token_to_kv_pool_allocator, cache.eviction_strategy.get_priority
         room, target = allocator.available_size(), int(share * allocator.size)
         changes = self._changes
-        heap = [(priority(n), id(n), n) for n in host.evictable_leaves]
+        heap = [(priority(n), id(n), n) for n in cache.evictable_leaves]
         heapq.heapify(heap)
         unseen: dict[int, int] = {}  # per parent: its resident children not walked yet
         while room < target and heap:
@@ -147,7 +147,7 @@ class CleanCopies:
             if written is None:
                 room += len(node.value)
             parent = node.parent
-            if parent is host.root_node or parent.evicted or parent.lock_ref > 0:
+            if parent is cache.root_node or parent.evicted or parent.lock_ref > 0:
                 continue
             left = unseen.get(id(parent), sum(not c.evicted for c in parent.children.values())) - 1
             unseen[id(parent)] = left
@@ -160,11 +160,11 @@ class CleanCopies:
         drop it anyway: too short, or not admitted), or say why it has none: STAGING_FULL (not now:
         the walk stops), TOO_LARGE (larger than write-through's share of staging: written at its
         eviction), or why it cannot be stored at all."""
-        host, ctl = self.host, self.host.controller
+        cache, ctl = self.cache, self.cache.controller
         assert ctl is not None
-        if self.is_clean(node) or host.too_short(node, host.retention.pin_of(node)):
+        if self.is_clean(node) or cache.too_short(node, cache.retention.pin_of(node)):
             return None
-        if host.write_admission.reason(node) is None:
+        if cache.write_admission.reason(node) is None:
             return None
         refused = ctl.background_fit(len(node.value))
         if refused is not None:
@@ -174,9 +174,9 @@ class CleanCopies:
     def _write(self, node: TreeNode, counter: str) -> DropReason | None:
         """Write resident `node` to the tier in the background and keep it resident with a clean
         reference, counted in `counter`; or why it was not written."""
-        ref = self.host.store_node(node, background=True)
+        ref = self.cache.store_node(node, background=True)
         if isinstance(ref, DropReason):
             return ref
         node.spill = ref
-        self.host.spill_metrics.inc(counter, ref.count)
+        self.cache.spill_metrics.inc(counter, ref.count)
         return None

@@ -43,7 +43,7 @@ class Guarded(Protocol):
     def disable_spill(self) -> None: ...
 
 
-H = TypeVar("H", bound=Guarded)
+C = TypeVar("C", bound=Guarded)
 S = TypeVar("S", bound=Guarded)
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -112,24 +112,24 @@ def contained(
     return wrap
 
 
-class GuardedPart(Generic[H]):
-    """A part of the cache (spilling.py, matching.py, ...) whose steps are `contained`: their errors
-    count on the cache's metrics and are logged once per name for the whole cache, and a fallback
-    that fails turns spill off on the cache."""
+class GuardedPart(Generic[C]):
+    """A part of the cache (spilling.py, matching.py, ...) that holds the cache owning it as `cache`
+    and whose steps are `contained`: their errors count on the cache's metrics and are logged once
+    per name for the whole cache, and a fallback that fails turns spill off on the cache."""
 
-    def __init__(self, host: H) -> None:
-        self.host = host
+    def __init__(self, cache: C) -> None:
+        self.cache = cache
 
     @property
     def spill_metrics(self) -> SpillMetrics:
-        return self.host.spill_metrics
+        return self.cache.spill_metrics
 
     @property
     def errors_logged(self) -> set[str]:
-        return self.host.errors_logged
+        return self.cache.errors_logged
 
     def disable_spill(self) -> None:
-        self.host.disable_spill()
+        self.cache.disable_spill()
 
 
 def nothing(_cache: Any, *_args: Any, **_kwargs: Any) -> None:

@@ -24,13 +24,13 @@ from sglang.srt.mem_cache.radix_cache import TreeNode
 from sgl_hicache.cache.controller import SpillController
 from sgl_hicache.cache.guard import GuardedPart, contained, internal_error
 from sgl_hicache.cache.layerwise import LayerCounter, Layerwise, LayerwiseRestore
-from sgl_hicache.cache.part_host import PartHost
+from sgl_hicache.cache.owning_cache import OwningCache
 from sgl_hicache.cache.reads import Readiness
 from sgl_hicache.cache.restores import RestoreProgress
 from sgl_hicache.cache.restoring import Restoring, owner_of
 
 
-class Host(PartHost, Protocol):
+class LayerwiseFlowCache(OwningCache, Protocol):
     """What layer-wise restores need of the cache (`SpillRadixCache` is one)."""
 
     root_node: TreeNode
@@ -41,9 +41,9 @@ class Host(PartHost, Protocol):
     def dec_lock_ref(self, node: TreeNode) -> Any: ...
 
 
-class LayerwiseFlow(GuardedPart[Host]):
-    def __init__(self, host: Host, restoring: Restoring) -> None:
-        super().__init__(host)
+class LayerwiseFlow(GuardedPart[LayerwiseFlowCache]):
+    def __init__(self, cache: LayerwiseFlowCache, restoring: Restoring) -> None:
+        super().__init__(cache)
         self.restoring = restoring
         self.table: Layerwise | None = None  # the restores in progress (None: layer-wise restore off)
         self.failed: list[LayerwiseRestore] = []  # failed: their nodes go once unlocked
@@ -53,12 +53,12 @@ class LayerwiseFlow(GuardedPart[Host]):
         """The table of layer-wise restores, and the counter sglang's KV pool consults before
         attention reads a layer (`register_layer_transfer_counter`, as HiCache's)."""
         self.table = Layerwise(
-            ctl.layout.group_of, ctl.timeout_s, self.host.spill_metrics,
+            ctl.layout.group_of, ctl.timeout_s, self.cache.spill_metrics,
             unpack=lambda progress, fence: ctl.unpack_landed(None, progress, fence),
             failed=self._read_failed, poll=ctl.poll, forward_waits=ctl.engine.forward_waits,
             settle=self._settled, fail=self._failed_one,
         )  # fmt: skip
-        kv = self.host.token_to_kv_pool_allocator.get_kvcache()
+        kv = self.cache.token_to_kv_pool_allocator.get_kvcache()
         kv.register_layer_transfer_counter(LayerCounter(len(ctl.view.layers), self.wait_layer))
 
     def forget(self) -> None:
@@ -86,7 +86,7 @@ class LayerwiseFlow(GuardedPart[Host]):
     def ready(self, nodes: list[TreeNode], ready: Readiness) -> Readiness:
         """PENDING becomes LAYERWISE (with layer-wise restore on) once every read of the restore has
         landed its first layer group: the prefill may start, each layer waiting for its own."""
-        ctl = self.host.controller
+        ctl = self.cache.controller
         if ready is not Readiness.PENDING or self.table is None or ctl is None:
             return ready
         refs = [node.spill for node in nodes]
@@ -99,19 +99,19 @@ class LayerwiseFlow(GuardedPart[Host]):
         nodes now (locked until it settles), what landed is unpacked, and the rest is unpacked as
         the forward reaches each group (`wait_layer`). All or nothing across TP ranks, as
         `Restoring.restore`: a rank that cannot take its slots makes every rank recompute."""
-        host = self.host
-        assert host.controller is not None and self.table is not None
-        ctl, owner = host.controller, owner_of(rid)
+        cache = self.cache
+        assert cache.controller is not None and self.table is not None
+        ctl, owner = cache.controller, owner_of(rid)
         refs = tuple(node.spill for node in nodes)
         opened = ctl.restores.current(owner, refs) is not None or self.restoring.open_restore(
             owner, nodes, refs, anchor
         )
         ok = opened and self._unpack_start(owner)
-        if not host.agreement.all_ok(ok):
-            host.spill_metrics.inc("restore_failures")
+        if not cache.agreement.all_ok(ok):
+            cache.spill_metrics.inc("restore_failures")
             ctl.restores.drop(owner)
             ctl.finish_reads(refs)
-            host.spill_metrics.inc("tp_disagreements", int(ok))
+            cache.spill_metrics.inc("tp_disagreements", int(ok))
             return False
         progress = ctl.restores.get(owner)
         assert progress is not None  # agreed ok implies this rank's ok
@@ -120,14 +120,14 @@ class LayerwiseFlow(GuardedPart[Host]):
         values = [slots.clone() for _, _, slots in progress.parts()]
         ctl.restores.hand_over(owner, landing=True)
         try:
-            host.tree.mark_resident(nodes, values)
+            cache.tree.mark_resident(nodes, values)
         except BaseException:  # those marked keep their KV's slots: they are dropped as failed below
             ctl.restores.landed(progress)
             for node, value in zip(nodes, values, strict=True):
                 if node.evicted:
-                    host.token_to_kv_pool_allocator.free(value)
+                    cache.token_to_kv_pool_allocator.free(value)
             raise
-        host.inc_lock_ref(nodes[-1])  # never evicted (packed) nor dropped while it lands
+        cache.inc_lock_ref(nodes[-1])  # never evicted (packed) nor dropped while it lands
         self.table.start(owner, nodes, progress, fence, landed)
         return True
 
@@ -137,8 +137,8 @@ class LayerwiseFlow(GuardedPart[Host]):
 
     @contained("init_load_back (layer-wise unpack)", _not_started)
     def _unpack_start(self, owner: object) -> bool:
-        assert self.host.controller is not None
-        self.host.controller.unpack_landed(owner)
+        assert self.cache.controller is not None
+        self.cache.controller.unpack_landed(owner)
         return True
 
     # ---- while the forward runs --------------------------------------------------------------
@@ -147,35 +147,35 @@ class LayerwiseFlow(GuardedPart[Host]):
         """Why a read the restore still needs can never land (None while all may). A ref unpacked
         whole needs none: its bytes are in the slots (a write's staging, unpacked at admission and
         given back when the write completed, has no read to ask about)."""
-        assert self.host.controller is not None
+        assert self.cache.controller is not None
         for i, ref, _ in progress.parts():
-            if not progress.ref_done(i) and self.host.controller.reads.failed(ref.extent):
+            if not progress.ref_done(i) and self.cache.controller.reads.failed(ref.extent):
                 return f"read of extent {ref.extent.key.hex()} failed"
         return None
 
     def _settled(self, restore: LayerwiseRestore) -> None:
         """Every group unpacked: the reads' staging goes back, later forwards wait for the last copy,
         and the nodes are ordinary resident nodes (their lock released)."""
-        ctl = self.host.controller
+        ctl = self.cache.controller
         if ctl is not None:
             ctl.engine.forward_waits(restore.progress.last_copy)
             ctl.restores.landed(restore.progress)
             ctl.reads.count_read_span({id(ref.extent) for ref in restore.progress.refs})
             ctl.finish_reads(restore.progress.refs)
-        self.host.spill_metrics.observe_restore(time.monotonic() - restore.progress.started)
+        self.cache.spill_metrics.observe_restore(time.monotonic() - restore.progress.started)
         self._unlock(restore)
 
     def _failed_one(self, restore: LayerwiseRestore) -> None:
         """A group cannot land: nothing more is unpacked; its nodes stay locked and are never
         matched (`poisoned`) until `after_forward` takes them out of the tree (`_detach_failed`) and
         has their readers retracted; `drop_failed` frees them once nobody holds them."""
-        ctl = self.host.controller
+        ctl = self.cache.controller
         if ctl is not None:
             ctl.engine.forward_waits(ctl.engine.load_barrier())
             ctl.restores.landed(restore.progress)
             ctl.finish_reads(restore.progress.refs)
-        self.host.spill_metrics.inc("restore_failures")
-        self.host.spill_metrics.inc("layerwise_failed_restores")
+        self.cache.spill_metrics.inc("restore_failures")
+        self.cache.spill_metrics.inc("layerwise_failed_restores")
         self._poison(restore)
 
     def _poison(self, restore: LayerwiseRestore) -> None:
@@ -187,11 +187,11 @@ class LayerwiseFlow(GuardedPart[Host]):
     def _unlock(self, restore: LayerwiseRestore) -> None:
         if not restore.unlocked:
             restore.unlocked = True
-            self.host.dec_lock_ref(restore.nodes[-1])
+            self.cache.dec_lock_ref(restore.nodes[-1])
 
     def _chain(self, restore: LayerwiseRestore) -> list[TreeNode]:
         """The nodes holding the restore's slots now: its chain, with any node split from one since."""
-        return self.host.tree.path_up(restore.nodes[-1], restore.anchor) or list(restore.nodes)
+        return self.cache.tree.path_up(restore.nodes[-1], restore.anchor) or list(restore.nodes)
 
     def wait_layer(self, layer: int) -> None:
         """sglang's KV pool, before attention reads local layer `layer` (`LayerCounter`): every
@@ -220,8 +220,8 @@ class LayerwiseFlow(GuardedPart[Host]):
             for restore in self.table.active:  # at least never served: retracted, dropped
                 restore.failed = restore.failed or "internal error"
                 self._poison(restore)
-                if self.host.controller is not None:  # its reads go with their last user or their TTL
-                    self.host.controller.restores.landed(restore.progress)
+                if self.cache.controller is not None:  # its reads go with their last user or their TTL
+                    self.cache.controller.restores.landed(restore.progress)
                 self.table.ended.append(restore)
             self.table.active = []
 
@@ -229,7 +229,7 @@ class LayerwiseFlow(GuardedPart[Host]):
 
     def after_forward(self, reqs: list[Any]) -> list[Any]:
         """`SpillRadixCache.after_forward` (see there)."""
-        host, table = self.host, self.table
+        cache, table = self.cache, self.table
         if table is None:
             return []
         try:
@@ -240,24 +240,24 @@ class LayerwiseFlow(GuardedPart[Host]):
         ended = table.take_ended()
         if ended:
             ok = [int(r.failed is None) for r in ended]
-            agreed = host.agreement.min(ok) if host.agreement.size > 1 else ok
+            agreed = cache.agreement.min(ok) if cache.agreement.size > 1 else ok
             for restore, mine, all_ok in zip(ended, ok, agreed, strict=True):
                 if mine and not all_ok:  # another rank's failed: this rank's KV is right, but all retract
-                    host.spill_metrics.inc("tp_disagreements")
+                    cache.spill_metrics.inc("tp_disagreements")
                     restore.failed = "failed on another TP rank"
                     self._poison(restore)
-                elif all_ok and host.controller is not None:  # settled on every rank: restored
-                    host.controller.count_restored(restore.progress)
+                elif all_ok and cache.controller is not None:  # settled on every rank: restored
+                    cache.controller.count_restored(restore.progress)
         if not self.failed:
             return []
         self._detach_failed()
         poisoned = {id(node) for r in self.failed for node in self._chain(r)}
         affected = [req for req in reqs if self._path_holds(getattr(req, "last_node", None), poisoned)]
-        host.spill_metrics.inc("layerwise_retracted_requests", len(affected))
+        cache.spill_metrics.inc("layerwise_retracted_requests", len(affected))
         return affected
 
     def _path_holds(self, node: TreeNode | None, ids: set[int]) -> bool:
-        while node is not None and node is not self.host.root_node:
+        while node is not None and node is not self.cache.root_node:
             if id(node) in ids:
                 return True
             node = node.parent
@@ -269,7 +269,7 @@ class LayerwiseFlow(GuardedPart[Host]):
         match, insert or eviction sees them (an insert of the same tokens, by a request that
         recomputed them, makes new nodes of its own slots: sglang's checkpoint re-match then covers
         its key), while the requests still holding them keep their slots until they let go."""
-        tree = self.host.tree
+        tree = self.cache.tree
         for restore in self.failed:
             if restore.detached is not None:
                 continue
@@ -287,5 +287,5 @@ class LayerwiseFlow(GuardedPart[Host]):
             if any(node.lock_ref > 0 for node in nodes):
                 keep.append(restore)
                 continue
-            self.host.spill_metrics.inc("layerwise_dropped_tokens", self.host.tree.free_detached(nodes))
+            self.cache.spill_metrics.inc("layerwise_dropped_tokens", self.cache.tree.free_detached(nodes))
         self.failed = keep

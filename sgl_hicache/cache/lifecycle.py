@@ -23,13 +23,13 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 
 from sgl_hicache.cache.guard import GuardedPart, contained
 from sgl_hicache.cache.layerwise_flow import LayerwiseFlow
-from sgl_hicache.cache.part_host import PartHost
+from sgl_hicache.cache.owning_cache import OwningCache
 from sgl_hicache.cache.warm_start import WarmStart, tree_digest
 
 logger = logging.getLogger(__name__)
 
 
-class Host(PartHost, Protocol):
+class LifecycleCache(OwningCache, Protocol):
     """What the lifecycle needs of the cache (`SpillRadixCache` is one)."""
 
     warm: WarmStart
@@ -37,72 +37,72 @@ class Host(PartHost, Protocol):
     root_node: TreeNode
 
 
-class Lifecycle(GuardedPart[Host]):
-    def __init__(self, host: Host, layerwise: LayerwiseFlow) -> None:
-        super().__init__(host)
+class Lifecycle(GuardedPart[LifecycleCache]):
+    def __init__(self, cache: LifecycleCache, layerwise: LayerwiseFlow) -> None:
+        super().__init__(cache)
         self.layerwise = layerwise
 
     def after_reset(self) -> None:
         """After sglang's reset emptied the tree: a warm start (the first) or a flush (any later)."""
-        host = self.host
-        host.tree.cleared()
+        cache = self.cache
+        cache.tree.cleared()
         self.layerwise.forget()
-        host.warm.forget()
-        if host.controller is not None:
-            host.controller.clear()
-        if host.epoch is None:
-            host.epoch = b""
+        cache.warm.forget()
+        if cache.controller is not None:
+            cache.controller.clear()
+        if cache.epoch is None:
+            cache.epoch = b""
             self._attach_tier_extents()
             self._agree_on_warm_start()  # reached whatever the attach did: ranks pair collectives
             return
         self.start_epoch()
-        host.spill_metrics.inc("flushes")
+        cache.spill_metrics.inc("flushes")
         logger.info("sgl_hicache: cache flushed; spilled KV from before the flush will not be served")
 
     def start_epoch(self) -> None:
         """A new random seed of every path key (a flush, a weight update): nothing named before is
         found after, and nothing named after is attached by a restart. Keeps the tree."""
-        self.host.epoch = os.urandom(16)
-        self.host.warm.forget()
+        self.cache.epoch = os.urandom(16)
+        self.cache.warm.forget()
 
     def _attached_nothing(self) -> None:
         """A warm start that failed partway: an empty tree (the tier's extents stay on disk).
         With TP > 1 the warm-start agreement still runs after it, so every rank then starts empty."""
         self.keep_nothing()
-        self.host.warm.forget()
+        self.cache.warm.forget()
 
     @contained("reset (warm start)", _attached_nothing)
     def _attach_tier_extents(self) -> None:
-        host = self.host
-        if host.controller is not None:
-            host.warm.attach_all(host.controller.tier, host.epoch or b"")
+        cache = self.cache
+        if cache.controller is not None:
+            cache.warm.attach_all(cache.controller.tier, cache.epoch or b"")
 
     def _agree_on_warm_start(self) -> None:
         """With TP > 1 every rank must start from the same tree: if the trees their tiers gave
         differ (a file missing or corrupt on one rank), all start empty."""
-        host = self.host
-        if host.agreement.size == 1:
+        cache = self.cache
+        if cache.agreement.size == 1:
             return
-        digest = tree_digest(host.root_node)
-        low, neg_high = host.agreement.min([digest, -digest])
+        digest = tree_digest(cache.root_node)
+        low, neg_high = cache.agreement.min([digest, -digest])
         if low != -neg_high:
             logger.warning("sgl_hicache: the TP ranks' tiers hold different trees; all start empty")
-            host.spill_metrics.inc("tp_disagreements")
+            cache.spill_metrics.inc("tp_disagreements")
             self._attached_nothing()
 
     # ---- the fallbacks of a reset ------------------------------------------------------------
 
     def keep_nothing(self) -> None:
         """sglang's own reset (an empty tree; spill is off by then, so no key epoch matters)."""
-        RadixCache.reset(self.host)
-        self.host.tree.cleared()
+        RadixCache.reset(self.cache)
+        self.cache.tree.cleared()
         self.layerwise.forget()
 
     def empty_reset(self) -> None:
         """An empty tree in a new key epoch (nothing named before is ever found). Restores in
         progress are forgotten, not freed: sglang clears the allocator right after a flush."""
         self.keep_nothing()
-        self.host.warm.forget()
-        if self.host.controller is not None:
-            self.host.controller.restores.forget()
+        self.cache.warm.forget()
+        if self.cache.controller is not None:
+            self.cache.controller.restores.forget()
         self.start_epoch()

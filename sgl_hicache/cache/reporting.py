@@ -22,7 +22,7 @@ class Checked(Protocol):
     def check_integrity(self) -> None: ...
 
 
-class Host(Checked, Protocol):
+class ReportingCache(Checked, Protocol):
     """What the report reads of the cache (`SpillRadixCache` is one)."""
 
     controller: SpillController | None
@@ -31,7 +31,7 @@ class Host(Checked, Protocol):
     agreement: Agreement
 
 
-def report(cache: Host, idle: bool) -> dict[str, Any]:
+def report(cache: ReportingCache, idle: bool) -> dict[str, Any]:
     """Counters, staging, tier stats and an integrity verdict (see the module doc)."""
     io = io_report(cache.controller) if cache.controller is not None else NO_CONTROLLER
     written = io["tier"]["written_bytes"] if io["tier"] is not None else 0

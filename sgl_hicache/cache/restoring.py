@@ -23,7 +23,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
 from sglang.srt.mem_cache.radix_cache import TreeNode
 
 from sgl_hicache.cache.guard import GuardedPart, contained, nothing
-from sgl_hicache.cache.part_host import PartHost
+from sgl_hicache.cache.owning_cache import OwningCache
 from sgl_hicache.cache.reads import Readiness
 from sgl_hicache.cache.spill_state import SpillRef
 
@@ -35,7 +35,7 @@ def owner_of(rid: str | None) -> object:
     return rid if rid is not None else ANONYMOUS
 
 
-class Host(PartHost, Protocol):
+class RestoringCache(OwningCache, Protocol):
     """What restoring needs of the cache (`SpillRadixCache` is one)."""
 
     root_node: TreeNode
@@ -48,39 +48,39 @@ class Host(PartHost, Protocol):
     def dec_lock_ref(self, node: TreeNode) -> Any: ...
 
 
-class Restoring(GuardedPart[Host]):
+class Restoring(GuardedPart[RestoringCache]):
     def restore(self, nodes: list[TreeNode], rid: str | None, anchor: TreeNode | None) -> bool:
         """All or nothing; every rank verified its bytes, or all recompute. The restore's slots are
         the table's until the nodes take them, so a fault anywhere frees them (the fallback drops
         the owner's restore)."""
-        host = self.host
-        assert host.controller is not None
-        ctl, owner = host.controller, owner_of(rid)
+        cache = self.cache
+        assert cache.controller is not None
+        ctl, owner = cache.controller, owner_of(rid)
         refs = tuple(node.spill for node in nodes)
         t0 = time.perf_counter()
         opened = ctl.restores.current(owner, refs) is not None or self.open_restore(
             owner, nodes, refs, anchor
         )
         if not opened:
-            host.spill_metrics.inc("restore_failures")
+            cache.spill_metrics.inc("restore_failures")
             ctl.finish_reads(refs, owner)  # release their staging now, not after the TTL
         ok = opened and self._complete(owner)
-        if not host.agreement.all_ok(ok):
+        if not cache.agreement.all_ok(ok):
             ctl.restores.drop(owner)
-            host.spill_metrics.inc("tp_disagreements", int(ok))
+            cache.spill_metrics.inc("tp_disagreements", int(ok))
             return False
         progress = ctl.restores.get(owner)
         assert progress is not None  # agreed ok implies this rank's ok
-        host.spill_metrics.observe_restore(time.perf_counter() - t0)
+        cache.spill_metrics.observe_restore(time.perf_counter() - t0)
         ctl.count_restored(progress)
         values = [slots.clone() for _, _, slots in progress.parts()]
         ctl.restores.hand_over(owner)
         try:
-            host.tree.mark_resident(nodes, values)
+            cache.tree.mark_resident(nodes, values)
         except BaseException:  # those marked keep their verified KV; the others' slots are freed
             for node, value in zip(nodes, values, strict=True):
                 if node.evicted:
-                    host.token_to_kv_pool_allocator.free(value)
+                    cache.token_to_kv_pool_allocator.free(value)
             raise
         return True
 
@@ -91,40 +91,40 @@ class Restoring(GuardedPart[Host]):
 
     @contained("init_load_back (restore)", _not_completed)
     def _complete(self, owner: object) -> bool:
-        return self.host.controller is not None and self.host.controller.complete(owner)
+        return self.cache.controller is not None and self.cache.controller.complete(owner)
 
     def open_restore(self, owner: object, nodes: list[TreeNode], refs: tuple[SpillRef, ...],
                      anchor: TreeNode | None) -> bool:  # fmt: skip
         """Allocate the restore's slots and register them (the table owns them from here); False
         when the pool cannot hold them, or the chain changed while room was made."""
-        host = self.host
-        assert host.controller is not None
+        cache = self.cache
+        assert cache.controller is not None
         slots = self._alloc_slots(sum(ref.count for ref in refs), anchor)
         if slots is None:
             return False
-        if host.controller is None or not all(  # None: the eviction that made room disabled spill
-            node.evicted and node.spill is ref and host.tree.attached(node)
+        if cache.controller is None or not all(  # None: the eviction that made room disabled spill
+            node.evicted and node.spill is ref and cache.tree.attached(node)
             for node, ref in zip(nodes, refs, strict=True)
         ):
-            host.token_to_kv_pool_allocator.free(slots)
+            cache.token_to_kv_pool_allocator.free(slots)
             return False
-        host.controller.restores.open(owner, refs, slots)
+        cache.controller.restores.open(owner, refs, slots)
         return True
 
     def _alloc_slots(self, n: int, anchor: TreeNode | None = None) -> torch.Tensor | None:
         """n fresh slots, evicting to make room (with `anchor`'s path locked: the restore's chain
         hangs from it), or None."""
-        host = self.host
-        allocator = host.token_to_kv_pool_allocator
+        cache = self.cache
+        allocator = cache.token_to_kv_pool_allocator
         if allocator.available_size() < n:
-            lock = anchor is not None and anchor is not host.root_node
+            lock = anchor is not None and anchor is not cache.root_node
             if lock:
-                host.inc_lock_ref(anchor)
+                cache.inc_lock_ref(anchor)
             try:
-                host.evict(EvictParams(num_tokens=n - allocator.available_size()))
+                cache.evict(EvictParams(num_tokens=n - allocator.available_size()))
             finally:
                 if lock:
-                    host.dec_lock_ref(anchor)
+                    cache.dec_lock_ref(anchor)
         return allocator.alloc(n) if allocator.available_size() >= n else None
 
     # ---- streaming: a deferred restore's progress -------------------------------------------
@@ -136,7 +136,7 @@ class Restoring(GuardedPart[Host]):
         at the first attempt that finds bytes landed (a local moment); with TP > 1 they are taken
         only where every rank agreed the restore must stream (taking slots may evict: the ranks'
         trees must stay equal), and unpacking into them is then each rank's own."""
-        if self.host.agreement.size == 1:
+        if self.cache.agreement.size == 1:
             self._unpack_early(nodes, rid, anchor, ready)
             return
         if ready is Readiness.STREAMING:
@@ -149,7 +149,7 @@ class Restoring(GuardedPart[Host]):
     ) -> None:
         """Unpack what has landed of `rid`'s restore of `nodes`, taking its slots at the first call
         that finds verified bytes landed, and (`_give_back`) the reads it unpacked whole. Never blocks."""
-        ctl = self.host.controller
+        ctl = self.cache.controller
         assert ctl is not None
         refs = tuple(node.spill for node in nodes)
         opened = ctl.restores.current(rid, refs) is not None
@@ -162,22 +162,22 @@ class Restoring(GuardedPart[Host]):
         """The reads `rid`'s restore unpacked whole go back to staging when room is short: its own
         reads did not all start, or another restore waits for room. Otherwise they stay until it
         completes (another restore of the same extents may still use them)."""
-        ctl = self.host.controller
+        ctl = self.cache.controller
         assert ctl is not None
         if ready is Readiness.STREAMING or ctl.reads.room_wanted:
             ctl.release_unpacked(rid)
 
     def _open_agreed(self, nodes: list[TreeNode], rid: str, anchor: TreeNode | None) -> None:
         """TP > 1: every rank takes the streaming restore's slots in the same attempt, or none keeps them."""
-        host = self.host
-        ctl = host.controller
+        cache = self.cache
+        ctl = cache.controller
         assert ctl is not None
         if ctl.restores.current(rid, tuple(node.spill for node in nodes)) is not None:
             return
         ok = self._try_open(nodes, rid, anchor)
-        if not host.agreement.all_ok(ok) and host.controller is not None:
-            host.spill_metrics.inc("tp_disagreements", int(ok))
-            host.controller.restores.drop(rid)
+        if not cache.agreement.all_ok(ok) and cache.controller is not None:
+            cache.spill_metrics.inc("tp_disagreements", int(ok))
+            cache.controller.restores.drop(rid)
 
     def _not_opened(self, *_args: Any) -> bool:
         """A streaming restore's slots could not be taken: none kept (the agreement then frees any)."""
@@ -190,7 +190,7 @@ class Restoring(GuardedPart[Host]):
     @contained("init_load_back (early unpack)", nothing)
     def _unpack_opened(self, nodes: list[TreeNode], rid: str, ready: Readiness) -> None:
         """TP > 1: unpack into `rid`'s open restore what landed (copies only: the tree is untouched)."""
-        ctl = self.host.controller
+        ctl = self.cache.controller
         assert ctl is not None
         if ctl.restores.current(rid, tuple(node.spill for node in nodes)) is not None:
             ctl.unpack_landed(rid)

@@ -52,7 +52,7 @@ from sgl_hicache.tier.keys import ExtentKey, tenant_of
 logger = logging.getLogger(__name__)
 
 
-class Host(Protocol):
+class RetentionCache(Protocol):
     """What retention needs of the cache (`SpillRadixCache` is one)."""
 
     controller: SpillController | None
@@ -66,8 +66,8 @@ class Host(Protocol):
 
 
 class Retention:
-    def __init__(self, host: Host) -> None:
-        self.host = host
+    def __init__(self, cache: RetentionCache) -> None:
+        self.cache = cache
         self._pins: Pins | None = None
         self._doomed: list[Extent] = []  # extents of dropped nodes still being written
         self.jobs: deque[Ticket] = deque(maxlen=256)  # the tier's latest removals and purges (`wait_jobs`)
@@ -76,11 +76,11 @@ class Retention:
     @property
     def pins(self) -> Pins | None:
         """The pins, once there is a tier to keep them (None without one: pins are refused)."""
-        ctl = self.host.controller
+        ctl = self.cache.controller
         if self._pins is None and ctl is not None:
-            cfg, ranks, layout = self.host.spill_config, self.host.agreement.size, ctl.layout
+            cfg, ranks, layout = self.cache.spill_config, self.cache.agreement.size, ctl.layout
             budget = int(cfg.pin_share * cfg.tier.capacity_bytes)
-            self._pins = Pins(budget, tier_bytes(layout, cfg.tier.chunk_bytes, self.host.page_size, ranks))
+            self._pins = Pins(budget, tier_bytes(layout, cfg.tier.chunk_bytes, self.cache.page_size, ranks))
         return self._pins
 
     # ---- taking hints (the scheduler of TP rank 0) --------------------------------------------
@@ -93,13 +93,13 @@ class Retention:
             taken.append(ResumeHint(list(ids), extra_key, cache_salt))
             return None
         if kind == "pin":
-            key = _key(ids, extra_key, cache_salt, self.host.page_size)
+            key = _key(ids, extra_key, cache_salt, self.cache.page_size)
             pins = self.pins
             if pins is None:
                 return HintRefused("spill is off on this server: there is no tier to pin to")
             reason = pins.admit(_tenant(key), key.cache_salt, key.raw_token_ids(), float(ttl_s or 0))
             if reason is not None:
-                self.host.spill_metrics.inc("pins_refused")
+                self.cache.spill_metrics.inc("pins_refused")
                 return HintRefused(reason)
         taken.append(RetentionHint(kind, list(ids), extra_key, cache_salt, ttl_s))
         return None
@@ -107,12 +107,12 @@ class Retention:
     # ---- applying them (every rank, same iteration) ------------------------------------------
 
     def apply(self, hint: RetentionHint) -> None:
-        m = self.host.spill_metrics
+        m = self.cache.spill_metrics
         if hint.kind == "purge" and hint.cache_salt:
             m.inc("purges")
             self.purge(hint.cache_salt)
             return
-        key = _key(hint.token_ids, hint.extra_key, hint.cache_salt, self.host.page_size)
+        key = _key(hint.token_ids, hint.extra_key, hint.cache_salt, self.cache.page_size)
         if hint.kind == "pin" and len(key):
             m.inc("pins")
             self.pin(key, float(hint.ttl_s or 0))
@@ -139,7 +139,7 @@ class Retention:
         top = path[-1]
         if sum(len(n.key) for n in path) < len(key) and top.children:
             return  # the conversation runs off the tree here: what is cached is shared with others
-        while top.parent is not self.host.root_node and len(top.parent.children) == 1:
+        while top.parent is not self.cache.root_node and len(top.parent.children) == 1:
             top = top.parent  # the parent is this conversation's alone: it goes too
         self._forget(*self._drop_subtree(top))
 
@@ -147,7 +147,7 @@ class Retention:
         """Every node and extent of `cache_salt` (see the module doc)."""
         if self.pins is not None:
             self.pins.forget(salt=cache_salt)
-        stack, tops = list(self.host.root_node.children.values()), []
+        stack, tops = list(self.cache.root_node.children.values()), []
         while stack:
             node = stack.pop()
             if node.key.cache_salt == cache_salt:
@@ -166,7 +166,7 @@ class Retention:
         try:
             self.jobs.append(tier.submit_purge(cache_salt))
         except NotImplementedError as e:  # a backend that cannot find a salt's extents (none of ours now)
-            self.host.spill_metrics.inc("purges_incomplete")
+            self.cache.spill_metrics.inc("purges_incomplete")
             if not self._purge_refusal_logged:
                 self._purge_refusal_logged = True
                 logger.error("sgl_hicache: a purge removed the salt's KV from this server's device and tree "
@@ -180,23 +180,23 @@ class Retention:
         pins = self._pins
         if pins is None or not len(pins):
             return None
-        return pins.covering(_tenant(node.key), self.host.tree.tokens_before(node), node.key.raw_token_ids())
+        return pins.covering(_tenant(node.key), self.cache.tree.tokens_before(node), node.key.raw_token_ids())
 
     def spilled(self, node: TreeNode, pin: Pin | None) -> None:
         """`node` (now spilled) is covered by `pin`: the tier keeps its extent until the deadline,
         within the pin budget."""
-        if pin is None or self._pins is None or self.host.controller is None:
+        if pin is None or self._pins is None or self.cache.controller is None:
             return
         extent = node.spill.extent
         if self._pins.retain(extent.key, extent.tokens, pin.until):
-            self.host.controller.tier.retain([extent.key], self._pins.deadline(extent.key))
-            self.host.spill_metrics.inc("pinned_spilled_tokens", node.spill.count)
+            self.cache.controller.tier.retain([extent.key], self._pins.deadline(extent.key))
+            self.cache.spill_metrics.inc("pinned_spilled_tokens", node.spill.count)
         else:
-            self.host.spill_metrics.inc("pin_over_budget")
+            self.cache.spill_metrics.inc("pin_over_budget")
 
     def poll(self) -> None:
         """Remove the files of dropped extents whose writes have finished since. Never blocks."""
-        if not self._doomed or self.host.controller is None:
+        if not self._doomed or self.cache.controller is None:
             return
         done = [e for e in self._doomed if e.state is not ExtentState.WRITING]
         self._doomed = [e for e in self._doomed if e.state is ExtentState.WRITING]
@@ -217,22 +217,22 @@ class Retention:
     def _tier(self) -> Tier | None:
         """The tier that removals and purges go to: also after spill was disabled (a deletion asked
         for is still owed; with TP > 1 no other rank purges this rank's namespace)."""
-        ctl = self.host.controller or self.host.io_to_close
+        ctl = self.cache.controller or self.cache.io_to_close
         return ctl.tier if ctl is not None else None
 
     def _path(self, key: RadixKey) -> list[TreeNode]:
         """The nodes holding `key`'s tokens, top down (split where it ends inside one, as a match
         does: the same on every rank)."""
-        tree = self.host.tree
-        values, last = tree.match_resident(self.host.root_node, key)
+        tree = self.cache.tree
+        values, last = tree.match_resident(self.cache.root_node, key)
         end, _ = tree.match_spilled(last, key[sum(len(v) for v in values) :], prune_lost=False)
-        return tree.path_up(end, self.host.root_node) or []
+        return tree.path_up(end, self.cache.root_node) or []
 
     def _drop_subtree(self, top: TreeNode) -> tuple[list[SpillRef], list[Extent]]:
         """Remove `top` and every node below it but those in use by a running request (and their
         ancestors); returns the refs of the spilled ones and the extents the removed ones pointed
         into (`_forget` them)."""
-        tree, order = self.host.tree, []
+        tree, order = self.cache.tree, []
         stack = [top]
         while stack:
             node = stack.pop()
@@ -250,13 +250,13 @@ class Retention:
                 extents += [r.extent for r in _spilled_refs(node)]
                 dropped += tree.prune(node)
             elif node.lock_ref > 0 or any(id(c) not in gone for c in node.children.values()):
-                self.host.spill_metrics.inc("drop_kept_tokens", len(node.key))
+                self.cache.spill_metrics.inc("drop_kept_tokens", len(node.key))
                 continue
             else:
                 extents += [ref.extent] if ref is not None else []
                 dropped += tree.drop(node)
             gone.add(id(node))
-        self.host.spill_metrics.inc("hint_dropped_tokens", dropped)
+        self.cache.spill_metrics.inc("hint_dropped_tokens", dropped)
         return released, extents
 
     def _extents_in_use(self) -> set[ExtentKey]:
@@ -264,14 +264,14 @@ class Retention:
         half and the dropped half of a node share one extent: it goes only with the last node
         pointing into it (a later drop of that one). A restore in progress of nodes still in the tree
         is covered by them; one of dropped nodes is never handed over (its chain changed)."""
-        return self.host.tree.extent_keys_in_use()
+        return self.cache.tree.extent_keys_in_use()
 
     def _forget(self, released: list[SpillRef], extents: Sequence[Extent] = ()) -> None:
         """Release the reads of removed nodes' refs and remove `extents` from the tier, but for those
         a node left still points into (`_extents_in_use`: those stay, and so do their reads)."""
         in_use = self._extents_in_use()
-        if self.host.controller is not None:
-            self.host.controller.finish_reads([r for r in released if r.extent.key not in in_use])
+        if self.cache.controller is not None:
+            self.cache.controller.finish_reads([r for r in released if r.extent.key not in in_use])
         unique = [e for e in {id(e): e for e in extents}.values() if e.key not in in_use]
         self._doomed += [e for e in unique if e.state is ExtentState.WRITING]
         self._remove([e for e in unique if e.state is ExtentState.ON_TIER])

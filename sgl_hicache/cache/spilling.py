@@ -28,7 +28,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 from sgl_hicache.cache.clean_copies import CleanCopies
 from sgl_hicache.cache.guard import GuardedPart, contained, nothing
 from sgl_hicache.cache.metrics import DropReason
-from sgl_hicache.cache.part_host import PartHost
+from sgl_hicache.cache.owning_cache import OwningCache
 from sgl_hicache.cache.retention import Retention
 from sgl_hicache.cache.spill_state import SpillRef
 from sgl_hicache.cache.staging_share import Refused
@@ -39,7 +39,7 @@ from sgl_hicache.tier.keys import PathHasher, tenant_of
 from sgl_hicache.tier.path_lookup import alias_marks
 
 
-class Host(PartHost, Protocol):
+class SpillingCache(OwningCache, Protocol):
     """What spilling needs of the cache (`SpillRadixCache` is one)."""
 
     spill_config: SpillConfig
@@ -57,13 +57,13 @@ class Host(PartHost, Protocol):
     def update_eviction_metrics(self, num_evicted: int, start_time: float) -> None: ...
 
 
-class Spilling(GuardedPart[Host]):
+class Spilling(GuardedPart[SpillingCache]):
     def evict(self, num_tokens: int) -> int:
         """Free `num_tokens` slots (or all there are): restores in progress first, then victims
         spilled or dropped; the tokens freed."""
-        host = self.host
+        cache = self.cache
         start = time.perf_counter()
-        freed = host.controller.restores.evict(num_tokens) if host.controller is not None else 0
+        freed = cache.controller.restores.evict(num_tokens) if cache.controller is not None else 0
         evicted = 0
         victims: list[tuple[TreeNode, bool]] = []
         for node in self.victims(num_tokens - freed):
@@ -74,15 +74,15 @@ class Spilling(GuardedPart[Host]):
             victims.append((node, dropped is None))
             evicted += n
         self._agree_on_spills(victims)
-        host.update_eviction_metrics(evicted, start)
-        host.spill_metrics.inc("evicted_tokens", evicted)
+        cache.update_eviction_metrics(evicted, start)
+        cache.spill_metrics.inc("evicted_tokens", evicted)
         return freed + evicted
 
     def victims(self, num_tokens: int) -> Iterator[TreeNode]:
         """sglang's victims, least valuable first, until `num_tokens` slots are freed: each is yielded
         while still resident (the caller spills or drops it), then its parent may become one."""
-        host = self.host
-        heap = [(host.eviction_strategy.get_priority(n), n) for n in host.evictable_leaves]
+        cache = self.cache
+        heap = [(cache.eviction_strategy.get_priority(n), n) for n in cache.evictable_leaves]
         heapq.heapify(heap)
         evicted = 0
         while evicted < num_tokens and heap:
@@ -90,22 +90,22 @@ class Spilling(GuardedPart[Host]):
             evicted += len(node.value)
             parent = node.parent
             yield node
-            host.kv_events.record_remove(node)
-            if parent in host.evictable_leaves:  # the same whether the victim spilled or dropped
-                heapq.heappush(heap, (host.eviction_strategy.get_priority(parent), parent))
+            cache.kv_events.record_remove(node)
+            if parent in cache.evictable_leaves:  # the same whether the victim spilled or dropped
+                heapq.heappush(heap, (cache.eviction_strategy.get_priority(parent), parent))
 
     def _agree_on_spills(self, victims: list[tuple[TreeNode, bool]]) -> None:
         """A victim stays spilled only if every rank spilled it; elsewhere it is dropped after all.
         Parents come after their children in `victims`: undo from the end, so a dropped parent takes
         its subtree and its already detached descendants are skipped."""
-        host = self.host
-        if host.agreement.size == 1 or not victims:
+        cache = self.cache
+        if cache.agreement.size == 1 or not victims:
             return
-        agreed = host.agreement.min([int(spilled) for _, spilled in victims])
+        agreed = cache.agreement.min([int(spilled) for _, spilled in victims])
         for (node, spilled), ok in reversed(list(zip(victims, agreed, strict=True))):
-            if spilled and not ok and host.tree.attached(node):
-                host.spill_metrics.drop(host.tree.prune(node), DropReason.TP_DISAGREEMENT)
-                host.spill_metrics.inc("tp_disagreements")
+            if spilled and not ok and cache.tree.attached(node):
+                cache.spill_metrics.drop(cache.tree.prune(node), DropReason.TP_DISAGREEMENT)
+                cache.spill_metrics.inc("tp_disagreements")
 
     def _spilled_if_marked(self, node: TreeNode) -> DropReason | None:
         """One node's spill failed: dropped instead, unless it had already become spilled."""
@@ -114,53 +114,55 @@ class Spilling(GuardedPart[Host]):
     @contained("evict (a node's spill)", _spilled_if_marked)
     def _spill_node(self, node: TreeNode) -> DropReason | None:
         """Spill resident leaf `node` (None), or say why it is to be dropped instead."""
-        host = self.host
+        cache = self.cache
         n = len(node.value)
-        pin = host.retention.pin_of(node)  # a pinned conversation's node spills whatever its length
-        if host.clean.is_clean(node):  # the range it was restored from, written through or ahead
-            assert host.controller is not None  # `is_clean` says so
-            host.controller.reused(node.spill.extent)
-            host.tree.mark_spilled(node, node.spill)
-            host.retention.spilled(node, pin)
-            host.spill_metrics.inc("spilled_tokens", n)
+        pin = cache.retention.pin_of(node)  # a pinned conversation's node spills whatever its length
+        if cache.clean.is_clean(node):  # the range it was restored from, written through or ahead
+            assert cache.controller is not None  # `is_clean` says so
+            cache.controller.reused(node.spill.extent)
+            cache.tree.mark_spilled(node, node.spill)
+            cache.retention.spilled(node, pin)
+            cache.spill_metrics.inc("spilled_tokens", n)
             return None
         if self.too_short(node, pin):
             return DropReason.TOO_SHORT
-        if host.write_admission.reason(node) is None:  # dropped as sglang's plain cache drops it
+        if cache.write_admission.reason(node) is None:  # dropped as sglang's plain cache drops it
             return DropReason.NOT_ADMITTED
         ref = self.store_node(node)
         if isinstance(ref, DropReason):
             return ref
-        host.tree.mark_spilled(node, ref)
-        host.retention.spilled(node, pin)
-        host.spill_metrics.inc("spilled_tokens", n)
+        cache.tree.mark_spilled(node, ref)
+        cache.retention.spilled(node, pin)
+        cache.spill_metrics.inc("spilled_tokens", n)
         return None
 
     def too_short(self, node: TreeNode, pin: object) -> bool:
         """Whether eviction drops resident `node` for its length: short nodes are not worth an extent,
         unless dropping them would orphan spilled children, or their conversation is pinned."""
-        return len(node.value) < self.host.spill_config.min_spill_tokens and not node.children and pin is None
+        return (
+            len(node.value) < self.cache.spill_config.min_spill_tokens and not node.children and pin is None
+        )
 
     def store_node(self, node: TreeNode, background: bool = False) -> SpillRef | DropReason:
         """Write resident `node`'s KV to the tier as one extent (never blocks: `SpillController.store`;
         `background`: a write-through, within its share of staging); its reference, or why it
         cannot be written now."""
-        host = self.host
-        if host.controller is None:
+        cache = self.cache
+        if cache.controller is None:
             return DropReason.NO_TIER
         tokens = np.asarray(node.key.raw_token_ids(), dtype=np.int64)
         try:
-            hasher = host.path_hasher(node.key)
-            before = host.tree.tokens_before(node)
+            hasher = cache.path_hasher(node.key)
+            before = cache.tree.tokens_before(node)
             for part in before:
                 hasher.update(part)
             parent_key = hasher.key()
-            key = chain_key(host.namespace_id, parent_key, tokens)
-            aliases = alias_marks(hasher, sum(len(p) for p in before), tokens, host.page_size)
+            key = chain_key(cache.namespace_id, parent_key, tokens)
+            aliases = alias_marks(hasher, sum(len(p) for p in before), tokens, cache.page_size)
         except ValueError:  # an id outside 0..2**32-1 on its path (keys hash u32 ids): never spilled
             return DropReason.UNNAMEABLE
         default_tenant = tenant_of(node.key.extra_key, node.key.cache_salt) == b""  # others: no ids on disk
-        extent = host.controller.store(
+        extent = cache.controller.store(
             key, parent_key, tokens, node.value, default_tenant, aliases, background, node.key.cache_salt
         )
         if isinstance(extent, Refused):
@@ -169,17 +171,17 @@ class Spilling(GuardedPart[Host]):
 
     def drop_node(self, node: TreeNode, reason: DropReason) -> int:
         """Drop resident `node` (with its subtree) for `reason`; the tokens dropped."""
-        dropped = self.host.tree.drop(node)
-        self.host.spill_metrics.drop(dropped, reason)
+        dropped = self.cache.tree.drop(node)
+        self.cache.spill_metrics.drop(dropped, reason)
         return dropped
 
     def node_keys(self, node: TreeNode) -> tuple[ExtentKey, ExtentKey]:
         """(path key of the tokens before `node`, extent key of `node`'s own tokens after them)."""
-        hasher = self.host.path_hasher(node.key)
-        for part in self.host.tree.tokens_before(node):
+        hasher = self.cache.path_hasher(node.key)
+        for part in self.cache.tree.tokens_before(node):
             hasher.update(part)
         parent = hasher.key()
-        return parent, chain_key(self.host.namespace_id, parent, node.key.raw_token_ids())
+        return parent, chain_key(self.cache.namespace_id, parent, node.key.raw_token_ids())
 
     # ---- insert → adoption, write-through ----------------------------------------------------
 
@@ -192,20 +194,20 @@ class Spilling(GuardedPart[Host]):
         for spilled in chain:
             slices.append(value[pos : pos + len(spilled.key)].clone())
             pos += len(spilled.key)
-        self.host.tree.mark_resident(chain, slices)
+        self.cache.tree.mark_resident(chain, slices)
         return chain
 
     def _spilled_path_dropped(self, node: TreeNode, key: RadixKey) -> tuple[int, list[TreeNode]]:
         """An insert could not adopt the spilled nodes on its path: the first of them goes, with its
         subtree, so sglang's insert then finds only resident nodes there. Walks with dict lookups
         only, none of our helpers."""
-        page_size = self.host.page_size
+        page_size = self.cache.page_size
         while len(key) > 0:
             child = node.children.get(key.child_key(page_size))
             if child is None:
                 break
             if child.evicted:
-                self.host.tree.prune(child)
+                self.cache.tree.prune(child)
                 break
             n = child.key.match(key, page_size=page_size)
             if n < len(child.key):  # the path leaves the tree inside a resident node
@@ -215,9 +217,9 @@ class Spilling(GuardedPart[Host]):
 
     @contained("insert (adopting spilled nodes)", _spilled_path_dropped)
     def _spilled_on_path(self, node: TreeNode, key: RadixKey) -> tuple[int, list[TreeNode]]:
-        return self.host.tree.spilled_on_path(node, key)
+        return self.cache.tree.spilled_on_path(node, key)
 
     @contained("insert (write-through)", nothing)
     def write_through(self, node: TreeNode) -> None:
         """Write the resident path to `node` that has no copy on the tier (clean_copies.py)."""
-        self.host.clean.write_through(node)
+        self.cache.clean.write_through(node)

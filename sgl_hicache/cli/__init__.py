@@ -10,9 +10,9 @@ extent is read with the tier's own code (`format.decode_fixed`, `load.open_exten
 so fsck accepts exactly what a load accepts (header and meta MACs included, when it can read the
 directory's `.secret`: run it as the server's user). Imports neither torch nor sglang.
 
-walk.py     namespace dirs, files sorted by role (extents, stale / live temp files)
-summary.py  inspect: header-only totals, table or JSON
-fsck.py     fsck: full verification, --repair
+tier_files.py  a tier's namespace dirs, their files sorted by role (extents, stale / live temp files)
+summary.py     inspect: header-only totals, table or JSON
+fsck.py        fsck: full verification, --repair
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from sgl_hicache.cli.fsck import cmd_fsck
 from sgl_hicache.cli.summary import cmd_inspect
-from sgl_hicache.cli.walk import UsageError
+from sgl_hicache.cli.tier_files import UsageError
 
 EXIT_USAGE = 2
 

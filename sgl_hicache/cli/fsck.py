@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
-from sgl_hicache.cli.walk import NsFiles, UsageError, classify, directory_seal, key_of, namespace_dirs
+from sgl_hicache.cli.tier_files import NsFiles, UsageError, classify, directory_seal, key_of, namespace_dirs
 from sgl_hicache.tier.directio import O_DIRECT, ShortIO, alloc_aligned
 from sgl_hicache.tier.file.budget.filelock import NoLocks
 from sgl_hicache.tier.file.budget.ledger import LEDGER_NAME, close_ledger, open_ledger

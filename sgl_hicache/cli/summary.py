@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from sgl_hicache.cli.walk import NsFiles, classify, directory_seal, key_of, namespace_dirs
+from sgl_hicache.cli.tier_files import NsFiles, classify, directory_seal, key_of, namespace_dirs
 from sgl_hicache.tier.format import ALIGN, DirectoryMac, FormatError, Header, decode_fixed
 from sgl_hicache.tier.keys import NamespaceId, chain_key_from_digest
 
