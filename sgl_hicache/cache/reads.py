@@ -117,7 +117,7 @@ def needs(refs: Sequence[SpillRef]) -> dict[int, tuple[Extent, int]]:
 class ExtentReads:
     def __init__(self, tier: Tier, view: KVPoolView, staging: StagingPool, metrics: SpillMetrics,
                  ttl_s: float, release: Callable[[torch.Tensor], None],
-                 layout: LayerGroups | None = None) -> None:  # fmt: skip
+                 layout: LayerGroups | None = None, group_major: bool = False) -> None:  # fmt: skip
         self.tier = tier
         self.view = view
         self.layout = layout or view.groups(0)  # the layer groups every buffer is laid out in
@@ -131,7 +131,7 @@ class ExtentReads:
         self._waiting: dict[int, float] = {}  # by id(extent): reads restores wait to start (no room)
         self._mismatch_logged = False
         self._too_large_logged = False
-        self.group_major = False  # read the extents started together layer group by layer group
+        self.group_major = group_major  # read the extents one call starts layer group by layer group
 
     def completed(self, done: Completion) -> bool:
         """Take a load's completion (from the tier's `get_finished`); False if not one of ours."""

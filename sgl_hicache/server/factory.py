@@ -138,7 +138,7 @@ def open_controller(
     if view.device.type == "cuda":
         staging.pin()
     tier.register_host_memory(staging.arena)  # a Mooncake tier's transfers then go straight from it
-    controller = SpillController(
+    return SpillController(
         tier,
         view,
         staging,
@@ -148,7 +148,5 @@ def open_controller(
         config.prefetch_ttl_s,
         streams,
         config.layer_groups,
+        group_major=config.layerwise_restore,
     )
-    # layer-wise restores start once group 0 of every extent landed: the tier reads that first
-    controller.reads.group_major = config.layerwise_restore
-    return controller

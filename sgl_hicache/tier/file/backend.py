@@ -223,6 +223,7 @@ class FileTier(IndexedTier):
             return
         try:
             plan = plan_load(ext.header, want, group_layers)
+            groups = section_of(ext.header.sections, [piece.raw_off for piece in plan.pieces])
             if dest.nbytes < want:
                 raise ValueError(f"dest {dest.nbytes} B < {want} B")
         except ValueError as e:
@@ -239,7 +240,6 @@ class FileTier(IndexedTier):
         if load.remaining == 0:
             self._end_load(load)
             return
-        groups = section_of(ext.header.sections, [piece.raw_off for piece in load.pieces])
         for i in range(1, load.remaining):  # ranked: the batch's group 0 first (see the module doc)
             self._io.submit_read(partial(self._chunk_job, load, i), (batch, groups[i]))
         self._chunk_job(load, 0)
