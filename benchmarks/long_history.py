@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -336,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
                 log(
                     f"r{round_} raw parallel read of ours' tier: {speed:.2f} GB/s over {nbytes / 2**20:.0f} MiB"
                 )
+            if system.tier_dir is not None:  # a 16K history's tier is GiBs: never left to fill the disk
+                shutil.rmtree(system.tier_dir, ignore_errors=True)
     figures = {"model": args.model, "device": args.device, "pool_tokens": pool, "host_budget_mb": host_mb,
                "page_size": args.page_size, "rounds": args.rounds, "repeats": args.repeats,
                "new_tokens": list(new_tokens),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -107,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     for system in systems:
         for key, value in probe(system, shape, model, args.length, args.idle_s, workdir).items():
             figures[f"{system.name}_{key}"] = value
+        if system.tier_dir is not None:  # GiBs at 16K: never left to fill the disk
+            shutil.rmtree(system.tier_dir, ignore_errors=True)
     emit(figures)
     return 0
 

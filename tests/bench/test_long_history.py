@@ -248,3 +248,35 @@ def test_long_history_names_the_log_of_a_server_that_stopped_answering(
         resume.NoAnswer, match=re.escape(f"the server's log: {tmp_path / 'ours-r0.log'}") + "$"
     ):
         lh.run_server(system, shape, model, [512], 1, 0, tmp_path)  # type: ignore[arg-type]
+
+
+def test_each_servers_tier_is_removed_once_measured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 16K history leaves GiBs in a tier: the run removes each system's once its server is done
+    (after the raw read of ours'), so a long run never fills the disk it measures."""
+    tiers = {name: tmp_path / name for name in ("ours", "hicache-wait-r2")}
+    for d in tiers.values():
+        d.mkdir()
+        (d / "extent").write_bytes(b"x" * 4096)
+    systems = [SimpleNamespace(name=n, tier_dir=d) for n, d in tiers.items()]
+    shape = SimpleNamespace(pool_tokens=2048, host_budget_mb=64)
+    monkeypatch.setattr(lh, "prepare", lambda *a, **k: (tmp_path, tmp_path / "model", shape, systems))
+    seen: list[tuple[str, bool]] = []
+
+    def run_server(system: SimpleNamespace, *a: object) -> list[dict]:
+        seen.append((system.name, system.tier_dir.exists()))
+        return []
+
+    def raw_read(root: Path, threads: int) -> tuple[float, int]:
+        assert root.exists(), "ours' tier was removed before its raw read"
+        return 1.0, 4096
+
+    monkeypatch.setattr(lh, "run_server", run_server)
+    monkeypatch.setattr(lh, "raw_read_gbps", raw_read)
+    monkeypatch.setattr(lh, "summarize", lambda rows, raw, model="": {})
+    monkeypatch.setattr(lh, "emit", lambda figures: None)
+    assert (
+        lh.main(["--lengths", "512", "--systems", "ours,hicache-wait-r2", "--rounds", "1", "--repeats", "1"])
+        == 0
+    )
+    assert sorted(seen) == [("hicache-wait-r2", True), ("ours", True)]
+    assert not any(d.exists() for d in tiers.values()), "a tier was left on the disk"
