@@ -1,7 +1,8 @@
 """The order the file tier reads chunks in (`Tier.submit_load`'s `batch`): the loads of one batch (a
 restore's extents) layer group by layer group, every load's group g before any load's group g + 1,
 so that group 0 of the whole restore lands first; loads of different batches, and loads without
-one, one after another in the order they were submitted (the prefix of a restore first).
+one, one after another in the order they were submitted (the prefix of a restore first); a lookup
+after the loads submitted before it and before those submitted after it.
 
 One I/O thread, held at the first chunk read until every load is queued: the order is then the
 queue's, not the threads' timing."""
@@ -87,3 +88,32 @@ def test_loads_without_a_batch_are_read_one_after_another(recorded: Any) -> None
     tier, reads, gate = recorded
     load_all(tier, gate, [None, None, None])
     assert [extent for extent, _ in reads] == [0] * 8 + [1] * 8 + [2] * 8, reads
+
+
+def test_a_lookup_runs_after_the_loads_before_it_and_before_the_loads_after_it(
+    recorded: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sgl_hicache.tier.base import LookupRequest
+    from sgl_hicache.tier.file import backend
+
+    tier, reads, gate = recorded
+    real = backend.run_lookup
+
+    def run_lookup(*args: Any) -> Any:
+        reads.append(("lookup", -1))
+        return real(*args)
+
+    monkeypatch.setattr(backend, "run_lookup", run_lookup)
+    dests = [np.zeros(payload(i).nbytes, np.uint8) for i in range(2)]
+    first = tier.submit_load(chain_key(NS.id, ROOT_KEY, tokens(0)), dests[0])
+    tier.submit_lookup(LookupRequest(np.asarray(tokens(2), np.uint32), 0))
+    second = tier.submit_load(chain_key(NS.id, ROOT_KEY, tokens(1)), dests[1])
+    gate.set()
+    assert tier.wait(first, 30).ok and tier.wait(second, 30).ok
+    found: list[Any] = []
+    for _ in range(300):
+        if found := tier.lookups_finished():
+            break
+        threading.Event().wait(0.1)
+    assert found, "the lookup never answered"
+    assert [extent for extent, _ in reads] == [0] * 8 + ["lookup"] + [1] * 8, reads
