@@ -374,12 +374,12 @@ def execute(spec: BenchSpec, configs: tuple[ClusterConfig, ...] = CONFIGS) -> in
     """Each of `configs` that can run in `spec.shape` (the others are named in the final line's
     `skipped`, with why), `spec.repeats` times interleaved; writes the run's files like the
     single-server benchmark and prints the final JSON line. Exit status 0."""
-    model = run.resolve_model(spec.shape.model, spec.out_dir)
     skipped = {c.name: why for c in configs if (why := unavailable(c, spec.shape)) is not None}
-    if len(skipped) == len(configs):
+    if len(skipped) == len(configs):  # refused before the model is built (minutes on a fresh machine)
         raise SpecError(
             f"--configs: none of {', '.join(skipped)} can run here: {'; '.join(skipped.values())}"
         )
+    model = run.resolve_model(spec.shape.model, spec.out_dir)
     used = {c.system for c in configs if c.name not in skipped}
     history = max(m.context_tokens() for m in spec.multiturn)
     systems.check_hicache_holds(used, spec.shape, model, history)  # before any server, as the bench

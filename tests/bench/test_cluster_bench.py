@@ -320,6 +320,11 @@ def test_configs_selects_and_rejects(
     assert "--configs names configurations of --servers 2" in capsys.readouterr().err
     # a configuration that cannot run on CPU (none is now), asked for alone: refused in one line
     monkeypatch.setattr(cluster, "UNAVAILABLE_ON_CPU", {"hicache-mooncake": "no such copy on CPU"})
+
+    def build_model(*a: object) -> None:  # on a fresh machine: minutes, and a progress bar on stderr
+        raise AssertionError("the model was built before the configurations were checked")
+
+    monkeypatch.setattr(cluster.run, "resolve_model", build_model)
     only_skipped = ["--out", str(tmp_path / "x"), "--servers", "2", "--configs", "hicache-mooncake"]
     assert main(only_skipped) == 2  # on CPU
     err = capsys.readouterr().err
@@ -359,6 +364,11 @@ def test_a_configuration_that_cannot_run_here_is_named_in_skipped_and_not_run(
     config = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64}
     (tmp_path / "config.json").write_text(json.dumps(config))
     monkeypatch.setattr(cluster, "UNAVAILABLE_ON_CPU", {"hicache-mooncake": "no such copy on CPU"})
+
+    def build_model(*a: object) -> None:  # on a fresh machine: minutes, and a progress bar on stderr
+        raise AssertionError("the model was built before the configurations were checked")
+
+    monkeypatch.setattr(cluster.run, "resolve_model", build_model)
     args = ["--servers", "2", "--concurrency", "2", "--repeats", "1", "--out", str(tmp_path)]
     chosen = cluster.select("ours-mooncake,hicache-mooncake")
     assert cluster.execute(spec_from(parser().parse_args(args)), chosen) == 0
