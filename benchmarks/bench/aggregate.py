@@ -1,11 +1,12 @@
 """Repeats: the median of each figure over a system's repeats, its spread, and the figures against
 the best configuration of each peer that the gate and the final line use.
 
-Counts (requests, errors, resumed) are summed over repeats, so one failed request in any repeat
-shows; every other figure is the median of the repeats (NaN repeats left out) with its min–max
-spread. Ours against a peer's best configuration at a figure (chosen by the median) is the ratio of
-medians; its spread is the range of the per-repeat ratios (repeat k of ours against repeat k of that
-configuration, which ran in the same pass of the interleaved order). "overall" is the geometric mean over workloads.
+Counts (`COUNTS`: requests, errors, resumed turns and their splits) are summed over repeats, so
+one failed request in any repeat shows; every other figure is the median of the repeats (NaN
+repeats left out) with its min–max spread. Ours against a peer's best configuration at a figure
+(chosen by the median) is the ratio of medians; its spread is the range of the per-repeat ratios
+(repeat k of ours against repeat k of that configuration, which ran in the same pass of the
+interleaved order). "overall" is the geometric mean over workloads.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from dataclasses import dataclass, field, fields, replace
 import numpy as np
 
 from benchmarks.bench.spec import COMPARED, FAMILIES, Compared
-from benchmarks.bench.summary import NAN, Figures, best_of, ratio
+from benchmarks.bench.summary import EARLY_COUNTS, NAN, Figures, best_of, ratio
 
-COUNTS = ("requests", "errors", "resumed", "resumed_resident", "resumed_restored", "resumed_recomputed")
+COUNTS = ("requests", "errors", "resumed", "resumed_resident", "resumed_restored", "resumed_recomputed",
+          *EARLY_COUNTS)  # fmt: skip
 
 
 @dataclass(frozen=True)

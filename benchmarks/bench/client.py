@@ -32,6 +32,7 @@ class Result:
     resumed: bool
     prompt_tokens: int
     sent_s: float = 0.0  # since the workload (multi-turn: its round) started
+    done_s: float = float("nan")  # when its answer ended or it failed, on `sent_s`'s clock
     ttft_ms: float = float("nan")
     latency_ms: float = float("nan")
     itl_ms: list[float] = field(default_factory=list)
@@ -43,6 +44,7 @@ class Result:
     repeat: int = 0  # which of the run's repeats
     server: str | None = None  # behind smg: the worker it routed the request to (`ROUTED_HEADER`)
     prefix_tokens: int = 0  # `Request.prefix_tokens`: of the prompt, what a cache could hold
+    follows: str | None = None  # `Request.follows`: the key of the request whose prefix it reuses
 
 
 async def generate(session: aiohttp.ClientSession, base_url: str, request: Request, workload: str, t0: float,
@@ -51,9 +53,11 @@ async def generate(session: aiohttp.ClientSession, base_url: str, request: Reque
     they are recorded in `Result.error`. `dispatched` is set once the response headers arrived (a
     router has picked the server and the server took the request) or the request failed before.
     `model`: the model the request names (smg over gRPC workers needs it; sglang's own `/generate`
-    takes none)."""
+    takes none). `Result.sent_s` and `Result.done_s` are seconds since `t0`."""
     try:
-        return await _generate(session, base_url, request, workload, t0, dispatched, model)
+        result = await _generate(session, base_url, request, workload, t0, dispatched, model)
+        result.done_s = time.perf_counter() - t0
+        return result
     finally:
         if dispatched is not None:
             dispatched.set()
@@ -62,7 +66,7 @@ async def generate(session: aiohttp.ClientSession, base_url: str, request: Reque
 async def _generate(session: aiohttp.ClientSession, base_url: str, request: Request, workload: str, t0: float,
                     dispatched: asyncio.Event | None, model: str | None) -> Result:  # fmt: skip
     result = Result(request.key, workload, request.round, request.resumed, len(request.input_ids),
-                    prefix_tokens=request.prefix_tokens)  # fmt: skip
+                    prefix_tokens=request.prefix_tokens, follows=request.follows)  # fmt: skip
     body: dict[str, Any] = {} if model is None else {"model": model}
     body |= {
         "input_ids": list(request.input_ids),

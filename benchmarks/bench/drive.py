@@ -151,7 +151,9 @@ async def replay(base_url: str, requests: list[Request], drop: Callable[[], obje
                  evict: Callable[[], object] | None = None, name: str = "trace") -> Driven:  # fmt: skip
     """The open-loop replay (the workload `name`): something is always in flight, so the page cache
     is dropped before the clock starts and then `evict`ed (clean pages only: nothing written on the
-    clock) every `DROP_EVERY_S` inside the timed window, the same for every system."""
+    clock) every `DROP_EVERY_S` inside the timed window, the same for every system. Each request is
+    sent at its `at_s`, whether or not the request it follows (`Request.follows`) has finished; its
+    `Result.sent_s` and `done_s` share the replay's clock, so `summary.early_sources` can tell."""
     await asyncio.to_thread(drop)  # before the clock starts
     async with new_session() as session:
         t0 = time.perf_counter()

@@ -16,11 +16,11 @@ from typing import Any
 from benchmarks.bench.aggregate import COUNTS, Measured, VersusBest
 from benchmarks.bench.client import TIERS, Result
 from benchmarks.bench.spec import COMPARED, FAMILIES
-from benchmarks.bench.summary import Figures, pct
+from benchmarks.bench.summary import EARLY_COUNTS, Figures, pct
 
 REQUEST_FIELDS = ("system", "repeat", "workload", "key", "round", "resumed", "prompt_tokens", "prefix_tokens",
-                  "sent_s", "ttft_ms", "latency_ms", "output_tokens", "cached_tokens", "cached_device",
-                  "cached_host", "cached_storage", "error", "server")  # fmt: skip
+                  "follows", "sent_s", "done_s", "ttft_ms", "latency_ms", "output_tokens", "cached_tokens",
+                  "cached_device", "cached_host", "cached_storage", "error", "server")  # fmt: skip
 
 
 _RATIOS = tuple(f"{c.key}_vs_{base}" for c in COMPARED for base in ("recompute", *FAMILIES, "resident"))
@@ -55,8 +55,8 @@ def final_line(workloads: dict[str, dict[str, Figures]], ratios: dict[str, dict[
 
 
 PER_SYSTEM = ("ttft_p50_ms", "ttft_resume_p50_ms", "ttft_resume_p90_ms", "queue_mean_ms", "throughput_tok_s",
-              "resumed_resident", "resumed_restored", "resumed_recomputed", "tokens_restored", "tokens_recomputed",
-              "disk_write_mb", "write_per_restored")  # fmt: skip
+              "resumed_resident", "resumed_restored", "resumed_recomputed", *EARLY_COUNTS, "tokens_restored",
+              "tokens_recomputed", "disk_write_mb", "write_per_restored")  # fmt: skip
 """The figures the final line gives for every system on every workload (`per_system`)."""
 
 

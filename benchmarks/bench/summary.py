@@ -45,6 +45,19 @@ class Figures:
     resumed_resident: int
     resumed_restored: int
     resumed_recomputed: int
+    # The same resumed turns split by whether each was sent before the request it follows (its
+    # conversation's previous turn) had finished: `early_*` (a cache that looks a request up once, on
+    # arrival, cannot find that turn's KV yet), `late_*` the others (`early_sources`). Only the open-loop
+    # trace replays send early; in multi-turn and agents a turn waits for its previous answer, so
+    # there every resumed turn is late
+    early_resumes: int
+    early_resident: int
+    early_restored: int
+    early_recomputed: int
+    late_resumes: int
+    late_resident: int
+    late_restored: int
+    late_recomputed: int
     tokens_restored: float  # prompt tokens served from host memory or disk
     tokens_recomputed: float  # of resumed turns' reusable prefixes, the tokens prefilled again
     disk_write_mb: float  # written to disk by the system's processes over the workload (`disk_writes`)
@@ -88,6 +101,7 @@ def summarize(results: list[Result], wall_s: float, metrics: dict[str, float], w
         queue_mean_ms=queue_mean_ms(metrics),
         wall_s=wall_s,
         **{f"resumed_{k}": n for k, n in resumed_sources(ok).items()},
+        **early_sources(results),
         tokens_restored=restored,
         tokens_recomputed=float(sum(max(0, r.prefix_tokens - r.cached_tokens) for r in ok if r.resumed)),
         disk_write_mb=written_bytes / 2**20,
@@ -113,6 +127,33 @@ def resumed_sources(results: list[Result]) -> dict[str, int]:
     """How many resumed turns of `results` found their prefix where (`source`)."""
     found = [source(r) for r in results if r.resumed]
     return {s: found.count(s) for s in SOURCES}
+
+
+def arrived_early(r: Result, done_s: dict[str, float]) -> bool:
+    """Whether `r` was sent before the request it follows (`Result.follows`) finished, by
+    `done_s` (each request's `Result.done_s` by key: the client's end of its answer, or its failure;
+    the server may store its KV a little later). False where it follows none or that one's end is
+    not known."""
+    return r.follows is not None and r.sent_s < done_s.get(r.follows, NAN)
+
+
+EARLY_COUNTS = tuple(f"{split}_{n}" for split in ("early", "late") for n in ("resumes", *SOURCES))
+"""The figures `early_sources` gives."""
+
+
+def early_sources(results: list[Result]) -> dict[str, int]:
+    """The successful resumed turns of `results` (every request of one run of one workload, failed
+    ones included, so a failed previous turn's end is known), split into those that `arrived_early`
+    and the others: `early_resumes`, `late_resumes`, and of each split where most of its prefix was
+    found, `early_<source>` and `late_<source>` (`resumed_sources`)."""
+    done_s = {r.key: r.done_s for r in results}
+    resumed = [r for r in results if r.error is None and r.resumed]
+    out: dict[str, int] = {}
+    for split, early in (("early", True), ("late", False)):
+        turns = [r for r in resumed if arrived_early(r, done_s) is early]
+        out[f"{split}_resumes"] = len(turns)
+        out.update({f"{split}_{s}": n for s, n in resumed_sources(turns).items()})
+    return out
 
 
 def restore_gbps(metrics: dict[str, float]) -> float:

@@ -137,20 +137,22 @@ def longest(records: list[TraceRecord], spec: Trace) -> int:
 def to_requests(records: list[TraceRecord], spec: Trace, vocab: int) -> list[Request]:
     """Scaled, time-ordered requests. A request is `resumed` when at least half of its blocks are a
     prefix an earlier request already sent (its conversation comes back), not merely a shared
-    system prompt."""
+    system prompt; it `follows` the latest earlier request that sent that prefix (its
+    conversation's previous turn), whether or not that one will have finished when it is sent."""
     t0 = min(r.timestamp_ms for r in records)
-    seen: set[tuple[int, ...]] = set()
+    sent_by: dict[tuple[int, ...], str] = {}  # each prefix of blocks sent: the latest request that sent it
     out = []
     for i, r in enumerate(sorted(records, key=lambda r: r.timestamp_ms)):
         block, n_in, n_out = _lengths(r, spec)
         used = r.hash_ids[: -(-n_in // block)]
         ids = [t for h in used for t in token_ids(SEED_BLOCK * (1 + spec.salt) + h, block, vocab)]
-        reused = next((k for k in range(len(used), 0, -1) if used[:k] in seen), 0)
-        seen.update(used[:k] for k in range(1, len(used) + 1))
+        reused = next((k for k in range(len(used), 0, -1) if used[:k] in sent_by), 0)
+        follows = sent_by[used[:reused]] if reused else None
+        sent_by.update((used[:k], f"t{i}") for k in range(1, len(used) + 1))
         out.append(Request(
             key=f"t{i}", group=used[0], round=reused, input_ids=tuple(ids[:n_in]),
             output_tokens=n_out,
             resumed=2 * reused >= len(used), at_s=(r.timestamp_ms - t0) / 1e3 * spec.time_scale,
-            prefix_tokens=min(n_in, reused * block),
+            prefix_tokens=min(n_in, reused * block), follows=follows,
         ))  # fmt: skip
     return out

@@ -26,6 +26,10 @@ class Request:
     # Of `input_ids`, the leading tokens an earlier request of its conversation sent or got back (what
     # a cache could hold when it comes; 0 for a first turn)
     prefix_tokens: int = 0
+    # Trace: the key of the latest earlier request that sent the blocks this one reuses (its
+    # conversation's previous turn; None for a first turn). Closed loops (multi-turn, agents) leave it
+    # None: there a turn is sent only after its previous turn was answered
+    follows: str | None = None
 
 
 def token_ids(seed: int, n: int, vocab: int) -> list[int]:

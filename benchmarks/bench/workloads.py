@@ -8,7 +8,9 @@
 - `mooncake-trace`: the subset of Mooncake's FAST'25 synthetic trace kept in `benchmarks/traces/`
   (whole conversations; its NOTICE says how it was cut), replayed open-loop twice on each server:
   `mooncake_arrival`, arrivals as in the trace times `--time-scale`, and `mooncake_saturated`,
-  arrivals `SATURATE` times closer, so requests queue and the server is always busy. Unless given,
+  arrivals `SATURATE` times closer, so requests queue and the server is always busy. A turn is sent at
+  its time even while its conversation's previous turn is still queued or running; the figures
+  `early_*` and `late_*` split the resumed turns by that (`summary.early_sources`). Unless given,
   the device pool holds its longest request.
 
 Every size of `agents` and `mooncake-trace` is nominal (what the work is on a GPU) times a token
