@@ -48,7 +48,13 @@ TIER_COUNTERS = {  # TierStats running totals: (metric name, help), exported as 
     "removed_bad_files": (
         "tier_removed_bad_files",
         "files in the tier that were not sound extents of this namespace's secret (corrupt, torn, "
-        "foreign) and were removed, at the start scan or when a load met them",
+        "foreign) and were removed, at the start scan or when a load met them (on a Mooncake Store: "
+        "headers that did not verify, removed at a warm start)",
+    ),
+    "manifest_bad_records": (
+        "tier_manifest_bad_records",
+        "records of a Mooncake Store's manifest that did not verify at a warm start (another "
+        "deployment's secret on this namespace, or tampered): skipped, kept",
     ),
     "written_bytes": (
         "tier_written_bytes",

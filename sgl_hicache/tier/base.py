@@ -174,6 +174,12 @@ class TierStats:
     # (what wears an SSD; divided by the cache's `restored_bytes`: write amplification).
     written_bytes: int = 0
     purge_retries: int = 0  # purges run again because the store failed them (retried until done)
+    # Warm start from a manifest (mooncake/warm_start.py): entries whose extent was gone, records
+    # that did not verify (another secret, tampered: skipped), compactions and the records they removed.
+    warm_start_gone: int = 0
+    manifest_bad_records: int = 0
+    manifest_compactions: int = 0
+    manifest_records_removed: int = 0
 
 
 class Tier(abc.ABC):

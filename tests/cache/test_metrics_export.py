@@ -34,3 +34,12 @@ def test_removed_bad_files_are_exported() -> None:
     m.set_tier_stats(TierStats(**{**zero, "removed_bad_files": 2}))
     m.set_tier_stats(TierStats(**{**zero, "removed_bad_files": 2}))
     assert value(m.tier_counters["removed_bad_files"]) == 2
+
+
+def test_manifest_records_that_did_not_verify_are_exported() -> None:
+    """A Mooncake warm start's records of another secret, or tampered (a trust event, as a bad file)."""
+    m = metrics()
+    assert m.tier_counters is not None
+    zero = dict.fromkeys(TierStats.__dataclass_fields__, 0)
+    m.set_tier_stats(TierStats(**{**zero, "manifest_bad_records": 3}))
+    assert value(m.tier_counters["manifest_bad_records"]) == 3

@@ -19,8 +19,9 @@ and codes: client.py), and every load verifies it as a file load does. The contr
   chunk it names writes nothing (else it writes every object anew).
 - Warm start: the namespace's manifest (manifest.py) names the extents its writers stored; at open
   each is verified like a load's header, its chunks checked present, and indexed (`extents`,
-  `read_tokens`, `scanned_extents`). Every store this tier writes is recorded there within about
-  `MANIFEST_FLUSH_S` (and at close).
+  `read_tokens`, `scanned_extents`); what it could not use is counted, a header that does not
+  verify removed, and the manifest compacted (warm_start.py). Every store this tier writes is
+  recorded there within about `MANIFEST_FLUSH_S` (and at close).
 - Lookups: path_lookup.py's walk over alias objects in the request's salt directory (the newest
   writer's wins); a dangling alias is left to the master's eviction. Failures: an unreachable
   master or peer is an I/O error of that operation (counted, logged at most once a minute); the
@@ -65,6 +66,7 @@ from sgl_hicache.tier.mooncake.manifest import Manifest
 from sgl_hicache.tier.mooncake.purge import Purges
 from sgl_hicache.tier.mooncake.recent import RecentExtents
 from sgl_hicache.tier.mooncake.source import StoreSource
+from sgl_hicache.tier.mooncake.warm_start import warm_start
 from sgl_hicache.tier.path_lookup import LookupQueue, run_lookup_in
 from sgl_hicache.tier.scheduler import IoScheduler
 from sgl_hicache.tier.trust import open_trusted
@@ -100,21 +102,12 @@ class MooncakeTier(IndexedTier):
         logger.info("sgl_hicache: spill tier on the Mooncake Store of master %s", cfg.mooncake.master)
 
     def _warm_start(self) -> None:
-        """Index every extent the manifest names that verifies and is whole (blocks, as a file scan)."""
-        try:
-            found, newer = objects.find_extents(
-                self._client, self._names, self._ns.id, self._seal, self._manifest.scan()
-            )
-        except OSError as e:
-            self._faults.report(Op.LOAD, e, self._where)
-            return
+        """Index every extent the manifest names that verifies and is whole (warm_start.py)."""
+        found = warm_start(self._client, self._names, self._ns.id, self._seal, self._manifest, self._counters,
+                           lambda op, e: self._faults.report(op, e, self._where))  # fmt: skip
         with self._lock:
             for ext in found:
                 self._index.remember(_info(ext), ext.salt)
-        self._counters.add("scanned_extents", len(found))
-        self._counters.add("newer_extents", newer)
-        if found:
-            logger.info("sgl_hicache: %d extents of this namespace found in the Mooncake Store", len(found))
 
     def _tick(self) -> None:
         """Now and then on an I/O thread: the manifest's waiting entries, and owed purges."""

@@ -7,28 +7,49 @@ when it has `RECORD_ENTRIES` of them, about every second otherwise (backend.py),
 
 - **Claiming a slot**: `put` keeps an object already there, so a writer puts its record at the
   first slot it has not seen taken and reads it back: its own bytes mean the slot is its own, else
-  it tries the next one. `m/head` holds the highest slot a writer claimed (a hint: every writer
-  replaces it, so it may lag behind another's claim by a few slots).
-- **Scanning** (a tier's open): the slots up to `m/head` and `SCAN_WINDOW` beyond, and further while
-  a window still holds a record, are checked for existence in batches and the records read in
-  batches; a record that does not verify (another deployment's secret, a tampered one) is skipped
-  and counted. Slots the master evicted are holes that the next writer to open fills first.
+  it tries the next one (a record byte-equal to another's holds the same entries: either owns it).
+- **`m/head`**: the highest slot a writer claimed, raised after a claim and never lowered (a writer
+  writes it only above what it reads there; one racing it may still write its own lower claim,
+  never below what both read). A scan reads up to it, so slots emptied below it cost a scan only
+  existence checks (a call per `SCAN_WINDOW`).
+- **Scanning** (a tier's open): windows of `SCAN_WINDOW` slots up to the one holding `m/head`, the
+  next one, and further while a window still holds a record, are checked for existence (a call
+  each) and the records read in batches; a record that does not verify (another deployment's
+  secret, a tampered one) is skipped, counted (`bad_records`) and never removed (it may be another
+  deployment's manifest). Slots the master evicted or a compaction emptied are holes that the
+  next writer to open fills first.
+- **Compaction** (`compact`, at a tier's open after its warm start sorted the entries): when the
+  scan read at least `COMPACT_MIN_RECORDS` records and the live entries (those whose extent the
+  warm start found, or could not tell about: warm_start.py) fit in half as many records, or are
+  at most half the entries read (duplicates counted), the live entries are written as new records
+  (claimed as `flush` claims, `m/head` raised), and only once every one is confirmed are the
+  records this scan read removed, each only if the slot still holds the bytes read (re-read in a
+  batch just before its removal). So a record written since the scan is never removed (another
+  writer's, even in a slot emptied meanwhile by another compactor), entries waiting in a writer
+  are untouched, and a store call failing midway removes nothing (new records already written
+  are duplicates; entries dedupe by key). Two compactors at once both rewrite the live entries
+  (duplicate records, compacted at a later open) and each removes what it read. Not covered: the
+  store has no compare-and-delete, so a record written into a slot in the moment between a
+  compactor's re-read and its removal (the slot emptied by another compactor, then claimed) is
+  removed: its entries lose their warm start (still found by lookup; never a wrong answer).
 - **Where it lives**: a Mooncake object lives in one client's segment and leaves the store with
   that client (a server stopped or restarted takes what its segment held). Records and `m/head`
   are kept in `COPIES` segments, so a server's restart takes no record with it while another
   client holds a segment; the extents its own segment held are gone all the same (skipped).
 - **What a record proves**: nothing. It names extents; each is verified at open like a load's
-  header (backend.py) before it is indexed. Entries of extents evicted or removed since name
-  nothing and are skipped; a record the master evicted takes its entries' warm start with it
-  (those extents are still found by lookup). A purge removes the salt's objects, not the entries
-  naming them (keys and keyed salt tags only: no token ids, no KV).
+  header (warm_start.py) before it is indexed. Entries of extents evicted or removed since name
+  nothing and are skipped (until a compaction drops them); a record the master evicted takes its
+  entries' warm start with it (those extents are still found by lookup). A purge removes the
+  salt's objects, not the entries naming them (keys and keyed salt tags only: no token ids, no KV).
 """
 
 from __future__ import annotations
 
+import hashlib
 import struct
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from typing import NamedTuple
 
 from sgl_hicache.tier.format import MAC_BYTES, DirectoryMac, FormatError
 from sgl_hicache.tier.keys import KEY_BYTES, ExtentKey
@@ -40,12 +61,18 @@ SCAN_WINDOW = 1024  # slots checked per existence call of a scan
 READ_BATCH = 256  # records read per call of a scan
 CLAIM_TRIES = 64  # slots a flush tries before it gives up (its entries wait for the next flush)
 MAX_PENDING = 1 << 16  # entries waiting for a record at most (the oldest go first)
+COMPACT_MIN_RECORDS = 16  # a scan that read fewer records never compacts
 _MAGIC = b"SGLHCMR1"
 _COUNT = struct.Struct("<I")
 _NO_SALT = bytes(MAC_BYTES)
 _ENTRY = 1 + KEY_BYTES + MAC_BYTES  # has-salt flag, key, salt tag
 
 Entry = tuple[ExtentKey, bytes | None]
+
+
+class Compaction(NamedTuple):
+    written: int  # new records, holding the live entries
+    removed: int  # records the scan read, removed since
 
 
 def encode_record(entries: list[Entry], seal: DirectoryMac) -> bytes:
@@ -73,16 +100,23 @@ def decode_record(data: bytes, seal: DirectoryMac) -> list[Entry]:
     return out
 
 
+def _digest(record: bytes) -> bytes:
+    return hashlib.blake2b(record, digest_size=16).digest()
+
+
 class Manifest:
-    """One tier's view of its namespace's manifest: `scan` at open, `add` per store, `flush`."""
+    """One tier's view of its namespace's manifest: `scan` at open (then `compact`), `add` per
+    store, `flush`."""
 
     def __init__(self, client: StoreClient, names: Names, seal: DirectoryMac) -> None:
         self._client, self._names, self._seal = client, names, seal
         self._lock = threading.Lock()  # pending, next slot
-        self._flushing = threading.Lock()  # one flush at a time
+        self._flushing = threading.Lock()  # one flush or compaction at a time
         self._pending: list[Entry] = []
         self._next = 0  # the lowest slot this writer has not seen taken
         self._taken: set[int] = set()  # slots seen taken at the scan, above `_next`
+        self._read: dict[int, bytes] = {}  # slot -> digest of the record the scan read there (verified)
+        self._entries_read = 0  # the entries of those records, duplicates included
         self.bad_records = 0
 
     def scan(self) -> list[Entry]:
@@ -95,13 +129,13 @@ class Manifest:
                                        strict=True) if x == 1]  # fmt: skip
             taken += found
             start += SCAN_WINDOW
-            if not found and start > head:
+            if not found and start > head + SCAN_WINDOW:
                 break
         free = sorted(set(range(start)) - set(taken))
         with self._lock:
             self._next = free[0] if free else start
             self._taken = set(taken)
-        return self._read(taken)
+        return self._read_records(taken)
 
     def _head(self) -> int:
         raw = self._client.get(self._names.head())
@@ -110,15 +144,29 @@ class Manifest:
         except (UnicodeDecodeError, ValueError):
             return 0
 
-    def _read(self, slots: list[int]) -> list[Entry]:
+    def _raise_head(self, slot: int) -> None:
+        """`m/head` := `slot`, unless it holds as high a slot already. Raises OSError."""
+        if slot >= 0 and slot > self._head():
+            reply = self._client.write(self._names.head(), str(slot).encode(), COPIES)
+            if not reply.ok:
+                raise OSError(f"mooncake manifest head write: code {reply.code}")
+
+    def _read_records(self, slots: list[int]) -> list[Entry]:
         entries: dict[ExtentKey, bytes | None] = {}
+        self._read, self._entries_read = {}, 0
         for i in range(0, len(slots), READ_BATCH):
-            names = [self._names.record(s) for s in slots[i : i + READ_BATCH]]
-            for data in self._client.get_many(names):
+            batch = slots[i : i + READ_BATCH]
+            for slot, data in zip(batch, self._client.get_many([self._names.record(s) for s in batch]),
+                                  strict=True):  # fmt: skip
+                if not data:  # gone since the existence check, or the store did not answer
+                    continue
                 try:
-                    entries.update(decode_record(data, self._seal) if data else [])
+                    got = decode_record(data, self._seal)
                 except FormatError:
                     self.bad_records += 1
+                    continue
+                self._read[slot], self._entries_read = _digest(data), self._entries_read + len(got)
+                entries.update(got)
         return list(entries.items())
 
     def add(self, key: ExtentKey, salt: bytes | None) -> bool:
@@ -140,23 +188,55 @@ class Manifest:
 
     def flush(self) -> int:
         """Write what is waiting as records; the records written. Entries that found no slot wait
-        for the next flush. Raises OSError if the store fails (they wait too)."""
+        for the next flush. Raises OSError if the store fails (the entries not written wait too)."""
         with self._flushing:
             with self._lock:
                 pending, self._pending = self._pending, []
             written, highest = 0, -1
             try:
-                while pending:
-                    slot = self._claim(encode_record(pending[:RECORD_ENTRIES], self._seal))
-                    if slot is None:
-                        break
-                    pending, written, highest = pending[RECORD_ENTRIES:], written + 1, max(highest, slot)
+                for slot in self._put(pending):
+                    written, highest = written + 1, max(highest, slot)
             finally:
                 with self._lock:
-                    self._pending = (pending + self._pending)[-MAX_PENDING:]
-            if highest >= 0:
-                self._client.write(self._names.head(), str(highest).encode(), COPIES)
+                    self._pending = (pending[written * RECORD_ENTRIES :] + self._pending)[-MAX_PENDING:]
+            self._raise_head(highest)
             return written
+
+    def compact(self, live: list[Entry]) -> Compaction | None:
+        """Rewrite the records the scan read as records of `live` (the entries to keep) and remove
+        them (the module doc's contract); None if not worth it (nothing done). Once per scan.
+        Raises OSError if the store failed before every new record was confirmed (then nothing
+        was removed)."""
+        with self._flushing:
+            read, entries_read, self._read = self._read, self._entries_read, {}
+            needed = -(-len(live) // RECORD_ENTRIES)
+            if len(read) < COMPACT_MIN_RECORDS or (2 * needed > len(read) and 2 * len(live) > entries_read):
+                return None
+            slots = list(self._put(live))
+            if len(slots) < needed:
+                raise OSError(f"no free manifest slot in {CLAIM_TRIES} tries: compaction abandoned")
+            self._raise_head(max(slots, default=-1))
+            return Compaction(len(slots), self._remove_read(read))
+
+    def _remove_read(self, read: dict[int, bytes]) -> int:
+        """Remove the records of `read` (slot -> digest) still there as read; how many went."""
+        removed, slots = 0, sorted(read)
+        for i in range(0, len(slots), READ_BATCH):
+            batch = slots[i : i + READ_BATCH]
+            names = [self._names.record(s) for s in batch]
+            now = self._client.get_many(names)
+            still = [n for n, s, d in zip(names, batch, now, strict=True) if d and _digest(d) == read[s]]
+            removed += sum(reply.ok for reply in self._client.remove_many(still))
+        return removed
+
+    def _put(self, entries: list[Entry]) -> Iterator[int]:
+        """Claim a slot for each record's worth of `entries`, in order, yielding each slot claimed;
+        stops where none was found in CLAIM_TRIES. Raises OSError if the store failed."""
+        for i in range(0, len(entries), RECORD_ENTRIES):
+            slot = self._claim(encode_record(entries[i : i + RECORD_ENTRIES], self._seal))
+            if slot is None:
+                return
+            yield slot
 
     def _claim(self, record: bytes) -> int | None:
         for _ in range(CLAIM_TRIES):

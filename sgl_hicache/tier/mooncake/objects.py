@@ -209,39 +209,6 @@ def present(client: StoreClient, names: Names, ns: NamespaceId, key: ExtentKey, 
     return all(x == 1 for x in client.exist(ext.chunk_names(names)))
 
 
-FIND_BATCH = 256  # extents a warm start verifies per round of calls
-
-
-def find_extents(client: StoreClient, names: Names, ns: NamespaceId, seal: DirectoryMac,
-                 entries: list[tuple[ExtentKey, bytes | None]]) -> tuple[list[Opened], int]:  # fmt: skip
-    """The extents of `entries` (key, salt tag: manifest.py) whose header is there and verifies and
-    whose chunks are all there, in order, and how many were of a newer format version (kept, not
-    used). Three calls per `FIND_BATCH` entries: headers present, headers read, chunks present."""
-    found, newer = [], 0
-    for i in range(0, len(entries), FIND_BATCH):
-        group = entries[i : i + FIND_BATCH]
-        header_names = [names.header(key, salt) for key, salt in group]
-        there = [e for e, x in zip(group, client.exist(header_names), strict=True) if x == 1]
-        opened: list[Opened] = []
-        for (key, salt), raw in zip(
-            there, client.get_many([names.header(k, s) for k, s in there]), strict=True
-        ):
-            try:
-                opened.append(verify_header(raw or b"", ns, key, salt, seal))
-            except NewerFormat:
-                newer += 1
-            except FormatError:  # gone since, another deployment's, tampered: never indexed
-                continue
-        chunks = [ext.chunk_names(names) for ext in opened]
-        flags = client.exist([name for c in chunks for name in c])
-        at = 0
-        for ext, c in zip(opened, chunks, strict=True):
-            if all(x == 1 for x in flags[at : at + len(c)]) and at + len(c) <= len(flags):
-                found.append(ext)
-            at += len(c)
-    return found, newer
-
-
 def remove_extent(client: StoreClient, names: Names, ns: NamespaceId, key: ExtentKey, salt: bytes | None,
                   seal: DirectoryMac, scratch: Scratch) -> bool:  # fmt: skip
     """Remove `key`'s header and the chunks it names (one batch: a reader that finds the header and
