@@ -26,7 +26,7 @@ import pytest
 
 from sgl_hicache.config import SpillBackend, TierConfig
 from sgl_hicache.tier import ExtentKey, IndexedTier, Namespace, Status, open_tier
-from sgl_hicache.tier.format import DirectoryMac
+from sgl_hicache.tier.format import MAC_BYTES, DirectoryMac
 from sgl_hicache.tier.mooncake import backend as mooncake_backend
 from sgl_hicache.tier.mooncake import manifest as manifest_mod
 from sgl_hicache.tier.mooncake.client import Names, Reply, StoreClient, connect
@@ -229,7 +229,7 @@ def test_two_compactions_at_once_and_a_writer_in_an_emptied_slot_lose_nothing(
 ) -> None:
     """Two compactors read the same twenty records. The first compacts; a writer opened after it
     finds slot 0 empty and records a new extent there. The second compacts: it rewrites the live
-    entries (a duplicate record, harmless) and removes what still holds the records it read, not
+    entries (a duplicate record, harmless: records carry a nonce, so it claims a slot of its own) and removes what still holds the records it read, not
     slot 0 (the writer's record, which it never read). A scan then finds the four live entries and
     the writer's. With scan windows of four slots, a scan still reaches the records beyond the
     emptied ones: `m/head` was not lowered by the writer's slot 0, and where a racing writer wrote
@@ -307,3 +307,62 @@ def test_a_store_that_cannot_tell_is_no_reason_to_compact(make_tier: MakeTier, h
     again = make_tier(ns, client=lambda c: Mute(c._store))
     assert again.extents() == [] and again.stats().manifest_compactions == 0
     assert len(records(holder, ns)) == 20
+
+
+def test_two_records_of_the_same_entries_differ_and_each_writer_claims_its_own_slot(
+    holder: StoreClient, tmp_path: Path
+) -> None:
+    """A record carries a nonce: two writers recording the same entries never share one slot by
+    byte-equal read-back (else a compactor could later remove a record written after its scan,
+    byte-equal to one it read). A record of the earlier format (no nonce) still reads."""
+    ns = fresh_ns("nonce")
+    seal, names = DirectoryMac(open_trusted(tmp_path / "tier", ns.id.hex())), Names(ns.id)
+    entries: list[tuple[ExtentKey, bytes | None]] = [(key_of(ns, 1), None), (key_of(ns, 2), b"s" * MAC_BYTES)]
+    a, b = manifest_mod.encode_record(entries, seal), manifest_mod.encode_record(entries, seal)
+    assert a != b and manifest_mod.decode_record(a, seal) == manifest_mod.decode_record(b, seal) == entries
+    body = (
+        b"SGLHCMR1"
+        + (2).to_bytes(4, "little")
+        + b"".join(bytes([s is not None]) + k + (s or bytes(MAC_BYTES)) for k, s in entries)
+    )
+    assert manifest_mod.decode_record(body + seal.record(body), seal) == entries
+    m1, m2 = Manifest(holder, names, seal), Manifest(holder, names, seal)
+    for m in (m1, m2):
+        m.scan()
+        m.add(*entries[0])
+        assert m.flush() == 1
+    assert records(holder, ns) == [0, 1]
+
+
+class HeadUnanswered(StoreClient):
+    """A real client for which the store never answers about `m/head` (a segment holding it is
+    unreachable): existence NO_ANSWER, reads None."""
+
+    def __init__(self, inner: StoreClient, names: Names) -> None:
+        super().__init__(inner._store)
+        self.head = names.head()
+
+    def get(self, name: str) -> bytes | None:
+        return None if name == self.head else super().get(name)
+
+    def exist(self, names: list[str]) -> list[int]:
+        return [-1 if n == self.head else x for n, x in zip(names, super().exist(names), strict=True)]
+
+
+def test_an_unanswered_head_is_never_lowered_and_stops_a_compaction(
+    make_tier: MakeTier, holder: StoreClient, tmp_path: Path
+) -> None:
+    """A writer that cannot read `m/head` records its entries but writes no head (it would lower a
+    head it cannot see: later scans would stop before records beyond it), and a compaction whose
+    scan could not read the head does nothing (its new records might lie beyond a lowered head)."""
+    ns = fresh_ns("headless")
+    live = garbage(make_tier, ns)
+    seal, names = DirectoryMac(open_trusted(tmp_path / "tier", ns.id.hex())), Names(ns.id)
+    assert holder.write(names.head(), b"200").ok
+    blind = Manifest(HeadUnanswered(holder, names), names, seal)
+    assert {k for k, _ in blind.scan()} >= set(live)
+    assert blind.compact([(k, None) for k in live]) is None
+    assert len(records(holder, ns)) == 20, "a compaction that could not read the head removed records"
+    blind.add(key_of(ns, 77), None)
+    assert blind.flush() == 1
+    assert holder.get(names.head()) == b"200", "a writer that could not read the head lowered it"

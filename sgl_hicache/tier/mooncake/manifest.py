@@ -7,10 +7,13 @@ when it has `RECORD_ENTRIES` of them, about every second otherwise (backend.py),
 
 - **Claiming a slot**: `put` keeps an object already there, so a writer puts its record at the
   first slot it has not seen taken and reads it back: its own bytes mean the slot is its own, else
-  it tries the next one (a record byte-equal to another's holds the same entries: either owns it).
+  it tries the next one (every record carries a random nonce, so no two are byte-equal).
 - **`m/head`**: the highest slot a writer claimed, raised after a claim and never lowered (a writer
-  writes it only above what it reads there; one racing it may still write its own lower claim,
-  never below what both read). A scan reads up to it, so slots emptied below it cost a scan only
+  writes it only above what it reads there, and not at all when the store does not answer for it;
+  one racing it may still write its own lower claim, never below what both read). Not covered: a
+  head the store lost (both copies' segments gone) reads as none, and a scan then stops two empty
+  windows past the highest record it meets, so records a compaction left beyond a long run of
+  emptied slots lose their warm start (never an answer: lookups still find them). A scan reads up to it, so slots emptied below it cost a scan only
   existence checks (a call per `SCAN_WINDOW`).
 - **Scanning** (a tier's open): windows of `SCAN_WINDOW` slots up to the one holding `m/head`, the
   next one, and further while a window still holds a record, are checked for existence (a call
@@ -22,10 +25,11 @@ when it has `RECORD_ENTRIES` of them, about every second otherwise (backend.py),
   scan read at least `COMPACT_MIN_RECORDS` records and the live entries (those whose extent the
   warm start found, or could not tell about: warm_start.py) fit in half as many records, or are
   at most half the entries read (duplicates counted), the live entries are written as new records
-  (claimed as `flush` claims, `m/head` raised), and only once every one is confirmed are the
-  records this scan read removed, each only if the slot still holds the bytes read (re-read in a
-  batch just before its removal). So a record written since the scan is never removed (another
-  writer's, even in a slot emptied meanwhile by another compactor), entries waiting in a writer
+  (claimed as `flush` claims, `m/head` raised: a scan that could not read the head compacts
+  nothing), and only once every one is confirmed are the records this scan read removed, each only
+  if the slot still holds the bytes read (re-read in a batch just before its removal; records carry
+  a nonce, so bytes written since never equal them). So a record written since the scan is never
+  removed (another writer's, even in a slot emptied meanwhile by another compactor), entries waiting in a writer
   are untouched, and a store call failing midway removes nothing (new records already written
   are duplicates; entries dedupe by key). Two compactors at once both rewrite the live entries
   (duplicate records, compacted at a later open) and each removes what it read. Not covered: the
@@ -46,6 +50,7 @@ when it has `RECORD_ENTRIES` of them, about every second otherwise (backend.py),
 from __future__ import annotations
 
 import hashlib
+import os
 import struct
 import threading
 from collections.abc import Iterable, Iterator
@@ -62,7 +67,9 @@ READ_BATCH = 256  # records read per call of a scan
 CLAIM_TRIES = 64  # slots a flush tries before it gives up (its entries wait for the next flush)
 MAX_PENDING = 1 << 16  # entries waiting for a record at most (the oldest go first)
 COMPACT_MIN_RECORDS = 16  # a scan that read fewer records never compacts
-_MAGIC = b"SGLHCMR1"
+_MAGIC = b"SGLHCMR2"  # with a nonce
+_MAGIC_V1 = b"SGLHCMR1"  # without: still read
+_NONCE = 16
 _COUNT = struct.Struct("<I")
 _NO_SALT = bytes(MAC_BYTES)
 _ENTRY = 1 + KEY_BYTES + MAC_BYTES  # has-salt flag, key, salt tag
@@ -76,7 +83,10 @@ class Compaction(NamedTuple):
 
 
 def encode_record(entries: list[Entry], seal: DirectoryMac) -> bytes:
-    body = bytearray(_MAGIC + _COUNT.pack(len(entries)))
+    """A sealed record of `entries`, with a random nonce: no two records are byte-equal, so a slot
+    read back as one's own bytes is one's own (`_claim`) and a compaction's re-read before removal
+    (`_remove_read`) never mistakes a record written since for one it read."""
+    body = bytearray(_MAGIC + _COUNT.pack(len(entries)) + os.urandom(_NONCE))
     for key, salt in entries:
         body += bytes([salt is not None]) + key + (salt or _NO_SALT)
     return bytes(body) + seal.record(bytes(body))
@@ -87,10 +97,10 @@ def decode_record(data: bytes, seal: DirectoryMac) -> list[Entry]:
     body, mac = data[:-MAC_BYTES], data[-MAC_BYTES:]
     if len(data) < len(_MAGIC) + _COUNT.size + MAC_BYTES or seal.record(body) != mac:
         raise FormatError("manifest record MAC mismatch: not written with this directory's secret")
-    if not body.startswith(_MAGIC):
+    if not body.startswith((_MAGIC, _MAGIC_V1)):
         raise FormatError("bad manifest record magic")
     (count,) = _COUNT.unpack_from(body, len(_MAGIC))
-    start = len(_MAGIC) + _COUNT.size
+    start = len(_MAGIC) + _COUNT.size + (_NONCE if body.startswith(_MAGIC) else 0)
     if len(body) != start + count * _ENTRY:
         raise FormatError("manifest record of inconsistent length")
     out: list[Entry] = []
@@ -117,11 +127,14 @@ class Manifest:
         self._taken: set[int] = set()  # slots seen taken at the scan, above `_next`
         self._read: dict[int, bytes] = {}  # slot -> digest of the record the scan read there (verified)
         self._entries_read = 0  # the entries of those records, duplicates included
+        self._head_known = False  # whether the scan read `m/head` (or saw there is none)
         self.bad_records = 0
 
     def scan(self) -> list[Entry]:
         """Every entry of every record that verifies, oldest slot first, each key once. Blocks."""
         head = self._head()
+        self._head_known = head is not None
+        head = 0 if head is None else head
         taken, start = [], 0
         while True:
             window = list(range(start, start + SCAN_WINDOW))
@@ -137,16 +150,28 @@ class Manifest:
             self._taken = set(taken)
         return self._read_records(taken)
 
-    def _head(self) -> int:
-        raw = self._client.get(self._names.head())
+    def _head(self) -> int | None:
+        """The slot `m/head` names; -1 if there is none (or not a number: written over); None
+        if the store did not answer (it may hold a higher one)."""
+        (there,) = self._client.exist([self._names.head()])
+        if there == 0:
+            return -1
+        raw = self._client.get(self._names.head()) if there == 1 else None
+        if raw is None:
+            return None
         try:
-            return int(raw.decode("ascii")) if raw else 0
+            return int(raw.decode("ascii"))
         except (UnicodeDecodeError, ValueError):
-            return 0
+            return -1
 
-    def _raise_head(self, slot: int) -> None:
-        """`m/head` := `slot`, unless it holds as high a slot already. Raises OSError."""
-        if slot >= 0 and slot > self._head():
+    def _raise_head(self, slot: int, required: bool = False) -> None:
+        """`m/head` := `slot`, unless it holds as high a slot already, or the store did not say
+        what it holds (never lowered: then nothing is written, and OSError if `required`). Raises
+        OSError if the write failed."""
+        head = self._head()
+        if head is None and required:
+            raise OSError("mooncake manifest head unanswered: not raised")
+        if head is not None and slot >= 0 and slot > head:
             reply = self._client.write(self._names.head(), str(slot).encode(), COPIES)
             if not reply.ok:
                 raise OSError(f"mooncake manifest head write: code {reply.code}")
@@ -210,12 +235,14 @@ class Manifest:
         with self._flushing:
             read, entries_read, self._read = self._read, self._entries_read, {}
             needed = -(-len(live) // RECORD_ENTRIES)
+            if not self._head_known:  # its new records might land beyond a head it cannot see
+                return None
             if len(read) < COMPACT_MIN_RECORDS or (2 * needed > len(read) and 2 * len(live) > entries_read):
                 return None
             slots = list(self._put(live))
             if len(slots) < needed:
                 raise OSError(f"no free manifest slot in {CLAIM_TRIES} tries: compaction abandoned")
-            self._raise_head(max(slots, default=-1))
+            self._raise_head(max(slots, default=-1), required=True)
             return Compaction(len(slots), self._remove_read(read))
 
     def _remove_read(self, read: dict[int, bytes]) -> int:

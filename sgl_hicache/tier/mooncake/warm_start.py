@@ -100,8 +100,10 @@ def _sort_batch(client: StoreClient, names: Names, ns: NamespaceId, seal: Direct
 
 
 def drop_rejected(client: StoreClient, rejected: list[tuple[str, bytes]]) -> int:
-    """Remove the rejected headers still holding the bytes read (one replaced since by a good one
-    stays); how many went. Two calls."""
+    """Remove the rejected headers still holding the bytes read (one replaced by a good one before
+    the re-read stays; the store has no compare-and-delete, so one replaced between the re-read and
+    the removal goes: that extent's next load misses and it is stored again); how many went. Two
+    calls."""
     if not rejected:
         return 0
     now = client.get_many([name for name, _ in rejected])
@@ -117,7 +119,7 @@ def warm_start(client: StoreClient, names: Names, ns: NamespaceId, seal: Directo
         entries = manifest.scan()
         result = sort_entries(client, names, ns, seal, entries)
         removed = drop_rejected(client, result.rejected)
-    except OSError as e:
+    except Exception as e:  # the binding's own errors too: a warm start never stops the open
         report(Op.LOAD, e)
         return []
     finally:
@@ -128,14 +130,14 @@ def warm_start(client: StoreClient, names: Names, ns: NamespaceId, seal: Directo
                     ("warm_start_gone", result.gone), ("removed_bad_files", removed)):  # fmt: skip
         counters.add(name, n)
     if entries or manifest.bad_records:
-        _log(result, manifest.bad_records, compacted)
+        _log(result, removed, manifest.bad_records, compacted)
     return result.found
 
 
 def _compact(manifest: Manifest, live: list[Entry], counters: Counters, report: Report) -> Compaction | None:
     try:
         done = manifest.compact(live)
-    except OSError as e:
+    except Exception as e:  # as above: a compaction never stops the open
         counters.add("io_errors")
         report(Op.STORE, e)
         return None
@@ -145,14 +147,14 @@ def _compact(manifest: Manifest, live: list[Entry], counters: Counters, report: 
     return done
 
 
-def _log(result: Sorted, bad_records: int, compacted: Compaction | None) -> None:
+def _log(result: Sorted, removed: int, bad_records: int, compacted: Compaction | None) -> None:
     level = logging.WARNING if result.rejected or bad_records else logging.INFO
     logger.log(
         level,
         "sgl_hicache: warm start from the Mooncake Store's manifest: %d extents found; %d gone (evicted, "
-        "removed or purged since), %d rejected (headers that did not verify: removed), %d of a newer "
+        "removed or purged since), %d rejected (headers that did not verify; %d removed), %d of a newer "
         "version (kept), %d unanswered; %d manifest records did not verify (another secret, tampered)%s",
-        len(result.found), result.gone, len(result.rejected), result.newer, result.unsure, bad_records,
+        len(result.found), result.gone, len(result.rejected), removed, result.newer, result.unsure, bad_records,
         "" if compacted is None else f"; compacted: {compacted.removed} records removed, "
         f"{compacted.written} written",
     )  # fmt: skip
