@@ -153,12 +153,9 @@ class Manifest:
     def _head(self) -> int | None:
         """The slot `m/head` names; -1 if there is none (or not a number: written over); None
         if the store did not answer (it may hold a higher one)."""
-        (there,) = self._client.exist([self._names.head()])
-        if there == 0:
-            return -1
-        raw = self._client.get(self._names.head()) if there == 1 else None
-        if raw is None:
-            return None
+        raw = self._client.get(self._names.head())
+        if raw is None:  # missing, or no answer: the existence check tells which
+            return -1 if self._client.exist([self._names.head()]) == [0] else None
         try:
             return int(raw.decode("ascii"))
         except (UnicodeDecodeError, ValueError):
@@ -168,10 +165,12 @@ class Manifest:
         """`m/head` := `slot`, unless it holds as high a slot already, or the store did not say
         what it holds (never lowered: then nothing is written, and OSError if `required`). Raises
         OSError if the write failed."""
+        if slot < 0:  # nothing claimed
+            return
         head = self._head()
         if head is None and required:
             raise OSError("mooncake manifest head unanswered: not raised")
-        if head is not None and slot >= 0 and slot > head:
+        if head is not None and slot > head:
             reply = self._client.write(self._names.head(), str(slot).encode(), COPIES)
             if not reply.ok:
                 raise OSError(f"mooncake manifest head write: code {reply.code}")
