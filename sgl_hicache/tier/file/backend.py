@@ -250,7 +250,7 @@ class FileTier(IndexedTier):
             read_chunk(load.ext, load.pieces[index], load.dest)
         except Exception as e:  # I/O errors, and bugs: logged by _fail, never lost
             error = e
-        if load.chunk_done(index, error):
+        if load.done((index,), error):
             self._end_load(load)
 
     def _end_load(self, load: LoadState) -> None:
