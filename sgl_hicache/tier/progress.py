@@ -7,7 +7,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from sgl_hicache.tier.codec import Plan
+from sgl_hicache.tier.codec import Plan, finish_plan
+from sgl_hicache.tier.format import Header
 
 
 class LoadProgress:
@@ -39,8 +40,10 @@ class LoadProgress:
             self.remaining -= len(indices)
             return self.remaining == 0
 
-    def finish(self) -> None:
-        """Every piece verified and the plan finished (`codec.finish_plan`): all `want` bytes landed."""
+    def finish(self, header: Header, dest: memoryview) -> None:
+        """Once every piece is verified: rearrange `dest` as planned (`codec.finish_plan`; raises
+        ValueError as it does), then all `want` bytes have landed."""
+        finish_plan(header, self.plan, dest, self.want)
         with self.lock:
             self._finished = True
 
