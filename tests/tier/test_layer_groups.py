@@ -195,7 +195,7 @@ def test_review_a_load_rearranged_into_groups_lands_nothing_before_it_completes(
     loaded in layer groups is rearranged only once every chunk is verified, so `landed` must report
     nothing before then: its verified prefix is page-major bytes, which a caller reading them as
     group 0 (early unpack, a layer-wise restore) would unpack as wrong KV. No other test fails when
-    `LoadState.landed` ignores `plan.convert`. Here the last chunk is corrupt: every other chunk is
+    `LoadProgress.landed` ignores `plan.convert`. Here the last chunk is corrupt: every other chunk is
     verified, and still nothing may count as landed."""
     tier, canon = make_tier(), canonical(3)
     payload = np.frombuffer(laid_out(canon, 0), dtype=np.uint8)
