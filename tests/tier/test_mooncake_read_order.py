@@ -91,14 +91,18 @@ def recorded(request: pytest.FixtureRequest, mooncake_master: MooncakeMaster, tm
     rec = Recorded(tier, tier.namespace, threading.Event(), {})
     try:
         for i in range(EXTENTS):
-            done = tier.wait(tier.submit_store(rec.key(i), payload(i), tokens(i), ROOT_KEY, group_layers=1), 30)
+            done = tier.wait(
+                tier.submit_store(rec.key(i), payload(i), tokens(i), ROOT_KEY, group_layers=1), 30
+            )
             assert done.ok, done
             ext = objects.open_header(tier._client, tier._names, rec.ns.id, rec.key(i), None, tier._seal,
                                       tier._scratch)  # fmt: skip
             spans = chunk_spans(ext.header.sections, CHUNK)
             groups = section_of(ext.header.sections, [offset for offset, _ in spans])
             assert groups == [0] * 4 + [1] * 4
-            rec.chunks.update((name, (i, g)) for name, g in zip(ext.chunk_names(tier._names), groups, strict=True))
+            rec.chunks.update(
+                (name, (i, g)) for name, g in zip(ext.chunk_names(tier._names), groups, strict=True)
+            )
         _record(rec, monkeypatch)
         yield rec
     finally:
@@ -113,7 +117,8 @@ def _record(rec: Recorded, monkeypatch: pytest.MonkeyPatch) -> None:
         rec.gate.wait(30)
         landed = tuple(rec.tier.landed(t) for t in rec.tickets)
         exact = all(
-            np.array_equal(d[:n], payload(i)[:n]) for i, (d, n) in enumerate(zip(rec.dests, landed, strict=True))
+            np.array_equal(d[:n], payload(i)[:n])
+            for i, (d, n) in enumerate(zip(rec.dests, landed, strict=True))
         )
         parts = tuple(dict.fromkeys(rec.chunks.get(n, (-1, -1)) for n in names))
         rec.reads.append(Read(parts, sum(d.nbytes for d in dests), landed, exact))
