@@ -10,6 +10,7 @@ groups.py       layer groups: sections, chunk spans, regrouping a payload
 codec.py        an extent encoded (chunks, compression, sealed header) and decoded (plan, verify)
 path_lookup.py  cross-server lookups: the walk over path-key aliases, claims, alias marks
 completions.py  tickets and completions   scheduler.py  I/O threads, loads first
+progress.py     a load in flight: its pieces done in any order, its verified prefix (`landed`)
 directio.py     O_DIRECT probe, aligned buffers, exact positional I/O
 faults.py       errno -> Status, rate-limited logs, counters
 trust.py        the directory must be ours; its secret, which keys every header MAC

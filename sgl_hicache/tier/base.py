@@ -282,8 +282,8 @@ class Tier(abc.ABC):
         restore or prefetch submitted): the loads of one batch are read layer group by layer group,
         every load's group g before any load's group g + 1, so that the first group of all of them
         lands first (a layer-wise restore starts then); a batch ranks where its first load was
-        submitted. Loads of other batches, or of none, are read in the order they were submitted. The order of reads only, never their outcome; a backend that reads
-        each load in one job, group by group (Mooncake), may ignore it.
+        submitted. Loads of other batches, or of none, are read in the order they were submitted.
+        The order of reads only, never their outcome (both backends honour it).
 
         Never blocks. Only chunks covering the prefix are read and verified; an OK completion has
         exactly `nbytes` (or the payload length, if None). `dest` must hold that many bytes, else

@@ -13,10 +13,10 @@ load always finds a thread within one load's time. With one thread stores and lo
 it; a store can then never wait for room (no other store holds bytes in flight), only for its write.
 
 Reads run in the order of their `rank` (a tuple, compared as tuples: `()` first), first come first
-served among equal ranks. The file tier ranks a load's jobs by (batch, layer group), so that the
+served among equal ranks. Both tiers rank a load's jobs by (batch, layer group), so that the
 extents of one restore are read layer group by layer group and restores one after another
-(`FileTier.submit_load`); unranked reads keep their arrival order. Ranks order reads among
-themselves only: the stores' share above is counted the same.
+(`FileTier.submit_load`, `mooncake/load.py`); unranked reads keep their arrival order. Ranks
+order reads among themselves only: the stores' share above is counted the same.
 
 Periodic jobs (`every`: the refresh of `Tier.shared`) run on the same threads, ahead of queued
 jobs when due; an idle worker waits on the condition with a timeout until the next one is due,

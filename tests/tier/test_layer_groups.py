@@ -195,7 +195,7 @@ def test_review_a_load_rearranged_into_groups_lands_nothing_before_it_completes(
     loaded in layer groups is rearranged only once every chunk is verified, so `landed` must report
     nothing before then: its verified prefix is page-major bytes, which a caller reading them as
     group 0 (early unpack, a layer-wise restore) would unpack as wrong KV. No other test fails when
-    `LoadState.landed` ignores `plan.convert`. Here the last chunk is corrupt: every other chunk is
+    `LoadProgress.landed` ignores `plan.convert`. Here the last chunk is corrupt: every other chunk is
     verified, and still nothing may count as landed."""
     tier, canon = make_tier(), canonical(3)
     payload = np.frombuffer(laid_out(canon, 0), dtype=np.uint8)
@@ -216,3 +216,22 @@ def test_review_a_load_rearranged_into_groups_lands_nothing_before_it_completes(
         time.sleep(0.002)
     assert again.landed(ticket) == 0, "page-major bytes reported as landed in a grouped load"
     assert again.wait(ticket).status is Status.CORRUPT
+
+
+def test_a_load_rearranged_into_another_grouping_lands_whole_once_rearranged(make_tier):
+    """Issue 37 (the load's verified prefix shared by both backends, `progress.LoadProgress`): a
+    load delivered in another grouping than the extent's lands nothing before it is rearranged,
+    then, as any finished load, all of it until its completion is returned (`Tier.landed`), in
+    the grouping asked for."""
+    tier, canon = make_tier(), canonical(5)
+    payload = np.frombuffer(laid_out(canon, 2), dtype=np.uint8)
+    assert tier.wait(tier.submit_store(key_of(tier), payload, tokens(), ROOT_KEY, group_layers=2)).ok
+    dest = np.zeros(payload.nbytes, dtype=np.uint8)
+    ticket = tier.submit_load(key_of(tier), dest, None, group_layers=0)
+    deadline = time.monotonic() + 30
+    while tier.stats().loads == 0:  # counted once rearranged, before the completion is posted
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    assert tier.landed(ticket) == payload.nbytes
+    assert dest.tobytes() == laid_out(canon, 0)
+    assert tier.wait(ticket).ok and tier.landed(ticket) == 0

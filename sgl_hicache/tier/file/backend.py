@@ -47,7 +47,7 @@ from sgl_hicache.tier.base import (
     Ticket,
     TierStats,
 )
-from sgl_hicache.tier.codec import StoreRequest, finish_plan, plan_load, prepare, store_request
+from sgl_hicache.tier.codec import StoreRequest, plan_load, prepare, store_request
 from sgl_hicache.tier.completions import Returned
 from sgl_hicache.tier.directio import as_view, probe_direct_io
 from sgl_hicache.tier.faults import Counters, FaultLog, logger
@@ -250,14 +250,14 @@ class FileTier(IndexedTier):
             read_chunk(load.ext, load.pieces[index], load.dest)
         except Exception as e:  # I/O errors, and bugs: logged by _fail, never lost
             error = e
-        if load.chunk_done(index, error):
+        if load.done((index,), error):
             self._end_load(load)
 
     def _end_load(self, load: LoadState) -> None:
         self._close_load(load.ext, load.key)
         if load.error is None:
             try:
-                finish_plan(load.ext.header, load.plan, load.dest, load.want)
+                load.finish(load.ext.header, load.dest)
             except Exception as e:  # a bug: logged by _fail, never lost
                 load.error = e
         if load.error is not None:

@@ -33,6 +33,7 @@ from sgl_hicache.tier.format import (
     decode_meta,
 )
 from sgl_hicache.tier.keys import ExtentKey, NamespaceId
+from sgl_hicache.tier.progress import LoadProgress
 
 _local = threading.local()
 
@@ -107,39 +108,12 @@ def read_chunk(ext: OpenExtent, piece: Piece, dest: memoryview) -> int:
     return piece.need
 
 
-class LoadState:
-    """A load in flight: piece jobs count down `remaining`; the first error wins. Pieces finish in
-    any order; `landed` is the verified prefix of the destination: the bytes of the leading run of
-    pieces that passed their check (pieces go to the destination in order, layer group by layer
-    group, so that is a byte prefix of it). A load that rearranges its bytes at the end lands
-    nothing before then."""
+class LoadState(LoadProgress):
+    """A load in flight whose header was verified: one job per piece (`LoadProgress`: pieces finish
+    in any order, the first error wins, `landed` is the verified prefix)."""
 
     def __init__(self, ticket: Ticket, key: ExtentKey, ext: OpenExtent, dest: memoryview, want: int,
                  seen: Entry | None, plan: Plan) -> None:  # fmt: skip
-        self.ticket, self.key, self.ext, self.dest, self.want = ticket, key, ext, dest, want
+        super().__init__(plan, want)
+        self.ticket, self.key, self.ext, self.dest = ticket, key, ext, dest
         self.seen = seen  # the key's index entry when the load began (`FileTier._fail`)
-        self.plan = plan
-        self.pieces = plan.pieces
-        self.remaining = len(self.pieces)
-        self.error: Exception | None = None
-        self.lock = threading.Lock()
-        self._verified = [False] * self.remaining
-        self._prefix = 0
-
-    def chunk_done(self, index: int, error: Exception | None) -> bool:
-        """Record piece `index`'s outcome; True for the last one."""
-        with self.lock:
-            self.error = self.error or error
-            self._verified[index] = error is None
-            while self._prefix < len(self._verified) and self._verified[self._prefix]:
-                self._prefix += 1
-            self.remaining -= 1
-            return self.remaining == 0
-
-    @property
-    def landed(self) -> int:
-        with self.lock:
-            if self.plan.convert is not None or not self._prefix:
-                return 0
-            last = self.pieces[self._prefix - 1]
-            return min(self.want, last.dest_off + last.need)

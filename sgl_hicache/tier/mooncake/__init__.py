@@ -1,6 +1,7 @@
 """The Mooncake backend: extents as objects of a Mooncake Store (`backend.MooncakeTier`).
 
-backend.py     MooncakeTier: submit/complete, store, load, remove, purge and lookup jobs, warm start
+backend.py     MooncakeTier: submit/complete, store, remove, purge and lookup jobs, warm start
+load.py        a load's jobs: the header, then layer group by layer group (a batch's group 0 first)
 objects.py     one extent as Mooncake objects (the file format, cut at its seams), written and verified
 client.py      the Mooncake client: setup, batch calls, object names (a directory per salt), result codes
 manifest.py    the records of which extents a namespace's writers stored (warm start), compacted

@@ -22,10 +22,15 @@ and codes: client.py), and every load verifies it as a file load does. The contr
   `read_tokens`, `scanned_extents`); what it could not use is counted, a header that does not
   verify removed, and the manifest compacted (warm_start.py). Every store this tier writes is
   recorded there within about `MANIFEST_FLUSH_S` (and at close).
+- Loads (load.py): read as a file load is, layer group by layer group: a load's header job, then a
+  job per further group, ranked on the I/O threads (batch, group) as the file tier ranks its reads,
+  so the loads of one batch (`submit_load`'s `batch`) land every group 0 before any group 1; each
+  group's chunks in batch reads, each chunk verified before `landed` counts it.
 - Lookups: path_lookup.py's walk over alias objects in the request's salt directory (the newest
-  writer's wins); a dangling alias is left to the master's eviction. Failures: an unreachable
-  master or peer is an I/O error of that operation (counted, logged at most once a minute); the
-  client reconnects by itself.
+  writer's wins), read after the loads submitted before it and before those submitted after; a
+  dangling alias is left to the master's eviction. Failures: an unreachable master or peer is an
+  I/O error of that operation (counted, logged at most once a minute); the client reconnects by
+  itself.
 - Retention: `submit_remove` of named keys removes their objects; `submit_purge` removes every
   object of the salt, in every namespace, with one `remove_by_regex` (its completion's `nbytes`
   and `purged_extents` count objects: headers, chunks, aliases); stores of the salt in flight are
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from functools import partial
 
 import numpy as np
 
@@ -62,12 +68,14 @@ from sgl_hicache.tier.format import DirectoryMac, FormatError, Mismatch, NewerFo
 from sgl_hicache.tier.keys import ROOT_KEY, ExtentKey, Namespace, check_key
 from sgl_hicache.tier.mooncake import objects
 from sgl_hicache.tier.mooncake.client import Names, connect
+from sgl_hicache.tier.mooncake.load import Ends, Loads, Reader
 from sgl_hicache.tier.mooncake.manifest import Manifest
 from sgl_hicache.tier.mooncake.purge import Purges
 from sgl_hicache.tier.mooncake.recent import RecentExtents
 from sgl_hicache.tier.mooncake.source import StoreSource
 from sgl_hicache.tier.mooncake.warm_start import warm_start
 from sgl_hicache.tier.path_lookup import LookupQueue, run_lookup_in
+from sgl_hicache.tier.progress import LoadProgress
 from sgl_hicache.tier.scheduler import IoScheduler
 from sgl_hicache.tier.trust import open_trusted
 
@@ -90,8 +98,7 @@ class MooncakeTier(IndexedTier):
         self._lock = threading.Lock()
         self._index = RecentExtents()  # what this process found at open, stored, loaded or looked up lately
         self._storing: dict[ExtentKey, tuple[Ticket, bytes | None]] = {}  # key -> its store's ticket, salt
-        self._returned: Returned[int] = Returned(self._lock, lambda landed: landed)
-        self._loading = self._returned.loading  # load ticket -> verified prefix so far
+        self._returned: Returned[LoadProgress] = Returned(self._lock, lambda load: load.landed)
         self._completions, self._lookups = self._returned.queue, LookupQueue()
         self._closed = self._abandoned = False
         self._manifest = Manifest(self._client, self._names, self._seal)
@@ -99,6 +106,10 @@ class MooncakeTier(IndexedTier):
         self._warm_start()
         self._io = IoScheduler(cfg.io_threads, name="sgl-hicache-mooncake")
         self._io.every(MANIFEST_FLUSH_S, self._tick)
+        reader = Reader(self._client, self._names, namespace.id, self._seal, self._scratch)
+        ends = Ends(self._salt, lambda t, k, why: self._post(t, Op.LOAD, k, Status.REJECTED, 0, why),
+                    self._load_failed, self._loaded)  # fmt: skip
+        self._loads = Loads(reader, self._io, self._lock, self._returned.loading, ends)
         logger.info("sgl_hicache: spill tier on the Mooncake Store of master %s", cfg.mooncake.master)
 
     def _warm_start(self) -> None:
@@ -232,57 +243,34 @@ class MooncakeTier(IndexedTier):
 
     def submit_load(self, key: ExtentKey, dest: Buffer, nbytes: int | None = None,
                     group_layers: int | None = None, batch: Ticket | None = None) -> Ticket:  # fmt: skip
-        """`batch` is ignored: each load is one job that reads its groups in order (see the base)."""
-        view = as_view(dest, writable=True)
-        check_key(key)
+        view, key = as_view(dest, writable=True), check_key(key)
         ticket = self._completions.issue()
-        with self._lock:
+        first = int(ticket) if batch is None else min(int(batch), int(ticket))
+        job = partial(self._loads.open_job, ticket, key, view, nbytes, group_layers, first)
+        fits = nbytes is None or 0 <= nbytes <= view.nbytes
+        with self._lock:  # queued under the lock: close() cannot slip in between
             closed = self._closed
-            if not closed:
-                self._loading[ticket] = 0
-        if closed or (nbytes is not None and not 0 <= nbytes <= view.nbytes):
+            if fits and not closed:
+                self._io.submit_read(job, (first, 0))  # ranked (batch, layer group): load.py
+        if closed or not fits:
             why = "tier closed" if closed else f"destination of {view.nbytes} B cannot hold {nbytes} B"
             self._post(ticket, Op.LOAD, key, Status.REJECTED, 0, why)
-        else:
-            self._io.submit_read(lambda: self._load_job(ticket, key, view, nbytes, group_layers))
         return ticket
 
-    def _load_job(self, ticket: Ticket, key: ExtentKey, dest: memoryview, nbytes: int | None,
-                  group_layers: int | None) -> None:  # fmt: skip
-        ext: objects.Opened | None = None
-        salt = self._salt(key)
-        try:
-            ext = objects.open_header(
-                self._client, self._names, self._ns.id, key, salt, self._seal, self._scratch
-            )
-            want = ext.header.payload_len if nbytes is None else nbytes
-            if want > dest.nbytes:
-                self._post(ticket, Op.LOAD, key, Status.REJECTED, 0, f"destination too small for {want} B")
-                return
-            try:
-                objects.read_chunks(self._client, self._names, ext, dest, want, self._scratch,
-                                    lambda n: self._land(ticket, n), group_layers)  # fmt: skip
-            except ValueError as e:  # a layer grouping this extent cannot be delivered in
-                if isinstance(e, FormatError):
-                    raise
-                self._post(ticket, Op.LOAD, key, Status.REJECTED, 0, str(e))
-                return
-            with self._lock:
-                self._index.remember(_info(ext), salt)
-            self._counters.add("loads")
-            self._counters.add("load_bytes", want)
-            self._post(ticket, Op.LOAD, key, Status.OK, want)
-        except Exception as e:
-            self._post(ticket, Op.LOAD, key, self._classify(Op.LOAD, key, salt, e, ext), 0, str(e))
+    def _loaded(self, ticket: Ticket, ext: objects.Opened, nbytes: int) -> None:
+        with self._lock:
+            self._index.remember(_info(ext), ext.salt)
+        self._counters.add("loads")
+        self._counters.add("load_bytes", nbytes)
+        self._post(ticket, Op.LOAD, ext.header.key, Status.OK, nbytes)
+
+    def _load_failed(self, ticket: Ticket, key: ExtentKey, salt: bytes | None, err: Exception,
+                     seen: objects.Opened | None) -> None:  # fmt: skip
+        self._post(ticket, Op.LOAD, key, self._classify(Op.LOAD, key, salt, err, seen), 0, str(err))
 
     def _salt(self, key: ExtentKey) -> bytes | None:
         with self._lock:
             return self._index.salt(key)
-
-    def _land(self, ticket: Ticket, n: int) -> None:
-        with self._lock:
-            if ticket in self._loading:
-                self._loading[ticket] = n
 
     def _still(self, key: ExtentKey, seen: objects.Opened) -> bool:
         """Whether `key`'s header is still the one a failed load verified (then the failure is that
@@ -350,9 +338,11 @@ class MooncakeTier(IndexedTier):
         job = self._lookups.job(
             request, lambda r: run_lookup_in(r, source, self._ns.id, self._ns.layout.page_size)
         )
-        if self._open():
-            self._io.submit_read(job)
-        else:
+        with self._lock:
+            closed = self._closed
+            if not closed:  # after the loads submitted so far, before those to come
+                self._io.submit_read(job, (self._completions.issued + 1, -1))
+        if closed:
             self._lookups.post(LookupResult(request))
 
     def _seen(self, ext: objects.Opened) -> None:

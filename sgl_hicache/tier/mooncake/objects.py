@@ -19,17 +19,18 @@ Store calls (each one call of the store, whatever the number of objects): a stor
 read the header (absent: go on), one batch write of every chunk (`write_many_from`, straight from
 the caller's payload: an uncompressed chunk is never copied by us), the header, one batch write of
 the aliases; a present extent costs a batch existence check of its chunks instead of the writes. A
-load is two: the header, then one batch read of the chunks it needs (`get_many_into`, up to
-`LOAD_BATCH_BYTES` a call), whole chunks straight into the caller's destination and verified in
-place; only a compressed chunk, or the part of a chunk a prefix load needs, passes through a
-per-thread scratch buffer (registered with the store, as RDMA needs).
+load (load.py) is the header, then one batch read (`read_pieces`: `get_many_into`, up to
+`LOAD_BATCH_BYTES` a call) of the chunks each layer group needs: two calls for a page-major extent,
+one more for each further group; whole chunks go straight into the caller's destination and are
+verified in place; only a compressed chunk, or the part of a chunk a prefix load needs, passes
+through a per-thread scratch buffer (registered with the store, as RDMA needs).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import NamedTuple
 
 import xxhash
@@ -40,8 +41,6 @@ from sgl_hicache.tier.codec import (
     StoreRequest,
     check_identity,
     decode_chunk,
-    finish_plan,
-    plan_load,
     sealed_header,
     verify_chunk,
 )
@@ -67,8 +66,8 @@ HEADER_READ_BYTES = 64 << 10
 """A header is read into a buffer this large in one call (most headers fit); a larger one is
 refused by the store and read again at its size."""
 LOAD_BATCH_BYTES = 64 << 20
-"""A load's chunks go in one batch read up to this many bytes; a larger load reads in several,
-reporting each verified prefix as it lands."""
+"""A layer group's chunks go in one batch read up to this many bytes; a larger group reads in
+several, reporting each verified prefix as it lands (load.py)."""
 
 
 class Gone(FileNotFoundError):
@@ -220,41 +219,12 @@ def remove_extent(client: StoreClient, names: Names, ns: NamespaceId, key: Exten
     return client.remove_many([names.header(key, salt), *chunks])[0].ok
 
 
-def read_chunks(client: StoreClient, names: Names, ext: Opened, dest: memoryview, want: int, scratch: Scratch,
-                landed: Callable[[int], None], group_layers: int | None = None) -> None:  # fmt: skip
-    """Read and verify the chunks covering the first `want` payload bytes into `dest`, in order
-    (layer group by layer group: codec.py's plan, delivered in groups of `group_layers` layers, None:
-    the extent's own), reporting each verified prefix of `dest` to `landed` (at the end only, for a
-    load that rearranges its bytes). Raises Gone, StoreFailed, FormatError; ValueError for a
-    grouping that cannot be delivered."""
-    h, chunk_names = ext.header, ext.chunk_names(names)
-    plan = plan_load(h, want, group_layers)
-    for batch in _batches(plan.pieces, ext.chunks):
-        end = _read_batch(client, [chunk_names[p.chunk] for p in batch], ext, batch, dest, scratch)
-        if plan.convert is None:
-            landed(end)
-    finish_plan(h, plan, dest, want)
-    landed(want)
-
-
-def _batches(pieces: list[Piece], chunks: list[Chunk]) -> Iterator[list[Piece]]:
-    batch: list[Piece] = []
-    nbytes = 0
-    for piece in pieces:
-        if batch and nbytes + chunks[piece.chunk].length > LOAD_BATCH_BYTES:
-            yield batch
-            batch, nbytes = [], 0
-        batch.append(piece)
-        nbytes += chunks[piece.chunk].length
-    if batch:
-        yield batch
-
-
-def _read_batch(client: StoreClient, chunk_names: list[str], ext: Opened, pieces: list[Piece], dest: memoryview,
-                scratch: Scratch) -> int:  # fmt: skip
-    """`pieces` of their chunks into `dest` in one call, each verified; returns the end of the
-    bytes landed so far. A piece is read whole into `dest` where it lands there as stored, else
-    into its own part of the scratch buffer and decoded from there."""
+def read_pieces(client: StoreClient, chunk_names: list[str], ext: Opened, pieces: list[Piece], dest: memoryview,
+                scratch: Scratch) -> None:  # fmt: skip
+    """`pieces` of their chunks (named `chunk_names`) into `dest` in one call, each verified before
+    its decoded bytes are placed; raises Gone, StoreFailed, FormatError. A piece is read whole into
+    `dest` where it lands there as stored, else into its own part of the scratch buffer and decoded
+    from there."""
     h, chunks = ext.header, ext.chunks
     whole = [h.compression is Compression.NONE and p.need == p.raw_len for p in pieces]
     spare = scratch.get(sum(chunks[p.chunk].length for p, w in zip(pieces, whole, strict=True) if not w))
@@ -267,14 +237,11 @@ def _read_batch(client: StoreClient, chunk_names: list[str], ext: Opened, pieces
             targets.append(spare[at : at + n])
             at += n
     replies = client.get_many_into(chunk_names, targets)
-    end = 0
     for p, w, name, target, reply in zip(pieces, whole, chunk_names, targets, replies, strict=True):
         _check_length(reply, name, chunks[p.chunk].length)
         verify_chunk(target, chunks[p.chunk], p.chunk)
         if not w:
             dest[p.dest_off : p.dest_off + p.need] = decode_chunk(target, h.compression, p.raw_len)[: p.need]
-        end = p.dest_off + p.need
-    return end
 
 
 def _check_length(reply: Reply, name: str, length: int) -> None:

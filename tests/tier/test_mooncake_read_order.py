@@ -1,0 +1,261 @@
+"""The order the Mooncake tier reads chunks in (`Tier.submit_load`'s `batch`, issue 37), as the file
+tier's (test_read_order.py): the loads of one batch layer group by layer group, every load's group
+g before any load's group g + 1; loads of different batches, and loads without one, one after
+another in the order they were submitted; a lookup after the loads submitted before it. `landed`
+grows as the verified prefix of each destination while the groups of a batch land; a corrupt chunk
+in a late group fails its load (CORRUPT, its one completion) and nothing of that group counts.
+
+A real master; one I/O thread, held at the first batch read of chunks (`get_many_into`) until
+every load is queued: the order is then the queue's, not the threads' timing. Each call is
+recorded with the (extent, layer group) of the chunks it reads."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from sgl_hicache.config import SpillBackend, TierConfig
+from sgl_hicache.tier import ROOT_KEY, ExtentKey, Namespace, Status, Ticket, chain_key, open_tier
+from sgl_hicache.tier.base import Completion, LookupRequest
+from sgl_hicache.tier.groups import chunk_spans, section_of
+from sgl_hicache.tier.mooncake import backend as mooncake_backend
+from sgl_hicache.tier.mooncake import objects
+from tests.mooncake_master import MooncakeMaster, skip_without_mooncake
+from tests.tier.common import CHUNK, NS
+
+skip_without_mooncake()
+
+PAGES, LAYER_PAGE = 100, 2048  # a layer group's section: 200 KiB, four chunks of at most 64 KiB
+SECTION = PAGES * LAYER_PAGE
+EXTENTS = 4
+
+
+def tokens(i: int) -> list[int]:
+    return list(range(i * 1000, i * 1000 + PAGES * NS.layout.page_size))
+
+
+def payload(i: int) -> np.ndarray:
+    return np.random.default_rng(i).integers(
+        0, 256, PAGES * NS.layout.num_layers * LAYER_PAGE, dtype=np.uint8
+    )
+
+
+@dataclass(frozen=True)
+class Read:
+    """One batch read of chunks: the (extent, group) pairs it read (in order, once each), its bytes,
+    and when it began the `landed` of every load so far, and whether each destination held exactly
+    the payload up to it."""
+
+    parts: tuple[tuple[int, int], ...]
+    nbytes: int
+    landed: tuple[int, ...]
+    exact: bool
+
+
+@dataclass
+class Recorded:
+    tier: Any
+    ns: Namespace
+    gate: threading.Event
+    chunks: dict[str, tuple[int, int]]  # chunk object name -> (extent, group)
+    reads: list[Read | str] = field(default_factory=list)
+    tickets: list[Ticket] = field(default_factory=list)
+    dests: list[np.ndarray] = field(default_factory=list)
+
+    def key(self, i: int) -> ExtentKey:
+        return chain_key(self.ns.id, ROOT_KEY, tokens(i))
+
+    def batch_reads(self) -> list[Read]:
+        return [r for r in self.reads if isinstance(r, Read)]
+
+
+@pytest.fixture(params=[None, CHUNK], ids=["one-call-a-group", "one-call-a-chunk"])
+def recorded(request: pytest.FixtureRequest, mooncake_master: MooncakeMaster, tmp_path: Path,
+             monkeypatch: pytest.MonkeyPatch) -> Iterator[Recorded]:  # fmt: skip
+    """A Mooncake tier of one I/O thread holding extents 0..3 (one layer a group: two groups of four
+    chunks each), whose batch reads of chunks are recorded and held until `gate` is set; `param`:
+    the bytes of one batch read (None: as shipped, a whole group a call)."""
+    if request.param is not None:
+        monkeypatch.setattr(objects, "LOAD_BATCH_BYTES", request.param)
+    cfg = TierConfig(backend=SpillBackend.MOONCAKE, mooncake=mooncake_master.config(),
+                     directory=tmp_path / "tier", chunk_bytes=CHUNK, io_threads=1)  # fmt: skip
+    tier: Any = open_tier(cfg, Namespace(f"order-{time.monotonic_ns()}", NS.layout))
+    rec = Recorded(tier, tier.namespace, threading.Event(), {})
+    try:
+        for i in range(EXTENTS):
+            done = tier.wait(
+                tier.submit_store(rec.key(i), payload(i), tokens(i), ROOT_KEY, group_layers=1), 30
+            )
+            assert done.ok, done
+            ext = objects.open_header(tier._client, tier._names, rec.ns.id, rec.key(i), None, tier._seal,
+                                      tier._scratch)  # fmt: skip
+            spans = chunk_spans(ext.header.sections, CHUNK)
+            groups = section_of(ext.header.sections, [offset for offset, _ in spans])
+            assert groups == [0] * 4 + [1] * 4
+            rec.chunks.update(
+                (name, (i, g)) for name, g in zip(ext.chunk_names(tier._names), groups, strict=True)
+            )
+        _record(rec, monkeypatch)
+        yield rec
+    finally:
+        rec.gate.set()
+        tier.close(10)
+
+
+def _record(rec: Recorded, monkeypatch: pytest.MonkeyPatch) -> None:
+    client, real = rec.tier._client, rec.tier._client.get_many_into
+
+    def get_many_into(names: list[str], dests: list[memoryview]) -> Any:
+        rec.gate.wait(30)
+        landed = tuple(rec.tier.landed(t) for t in rec.tickets)
+        exact = all(
+            np.array_equal(d[:n], payload(i)[:n])
+            for i, (d, n) in enumerate(zip(rec.dests, landed, strict=True))
+        )
+        parts = tuple(dict.fromkeys(rec.chunks.get(n, (-1, -1)) for n in names))
+        rec.reads.append(Read(parts, sum(d.nbytes for d in dests), landed, exact))
+        return real(names, dests)
+
+    monkeypatch.setattr(client, "get_many_into", get_many_into)
+    real_lookup = mooncake_backend.run_lookup_in
+
+    def run_lookup_in(*args: Any) -> Any:
+        rec.reads.append("lookup")
+        return real_lookup(*args)
+
+    monkeypatch.setattr(mooncake_backend, "run_lookup_in", run_lookup_in)
+
+
+def submit(rec: Recorded, batches: list[int | None]) -> None:
+    """Load extents 0..n-1, extent i with the ticket of extent batches[i]'s load as its batch (None:
+    no batch), then release the thread."""
+    for i, of in enumerate(batches):
+        rec.dests.append(np.zeros(payload(i).nbytes, np.uint8))
+        extra = {} if of is None else {"batch": rec.tickets[of]}
+        rec.tickets.append(rec.tier.submit_load(rec.key(i), rec.dests[i], **extra))
+    rec.gate.set()
+
+
+def settled(rec: Recorded, oks: int, failures: int = 0) -> None:
+    """Wait until every load is done (`oks` OK, `failures` CORRUPT), none returned yet: every read
+    is recorded and each load's `landed` still holds."""
+    deadline = time.monotonic() + 30
+    while (s := rec.tier.stats()).loads < oks or s.checksum_failures < failures:
+        assert time.monotonic() < deadline, "the loads did not finish within 30 s"
+        time.sleep(0.005)
+
+
+def finished(rec: Recorded, oks: int, failures: int = 0) -> dict[Ticket, Completion]:
+    """Once every load is done, each load's one completion."""
+    settled(rec, oks, failures)
+    done: list[Completion] = []
+    deadline = time.monotonic() + 30
+    while len({c.ticket for c in done}) < len(rec.tickets):
+        assert time.monotonic() < deadline, f"completions missing: {done}"
+        done += rec.tier.get_finished()
+        time.sleep(0.005)
+    time.sleep(0.1)
+    done += rec.tier.get_finished()
+    counts = Counter(c.ticket for c in done)
+    assert set(counts) == set(rec.tickets) and set(counts.values()) == {1}, f"one completion a load: {done}"
+    return {c.ticket: c for c in done}
+
+
+def order(rec: Recorded) -> list[tuple[int, int] | str]:
+    """The (extent, group) of each recorded read, a call at a time; a call that read more than one
+    (extent, group) fails here."""
+    out: list[tuple[int, int] | str] = []
+    for r in rec.reads:
+        if isinstance(r, Read):
+            assert len(r.parts) == 1, f"one batch read spans several layer groups or extents: {r.parts}"
+            out.append(r.parts[0])
+        else:
+            out.append(r)
+    return out
+
+
+def calls(pairs: list[tuple[int, int]]) -> list[tuple[int, int] | str]:
+    """The reads of `pairs`, each (extent, group) a call or, one chunk a call, four."""
+    per_group = 1 if objects.LOAD_BATCH_BYTES >= SECTION else 4
+    return [pair for pair in pairs for _ in range(per_group)]
+
+
+def test_the_loads_of_a_batch_are_read_group_by_group_and_a_later_load_after_them(recorded: Recorded) -> None:
+    rec = recorded
+    submit(rec, [None, 0, 0, None])  # extents 0-2: one restore; extent 3: another load
+    done = finished(rec, EXTENTS)
+    pairs = [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (3, 0), (3, 1)]
+    assert order(rec) == calls(pairs), rec.reads
+    for i, ticket in enumerate(rec.tickets):
+        assert (done[ticket].status, done[ticket].nbytes) == (Status.OK, payload(i).nbytes)
+        assert np.array_equal(rec.dests[i], payload(i))
+
+
+def test_landed_grows_as_the_verified_prefix_of_each_load_of_a_batch(recorded: Recorded) -> None:
+    """At every read, each load's `landed` is exactly the bytes its earlier reads delivered (every
+    one verified: a prefix of the destination, holding the payload); group 0 of the whole batch
+    lands before any group 1 is read."""
+    rec = recorded
+    submit(rec, [None, 0, 0])
+    settled(rec, 3)
+    assert [rec.tier.landed(t) for t in rec.tickets] == [2 * SECTION] * 3, "whole until returned"
+    finished(rec, 3)
+    reads = rec.batch_reads()
+    for k, r in enumerate(reads):
+        assert r.exact, f"a landed prefix held other bytes than the payload at read {k}"
+        for i in range(3):
+            assert r.landed[i] == sum(p.nbytes for p in reads[:k] if p.parts[0][0] == i), (k, r)
+    first_group_1 = next(r for r in reads if r.parts[0][1] == 1)
+    assert first_group_1.landed == (SECTION,) * 3
+    assert [rec.tier.landed(t) for t in rec.tickets] == [0] * 3, "nothing once returned"
+
+
+def test_loads_without_a_batch_are_read_one_after_another(recorded: Recorded) -> None:
+    rec = recorded
+    submit(rec, [None, None, None])
+    finished(rec, 3)
+    pairs = [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    assert order(rec) == calls(pairs), rec.reads
+    for i in range(3):
+        assert np.array_equal(rec.dests[i], payload(i))
+
+
+def test_a_lookup_runs_after_the_loads_before_it_and_before_the_loads_after_it(recorded: Recorded) -> None:
+    rec = recorded
+    for i in range(2):
+        rec.dests.append(np.zeros(payload(i).nbytes, np.uint8))
+    rec.tickets.append(rec.tier.submit_load(rec.key(0), rec.dests[0]))
+    rec.tier.submit_lookup(LookupRequest(np.asarray(tokens(2), np.uint32), 0))
+    rec.tickets.append(rec.tier.submit_load(rec.key(1), rec.dests[1]))
+    rec.gate.set()
+    finished(rec, 2)
+    assert order(rec) == [*calls([(0, 0), (0, 1)]), "lookup", *calls([(1, 0), (1, 1)])], rec.reads
+
+
+def test_a_corrupt_chunk_in_a_late_group_fails_its_load_and_only_it(recorded: Recorded) -> None:
+    """Extent 1's group-1 chunk fails its checksum: its load completes CORRUPT (its one completion,
+    never OK), `landed` of it never passes its group 0, and the other loads of the batch are OK and
+    exact."""
+    rec = recorded
+    client = rec.tier._client
+    name = next(n for n, pair in rec.chunks.items() if pair == (1, 1))
+    bad = bytearray(client.get(name))
+    bad[10] ^= 1
+    assert client.remove(name).ok and client.write(name, bytes(bad)).ok
+    submit(rec, [None, 0, 0])
+    done = finished(rec, 2, failures=1)
+    assert [done[t].status for t in rec.tickets] == [Status.OK, Status.CORRUPT, Status.OK]
+    assert rec.tier.stats().checksum_failures == 1
+    for r in rec.batch_reads():
+        assert r.exact and r.landed[1] <= SECTION, r
+    for i in (0, 2):
+        assert np.array_equal(rec.dests[i], payload(i))
+    assert np.array_equal(rec.dests[1][:SECTION], payload(1)[:SECTION])
