@@ -110,6 +110,12 @@ def filler_tokens(system: System, shape: Shape, model: Path) -> int:
     return shape.pool_tokens + host + shape.pool_tokens // 2
 
 
+def filler_seed(round_: int, rep: int, length: int, new_tokens: int) -> int:
+    """A seed of its own for each cell's other work: a prompt sent before would be found in a tier
+    instead of prefilled, and the cells' tiers would hold different things."""
+    return ((round_ * 1_000 + rep) * 1_000_003 + length) * 100_003 + new_tokens
+
+
 def other_work(base: str, tokens: int, seed: int, vocab: int) -> None:
     prompts = [token_ids(FILLER_SEED + seed * 10_000 + i, FILLER, vocab) for i in range(-(-tokens // FILLER))]
     with ThreadPoolExecutor(8) as pool:
@@ -141,7 +147,9 @@ def run_server(system: System, shape: Shape, model: Path, lengths: list[int], re
             for n in new_tokens:
                 ttft(base, history + seq(7 + n, n))
                 for rep in range(repeats):
-                    other_work(base, filler_tokens(system, shape, model), round_ * 1000 + rep + length, vocab)
+                    other_work(
+                        base, filler_tokens(system, shape, model), filler_seed(round_, rep, length, n), vocab
+                    )
                     settle(system, base)
                     pagecache.drop([d for d in [system.tier_dir] if d is not None], whole_cache=False)
                     before = spill_counters(base) if ours else {}

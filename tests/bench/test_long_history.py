@@ -105,12 +105,14 @@ def _tiny_vocab_model(tmp_path: Path, vocab: int) -> Path:
     return m
 
 
-def test_every_token_sent_is_in_the_models_vocabulary(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """`--model tiny` (vocabulary 1,024) crashed: the prompts held ids up to 8,099. Every id of every
-    request of a round (history, resident turns, other work, resumes) is now below the vocabulary."""
-    vocab = 1024
+def _record_run(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    vocab: int,
+    new_tokens: tuple[int, ...] = (lh.QUESTION,),
+    length: int = 512,
+) -> tuple[list[dict], list[list[int]]]:
+    """One round of one system against a stand-in server: the rows and every prompt sent, in order."""
     model = _tiny_vocab_model(tmp_path, vocab)
     sent: list[list[int]] = []
 
@@ -134,10 +136,32 @@ def test_every_token_sent_is_in_the_models_vocabulary(
     monkeypatch.setattr(lh, "ttft", ttft)
     monkeypatch.setattr(lh, "settle", lambda system, base: None)
     shape = Shape(model=str(model), pool_tokens=1024, host_budget_mb=1, page_size=16)
-    rows = lh.run_server(system, shape, model, [512], 1, 0, tmp_path)  # type: ignore[arg-type]
+    rows = lh.run_server(system, shape, model, [length], 1, 0, tmp_path, new_tokens)  # type: ignore[arg-type]
+    return rows, sent
+
+
+def test_every_token_sent_is_in_the_models_vocabulary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--model tiny` (vocabulary 1,024) crashed: the prompts held ids up to 8,099. Every id of every
+    request of a round (history, resident turns, other work, resumes) is now below the vocabulary."""
+    vocab = 1024
+    rows, sent = _record_run(tmp_path, monkeypatch, vocab)
     assert len(rows) == 1 and len(sent) > 4
     assert min(min(ids) for ids in sent) >= 0
     assert max(max(ids) for ids in sent) < vocab
+
+
+def test_each_new_token_count_pushes_the_history_out_with_prompts_not_sent_before(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other work of the second new-token count repeated the first's prompts, so the tiers
+    restored it instead of prefilling it, and what they held then differed by cell."""
+    rows, sent = _record_run(tmp_path, monkeypatch, 32_000, new_tokens=(0, 256), length=768)
+    assert [r["new_tokens"] for r in rows] == [0, 256]
+    filler = [tuple(ids) for ids in sent if len(ids) == lh.FILLER]
+    assert len(filler) >= 4
+    assert len(set(filler)) == len(filler), "a prompt of the other work was sent twice"
 
 
 def test_lmcache_systems_run_beside_their_daemons(tmp_path: Path) -> None:
