@@ -1,6 +1,7 @@
 """Tickets and completions: issued on submit, posted by I/O threads, drained by the caller; and the
 bookkeeping every backend keeps beside them (`Returned`: the loads whose completion the caller has
-not taken yet, which `Tier.landed` asks)."""
+not taken yet, which `Tier.landed` asks; `Returned.guard`: the jobs that end an operation, which end
+it even when they raise)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Generic, TypeVar
 
-from sgl_hicache.tier.base import Completion, Ticket
+from sgl_hicache.tier.base import Completion, Op, Status, Ticket
+from sgl_hicache.tier.faults import Counters, FaultLog
+from sgl_hicache.tier.keys import ExtentKey
 
 
 class CompletionQueue:
-    """Thread-safe. `post` never blocks on I/O; `wait` blocks until its ticket is posted."""
+    """Thread-safe. `post` never blocks on I/O; `wait` blocks until its ticket is posted. A ticket
+    has one completion: the first posted (a later post of the ticket is dropped)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -42,12 +46,18 @@ class CompletionQueue:
         with self._cond:
             self._followers.setdefault(leader, []).append(ticket)
 
-    def post(self, c: Completion) -> None:
+    def post(self, c: Completion) -> bool:
+        """Complete `c.ticket` and its followers not completed yet with `c`; False (nothing done) if
+        `c.ticket` was completed already."""
         with self._cond:
+            if c.ticket not in self._pending:
+                return False
             for t in [c.ticket, *self._followers.pop(c.ticket, [])]:
-                self._pending.discard(t)
-                self._done[t] = replace(c, ticket=t)
+                if t in self._pending:
+                    self._pending.discard(t)
+                    self._done[t] = replace(c, ticket=t)
             self._cond.notify_all()
+            return True
 
     def drain(self) -> list[Completion]:
         with self._cond:
@@ -64,18 +74,42 @@ class CompletionQueue:
 
 
 L = TypeVar("L")
+Job = Callable[[], None]
 
 
 class Returned(Generic[L]):
     """A backend's completions as the caller takes them (`Tier.get_finished`, `Tier.wait`), and its
     loads in flight (`loading`: ticket -> the backend's record of it, guarded by the backend's
     `lock`), each forgotten once its completion is returned; `landed` reads a record's verified
-    prefix with `progress`."""
+    prefix with `progress`. Faults `guard` catches are counted in `counters` and logged by `faults`
+    (once per kind a minute, with the traceback), as failures on `where`."""
 
-    def __init__(self, lock: threading.Lock, progress: Callable[[L], int]) -> None:
+    def __init__(self, lock: threading.Lock, progress: Callable[[L], int], counters: Counters,
+                 faults: FaultLog, where: str) -> None:  # fmt: skip
         self.queue = CompletionQueue()
         self.loading: dict[Ticket, L] = {}
         self._lock, self._progress = lock, progress
+        self._counters, self._faults, self._where = counters, faults, where
+
+    def guard(self, ticket: Ticket, op: Op, key: ExtentKey, job: Job) -> Job:
+        """`job`, an I/O job that ends operation `ticket` (posts its completion), made to end it even
+        if it raises: then `ticket` completes IO_ERROR unless `job` posted it before raising (one
+        completion), counted in `io_errors` (and `store_failures` for a store), logged. Every job
+        that ends an operation runs so; a job that shares the operation with others (a load's
+        pieces) must raise only where no other job of it still touches its buffer (its end)."""
+
+        def run() -> None:
+            try:
+                job()
+            except Exception as e:  # the binding raising, an OSError of a cleanup, a bug: never lost
+                why = f"unexpected {type(e).__name__}: {e}"
+                posted = self.queue.post(Completion(ticket, op, key, Status.IO_ERROR, 0, why))
+                self._counters.add("io_errors")
+                if posted and op is Op.STORE:
+                    self._counters.add("store_failures")
+                self._faults.unexpected(op, e, self._where)
+
+        return run
 
     def get_finished(self) -> list[Completion]:
         return self._returned(self.queue.drain())

@@ -48,16 +48,30 @@ class FaultLog:
         self._suppressed: Counter[str] = Counter()
 
     def report(self, op: Op, err: Exception, where: str) -> None:
-        cond, now = condition(op, err), time.monotonic()
+        cond = condition(op, err)
+        more = self._due(cond)
+        if more is not None:
+            suffix = f" ({more} more since last report)" if more else ""
+            logger.warning("spill tier %s failed on %s: %s%s", cond, where, err, suffix)
+
+    def unexpected(self, op: Op, err: Exception, where: str) -> None:
+        """A fault no job expected (a bug, a binding raising): an error, with its traceback."""
+        cond = "unexpected " + condition(op, err)
+        more = self._due(cond)
+        if more is not None:
+            suffix = f" ({more} more since last report)" if more else ""
+            logger.error("spill tier %s on %s: %s%s", cond, where, err, suffix, exc_info=err)
+
+    def _due(self, cond: str) -> int | None:
+        """How many of `cond` went unlogged since it was last logged, if it is to be logged now."""
+        now = time.monotonic()
         with self._lock:
             last = self._last.get(cond)
             if last is not None and now - last < self._interval:
                 self._suppressed[cond] += 1
-                return
+                return None
             self._last[cond] = now
-            more = self._suppressed.pop(cond, 0)
-        suffix = f" ({more} more since last report)" if more else ""
-        logger.warning("spill tier %s failed on %s: %s%s", cond, where, err, suffix)
+            return self._suppressed.pop(cond, 0)
 
 
 class Counters:

@@ -6,6 +6,7 @@ I/O. Opening checks the directory is ours and reads its secret (trust.py), which
 file and renames it; one that finds the directory removed re-creates it and retries once
 (recreate.py). A load job pins the key, opens and verifies the header (MACs, key), then queues one
 job per chunk of the requested prefix; the last chunk job closes the file and posts the completion.
+Each job runs under `Returned.guard`: one that raises still ends its operation (IO_ERROR, counted).
 
 Read order: a load's jobs are ranked (batch, layer group) (`IoScheduler`; the batch: the load's own
 ticket or the one it joined) and a lookup after the loads before it: a restore is read group-major.
@@ -83,16 +84,12 @@ class FileTier(IndexedTier):
         self._publisher = Publisher(cfg, namespace, self._paths, self._budget, self._seal, self._direct)
         self._recreator = Recreator(self._paths, secret, self._budget, self._counters)
         self._lock, self._index = self._budget.lock, self._budget.index
-        self._returned: Returned[LoadState] = Returned(self._lock, lambda load: load.landed)
-        self._completions, self._loading = (
-            self._returned.queue,
-            self._returned.loading,
-        )  # loads not returned yet
+        self._returned: Returned[LoadState] = Returned(self._lock, lambda load: load.landed, self._counters,
+                                                       self._faults, str(self._paths.ns_dir))  # fmt: skip
+        self._completions, self._loading = self._returned.queue, self._returned.loading  # loads in flight
         self._lookups = LookupQueue()
         self._storing: dict[ExtentKey, Ticket] = {}  # key -> ticket of the store writing it
-        self._retention = TierRetention(
-            self._budget, self._seal, self._storing, namespace
-        )  # pin, drop, purge
+        self._retention = TierRetention(self._budget, self._seal, self._storing, namespace)  # pin, purge
         self._closed = self._abandoned = False
         self._rebuild_index()
         self._io = IoScheduler(cfg.io_threads)
@@ -139,6 +136,7 @@ class FileTier(IndexedTier):
         req = store_request(self._ns, self._seal, key, payload, tokens, parent, store_tokens, aliases, cache_salt,
                             group_layers)  # fmt: skip
         ticket = self._completions.issue()
+        job = self._returned.guard(ticket, Op.STORE, key, partial(self._store_job, ticket, req))
         with self._lock:  # queue under the lock: close() cannot slip in between
             self._retention.expire_locked()  # a store is what evicts: pins past their deadline go first
             closed, leader = self._closed, self._storing.get(key)
@@ -147,19 +145,21 @@ class FileTier(IndexedTier):
             elif not closed:  # indexed or not: the job checks the file (another process may remove it)
                 self._storing[key] = ticket
                 self._retention.storing_locked(key, req.salt_tag)
-                self._io.submit_write(partial(self._store_job, ticket, req))
+                self._io.submit_write(job)
         if closed:
             self._completions.post(Completion(ticket, Op.STORE, key, Status.REJECTED, 0, "closed"))
         return ticket
 
     def _store_job(self, ticket: Ticket, req: StoreRequest) -> None:
-        done = _abandoned_store(ticket, req.key) if self._abandoned else self._store(ticket, req)
-        with self._lock:
-            del self._storing[req.key]
-            doomed = self._retention.stored_locked(req.key)
-        if doomed:  # dropped or purged while written: the file goes, the write never happened
-            self._retention.unlink(doomed)
-            done = Completion(ticket, Op.STORE, req.key, Status.REJECTED, 0, "purged while written")
+        try:
+            done = _abandoned_store(ticket, req.key) if self._abandoned else self._store(ticket, req)
+        finally:  # raised or not (then its guard posts): a later store of the key must not follow it
+            with self._lock:
+                del self._storing[req.key]
+                doomed = self._retention.stored_locked(req.key)
+            if doomed:  # dropped or purged while written: the file goes, the write never happened
+                self._retention.unlink(doomed)
+                done = Completion(ticket, Op.STORE, req.key, Status.REJECTED, 0, "purged while written")
         self._completions.post(done)
 
     def _store(self, ticket: Ticket, req: StoreRequest) -> Completion:
@@ -191,9 +191,11 @@ class FileTier(IndexedTier):
 
     def submit_load(self, key: ExtentKey, dest: Buffer, nbytes: int | None = None,
                     group_layers: int | None = None, batch: Ticket | None = None) -> Ticket:  # fmt: skip
-        view, ticket = as_view(dest, writable=True), self._completions.issue()
+        key, view = check_key(key), as_view(dest, writable=True)
+        ticket = self._completions.issue()
         first = int(ticket) if batch is None else min(int(batch), int(ticket))
-        job = partial(self._open_job, ticket, check_key(key), view, nbytes, group_layers, first)
+        opened = partial(self._open_job, ticket, key, view, nbytes, group_layers, first)
+        job = self._returned.guard(ticket, Op.LOAD, key, opened)
         with self._lock:
             closed = self._closed
             if not closed:
@@ -215,33 +217,28 @@ class FileTier(IndexedTier):
             return
         length = ext.header.payload_len
         want = length if nbytes is None else max(0, nbytes)
-        if want > length:
-            self._close_load(ext, key)
-            self._completions.post(
-                self._fail(Op.LOAD, ticket, key, Mismatch(f"{length} B < {want} B requested"), seen)
-            )
-            return
         try:
+            if want > length:
+                raise Mismatch(f"{length} B < {want} B requested")
             plan = plan_load(ext.header, want, group_layers)
             groups = section_of(ext.header.sections, [piece.raw_off for piece in plan.pieces])
             if dest.nbytes < want:
                 raise ValueError(f"dest {dest.nbytes} B < {want} B")
-        except ValueError as e:
+            load = LoadState(ticket, key, ext, dest, want, seen, plan)
+        except Exception as e:  # the request's (a plain ValueError: REJECTED), the extent's, or a bug
             self._close_load(ext, key)
-            self._completions.post(Completion(ticket, Op.LOAD, key, Status.REJECTED, 0, str(e)))
+            rejected = isinstance(e, ValueError) and not isinstance(e, FormatError)
+            why = Completion(ticket, Op.LOAD, key, Status.REJECTED, 0, str(e))
+            self._completions.post(why if rejected else self._fail(Op.LOAD, ticket, key, e, seen))
             return
-        except FormatError as e:
-            self._close_load(ext, key)
-            self._completions.post(self._fail(Op.LOAD, ticket, key, e, seen))
-            return
-        load = LoadState(ticket, key, ext, dest, want, seen, plan)
         with self._lock:
             self._loading[ticket] = load
         if load.remaining == 0:
             self._end_load(load)
             return
+        guard = partial(self._returned.guard, ticket, Op.LOAD, key)  # a piece job raises from its end only
         for i in range(1, load.remaining):  # ranked: the batch's group 0 first (see the module doc)
-            self._io.submit_read(partial(self._chunk_job, load, i), (batch, groups[i]))
+            self._io.submit_read(guard(partial(self._chunk_job, load, i)), (batch, groups[i]))
         self._chunk_job(load, 0)
 
     def _chunk_job(self, load: LoadState, index: int) -> None:
@@ -275,8 +272,10 @@ class FileTier(IndexedTier):
         self._completions.post(Completion(load.ticket, Op.LOAD, load.key, Status.OK, load.want))
 
     def _close_load(self, ext: OpenExtent, key: ExtentKey) -> None:
-        os.close(ext.fd)
-        self._unpin(key)
+        try:
+            os.close(ext.fd)
+        finally:  # the descriptor is gone even if close failed: the pin goes too
+            self._unpin(key)
 
     def _unpin(self, key: ExtentKey) -> None:
         with self._lock:
@@ -382,7 +381,7 @@ class FileTier(IndexedTier):
         with self._lock:
             closed = self._closed
             if not closed:
-                self._io.submit_write(run)
+                self._io.submit_write(self._returned.guard(ticket, op, ROOT_KEY, run))
         if closed:
             self._completions.post(Completion(ticket, op, ROOT_KEY, Status.REJECTED, 0, "closed"))
         return ticket

@@ -42,7 +42,7 @@ and codes: client.py), and every load verifies it as a file load does. The contr
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import numpy as np
@@ -98,7 +98,9 @@ class MooncakeTier(IndexedTier):
         self._lock = threading.Lock()
         self._index = RecentExtents()  # what this process found at open, stored, loaded or looked up lately
         self._storing: dict[ExtentKey, tuple[Ticket, bytes | None]] = {}  # key -> its store's ticket, salt
-        self._returned: Returned[LoadProgress] = Returned(self._lock, lambda load: load.landed)
+        self._returned: Returned[LoadProgress] = Returned(
+            self._lock, lambda load: load.landed, self._counters, self._faults, self._where
+        )
         self._completions, self._lookups = self._returned.queue, LookupQueue()
         self._closed = self._abandoned = False
         self._manifest = Manifest(self._client, self._names, self._seal)
@@ -109,7 +111,7 @@ class MooncakeTier(IndexedTier):
         reader = Reader(self._client, self._names, namespace.id, self._seal, self._scratch)
         ends = Ends(self._salt, lambda t, k, why: self._post(t, Op.LOAD, k, Status.REJECTED, 0, why),
                     self._load_failed, self._loaded)  # fmt: skip
-        self._loads = Loads(reader, self._io, self._lock, self._returned.loading, ends)
+        self._loads = Loads(reader, self._io, self._lock, self._returned, ends)
         logger.info("sgl_hicache: spill tier on the Mooncake Store of master %s", cfg.mooncake.master)
 
     def _warm_start(self) -> None:
@@ -202,8 +204,12 @@ class MooncakeTier(IndexedTier):
         if closed and leader is None:
             self._post(ticket, Op.STORE, key, Status.REJECTED, 0, "tier closed")
         elif leader is None:
-            self._io.submit_write(lambda: self._store_job(ticket, req))
+            self._submit_write(ticket, Op.STORE, key, partial(self._store_job, ticket, req))
         return ticket
+
+    def _submit_write(self, ticket: Ticket, op: Op, key: ExtentKey, job: Callable[[], None]) -> None:
+        """Queue `job`, which ends operation `ticket`, as a write that ends it even if it raises."""
+        self._io.submit_write(self._returned.guard(ticket, op, key, job))
 
     def _store_job(self, ticket: Ticket, req: StoreRequest) -> None:
         status, detail = Status.REJECTED, "abandoned at close"
@@ -213,9 +219,10 @@ class MooncakeTier(IndexedTier):
                 status, detail = Status.OK, ""
         except Exception as e:
             status, detail = self._classify(Op.STORE, req.key, req.salt_tag, e), str(e)
-        with self._lock:  # before the post: a store of this key submitted later follows no finished one
-            self._storing.pop(req.key, None)
-            doomed = self._purges.doomed(req.key)
+        finally:  # before any post (the guard's if this raised): a later store of it follows no ended one
+            with self._lock:
+                self._storing.pop(req.key, None)
+                doomed = self._purges.doomed(req.key)
         if doomed and status is Status.OK:  # its salt was purged while it was written
             self._remove(req.key, req.salt_tag)
             status, detail = Status.REJECTED, "purged while being stored"
@@ -246,7 +253,7 @@ class MooncakeTier(IndexedTier):
         view, key = as_view(dest, writable=True), check_key(key)
         ticket = self._completions.issue()
         first = int(ticket) if batch is None else min(int(batch), int(ticket))
-        job = partial(self._loads.open_job, ticket, key, view, nbytes, group_layers, first)
+        job = self._loads.job(ticket, key, view, nbytes, group_layers, first)
         fits = nbytes is None or 0 <= nbytes <= view.nbytes
         with self._lock:  # queued under the lock: close() cannot slip in between
             closed = self._closed
@@ -297,7 +304,7 @@ class MooncakeTier(IndexedTier):
     def submit_remove(self, keys: Sequence[ExtentKey]) -> Ticket:
         keys, ticket = [check_key(k) for k in keys], self._completions.issue()
         if self._open():
-            self._io.submit_write(lambda: self._remove_job(ticket, keys))
+            self._submit_write(ticket, Op.REMOVE, ROOT_KEY, partial(self._remove_job, ticket, keys))
         else:
             self._post(ticket, Op.REMOVE, ROOT_KEY, Status.REJECTED, 0, "tier closed")
         return ticket
@@ -320,7 +327,7 @@ class MooncakeTier(IndexedTier):
         if closed:
             self._post(ticket, Op.PURGE, ROOT_KEY, Status.REJECTED, 0, "tier closed")
         else:
-            self._io.submit_write(lambda: self._post_purge(ticket, salt))
+            self._submit_write(ticket, Op.PURGE, ROOT_KEY, partial(self._post_purge, ticket, salt))
         return ticket
 
     def _post_purge(self, ticket: Ticket, salt: bytes) -> None:

@@ -9,7 +9,10 @@ and a later batch after them. A group's chunks go in batch reads of up to
 Groups finish in any order; `landed` is the verified byte prefix (`progress.LoadProgress`; nothing
 before the end for a load that rearranges its bytes). The job that finishes last ends the load: an
 OK completion, or the first error, classified by the tier. A group job that starts after the load
-failed reads nothing.
+failed reads nothing. Every job of a load runs under `Returned.guard`, so one that raises still ends
+the load (IO_ERROR, counted); a group job raises only from the load's end (its reads' errors are the
+load's, its runs planned before any job was queued): no completion is posted while another job of
+the load may still write its destination.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from collections.abc import Callable, Iterator
 from functools import partial
 from typing import NamedTuple
 
-from sgl_hicache.tier.base import Ticket
+from sgl_hicache.tier.base import Op, Ticket
 from sgl_hicache.tier.codec import Plan, plan_load
+from sgl_hicache.tier.completions import Returned
 from sgl_hicache.tier.format import DirectoryMac, FormatError
 from sgl_hicache.tier.groups import section_of
 from sgl_hicache.tier.keys import ExtentKey, NamespaceId
@@ -58,8 +62,8 @@ class Ends(NamedTuple):
 
 class MooncakeLoad(LoadProgress):
     """A load whose header was verified and planned: its pieces by layer group (`groups`: group ->
-    indices into `pieces`, in order), one job a group; `key`'s objects are under the salt tag
-    `ext.salt`."""
+    indices into `pieces`, in order), one job a group, which reads the group's `runs` (one batch
+    read each); `key`'s objects are under the salt tag `ext.salt`."""
 
     def __init__(self, ticket: Ticket, key: ExtentKey, ext: objects.Opened, dest: memoryview, want: int,
                  plan: Plan, chunk_names: list[str]) -> None:  # fmt: skip
@@ -68,12 +72,13 @@ class MooncakeLoad(LoadProgress):
         self.groups: dict[int, list[int]] = {}
         for i, g in enumerate(section_of(ext.header.sections, [p.raw_off for p in plan.pieces])):
             self.groups.setdefault(g, []).append(i)
+        self.runs = {g: list(self._runs(indices)) for g, indices in self.groups.items()}
 
-    def parts(self, group: int) -> Iterator[list[int]]:
-        """Group `group`'s pieces in runs of at most `LOAD_BATCH_BYTES` of chunks (at least one)."""
+    def _runs(self, indices: list[int]) -> Iterator[list[int]]:
+        """`indices` in runs of at most `LOAD_BATCH_BYTES` of chunks (at least one)."""
         part: list[int] = []
         nbytes = 0
-        for i in self.groups[group]:
+        for i in indices:
             n = self.ext.chunks[self.pieces[i].chunk].length
             if part and nbytes + n > objects.LOAD_BATCH_BYTES:
                 yield part
@@ -85,12 +90,20 @@ class MooncakeLoad(LoadProgress):
 
 
 class Loads:
-    """The load jobs of one tier: run on `io`; `loading` (ticket -> its load, guarded by `lock`)
-    is what the tier's `landed` reads, from the plan on until the completion is returned."""
+    """The load jobs of one tier: run on `io`, each under `returned.guard`; `returned.loading`
+    (ticket -> its load, guarded by `lock`) is what the tier's `landed` reads, from the plan on
+    until the completion is returned."""
 
     def __init__(self, reader: Reader, io: IoScheduler, lock: threading.Lock,
-                 loading: dict[Ticket, LoadProgress], ends: Ends) -> None:  # fmt: skip
-        self._reader, self._io, self._lock, self._loading, self._ends = reader, io, lock, loading, ends
+                 returned: Returned[LoadProgress], ends: Ends) -> None:  # fmt: skip
+        self._reader, self._io, self._lock, self._ends = reader, io, lock, ends
+        self._returned, self._loading = returned, returned.loading
+
+    def job(self, ticket: Ticket, key: ExtentKey, dest: memoryview, nbytes: int | None,
+            group_layers: int | None, batch: int) -> Callable[[], None]:  # fmt: skip
+        """The load's first job (`open_job`), to queue ranked (batch, 0)."""
+        opened = partial(self.open_job, ticket, key, dest, nbytes, group_layers, batch)
+        return self._returned.guard(ticket, Op.LOAD, key, opened)
 
     def open_job(self, ticket: Ticket, key: ExtentKey, dest: memoryview, nbytes: int | None,
                  group_layers: int | None, batch: int) -> None:  # fmt: skip
@@ -118,11 +131,12 @@ class Loads:
             return
         first, *later = sorted(load.groups)
         for group in later:  # ranked: the batch's group 0 first (the module doc)
-            self._io.submit_read(partial(self._group_job, load, group), (batch, group))
+            job = self._returned.guard(ticket, Op.LOAD, key, partial(self._group_job, load, group))
+            self._io.submit_read(job, (batch, group))
         self._group_job(load, first)
 
     def _group_job(self, load: MooncakeLoad, group: int) -> None:
-        for part in load.parts(group):
+        for part in load.runs[group]:
             error = load.error  # once the load failed, nothing more is read
             if error is None:
                 try:

@@ -1,0 +1,194 @@
+"""A job that raises where nothing expected it still ends its operation (review: loads and stores
+left without a completion).
+
+Once a load was read, its end (closing the file, classifying a failure, dropping a bad extent) or a
+store's bookkeeping may raise: an OSError of a close, the Mooncake binding raising, a bug. The
+operation must still get exactly one completion, promptly and never OK (the restore recomputes at
+once instead of at its timeout), counted in `io_errors`, logged once; what it held (a load's pin,
+a store's place as the key's writer) is released. Both backends; Mooncake's against an in-memory
+store (`FakeStore`), the binding's calls raising where a test says.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import sgl_hicache.tier.file.backend as file_backend
+import sgl_hicache.tier.mooncake.backend as mc
+from sgl_hicache.config import MooncakeConfig, SpillBackend, TierConfig
+from sgl_hicache.tier import ROOT_KEY, ExtentKey, Status
+from sgl_hicache.tier.format import Mismatch
+from sgl_hicache.tier.mooncake import objects
+from tests.tier.common import CHUNK, NS, key_for, payload_for, tokens_for
+from tests.tier.test_integrity import covered
+from tests.tier.test_mooncake_races import FakeStore
+from tests.tier.test_store_faults import FailingOs
+
+NBYTES = 4 * CHUNK  # four chunks: four jobs for a file load
+PROMPT_S = 5.0  # a completion comes by then, or never (a restore's own timeout is far longer)
+
+
+def store(tier: Any, i: int) -> ExtentKey:
+    key = key_for(i)
+    assert tier.wait(tier.submit_store(key, payload_for(i, NBYTES), tokens_for(i), ROOT_KEY), 10).ok
+    return key
+
+
+def load(tier: Any, key: ExtentKey) -> tuple[Status, np.ndarray]:
+    """One load's status (it must come within PROMPT_S) and destination; no second completion."""
+    dest = np.zeros(NBYTES, dtype=np.uint8)
+    ticket = tier.submit_load(key, dest)
+    done = tier.wait(ticket, PROMPT_S)
+    assert not [c for c in tier.get_finished() if c.ticket == ticket]
+    return done.status, dest
+
+
+def unexpected_logs(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "sgl_hicache.tier" and r.levelno >= logging.ERROR]
+
+
+def corrupt_last_chunk(root: Path) -> None:
+    path = next(root.rglob("*.ext"))
+    raw = bytearray(path.read_bytes())
+    raw[covered(bytes(raw))[-1].start] ^= 1
+    path.write_bytes(bytes(raw))
+
+
+# -- the file tier --------------------------------------------------------------------------------
+
+
+def test_a_load_whose_file_cannot_be_closed_ends_io_error_logged_once_and_unpinned(
+    make_tier: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The close at the end of a load fails (EIO; the descriptor is gone all the same): both loads
+    end IO_ERROR at once, never OK, counted twice and logged once, and the extent is pinned by
+    neither (it can be discarded)."""
+    tier = make_tier()
+    key = store(tier, 1)
+    failing = FailingOs(lambda name, *args: name == "close")
+    with monkeypatch.context() as m, caplog.at_level(logging.WARNING, logger="sgl_hicache.tier"):
+        m.setattr(file_backend, "os", failing)
+        statuses = [load(tier, key)[0] for _ in range(2)]
+    assert statuses == [Status.IO_ERROR] * 2 and failing.failed == ["close"] * 2
+    assert tier.stats().io_errors == 2 and tier.stats().loads == 0
+    assert len(unexpected_logs(caplog)) == 1
+    assert tier.discard(key)  # no pin left
+
+
+@pytest.mark.parametrize("where", ["open", "end"])
+def test_a_load_whose_failure_cannot_be_classified_still_ends(
+    make_tier: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """Classifying a failed load raises (a bug in the fault path): at its open (no such extent) or
+    at its end (a chunk failed its checksum), the load ends IO_ERROR at once, counted, unpinned."""
+    tier = make_tier()
+    key = store(tier, 1)
+    if where == "end":
+        corrupt_last_chunk(tmp_path / "tier")
+
+    def classify_raises(*args: Any) -> Any:
+        raise RuntimeError("a bug in the fault path")
+
+    with monkeypatch.context() as m:
+        m.setattr(file_backend, "failed", classify_raises)
+        status, _ = load(tier, key if where == "end" else key_for(2))
+    assert status is Status.IO_ERROR and tier.stats().io_errors == 1
+    assert tier.discard(key)
+
+
+def test_a_store_whose_job_raises_ends_and_its_key_is_stored_again(
+    make_tier: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store's job raises before it wrote anything: it ends IO_ERROR at once (a store failure),
+    and a later store of the key writes it (it follows no store that ended without a completion)."""
+    tier = make_tier()
+    key, data = key_for(1), payload_for(1, NBYTES)
+
+    def present_raises(req: Any) -> bool:
+        raise RuntimeError("a bug before the write")
+
+    with monkeypatch.context() as m:
+        m.setattr(tier._publisher, "present", present_raises)
+        done = tier.wait(tier.submit_store(key, data, tokens_for(1), ROOT_KEY), PROMPT_S)
+    assert done.status is Status.IO_ERROR
+    assert (tier.stats().store_failures, tier.stats().io_errors) == (1, 1)
+    assert tier.wait(tier.submit_store(key, data, tokens_for(1), ROOT_KEY), PROMPT_S).ok
+    status, got = load(tier, key)
+    assert status is Status.OK and np.array_equal(got, data)
+
+
+# -- the Mooncake tier ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def on_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[FakeStore, mc.MooncakeTier]]:
+    """A Mooncake tier on an in-memory store."""
+    fake = FakeStore()
+    monkeypatch.setattr(mc, "connect", lambda cfg: fake)
+    cfg = TierConfig(
+        backend=SpillBackend.MOONCAKE, mooncake=MooncakeConfig(master="127.0.0.1:1"),
+        directory=tmp_path / "tier", chunk_bytes=CHUNK, io_threads=2,
+    )  # fmt: skip
+    tier = mc.MooncakeTier(cfg, NS)
+    yield fake, tier
+    tier.close(5)
+
+
+def binding_raises(*args: Any) -> Any:
+    raise RuntimeError("the binding raised")
+
+
+def test_a_mooncake_load_whose_bad_extent_cannot_be_removed_still_ends(
+    on_store: tuple[FakeStore, mc.MooncakeTier], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk fails its checksum and the binding raises on the removal of the bad header: the load
+    ends IO_ERROR at once (never OK), counted; once the binding answers, the next load drops it."""
+    fake, tier = on_store
+    key = store(tier, 1)
+    chunk = next(n for n in fake.objs if n.endswith(".2"))
+    fake.objs[chunk] = bytes([fake.objs[chunk][0] ^ 1]) + fake.objs[chunk][1:]
+    with monkeypatch.context() as m:
+        m.setattr(fake, "remove", binding_raises)
+        status, _ = load(tier, key)
+    assert status is Status.IO_ERROR and tier.stats().io_errors == 1
+    assert load(tier, key)[0] is Status.CORRUPT
+    assert load(tier, key)[0] is Status.MISS
+
+
+def test_a_mooncake_remove_whose_binding_raises_still_completes(
+    on_store: tuple[FakeStore, mc.MooncakeTier], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake, tier = on_store
+    key = store(tier, 1)
+    monkeypatch.setattr(fake, "remove_many", binding_raises)  # the header read, then its removal raises
+    done = tier.wait(tier.submit_remove([key]), PROMPT_S)
+    assert done.status is Status.IO_ERROR and tier.stats().io_errors == 1
+
+
+def test_a_mooncake_store_whose_failure_handling_raises_ends_and_its_key_is_stored_again(
+    on_store: tuple[FakeStore, mc.MooncakeTier], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store finds a bad extent of its key, and the binding raises on its removal: the store
+    ends IO_ERROR at once; a later store of the key writes it (it follows no store that ended
+    without a completion)."""
+    fake, tier = on_store
+    key, data = key_for(1), payload_for(1, NBYTES)
+
+    def found_bad(*args: Any) -> bool:
+        raise Mismatch("an extent of the key that is not what the key names")
+
+    with monkeypatch.context() as m:
+        m.setattr(objects, "present", found_bad)
+        m.setattr(fake, "remove", binding_raises)
+        done = tier.wait(tier.submit_store(key, data, tokens_for(1), ROOT_KEY), PROMPT_S)
+    assert done.status is Status.IO_ERROR
+    assert (tier.stats().store_failures, tier.stats().io_errors) == (1, 1)
+    assert tier.wait(tier.submit_store(key, data, tokens_for(1), ROOT_KEY), PROMPT_S).ok
+    status, got = load(tier, key)
+    assert status is Status.OK and np.array_equal(got, data)
