@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from tests.cache.conftest import LAYERS, expected_kv
-from tests.cache.test_layerwise import forward
+from tests.cache.test_layerwise import forward, take_completions
 
 CHUNK = 4096
 TURN = 200  # tokens a node, so an extent: 25,600 B of packed KV (128 B a token), 12,800 B a group
@@ -87,7 +87,7 @@ def test_a_restore_of_several_extents_is_admitted_before_any_later_group_is_read
     s.cache.inc_lock_ref(node)
     assert forward(s, s.cache.path_device_indices(node)) == [expected_kv(tokens)] * LAYERS
     assert s.cache.after_forward([req]) == []
-    s.cache.controller.poll()  # the scheduler's next poll takes the reads' completions
+    take_completions(s)  # the scheduler's next polls take the reads' completions
     elapsed = time.monotonic() - t0
     totals = s.metrics.totals
     assert totals["layerwise_overlapped_restores"] == 1 and totals["restored_tokens"] == len(tokens)
