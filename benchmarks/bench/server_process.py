@@ -15,6 +15,11 @@ A server given `cpus` runs on those CPUs only, as a deployed server runs on its 
 affinity is set in the child before `exec`, so sglang's processes and threads inherit it, and
 `OMP_NUM_THREADS` defaults to their count. Without it a server's threads may use every CPU, and two
 servers on one machine oversubscribe it (`--servers 2` gives each its share, `bench/cluster.py`).
+
+Each start has its own TMPDIR (`scratch_env`; a caller's `env` may set another), removed by `stop()`
+and `kill()`: sglang names its IPC sockets with `NamedTemporaryFile(delete=False)` and never removes
+them, and a killed server leaves its runtime and Prometheus directories; a run of the test suite
+left a few hundred such entries in /tmp.
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import getpass
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -51,6 +58,14 @@ CUDA_FLAGS = ("--device", "cuda")  # sglang's own defaults for everything else o
 def device_flags(device: str) -> tuple[str, ...]:
     """The flags that put a server on `device` (cpu or cuda) with sglang's defaults there."""
     return CPU_FLAGS if device == "cpu" else CUDA_FLAGS
+
+
+def scratch_env(path: str) -> dict[str, str]:
+    """A server's environment for its scratch directory `path`: its `TMPDIR` (sglang names its IPC
+    sockets there and never removes them; a killed server leaves its Prometheus and runtime
+    directories there too), while torch inductor's compile cache stays where it was, shared and kept."""
+    inductor = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")  # torch's default
+    return {"TMPDIR": path, "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR", inductor)}
 
 
 def free_port() -> int:
@@ -78,6 +93,7 @@ class ServerProcess:
     cpus: tuple[int, ...] | None = None
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
+    scratch: tempfile.TemporaryDirectory[str] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.cpus is not None:
@@ -101,7 +117,8 @@ class ServerProcess:
         ]  # fmt: skip
 
     def start(self, timeout_s: float = 180.0) -> ServerProcess:
-        env = {**NO_CRASH_DIAGNOSTICS, **registry_env(self.model_path), **os.environ,
+        self.scratch = tempfile.TemporaryDirectory(prefix="sgl_hicache_server_")
+        env = {**NO_CRASH_DIAGNOSTICS, **registry_env(self.model_path), **os.environ, **scratch_env(self.scratch.name),
                **({"SGLANG_USE_CPU_ENGINE": "1"} if self.on_cpu else {}), **self.env}  # fmt: skip
         if self.on_cpu:  # --device cpu --tp-size N: the CPU profile's platform and thread binding
             from sgl_hicache_cpu.cpu_tp_env import cpu_tp_env
@@ -137,17 +154,25 @@ class ServerProcess:
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM the process group, SIGKILL what is left after `grace_s`; returns once the whole
-        group is gone (or after a further 10 s; about 2 s with `NO_CRASH_DIAGNOSTICS`). Idempotent."""
+        group is gone (or after a further 10 s; about 2 s with `NO_CRASH_DIAGNOSTICS`) and its
+        TMPDIR is removed. Idempotent."""
         if self.proc is not None:
             stop_group(self.proc, grace_s, 10.0)
             self.proc = None
+        self._remove_scratch()
 
     def kill(self) -> None:
         """SIGKILL the whole process group at once (a crash: nothing of the server runs after it);
-        returns once the group is gone (or after 10 s)."""
+        returns once the group is gone (or after 10 s) and its TMPDIR is removed."""
         if self.proc is not None:
             stop_group(self.proc, 0.0, 10.0, signal.SIGKILL)
             self.proc = None
+        self._remove_scratch()
+
+    def _remove_scratch(self) -> None:
+        if self.scratch is not None:
+            self.scratch.cleanup()
+            self.scratch = None
 
     def __enter__(self) -> ServerProcess:
         return self.start() if self.proc is None else self

@@ -157,6 +157,11 @@ def private_runtime_dir() -> Iterator[str]:
     left in place), else a new private directory (mkdtemp: mode 0700, our uid) exported in that
     variable for every process sglang starts, and removed with its socket on exit (also when sglang
     ends this process itself: `remove_runtime_dir`, via `hooks.py`).
+    A directory it made is also this process's `tempfile.tempdir` meanwhile: sglang names its IPC
+    sockets with `NamedTemporaryFile(delete=False)` and makes its Prometheus multiprocess directory
+    here (`--enable-metrics`), never removing either (it ends by SIGKILL to itself), so every start
+    left six or so `tmp*` entries in the temp directory; now they go with this directory. Only this
+    process: sglang's children keep `TMPDIR` (their caches there, e.g. torch inductor's, persist).
     Raises HintSocketError for a given directory that is not private."""
     given = os.environ.get(RUNTIME_DIR_ENV)
     if given:
@@ -165,9 +170,11 @@ def private_runtime_dir() -> Iterator[str]:
         return
     path = tempfile.mkdtemp(prefix="sgl_hicache_")
     os.environ[RUNTIME_DIR_ENV], os.environ[OWNER_ENV] = path, str(os.getpid())
+    previous, tempfile.tempdir = tempfile.tempdir, path
     try:
         yield path
     finally:
+        tempfile.tempdir = previous
         remove_runtime_dir()
         os.environ.pop(RUNTIME_DIR_ENV, None)
 

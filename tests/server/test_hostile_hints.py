@@ -92,7 +92,9 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         s.reference = generate(s.base_url)  # type: ignore[attr-defined]
         s.run_dir = tmp / "run"  # type: ignore[attr-defined]
         yield s
-    assert not list((tmp / "run").glob("sgl_hicache_*")), "the runtime directory outlived the server"
+    # the runtime directory, and what sglang made in the launcher's temp directory (IPC socket names,
+    # the Prometheus directory), went with the server
+    assert list((tmp / "run").iterdir()) == [], "the server left temp files behind"
 
 
 def test_out_of_range_token_id_is_refused_and_the_server_lives(server: Any) -> None:
@@ -113,7 +115,7 @@ def test_the_hint_socket_lives_in_a_private_directory(server: Any) -> None:
     st_ = os.lstat(run_dir)
     assert stat.S_ISDIR(st_.st_mode) and st_.st_uid == os.getuid()
     assert stat.S_IMODE(st_.st_mode) == 0o700
-    assert [p.name for p in run_dir.iterdir()] == ["hints.sock"]
+    assert "hints.sock" in [p.name for p in run_dir.iterdir()]  # beside sglang's own IPC sockets
 
 
 # Each route with a body it accepts, and the key it takes: sglang's `/flush_cache` is the model of

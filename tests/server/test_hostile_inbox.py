@@ -8,6 +8,7 @@ import asyncio
 import logging
 import os
 import stat
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -190,6 +191,27 @@ def test_the_launcher_makes_a_private_directory_and_removes_it(monkeypatch: pyte
         assert stat.S_IMODE(st.st_mode) == 0o700
         Path(path, "hints.sock").write_text("")
     assert not os.path.exists(path) and RUNTIME_DIR_ENV not in os.environ
+
+
+def test_temp_files_the_launcher_makes_meanwhile_go_with_its_directory(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """What sglang makes in the launcher's process and never removes (IPC socket names by
+    `NamedTemporaryFile(delete=False)`, the Prometheus directory) leaves nothing in the temp directory."""
+    monkeypatch.delenv(RUNTIME_DIR_ENV, raising=False)
+    monkeypatch.delenv(OWNER_ENV, raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with private_runtime_dir() as path, tempfile.NamedTemporaryFile(delete=False) as ipc:
+        metrics = tempfile.mkdtemp()
+        assert os.path.dirname(ipc.name) == os.path.dirname(metrics) == path
+    assert list(tmp_path.iterdir()) == [] and tempfile.gettempdir() == str(tmp_path)
+
+
+def test_a_given_directory_is_not_the_temp_directory(monkeypatch: pytest.MonkeyPatch, private: Path) -> None:
+    monkeypatch.setenv(RUNTIME_DIR_ENV, str(private))
+    with private_runtime_dir():
+        assert tempfile.gettempdir() != str(private)
+    assert private.exists()
 
 
 def test_only_the_process_that_made_it_removes_it(monkeypatch: pytest.MonkeyPatch, private: Path) -> None:

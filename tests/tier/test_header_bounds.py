@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -31,14 +32,13 @@ CHILD = textwrap.dedent(
 )
 
 
-def _child(field: int, value: int) -> subprocess.CompletedProcess[str]:
+def _child(directory: Path, field: int, value: int) -> subprocess.CompletedProcess[str]:
     build = textwrap.dedent(
         f"""
-        import tempfile
         from pathlib import Path
         from sgl_hicache.config import TierConfig
         from sgl_hicache.tier import ROOT_KEY, chain_key, open_tier
-        d = Path(tempfile.mkdtemp())
+        d = Path({str(directory)!r})
         tier = open_tier(TierConfig(directory=d / "t", capacity_bytes=64 << 20, chunk_bytes=CHUNK,
                                     min_free_bytes=0), NS)
         tokens = list(range(700))
@@ -65,7 +65,7 @@ def _child(field: int, value: int) -> subprocess.CompletedProcess[str]:
     ids=["payload_len_2^62", "payload_len_40G", "chunk_bytes_4K"],
 )
 def test_a_header_read_without_its_mac_claiming_huge_sizes_is_refused_without_allocating_them(
-    field: int, value: int
+    field: int, value: int, tmp_path: Path
 ) -> None:
-    done = _child(field, value)
+    done = _child(tmp_path, field, value)
     assert done.returncode == 0 and done.stdout.startswith("FormatError"), done.stderr[-2000:] or done.stdout
