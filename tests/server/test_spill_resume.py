@@ -280,6 +280,18 @@ def test_client_hint_with_chat_messages_and_bad_bodies(server: Any) -> None:
     assert err.value.code == 400
 
 
+def rm_rf_while_written(path: Path, tries: int = 50) -> None:
+    """`rm -rf` of a directory the server may be writing into: a spill that lands between the
+    listing and the removal leaves it "not empty", so it is removed again, as an operator would."""
+    for _ in range(tries - 1):
+        try:
+            shutil.rmtree(path)
+            return
+        except OSError:
+            time.sleep(0.1)
+    shutil.rmtree(path)
+
+
 def test_tier_directory_removed_while_serving(server: Any) -> None:
     """`rm -rf` of the tier directory: the next spill re-creates it (private, with the same secret)
     and spilling, then restoring from the tier, resume."""
@@ -287,7 +299,7 @@ def test_tier_directory_removed_while_serving(server: Any) -> None:
     turn2, reference, _ = two_turns(base, 61)
     push_out(base, 61)
     secret = (server.tier_dir / SECRET_NAME).read_bytes()
-    shutil.rmtree(server.tier_dir)
+    rm_rf_while_written(server.tier_dir)
     resumed, _ = generate(base, turn2)  # its extents went with the directory: recomputed
     assert resumed == reference
     later2, later_reference, history = two_turns(base, 63)
