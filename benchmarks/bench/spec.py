@@ -150,13 +150,14 @@ OURS_FLAGS = {
 }
 """Ours and its variants, by the flags they add to ours' defaults: `ours-reused` writes only reused,
 hinted, pinned or long nodes to the tier (issue 37's admission rule, measured against the default on
-`agents`); `ours-layerwise` starts a resumed prefill before its restore has landed (issue 37;
-`benchmarks/long_history` only)."""
+`agents`); `ours-layerwise` starts a resumed prefill before its restore has landed (issue 37:
+admitted once the first layer group is read, not after every read: on `agents` a deferred
+admission waits for the forward then running)."""
 
-SYSTEMS = ("recompute", *HICACHE, *LMCACHE, "ours", "ours-reused", "resident")
+SYSTEMS = ("recompute", *HICACHE, *LMCACHE, *OURS_FLAGS, "resident")
 """Every system that can be named: (a) sglang's default cache, evicted KV is recomputed; (b) sglang
 HiCache with host memory and an L3 backend, in each configuration of `HICACHE_CONFIGS`; (b') LMCache,
-in each configuration of `LMCACHE_CONFIGS`; (c) sgl_hicache's spill tier (and `ours-reused`, see
+in each configuration of `LMCACHE_CONFIGS`; (c) sgl_hicache's spill tier (and its variants,
 `OURS_FLAGS`); and a reference: sglang's default cache with a pool that holds the whole workload
 (every reusable prefix a device hit)."""
 

@@ -24,7 +24,7 @@ from benchmarks.bench.agents import (
     pushed_out,
     send_order,
 )
-from benchmarks.bench.spec import Shape, SpecError
+from benchmarks.bench.spec import SYSTEMS, Shape, SpecError
 from tests.bench.standin_http import serving
 
 VOCAB = 1024
@@ -141,17 +141,28 @@ def test_a_shape_that_keeps_the_contexts_in_memory_is_refused(model: Path) -> No
     check_leaves_memory(spec, ["recompute"], roomy, model)  # no host memory: the device pool alone
 
 
-def test_ours_variants_are_ours_with_their_flag_and_its_memory(model: Path, tmp_path: Path) -> None:
-    """`ours-reused` (issue 37's admission rule, chosen on `agents`) is ours' server with one flag more,
-    and holds ours' memory (so a shape is checked against it as against ours)."""
+@pytest.mark.parametrize(
+    "name, extra",
+    [
+        ("ours-reused", ("--hicache-spill-admission", "reused")),
+        ("ours-layerwise", ("--hicache-spill-layerwise",)),
+    ],
+)
+def test_ours_variants_are_ours_with_their_flag_and_its_memory(
+    model: Path, tmp_path: Path, name: str, extra: tuple[str, ...]
+) -> None:
+    """`ours-reused` (issue 37's admission rule, chosen on `agents`) and `ours-layerwise` are ours'
+    server with their flags more, named systems of the benchmark, and hold ours' memory (so a shape
+    is checked against them as against ours)."""
+    assert name in SYSTEMS
     shape = Shape(model=str(model), pool_tokens=1024, host_budget_mb=32, page_size=16)
     ours = systems.build("ours", shape, model, tmp_path)
-    reused = systems.build("ours-reused", shape, model, tmp_path)
-    assert reused.module == ours.module == "sgl_hicache.launch_server"
-    own_tier = tuple(str(ours.tier_dir) if f == str(reused.tier_dir) else f for f in reused.flags)
-    assert own_tier == (*ours.flags, "--hicache-spill-admission", "reused")
-    assert "--hicache-spill-admission" not in ours.flags
-    assert memory_tokens(["ours-reused"], shape, model) == memory_tokens(["ours"], shape, model) > 1024
+    variant = systems.build(name, shape, model, tmp_path)
+    assert variant.module == ours.module == "sgl_hicache.launch_server"
+    own_tier = tuple(str(ours.tier_dir) if f == str(variant.tier_dir) else f for f in variant.flags)
+    assert own_tier == (*ours.flags, *extra)
+    assert extra[0] not in ours.flags
+    assert memory_tokens([name], shape, model) == memory_tokens(["ours"], shape, model) > 1024
 
 
 @pytest.mark.parametrize(
