@@ -63,6 +63,16 @@ def corrupt_last_chunk(root: Path) -> None:
 # -- the file tier --------------------------------------------------------------------------------
 
 
+def store_failed_then_stores_again(tier: Any, key: Any, data: Any, done: Any) -> None:
+    """`done` (a store whose job raised) ended IO_ERROR, counted once; the key is free for the next
+    store, which lands, and a load returns its bytes."""
+    assert done.status is Status.IO_ERROR
+    assert (tier.stats().store_failures, tier.stats().io_errors) == (1, 1)
+    assert tier.wait(tier.submit_store(key, data, tokens_for(1), ROOT_KEY), PROMPT_S).ok
+    status, got = load(tier, key)
+    assert status is Status.OK and np.array_equal(got, data)
+
+
 def test_a_load_whose_file_cannot_be_closed_ends_io_error_logged_once_and_unpinned(
     make_tier: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -116,11 +126,7 @@ def test_a_store_whose_job_raises_ends_and_its_key_is_stored_again(
     with monkeypatch.context() as m:
         m.setattr(tier._publisher, "present", present_raises)
         done = tier.wait(tier.submit_store(key, data, tokens_for(1), ROOT_KEY), PROMPT_S)
-    assert done.status is Status.IO_ERROR
-    assert (tier.stats().store_failures, tier.stats().io_errors) == (1, 1)
-    assert tier.wait(tier.submit_store(key, data, tokens_for(1), ROOT_KEY), PROMPT_S).ok
-    status, got = load(tier, key)
-    assert status is Status.OK and np.array_equal(got, data)
+    store_failed_then_stores_again(tier, key, data, done)
 
 
 # -- the Mooncake tier ----------------------------------------------------------------------------
@@ -187,8 +193,4 @@ def test_a_mooncake_store_whose_failure_handling_raises_ends_and_its_key_is_stor
         m.setattr(objects, "present", found_bad)
         m.setattr(fake, "remove", binding_raises)
         done = tier.wait(tier.submit_store(key, data, tokens_for(1), ROOT_KEY), PROMPT_S)
-    assert done.status is Status.IO_ERROR
-    assert (tier.stats().store_failures, tier.stats().io_errors) == (1, 1)
-    assert tier.wait(tier.submit_store(key, data, tokens_for(1), ROOT_KEY), PROMPT_S).ok
-    status, got = load(tier, key)
-    assert status is Status.OK and np.array_equal(got, data)
+    store_failed_then_stores_again(tier, key, data, done)
