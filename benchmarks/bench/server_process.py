@@ -117,7 +117,8 @@ class ServerProcess:
         ]  # fmt: skip
 
     def start(self, timeout_s: float = 180.0) -> ServerProcess:
-        self.scratch = tempfile.TemporaryDirectory(prefix="sgl_hicache_server_")
+        # a process stop_group gave up on may still write there: its removal then never raises out of stop()
+        self.scratch = tempfile.TemporaryDirectory(prefix="sgl_hicache_server_", ignore_cleanup_errors=True)
         env = {**NO_CRASH_DIAGNOSTICS, **registry_env(self.model_path), **os.environ, **scratch_env(self.scratch.name),
                **({"SGLANG_USE_CPU_ENGINE": "1"} if self.on_cpu else {}), **self.env}  # fmt: skip
         if self.on_cpu:  # --device cpu --tp-size N: the CPU profile's platform and thread binding

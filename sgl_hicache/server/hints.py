@@ -62,6 +62,7 @@ MAX_KEY_CHARS = 256  # cache_salt, extra_key
 KINDS = ("prefetch", "pin", "drop", "purge")
 MAX_TTL_S = 7 * 24 * 3600.0  # a pin's longest time to live (cache/pins.py)
 _MAX_SUN_PATH = 100  # a unix socket path is at most 107 bytes on Linux; keep a margin
+_TEMP_NAME = "/tmpXXXXXXXX"  # what `tempfile` adds to its directory: sglang's IPC socket names
 
 
 class HintError(ValueError):
@@ -162,6 +163,7 @@ def private_runtime_dir() -> Iterator[str]:
     here (`--enable-metrics`), never removing either (it ends by SIGKILL to itself), so every start
     left six or so `tmp*` entries in the temp directory; now they go with this directory. Only this
     process: sglang's children keep `TMPDIR` (their caches there, e.g. torch inductor's, persist).
+    Not when the names would then be too long for a socket path (a deep TMPDIR): they stay there.
     Raises HintSocketError for a given directory that is not private."""
     given = os.environ.get(RUNTIME_DIR_ENV)
     if given:
@@ -170,7 +172,9 @@ def private_runtime_dir() -> Iterator[str]:
         return
     path = tempfile.mkdtemp(prefix="sgl_hicache_")
     os.environ[RUNTIME_DIR_ENV], os.environ[OWNER_ENV] = path, str(os.getpid())
-    previous, tempfile.tempdir = tempfile.tempdir, path
+    previous = tempfile.tempdir
+    if len(path) + len(_TEMP_NAME) <= _MAX_SUN_PATH:  # else sglang's socket names would not bind
+        tempfile.tempdir = path
     try:
         yield path
     finally:

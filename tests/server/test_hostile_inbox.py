@@ -207,6 +207,23 @@ def test_temp_files_the_launcher_makes_meanwhile_go_with_its_directory(
     assert list(tmp_path.iterdir()) == [] and tempfile.gettempdir() == str(tmp_path)
 
 
+def test_sglangs_socket_names_stay_in_the_temp_directory_when_the_runtime_one_is_too_deep(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """sglang's IPC socket names (`NamedTemporaryFile` there: `<dir>/tmpXXXXXXXX`) must fit a unix
+    socket path: a temp directory deep enough that they fit in it but not in the runtime directory
+    made inside it keeps them where they were (a server that started before still starts)."""
+    monkeypatch.delenv(RUNTIME_DIR_ENV, raising=False)
+    monkeypatch.delenv(OWNER_ENV, raising=False)
+    deep = tmp_path / ("d" * max(1, 80 - len(str(tmp_path)) - 1))
+    deep.mkdir()
+    assert len(str(deep)) + len("/tmpXXXXXXXX") <= 100
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    with private_runtime_dir() as path, tempfile.NamedTemporaryFile() as ipc:
+        assert len(path) + len("/tmpXXXXXXXX") > 100
+        assert os.path.dirname(ipc.name) == str(deep) and len(ipc.name) <= 100
+
+
 def test_a_given_directory_is_not_the_temp_directory(monkeypatch: pytest.MonkeyPatch, private: Path) -> None:
     monkeypatch.setenv(RUNTIME_DIR_ENV, str(private))
     with private_runtime_dir():
