@@ -21,13 +21,12 @@ import pytest
 
 import sgl_hicache.tier.file.backend as file_backend
 import sgl_hicache.tier.mooncake.backend as mc
-from sgl_hicache.config import MooncakeConfig, SpillBackend, TierConfig
 from sgl_hicache.tier import ROOT_KEY, ExtentKey, Status
 from sgl_hicache.tier.format import Mismatch
 from sgl_hicache.tier.mooncake import objects
 from tests.tier.common import CHUNK, NS, key_for, payload_for, tokens_for
 from tests.tier.test_integrity import covered
-from tests.tier.test_mooncake_races import FakeStore
+from tests.tier.test_mooncake_races import FakeStore, on_fake_store
 from tests.tier.test_store_faults import FailingOs
 
 NBYTES = 4 * CHUNK  # four chunks: four jobs for a file load
@@ -137,11 +136,7 @@ def on_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[
     """A Mooncake tier on an in-memory store."""
     fake = FakeStore()
     monkeypatch.setattr(mc, "connect", lambda cfg: fake)
-    cfg = TierConfig(
-        backend=SpillBackend.MOONCAKE, mooncake=MooncakeConfig(master="127.0.0.1:1"),
-        directory=tmp_path / "tier", chunk_bytes=CHUNK, io_threads=2,
-    )  # fmt: skip
-    tier = mc.MooncakeTier(cfg, NS)
+    tier = mc.MooncakeTier(on_fake_store(tmp_path), NS)
     yield fake, tier
     tier.close(5)
 

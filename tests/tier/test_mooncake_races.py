@@ -118,15 +118,20 @@ class FakeStore:
         pass
 
 
+def on_fake_store(tmp_path: Path) -> TierConfig:
+    """A Mooncake tier's config whose store is whatever `mc.connect` returns (a `FakeStore`)."""
+    return TierConfig(
+        backend=SpillBackend.MOONCAKE, mooncake=MooncakeConfig(master="127.0.0.1:1"),
+        directory=tmp_path / "tier", chunk_bytes=CHUNK, io_threads=2,
+    )  # fmt: skip
+
+
 @pytest.fixture
 def servers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[FakeStore, mc.MooncakeTier, mc.MooncakeTier]]:  # fmt: skip
     """One store, and two servers (tiers) that are clients of it, sealed with one secret."""
     store = FakeStore()
     monkeypatch.setattr(mc, "connect", lambda cfg: store)
-    cfg = TierConfig(
-        backend=SpillBackend.MOONCAKE, mooncake=MooncakeConfig(master="127.0.0.1:1"),
-        directory=tmp_path / "tier", chunk_bytes=CHUNK, io_threads=2,
-    )  # fmt: skip
+    cfg = on_fake_store(tmp_path)
     a, b = mc.MooncakeTier(cfg, NS), mc.MooncakeTier(cfg, NS)
     yield store, a, b
     a.close(5)
