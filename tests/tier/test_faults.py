@@ -58,15 +58,19 @@ def test_direct_io_disabled_by_config(make_tier):
     assert not tier.stats().direct_io
 
 
-def test_read_only_filesystem(make_tier, mount_point):
-    fs = mount_point("tmpfs", "size=4m,mode=0700")
-    tier = make_tier(directory=fs)
+def test_a_volume_gone_read_only_fails_stores_and_keeps_loads(make_tier, ext4_volume, caplog):
+    """ext4 turned read-only under a live tier (EROFS from the kernel, the ledger's open file too)."""
+    tier = make_tier(directory=ext4_volume.path / "tier")
     assert store(tier, 1) is Status.OK
-    r = subprocess.run(["mount", "-o", "remount,ro", str(fs)], capture_output=True)
-    if r.returncode:
-        pytest.skip(f"cannot remount read-only: {r.stderr.decode().strip()}")
-    assert store(tier, 2) is Status.IO_ERROR
-    assert load(tier, 1) is Status.OK and tier.stats().io_errors == 1
+    ext4_volume.fail()
+    with caplog.at_level(logging.WARNING, logger="sgl_hicache.tier"):
+        assert store(tier, 2) is Status.IO_ERROR
+        assert tier.stats().io_errors == 1
+        assert [store(tier, i) for i in (3, 4)] == [Status.IO_ERROR] * 2
+    assert load(tier, 1) is Status.OK and load(tier, 2) is Status.MISS  # load checks the bytes
+    assert tier.stats().io_errors == 3
+    assert len([r for r in caplog.records if "EROFS" in r.getMessage()]) == 1
+    tier.check_integrity()  # no lease or reservation left by the failed stores
 
 
 def test_directory_gone_for_good_is_logged_once(make_tier, tmp_path, caplog):
