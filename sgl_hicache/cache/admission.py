@@ -170,8 +170,8 @@ class RestoreAdmission(GuardedPart[AdmissionCache]):
         state = self._checked(nodes, rid)
         if rid is None:
             return state
-        if self.hold.attempt(rid) and state is Readiness.PENDING:
-            state = self._held(nodes, rid)
+        if self.hold.attempt(rid):
+            state = self._held(nodes, rid, state)
         self.hold.tried(rid)
         return state
 
@@ -179,9 +179,10 @@ class RestoreAdmission(GuardedPart[AdmissionCache]):
         return self.layerwise.ready(nodes, self._restore_readiness(nodes, rid))
 
     @contained("init_load_back (hold)", _not_ready)
-    def _held(self, nodes: list[TreeNode], rid: str) -> Readiness:
+    def _held(self, nodes: list[TreeNode], rid: str, state: Readiness) -> Readiness:
         policy = RestorePolicy.of(self.cache.spill_config)
         return self.hold.hold(
+            state,
             self.hold.budget_s(policy.hold_share, policy.restore_wait_s),
             lambda: self._checked(nodes, rid),
             self._wait_io,

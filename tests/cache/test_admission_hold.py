@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.cache.conftest import LAYERS, expected_kv, read_kv
+from tests.cache.conftest import LAYERS, expected_kv, read_kv, shrink_staging
 
 A = list(range(100, 140))
 B = list(range(300, 348))
@@ -30,10 +30,13 @@ def spilled_stack(make_stack: Any, **overrides: Any) -> Any:
     return s
 
 
-def attempt(s: Any, tokens: list[int], rid: str) -> tuple[Any, Any, float]:
-    """One admission attempt as sglang's scheduler makes it: (match, answer, seconds it took)."""
+def attempt(s: Any, tokens: list[int], rid: str, new_round: bool = True) -> tuple[Any, Any, float]:
+    """One admission attempt as sglang's scheduler makes it, in a round of its own unless told:
+    (match, answer, seconds it took)."""
     from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
 
+    if new_round:
+        s.cache.new_round()
     m = s.match(tokens)
     req = SimpleNamespace(last_node=m.last_device_node, rid=rid)
     t0 = time.monotonic()
@@ -80,6 +83,52 @@ def test_a_hold_ends_at_its_budget_then_the_request_is_deferred_and_not_held_aga
     assert answer is None and took < 0.1 and totals["admission_holds"] == 1
     loaded, last = s.load_back(s.match(B), rid="late")
     assert loaded == len(B) and read_kv(s.pool, last.value) == expected_kv(B)
+    s.cache.check_integrity()
+
+
+def test_the_holds_of_one_round_share_its_budget(make_stack: Any) -> None:
+    """Two resumes tried in one round: the first holds until its reads landed, the second only for
+    what is left of the round's budget; the next round's budget is whole again."""
+    s = spilled_stack(make_stack)
+    C = list(range(600, 648))
+    s.insert(C)
+    s.evict_all()
+    totals = s.metrics.totals
+    deferred_over_a_round(s, A, "teacher", round_s=0.8)  # budget ~0.4 s a round; reads take 0.3 s
+    s.cache.new_round()
+    _, first, took_first = attempt(s, B, "first", new_round=False)
+    assert first is not None and first[0] == len(B) and took_first >= LATENCY_S * 0.8
+    _, second, took_second = attempt(s, C, "second", new_round=False)
+    budget = 0.5 * s.cache.admission.hold.deferral_s  # the default share of the measured round
+    assert second is None and took_second < budget - took_first + 0.1, "held past the round's budget"
+    assert (totals["admission_holds"], totals["admission_holds_expired"]) == (2, 1)
+    assert read_kv(s.pool, first[1].value) == expected_kv(B)
+    loaded, last = s.load_back(s.match(C), rid="second")
+    assert loaded == len(C) and read_kv(s.pool, last.value) == expected_kv(C)
+    s.cache.check_integrity()
+
+
+def test_a_restore_waiting_for_room_is_held_until_a_write_gives_it_back(make_stack: Any) -> None:
+    """Staging holds one extent: B's read cannot start while C's eviction is written (0.3 s on
+    the slow tier); the hold takes the write's completion, starts B's read and admits it."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    s = spilled_stack(make_stack)
+    totals = s.metrics.totals
+    deferred_over_a_round(s, A, "teacher", round_s=2.0)  # budget ~1 s a round
+    s.cache.controller.poll()
+    shrink_staging(s, 12 << 10)  # one 8 KiB extent at a time (whole 4 KiB pages)
+    C = list(range(600, 648))
+    s.insert(C)
+    s.cache.evict(EvictParams(num_tokens=10**9))  # C's write holds staging for the tier's 0.3 s
+    assert s.cache.controller.staging.used_bytes > 0
+    _, answer, took = attempt(s, B, "roomless")
+    assert answer is not None and answer[0] == len(B), "admitted at its first attempt"
+    assert read_kv(s.pool, answer[1].value) == expected_kv(B)
+    assert took >= 2 * LATENCY_S * 0.8, "the write, then the read"
+    assert (totals["admission_holds"], totals["admission_holds_expired"]) == (1, 0)
+    assert totals["restore_staging_waits"] >= 1, "its read waited for room"
+    s.cache.controller.wait_writes()
     s.cache.check_integrity()
 
 
