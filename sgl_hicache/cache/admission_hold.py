@@ -13,15 +13,16 @@ least 1/(1 + share) as often as without holds. On a GPU a round is a forward of 
 hold is too; on this CPU it is a fraction of a second.
 
 Rules:
-- only at a request's first attempt, while its restore waits for reads in flight (PENDING) or for
-  room in staging to start them (STREAMING: writes and other restores' reads finishing give it
-  back); a request deferred once pays its deferral anyway;
+- only at a request's first attempt, and only when every read its restore needs has started
+  (PENDING); a request deferred once pays its deferral anyway. A restore waiting for room in
+  staging (STREAMING) is not held: room comes back only as other writes and restores finish, and
+  on `agents` such holds mostly spent their budget and then deferred anyway (7.6 s of pauses for
+  17 of 39 holds, throughput 0.93x: docs/RESULTS.md);
 - never before a deferral was measured, with a share of 0, or under `best_effort` (share 0);
   never longer than the policy lets a restore wait (`restore_wait_s`);
 - it ends as soon as the restore is ready (whole, or its first layer group landed for a layer-wise
-  restore) or failed, or the round's budget is spent (the request is then deferred as before; a
-  restore larger than the room staging can give streams through it over later rounds); it sleeps
-  on the tier's completions (`Tier.wait_posted`), never spins.
+  restore) or failed, or the round's budget is spent (the request is then deferred as before); it
+  sleeps on the tier's completions (`Tier.wait_posted`), never spins.
 Counted: `admission_holds`, `admission_holds_expired` (spent, deferred after all),
 `admission_hold_seconds`. Scheduler thread only; each TP rank holds on its own (nothing agreed
 happens inside a hold; the verdict after it is agreed as any other).
@@ -36,7 +37,6 @@ from sgl_hicache.cache.metrics import SpillMetrics
 from sgl_hicache.cache.reads import Readiness
 
 EMA_WEIGHT = 0.25  # of the newest interval in `deferral_s`
-WAITING = (Readiness.PENDING, Readiness.STREAMING)  # what a hold waits out
 LAYERWISE_SLICE_S = 0.005  # a layer-wise restore's first group lands without a completion: look this often
 
 
@@ -76,20 +76,20 @@ class AdmissionHold:
 
     def hold(self, state: Readiness, budget_s: float, check: Callable[[], Readiness],
              wait: Callable[[float], None], layerwise: bool) -> Readiness:  # fmt: skip
-        """From verdict `state`, wait up to `budget_s` while `check()` says the restore waits for
-        reads or room (`wait(t)`: sleep up to t on the tier's completions and take them); the last
+        """From verdict `state`, wait up to `budget_s` while `check()` says the restore's reads are
+        in flight (`wait(t)`: sleep up to t on the tier's completions and take them); the last
         verdict."""
-        if budget_s <= 0 or state not in WAITING:
+        if budget_s <= 0 or state is not Readiness.PENDING:
             return state
         self.metrics.inc("admission_holds")
         t0 = self.clock()
-        while state in WAITING and (left := t0 + budget_s - self.clock()) > 0:
+        while state is Readiness.PENDING and (left := t0 + budget_s - self.clock()) > 0:
             wait(min(left, LAYERWISE_SLICE_S) if layerwise else left)
             state = check()
         held = self.clock() - t0
         self._spent += held
         self.metrics.inc("admission_hold_seconds", held)
-        self.metrics.inc("admission_holds_expired", int(state in WAITING))
+        self.metrics.inc("admission_holds_expired", int(state is Readiness.PENDING))
         return state
 
     def admitted(self, rid: str) -> None:

@@ -108,9 +108,10 @@ def test_the_holds_of_one_round_share_its_budget(make_stack: Any) -> None:
     s.cache.check_integrity()
 
 
-def test_a_restore_waiting_for_room_is_held_until_a_write_gives_it_back(make_stack: Any) -> None:
-    """Staging holds one extent: B's read cannot start while C's eviction is written (0.3 s on
-    the slow tier); the hold takes the write's completion, starts B's read and admits it."""
+def test_a_restore_waiting_for_room_in_staging_is_not_held(make_stack: Any) -> None:
+    """Staging holds one extent: B's read cannot start while C's eviction is written (0.3 s on the
+    slow tier). Room comes back only as others' I/O ends, so the attempt defers at once (a round
+    later its read starts) instead of pausing the scheduler for it; the restore is exact."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     s = spilled_stack(make_stack)
@@ -123,11 +124,10 @@ def test_a_restore_waiting_for_room_is_held_until_a_write_gives_it_back(make_sta
     s.cache.evict(EvictParams(num_tokens=10**9))  # C's write holds staging for the tier's 0.3 s
     assert s.cache.controller.staging.used_bytes > 0
     _, answer, took = attempt(s, B, "roomless")
-    assert answer is not None and answer[0] == len(B), "admitted at its first attempt"
-    assert read_kv(s.pool, answer[1].value) == expected_kv(B)
-    assert took >= 2 * LATENCY_S * 0.8, "the write, then the read"
-    assert (totals["admission_holds"], totals["admission_holds_expired"]) == (1, 0)
+    assert answer is None and took < 0.1 and totals["admission_holds"] == 0
     assert totals["restore_staging_waits"] >= 1, "its read waited for room"
+    loaded, last = s.load_back(s.match(B), rid="roomless")
+    assert loaded == len(B) and read_kv(s.pool, last.value) == expected_kv(B)
     s.cache.controller.wait_writes()
     s.cache.check_integrity()
 
