@@ -2,11 +2,12 @@
 
 sglang's scheduler calls `init_load_back` when it admits a request whose match had a host hit; the
 answer is what the request keeps of its prefix, or None ("retry": the scheduler skips it this
-round, its loop never waits on I/O). This object decides, for the spilled nodes on the request's
+round; its loop never waits on I/O but for a bounded hold at a request's first attempt). This object decides, for the spilled nodes on the request's
 path:
 - their **readiness** (`_restore_readiness`): the reads they need, started if missing, and how long
   admission may wait for them (`RestorePolicy`, the one place the prefetch policy becomes limits,
-  restore_policy.py), counted from the oldest read or the request's first deferral;
+  restore_policy.py), counted from the oldest read or the request's first deferral; at a request's
+  first attempt, a bounded hold for reads in flight instead of a deferral (admission_hold.py);
 - what **every TP rank agrees** on (`_agreed_readiness`: the least ready);
 - the outcome: restored whole (restoring.py), admitted layer-wise (layerwise_flow.py), deferred
   while what landed streams into the restore's slots, recomputed, or, an extent lost on some rank,
@@ -24,6 +25,7 @@ from typing import Any, Protocol
 from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
 from sglang.srt.mem_cache.radix_cache import TreeNode
 
+from sgl_hicache.cache.admission_hold import AdmissionHold
 from sgl_hicache.cache.guard import GuardedPart, contained
 from sgl_hicache.cache.layerwise_flow import LayerwiseFlow
 from sgl_hicache.cache.owning_cache import OwningCache
@@ -56,6 +58,7 @@ class RestoreAdmission(GuardedPart[AdmissionCache]):
         self.restoring = restoring
         self.layerwise = layerwise
         self._deferred_since: dict[str, float] = {}  # rid -> when its admission was first deferred
+        self.hold = AdmissionHold(cache.spill_metrics)
         self._attempt: Admission | None = None
 
     def begin(self, rid: str | None) -> Admission:
@@ -92,6 +95,8 @@ class RestoreAdmission(GuardedPart[AdmissionCache]):
             return None
         if cache.controller is not None:  # admitted: a restore in progress not consumed now never will be
             cache.controller.restores.drop(owner_of(rid))
+        if rid is not None:
+            self.hold.admitted(rid)
         since = self._deferred_since.pop(rid, None) if rid is not None else None
         if since is not None:  # the admission waited for reads: the resumed turn's "wait" phase
             cache.spill_metrics.inc("restore_wait_seconds", time.monotonic() - since)
@@ -105,9 +110,7 @@ class RestoreAdmission(GuardedPart[AdmissionCache]):
             return 0, anchor if anchor is not None else cache.root_node
         spilled = [n for n in chain if n.evicted]
         if spilled:
-            ready = self._agreed_readiness(
-                spilled, self.layerwise.ready(spilled, self._restore_readiness(spilled, rid))
-            )
+            ready = self._agreed_readiness(spilled, self._readiness(spilled, rid))
             if ready is None:  # a rank found an extent lost: every rank drops the spilled chain
                 self._drop_lost(spilled, rid)
                 return 0, anchor
@@ -120,7 +123,7 @@ class RestoreAdmission(GuardedPart[AdmissionCache]):
             if ready in (Readiness.PENDING, Readiness.STREAMING):  # unpack what landed, never wait
                 if rid is not None:
                     self.restoring.stream(spilled, rid, anchor, ready)
-                return None  # the scheduler retries admission next round; its loop never waits on I/O
+                return None  # the scheduler retries admission next round
             if ready is Readiness.FAILED:
                 cache.spill_metrics.inc("restore_failures")
                 if cache.controller is not None:
@@ -161,6 +164,38 @@ class RestoreAdmission(GuardedPart[AdmissionCache]):
         """A restore whose readiness could not be judged recomputes (its verdict is still agreed)."""
         return Readiness.FAILED
 
+    def _readiness(self, nodes: list[TreeNode], rid: str | None) -> Readiness:
+        """This rank's readiness of the restore of `nodes` (layer-wise where it may start so), after
+        a hold at the request's first attempt (admission_hold.py)."""
+        state = self._checked(nodes, rid)
+        if rid is None:
+            return state
+        if self.hold.attempt(rid):
+            state = self._held(nodes, rid, state)
+        self.hold.tried(rid)
+        return state
+
+    def _checked(self, nodes: list[TreeNode], rid: str | None) -> Readiness:
+        return self.layerwise.ready(nodes, self._restore_readiness(nodes, rid))
+
+    @contained("init_load_back (hold)", _not_ready)
+    def _held(self, nodes: list[TreeNode], rid: str, state: Readiness) -> Readiness:
+        policy = RestorePolicy.of(self.cache.spill_config)
+        return self.hold.hold(
+            state,
+            self.hold.budget_s(policy.hold_share, policy.restore_wait_s),
+            lambda: self._checked(nodes, rid),
+            self._wait_io,
+            layerwise=self.layerwise.table is not None,
+        )
+
+    def _wait_io(self, timeout_s: float) -> None:
+        """Sleep up to `timeout_s` for a tier completion, then take what finished."""
+        ctl = self.cache.controller
+        if ctl is not None:
+            ctl.tier.wait_posted(timeout_s)
+            ctl.poll()
+
     @contained("init_load_back (readiness)", _not_ready)
     def _restore_readiness(self, nodes: list[TreeNode], rid: str | None) -> Readiness:
         """The reads this restore needs (starting any missing ones), within the prefetch policy's
@@ -189,3 +224,4 @@ class RestoreAdmission(GuardedPart[AdmissionCache]):
         cutoff = time.monotonic() - 2 * (config.io_timeout_s + config.prefetch_ttl_s)
         for rid in [r for r, t in self._deferred_since.items() if t < cutoff]:
             del self._deferred_since[rid]
+        self.hold.forget_older_than(cutoff)

@@ -289,6 +289,10 @@ class SpillRadixCache(RadixCache):
         """Whether `init_load_back` deferred the request during `attempt` (its reads are in flight)."""
         return self.admission.end(attempt)
 
+    def new_round(self) -> None:
+        """sglang starts a scheduling round (the scheduler's hook): admission holds' budget is whole."""
+        self.admission.hold.new_round()
+
     def after_forward(self, reqs: list[Any]) -> list[Any]:
         """After a forward (the scheduler's hook): every layer-wise restore in progress ends (blocks
         for its last reads); those that failed on any TP rank fail on all (agreed, in admission

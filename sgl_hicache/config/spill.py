@@ -161,6 +161,9 @@ class SpillConfig:
         4,
         "extents are written in this many layer groups, each verified alone; 1: page-major (format v5)",
     )
+    admission_hold: float = tuning(
+        0.5, "a resume's first admission holds for its reads up to this share of a deferral's cost; 0: never"
+    )
     layerwise_restore: bool = option(
         False,
         "a resume's prefill starts once its first layer group landed; each layer waits for its own",
@@ -198,6 +201,11 @@ class SpillConfig:
             self.prefetch_timeout_s > 0,
             "prefetch_timeout_s",
             f"prefetch timeout must be > 0, got {self.prefetch_timeout_s}",
+        )
+        require(
+            0 <= self.admission_hold <= 1,
+            "admission_hold",
+            f"admission hold must be in [0, 1], got {self.admission_hold}",
         )
         require(
             1 <= self.layer_groups <= 64,

@@ -181,20 +181,15 @@ def add_spill_state(result: Any, controller: Any, *args: Any, **kwargs: Any) -> 
 
 @contained
 def prefetch_at_arrival(result: Any, scheduler: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
-    from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
-
-    cache = scheduler.tree_cache
-    if isinstance(cache, SpillRadixCache):
+    if (cache := _our_cache(scheduler)) is not None:
         cache.prefetch(req.origin_input_ids, req.extra_key, req.cache_salt, rid=req.rid)
     return result
 
 
 @contained
 def send_hints(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-    from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
-
-    cache = scheduler.tree_cache
-    if isinstance(cache, SpillRadixCache) and isinstance(result, list) and cache.hints is not None:
+    cache = _our_cache(scheduler)
+    if cache is not None and isinstance(result, list) and cache.hints is not None:
         return [*result, *cache.take_hints()]
     return result
 
@@ -300,11 +295,9 @@ def close_tier_first(scheduler: Any, *args: Any, **kwargs: Any) -> None:
 def at_loop_start(scheduler: Any, *args: Any, **kwargs: Any) -> None:
     """Hook 8: the tier closes on SIGTERM/SIGINT, and our copies are ordered against sglang's
     forward streams (the model runner's, under the overlap scheduler; the scheduler's own)."""
-    from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
     from sgl_hicache.server.shutdown import close_on_signals
 
-    cache = scheduler.tree_cache
-    if not isinstance(cache, SpillRadixCache):
+    if (cache := _our_cache(scheduler)) is None:
         return
     overlap = bool(getattr(scheduler, "enable_overlap", False))
     cache.set_forward_streams([getattr(scheduler, "forward_stream" if overlap else "schedule_stream", None)])
@@ -318,10 +311,8 @@ def poll_when_idle(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> An
     reads and copies are taken here (a write whose pack finished is submitted only by a poll); and
     only when no request runs or waits (sglang also calls it while a deferred restore waits for its
     reads), the next victims of eviction are written ahead."""
-    from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
-
-    cache = scheduler.tree_cache
-    if isinstance(cache, SpillRadixCache):
+    cache = _our_cache(scheduler)
+    if cache is not None:
         cache.poll()
         if scheduler.is_fully_idle():
             cache.clean_ahead()
@@ -329,27 +320,28 @@ def poll_when_idle(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> An
 
 
 def _spill_io(scheduler: Any) -> Any:
-    from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
-
-    cache = scheduler.tree_cache
-    return cache.io_to_close if isinstance(cache, SpillRadixCache) else None  # spill disabled too
+    cache = _our_cache(scheduler)
+    return cache.io_to_close if cache is not None else None  # spill disabled too
 
 
 @contained
 def new_epoch_after_weight_update(result: Any, updater: Any, *args: Any, **kwargs: Any) -> Any:
-    from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
-
-    cache = getattr(updater.scheduler, "tree_cache", None)
-    if isinstance(cache, SpillRadixCache):
+    if (cache := _our_cache(updater.scheduler)) is not None:
         cache.start_epoch()
     return result
 
 
-def _layerwise_cache(scheduler: Any) -> Any:
+def _our_cache(scheduler: Any) -> Any:
+    """The scheduler's cache if it is ours, else None."""
     from sgl_hicache.cache.spill_radix_cache import SpillRadixCache
 
     cache = getattr(scheduler, "tree_cache", None)
-    return cache if isinstance(cache, SpillRadixCache) and cache.layerwise is not None else None
+    return cache if isinstance(cache, SpillRadixCache) else None
+
+
+def _layerwise_cache(scheduler: Any) -> Any:
+    cache = _our_cache(scheduler)
+    return cache if cache is not None and cache.layerwise is not None else None
 
 
 @contained
@@ -368,10 +360,13 @@ def after_forward(result: Any, scheduler: Any, batch: Any = None, *args: Any, **
 
 
 @contained
-def leave_last_batch(scheduler: Any, *args: Any, **kwargs: Any) -> None:
-    """Hook 14: retracted requests are not merged into the running batch."""
+def before_next_batch(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """Hook 14: a scheduling round starts (admission holds' budget is whole again, cache/
+    admission_hold.py); retracted requests are not merged into the running batch."""
     from sgl_hicache.server import retract
 
+    if (cache := _our_cache(scheduler)) is not None:
+        cache.new_round()
     if _layerwise_cache(scheduler) is not None:
         retract.leave_last_batch(scheduler)
 
@@ -420,7 +415,7 @@ def register_scheduler_hooks() -> None:
     HookRegistry.register(WEIGHTS_TARGET, new_epoch_after_weight_update, HookType.AFTER)
     HookRegistry.register(IDLE_TARGET, poll_when_idle, HookType.AFTER)
     HookRegistry.register(RUN_BATCH_TARGET, after_forward, HookType.AFTER)
-    HookRegistry.register(NEXT_BATCH_TARGET, leave_last_batch, HookType.BEFORE)
+    HookRegistry.register(NEXT_BATCH_TARGET, before_next_batch, HookType.BEFORE)
     HookRegistry.register(RESULT_TARGET, requeue_retracted, HookType.AFTER)
     HookRegistry.register(FIT_TARGET, fit_prompt, HookType.AROUND)
     HookRegistry.apply_hooks()  # patches only targets not patched yet

@@ -188,7 +188,7 @@ class Tier(abc.ABC):
     Threading: every method is thread-safe. `submit_store`, `submit_load`, `get_finished`,
     `submit_lookup`, `lookups_finished`, `contains`, `lookup`, `extents`, `stats` and `shared`
     never block on I/O (they take a short internal lock at most), so the scheduler thread may call
-    them; `wait`, `read_tokens`, `check_integrity`, `discard` and `close` may block. I/O failures
+    them; `wait`, `wait_posted`, `read_tokens`, `check_integrity`, `discard` and `close` may block. I/O failures
     are never raised: they come back as a `Completion` status and are counted in `stats()`. Methods
     raise only for caller bugs (`ValueError`: wrong key length, non-contiguous buffer; `KeyError`:
     unknown ticket).
@@ -311,8 +311,7 @@ class Tier(abc.ABC):
         I/O error): only an OK completion makes the whole range good. n grows while the load runs
         and holds until the completion is returned; it is 0 for stores, unknown tickets, loads not
         started yet, and once the completion has been returned. Default: 0 (no early prefix; the
-        caller then waits for the completion).
-        """
+        caller then waits for the completion)."""
         return 0
 
     @abc.abstractmethod
@@ -325,6 +324,10 @@ class Tier(abc.ABC):
 
         Raises KeyError for a ticket never issued or already returned, TimeoutError on timeout.
         """
+
+    @abc.abstractmethod
+    def wait_posted(self, timeout: float) -> bool:
+        """Block until a completion waits to be returned (True) or `timeout` passed; consumes none."""
 
     @abc.abstractmethod
     def submit_lookup(self, request: LookupRequest) -> None:
@@ -406,8 +409,7 @@ class Tier(abc.ABC):
         Call when idle (no operation in flight); blocks for a directory walk. In a directory
         shared with another live process, extents it published since our scan (and its temp
         files) are reported as unindexed: check a shared directory from one process at a time.
-        Default: nothing to check.
-        """
+        Default: nothing to check."""
         return None
 
     def register_host_memory(self, buf: memoryview) -> None:

@@ -9,7 +9,7 @@ import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from sgl_hicache.tier.base import Completion, Op, Status, Ticket
 from sgl_hicache.tier.faults import Counters, FaultLog
@@ -63,6 +63,11 @@ class CompletionQueue:
         with self._cond:
             done, self._done = list(self._done.values()), {}
         return done
+
+    def wait_posted(self, timeout: float) -> bool:
+        """Whether a completion is waiting to be drained, after waiting up to `timeout` for one."""
+        with self._cond:
+            return self._cond.wait_for(lambda: bool(self._done), timeout)
 
     def wait(self, ticket: Ticket, timeout: float | None = None) -> Completion:
         with self._cond:
@@ -127,3 +132,22 @@ class Returned(Generic[L]):
         with self._lock:
             load = self.loading.get(ticket)
         return 0 if load is None else self._progress(load)
+
+
+class ReturnedCompletions:
+    """The completion half of `Tier`'s contract (see there), for a backend whose completions are a
+    `Returned` (`_returned`); listed before the tier base class."""
+
+    _returned: Returned[Any]
+
+    def get_finished(self) -> list[Completion]:
+        return self._returned.get_finished()
+
+    def wait(self, ticket: Ticket, timeout: float | None = None) -> Completion:
+        return self._returned.wait(ticket, timeout)
+
+    def wait_posted(self, timeout: float) -> bool:
+        return self._returned.queue.wait_posted(timeout)
+
+    def landed(self, ticket: Ticket) -> int:
+        return self._returned.landed(ticket)

@@ -18,17 +18,18 @@ CACHE = Path(__file__).resolve().parents[2] / "sgl_hicache" / "cache"
 
 @pytest.mark.parametrize("prefetch_timeout_s", [0.05, 2.5, 30.0])
 @pytest.mark.parametrize("policy", list(PrefetchPolicy))
-def test_each_policy_is_one_pair_of_limits(policy: PrefetchPolicy, prefetch_timeout_s: float) -> None:
-    config = replace(SpillConfig(), prefetch_policy=policy, prefetch_timeout_s=prefetch_timeout_s)
+def test_each_policy_is_one_set_of_limits(policy: PrefetchPolicy, prefetch_timeout_s: float) -> None:
+    config = replace(SpillConfig(), prefetch_policy=policy, prefetch_timeout_s=prefetch_timeout_s,
+                     admission_hold=0.3)  # fmt: skip
     io_timeout_s = max(prefetch_timeout_s, 10.0)  # the tier's I/O timeout (SpillConfig.io_timeout_s)
     want = {
         PrefetchPolicy.WAIT_COMPLETE: RestorePolicy(
-            lookup_wait_s=prefetch_timeout_s, restore_wait_s=io_timeout_s
+            lookup_wait_s=prefetch_timeout_s, restore_wait_s=io_timeout_s, hold_share=0.3
         ),
         PrefetchPolicy.TIMEOUT: RestorePolicy(
-            lookup_wait_s=prefetch_timeout_s, restore_wait_s=prefetch_timeout_s
+            lookup_wait_s=prefetch_timeout_s, restore_wait_s=prefetch_timeout_s, hold_share=0.3
         ),
-        PrefetchPolicy.BEST_EFFORT: RestorePolicy(lookup_wait_s=0.0, restore_wait_s=0.0),
+        PrefetchPolicy.BEST_EFFORT: RestorePolicy(lookup_wait_s=0.0, restore_wait_s=0.0, hold_share=0.0),
     }[policy]
     assert RestorePolicy.of(config) == want
 

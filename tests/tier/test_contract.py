@@ -149,6 +149,23 @@ def test_duplicate_stores_and_each_completion_once(make_tier: MakeTier) -> None:
     assert np.array_equal(load(tier, key, 3 * CHUNK)[1], payload_for(4, 3 * CHUNK))
 
 
+def test_wait_posted_blocks_until_a_completion_waits_and_consumes_none(make_tier: MakeTier) -> None:
+    """Admission's hold waits on it (cache/admission_hold.py): nothing in flight, it returns False
+    after its timeout; a completion posted, it returns True at once and leaves it to `get_finished`."""
+    tier = make_tier()
+    t0 = time.monotonic()
+    assert tier.wait_posted(0.2) is False
+    assert time.monotonic() - t0 >= 0.19
+    key = key_of(tier, 5)
+    ticket = tier.submit_store(key, payload_for(5, 3 * CHUNK), [5, 6], ROOT_KEY)
+    assert tier.wait_posted(30) is True
+    t0 = time.monotonic()
+    assert tier.wait_posted(5) is True and time.monotonic() - t0 < 1  # still there: not consumed
+    done = tier.get_finished()
+    assert [c.ticket for c in done] == [ticket] and done[0].ok
+    assert tier.wait_posted(0.05) is False  # taken: nothing waits any more
+
+
 PROMPT = np.array([(i * 7) % 50 + 1 for i in range(160)], dtype=np.uint32)
 
 

@@ -49,7 +49,7 @@ from sgl_hicache.tier.base import (
     TierStats,
 )
 from sgl_hicache.tier.codec import StoreRequest, plan_load, prepare, store_request
-from sgl_hicache.tier.completions import Returned
+from sgl_hicache.tier.completions import Returned, ReturnedCompletions
 from sgl_hicache.tier.directio import as_view, probe_direct_io
 from sgl_hicache.tier.faults import Counters, FaultLog, logger
 from sgl_hicache.tier.file.budget.index import Entry, OverBudget
@@ -71,7 +71,7 @@ from sgl_hicache.tier.path_lookup import LookupQueue
 from sgl_hicache.tier.scheduler import IoScheduler
 
 
-class FileTier(IndexedTier):
+class FileTier(ReturnedCompletions, IndexedTier):
     def __init__(self, cfg: TierConfig, namespace: Namespace) -> None:
         self._cfg, self._ns, self._ns_id = cfg, namespace, namespace.id
         self._paths = ExtentPaths(cfg.directory, self._ns_id)
@@ -109,17 +109,6 @@ class FileTier(IndexedTier):
     @property
     def shared(self) -> bool:
         return self._budget.shared.others_seen
-
-    # -- completions --------------------------------------------------------------------------
-
-    def get_finished(self) -> list[Completion]:
-        return self._returned.get_finished()
-
-    def wait(self, ticket: Ticket, timeout: float | None = None) -> Completion:
-        return self._returned.wait(ticket, timeout)
-
-    def landed(self, ticket: Ticket) -> int:
-        return self._returned.landed(ticket)
 
     def _fail(
         self, op: Op, ticket: Ticket, key: ExtentKey, err: Exception, seen: Entry | None = None

@@ -61,7 +61,7 @@ from sgl_hicache.tier.base import (
     TierStats,
 )
 from sgl_hicache.tier.codec import StoreRequest, prepare, store_request
-from sgl_hicache.tier.completions import Returned
+from sgl_hicache.tier.completions import Returned, ReturnedCompletions
 from sgl_hicache.tier.directio import as_view
 from sgl_hicache.tier.faults import Counters, FaultLog, logger
 from sgl_hicache.tier.format import DirectoryMac, FormatError, Mismatch, NewerFormat
@@ -86,7 +86,7 @@ _COUNTER_OF = {Status.MISS: "misses", Status.CORRUPT: "checksum_failures", Statu
                Status.NO_SPACE: "no_space", Status.IO_ERROR: "io_errors"}  # fmt: skip
 
 
-class MooncakeTier(IndexedTier):
+class MooncakeTier(ReturnedCompletions, IndexedTier):
     def __init__(self, cfg: TierConfig, namespace: Namespace) -> None:
         self._cfg, self._ns = cfg, namespace
         self._seal = DirectoryMac(open_trusted(cfg.directory, namespace.id.hex()))
@@ -140,15 +140,6 @@ class MooncakeTier(IndexedTier):
     @property
     def shared(self) -> bool:
         return True
-
-    def get_finished(self) -> list[Completion]:
-        return self._returned.get_finished()
-
-    def wait(self, ticket: Ticket, timeout: float | None = None) -> Completion:
-        return self._returned.wait(ticket, timeout)
-
-    def landed(self, ticket: Ticket) -> int:
-        return self._returned.landed(ticket)
 
     def _post(
         self, ticket: Ticket, op: Op, key: ExtentKey, status: Status, nbytes: int = 0, detail: str = ""

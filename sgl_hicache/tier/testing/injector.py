@@ -297,6 +297,17 @@ class FaultyTier(IndexedTier):
                 raise TimeoutError(f"ticket {ticket} still in flight after {timeout} s")
             time.sleep(POLL_S)
 
+    def wait_posted(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while True:
+            self._pump()
+            with self._lock:
+                if self._ready:
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(POLL_S)
+
     def submit_lookup(self, request: LookupRequest) -> None:
         self._inner.submit_lookup(request)  # no faults injected: a lookup only names ranges to read
 
