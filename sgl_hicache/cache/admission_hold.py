@@ -8,7 +8,8 @@ when the reads its arrival started cannot have landed. A hold trades that round 
 whole scheduler, so the holds of one round (`new_round`: sglang's `get_next_batch_to_run`) share a
 budget: a share (`SpillConfig.admission_hold`, through `RestorePolicy.hold_share`) of what a
 deferral has cost lately, measured here as the time from the end of a deferred request's attempt
-to its next (an exponential average, `deferral_s`; holds are not in it). A forward then runs at
+to its next in the round after (an exponential average, `deferral_s`; holds are not in it, and a
+request not tried for rounds, its batch full, is no sample). A forward then runs at
 least 1/(1 + share) as often as without holds. On a GPU a round is a forward of milliseconds, so a
 hold is too; on this CPU it is a fraction of a second.
 
@@ -46,28 +47,35 @@ class AdmissionHold:
         self.clock = clock
         self.deferral_s = 0.0  # what a deferral cost lately (0: none measured yet)
         self._spent = 0.0  # seconds held in this round
-        self._tried: dict[str, float] = {}  # rid -> its last attempt, while it is being deferred
+        self._round = 0  # rounds started (`new_round`)
+        self._held = 0.0  # seconds held in all rounds
+        self._tried: dict[str, tuple[float, int, float]] = {}  # rid -> its last attempt's end, round
+        # and `_held` then, while it is being deferred
 
     def attempt(self, rid: str) -> bool:
         """Note the start of an admission attempt of `rid` that found spilled nodes; True if it is
-        its first (since its last admission). A later one measures what the deferral before it
-        cost: the time since the end of the attempt before (`tried`), a hold not included."""
+        its first (since its last admission). One in the round after the attempt before measures
+        what that deferral cost: the time since the end of the attempt before (`tried`), the holds
+        since not included (a request sglang did not try for rounds, its batch full, measures none)."""
         last = self._tried.get(rid)
         if last is None:
             return True
-        interval = self.clock() - last
-        self.deferral_s = interval if not self.deferral_s else (
-            EMA_WEIGHT * interval + (1 - EMA_WEIGHT) * self.deferral_s
-        )  # fmt: skip
+        at, round_, held = last
+        if self._round == round_ + 1:
+            interval = self.clock() - at - (self._held - held)
+            self.deferral_s = interval if not self.deferral_s else (
+                EMA_WEIGHT * interval + (1 - EMA_WEIGHT) * self.deferral_s
+            )  # fmt: skip
         return False
 
     def tried(self, rid: str) -> None:
         """The end of an attempt of `rid` (after any hold)."""
-        self._tried[rid] = self.clock()
+        self._tried[rid] = (self.clock(), self._round, self._held)
 
     def new_round(self) -> None:
         """sglang starts a scheduling round (its admission comes next): the holds' budget is whole."""
         self._spent = 0.0
+        self._round += 1
 
     def budget_s(self, share: float, limit_s: float) -> float:
         """How long a first attempt may hold now: what is left of this round's `share` of a
@@ -88,6 +96,7 @@ class AdmissionHold:
             state = check()
         held = self.clock() - t0
         self._spent += held
+        self._held += held
         self.metrics.inc("admission_hold_seconds", held)
         self.metrics.inc("admission_holds_expired", int(state is Readiness.PENDING))
         return state
@@ -97,5 +106,5 @@ class AdmissionHold:
 
     def forget_older_than(self, cutoff: float) -> None:
         """Requests last tried before `cutoff` and never seen again (aborted) leave no state behind."""
-        for rid in [r for r, t in self._tried.items() if t < cutoff]:
+        for rid in [r for r, (t, _, _) in self._tried.items() if t < cutoff]:
             del self._tried[rid]
