@@ -178,7 +178,12 @@ class RestoreAdmission(GuardedPart[AdmissionCache]):
     def _checked(self, nodes: list[TreeNode], rid: str | None) -> Readiness:
         return self.layerwise.ready(nodes, self._restore_readiness(nodes, rid))
 
-    @contained("init_load_back (hold)", _not_ready)
+    def _unheld(self, nodes: list[TreeNode], rid: str, state: Readiness) -> Readiness:
+        """A hold that failed (taking completions raised: the cache's poll would have skipped that
+        one) leaves the verdict it started from: the request is deferred, or goes on, as without it."""
+        return state
+
+    @contained("init_load_back (hold)", _unheld)
     def _held(self, nodes: list[TreeNode], rid: str, state: Readiness) -> Readiness:
         policy = RestorePolicy.of(self.cache.spill_config)
         return self.hold.hold(

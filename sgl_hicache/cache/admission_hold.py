@@ -98,7 +98,7 @@ class AdmissionHold:
         self._spent += held
         self._held += held
         self.metrics.inc("admission_hold_seconds", held)
-        self.metrics.inc("admission_holds_expired", int(state is Readiness.PENDING))
+        self.metrics.inc("admission_holds_expired", int(state in (Readiness.PENDING, Readiness.STREAMING)))
         return state
 
     def admitted(self, rid: str) -> None:

@@ -166,11 +166,12 @@ COUNTERS = {
     "layerwise_wait_seconds": "seconds forwards waited for layer groups of restores in progress (I/O not hidden)",
     # Where a resumed turn's time goes (wall seconds on the scheduler's clock; a benchmark takes
     # their growth over one turn, `python -m benchmarks.long_history`):
-    "restore_wait_seconds": "seconds admitted requests waited (deferred, the rest of the batch running) "
-    "for the reads of their spilled prefix",
+    "restore_wait_seconds": "seconds admitted requests waited (deferred, the rest of the batch running; "
+    "or held, nothing running) for the reads of their spilled prefix",
     "admission_holds": "first admission attempts that held the scheduler for their reads in flight "
     "instead of deferring (--hicache-spill-extra-config admission_hold)",
-    "admission_holds_expired": "holds that spent their budget with reads still in flight: deferred after all",
+    "admission_holds_expired": "holds that ended with the restore still waiting (its budget spent, or a "
+    "read restarted for room): deferred after all",
     "admission_hold_seconds": "seconds the scheduler thread held admission for reads in flight "
     "(counted in restore_wait_seconds too)",
     "restore_read_seconds": "seconds from the first read a restore used starting to the last one "

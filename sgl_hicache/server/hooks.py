@@ -86,8 +86,10 @@ calls `register_exit_hook` (5 and 12).
    without caching it, `reset_for_retract`), and the failed nodes are dropped. Why: a late group
    that fails after the prefill started must not end in an answer from a mix of restored and
    missing KV; sglang's own retraction is for decode, and a forward cannot be stopped midway.
-14. `Scheduler.get_next_batch_to_run`, BEFORE: the retracted requests leave the last batch before
-   sglang merges it into the running batch (retract.py).
+14. `Scheduler.get_next_batch_to_run`, BEFORE: a scheduling round starts, so the admission holds of
+   the round share a whole budget again (`SpillRadixCache.new_round`, cache/admission_hold.py); the
+   retracted requests leave the last batch before sglang merges it into the running batch
+   (retract.py). sglang's pipeline-parallel loop admits without it: holds then never start.
 15. `Scheduler.process_batch_result`, AFTER: once their batch's result was processed (committing
    nothing of them: `is_retracted`), the retracted requests go back to the waiting queue.
 16. `BaseTokenToKVPoolAllocator.max_new_tokens_for_memory` (`sglang/srt/mem_cache/allocator/base.py`),

@@ -16,7 +16,7 @@ from tests.cache.conftest import LAYERS, expected_kv, read_kv, shrink_staging
 
 A = list(range(100, 140))
 B = list(range(300, 348))
-LATENCY_S = 0.3  # every tier operation of the stack's FaultyTier
+LATENCY_S = 0.6  # every tier operation of the stack's FaultyTier
 
 
 def spilled_stack(make_stack: Any, **overrides: Any) -> Any:
@@ -58,13 +58,13 @@ def deferred_over_a_round(s: Any, tokens: list[int], rid: str, round_s: float) -
 def test_a_first_attempt_holds_for_reads_landing_within_its_budget(make_stack: Any) -> None:
     s = spilled_stack(make_stack)
     totals = s.metrics.totals
-    deferred_over_a_round(s, A, "teacher", round_s=1.0)
+    deferred_over_a_round(s, A, "teacher", round_s=1.6)
     assert totals["admission_holds"] == 0  # nothing measured at its first attempt: no hold
-    _, answer, took = attempt(s, B, "held")  # budget: 0.5 x ~1 s, reads take 0.3 s
+    _, answer, took = attempt(s, B, "held")  # budget: 0.5 x ~1.6 s, reads take 0.6 s
     assert answer is not None, "admitted at its first attempt, after its reads landed"
     loaded, last = answer
     assert loaded == len(B) and read_kv(s.pool, last.value) == expected_kv(B)
-    assert LATENCY_S * 0.8 <= took < 0.5 + 0.2
+    assert LATENCY_S * 0.8 <= took < 0.8 + 0.2
     assert (totals["admission_holds"], totals["admission_holds_expired"]) == (1, 0)
     assert LATENCY_S * 0.8 <= totals["admission_hold_seconds"] <= took
     s.cache.check_integrity()
@@ -75,9 +75,9 @@ def test_a_hold_ends_at_its_budget_then_the_request_is_deferred_and_not_held_aga
 ) -> None:
     s = spilled_stack(make_stack)
     totals = s.metrics.totals
-    deferred_over_a_round(s, A, "teacher", round_s=0.4)  # a deferral costs ~0.4 s: budget ~0.2 s
+    deferred_over_a_round(s, A, "teacher", round_s=0.8)  # a deferral costs ~0.8 s: budget ~0.4 s
     _, answer, took = attempt(s, B, "late")
-    assert answer is None and 0.15 <= took < LATENCY_S
+    assert answer is None and 0.3 <= took < LATENCY_S
     assert (totals["admission_holds"], totals["admission_holds_expired"]) == (1, 1)
     _, answer, took = attempt(s, B, "late")  # deferred once: pays its round, never holds again
     assert answer is None and took < 0.1 and totals["admission_holds"] == 1
@@ -94,7 +94,7 @@ def test_the_holds_of_one_round_share_its_budget(make_stack: Any) -> None:
     s.insert(C)
     s.evict_all()
     totals = s.metrics.totals
-    deferred_over_a_round(s, A, "teacher", round_s=0.8)  # budget ~0.4 s a round; reads take 0.3 s
+    deferred_over_a_round(s, A, "teacher", round_s=1.6)  # budget ~0.8 s a round; reads take 0.6 s
     s.cache.new_round()
     _, first, took_first = attempt(s, B, "first", new_round=False)
     assert first is not None and first[0] == len(B) and took_first >= LATENCY_S * 0.8
@@ -109,7 +109,7 @@ def test_the_holds_of_one_round_share_its_budget(make_stack: Any) -> None:
 
 
 def test_a_restore_waiting_for_room_in_staging_is_not_held(make_stack: Any) -> None:
-    """Staging holds one extent: B's read cannot start while C's eviction is written (0.3 s on the
+    """Staging holds one extent: B's read cannot start while C's eviction is written (0.6 s on the
     slow tier). Room comes back only as others' I/O ends, so the attempt defers at once (a round
     later its read starts) instead of pausing the scheduler for it; the restore is exact."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
@@ -121,7 +121,7 @@ def test_a_restore_waiting_for_room_in_staging_is_not_held(make_stack: Any) -> N
     shrink_staging(s, 12 << 10)  # one 8 KiB extent at a time (whole 4 KiB pages)
     C = list(range(600, 648))
     s.insert(C)
-    s.cache.evict(EvictParams(num_tokens=10**9))  # C's write holds staging for the tier's 0.3 s
+    s.cache.evict(EvictParams(num_tokens=10**9))  # C's write holds staging for the tier's 0.6 s
     assert s.cache.controller.staging.used_bytes > 0
     _, answer, took = attempt(s, B, "roomless")
     assert answer is None and took < 0.1 and totals["admission_holds"] == 0
@@ -129,6 +129,32 @@ def test_a_restore_waiting_for_room_in_staging_is_not_held(make_stack: Any) -> N
     loaded, last = s.load_back(s.match(B), rid="roomless")
     assert loaded == len(B) and read_kv(s.pool, last.value) == expected_kv(B)
     s.cache.controller.wait_writes()
+    s.cache.check_integrity()
+
+
+def test_a_hold_whose_poll_fails_defers_the_request_as_without_it(make_stack: Any) -> None:
+    """Taking completions raised inside the hold (a bug or fault handling another extent's): the
+    error is contained and counted, the request is deferred as it would be without a hold, and its
+    later attempt restores it exactly."""
+    s = spilled_stack(make_stack)
+    totals = s.metrics.totals
+    deferred_over_a_round(s, A, "teacher", round_s=1.6)
+    ctl = s.cache.controller
+    real_poll, calls = ctl.poll, []
+
+    def failing_poll() -> None:
+        calls.append(1)
+        raise RuntimeError("injected: a completion's handling failed")
+
+    ctl.poll = failing_poll
+    try:
+        _, answer, took = attempt(s, B, "unlucky")
+    finally:
+        ctl.poll = real_poll
+    assert calls and answer is None and took < 0.8 + 0.2  # within its budget
+    assert totals["internal_errors"] >= 1 and totals["restore_failures"] == 0
+    loaded, last = s.load_back(s.match(B), rid="unlucky")
+    assert loaded == len(B) and read_kv(s.pool, last.value) == expected_kv(B)
     s.cache.check_integrity()
 
 
