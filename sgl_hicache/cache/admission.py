@@ -2,8 +2,8 @@
 
 sglang's scheduler calls `init_load_back` when it admits a request whose match had a host hit; the
 answer is what the request keeps of its prefix, or None ("retry": the scheduler skips it this
-round; its loop never waits on I/O but for a bounded hold at a request's first attempt). This object decides, for the spilled nodes on the request's
-path:
+round; its loop never waits on I/O but for a bounded hold at a request's first attempt). This
+object decides, for the spilled nodes on the request's path:
 - their **readiness** (`_restore_readiness`): the reads they need, started if missing, and how long
   admission may wait for them (`RestorePolicy`, the one place the prefetch policy becomes limits,
   restore_policy.py), counted from the oldest read or the request's first deferral; at a request's
