@@ -13,7 +13,9 @@ Contract:
   (never: larger than all of staging; logged once with the flag to raise). A `background` store (a
   write-through: nothing is lost without it) may fill staging only up to `BACKGROUND_SHARE` of it,
   so eviction spills and reads always have the rest; refused, it is counted as
-  `writes_through_deferred` or `writes_through_too_large` (logged once). That rule and those
+  `writes_through_deferred` or `writes_through_too_large` (logged once). While a restore waits for
+  room to start a read, no store takes the bytes that read needs (`restore_reserve`): a spill is
+  refused (`spills_refused_reserved`), a write-through deferred. That rule and those
   refusals are `StagingShare`'s (staging_share.py). The caller may free the
   slots as soon as `store` returns (later forwards wait for the pack's gather).
 - `poll` (never blocks) submits the writes whose packs are done, moves finished writes to ON_TIER
@@ -42,7 +44,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from sgl_hicache_kernels import DEFAULT_LAYER_GROUPS, KVPoolView, default_group_layers, packed_nbytes
+from sgl_hicache_kernels import DEFAULT_LAYER_GROUPS, KVPoolView, default_group_layers
 
 from sgl_hicache.cache.device import Copy, CopyEngine, Streams, streams_for
 from sgl_hicache.cache.lookups import FoundSegments, Lookups
@@ -73,7 +75,8 @@ class _Store:
 class SpillController:
     def __init__(self, tier: Tier, view: KVPoolView, staging: StagingPool, metrics: SpillMetrics, timeout_s: float,
                  allocator: Any, prefetch_ttl_s: float = 30.0, streams: Streams | None = None,
-                 layer_groups: int = DEFAULT_LAYER_GROUPS, group_major: bool = False) -> None:  # fmt: skip
+                 layer_groups: int = DEFAULT_LAYER_GROUPS, group_major: bool = False,
+                 restore_reserve: bool = True) -> None:  # fmt: skip
         self.view = view
         self.staging = staging
         self.metrics = metrics
@@ -92,7 +95,9 @@ class SpillController:
         self._retiring: list[
             tuple[torch.Tensor, list[Copy]]
         ] = []  # blocks released once their copies are done
-        self.share = StagingShare(view, metrics)  # what a store may take of staging, its refusals
+        # what a store may take of staging (not the room a waiting restore's read needs), its refusals
+        wanted = (lambda: self.reads.room_wanted_bytes) if restore_reserve else None
+        self.share = StagingShare(view, metrics, wanted)
         self.share.log_extent_bound(staging)
 
     @property
@@ -113,11 +118,9 @@ class SpillController:
         `aliases`: the path keys inside it, so other servers find it (`Tier.submit_store`);
         `cache_salt`: the request's tenant salt, tagged in the file so a purge finds it;
         `background`: a write-through, bounded by `BACKGROUND_SHARE` of staging."""
-        nbytes = packed_nbytes(self.view, len(slots))
-        limit = self.share.background_limit(self.staging) if background else None
-        buf = self.staging.acquire(nbytes, limit)
-        if buf is None:
-            return self.share.refused(self.staging, len(slots), nbytes, limit)
+        buf = self.share.take(self.staging, len(slots), background)
+        if isinstance(buf, Refused):
+            return buf
         t0 = time.perf_counter()
         try:
             copy = self.engine.pack(slots, buf)
@@ -127,7 +130,7 @@ class SpillController:
         self.metrics.inc("spill_pack_seconds", time.perf_counter() - t0)
         extent = Extent(key, len(slots), ExtentState.WRITING, staged=buf, pack=copy)
         self._packing.append(_Store(extent, parent, tokens, store_tokens, aliases, cache_salt))
-        self.metrics.inc("spilled_bytes", nbytes)
+        self.metrics.inc("spilled_bytes", buf.numel())
         self._submit_packed()
         return extent
 

@@ -93,7 +93,7 @@ class DropReason(enum.StrEnum):
     """Why evicted tokens were dropped (recomputed if needed again) instead of spilled."""
 
     TOO_SHORT = "too_short"  # a leaf below min_spill_tokens (--hicache-spill-extra-config)
-    STAGING_FULL = "staging_full"  # writes in flight held staging then
+    STAGING_FULL = "staging_full"  # writes in flight held staging then (or a waiting restore's room)
     TOO_LARGE = "too_large"  # larger than all of staging
     NO_TIER = "no_tier"  # spill off (the tier did not open, or switched off after an internal error)
     UNNAMEABLE = "unnameable"  # a token id no key can name (outside 0..2**32-1)
@@ -111,13 +111,17 @@ COUNTERS = {
     "written_ahead_tokens": "tokens an idle server wrote to the tier before their eviction (clean_ahead): "
     "evicting them then copies nothing",
     "writes_through_deferred": "write-throughs not submitted because staging was half full or more "
-    "then (staging_share.BACKGROUND_SHARE; the next insert on the path tries again; eviction writes it otherwise)",
+    "then (staging_share.BACKGROUND_SHARE), or its room was kept for a restore's read (restore_reserve); "
+    "the next insert on the path tries again; eviction writes it otherwise",
     "writes_through_too_large": "write-throughs never submitted because the node is larger than "
     "write-through's share of staging (eviction writes it; raise --hicache-spill-staging)",
     "spilled_bytes": "packed KV bytes submitted to the tier",
     "dropped_tokens": "evicted tokens dropped instead of spilled (by reason on /metrics: DropReason)",
     "spill_failures": "spills the tier failed to write (I/O error, no space)",
     "spills_refused_staging_full": "evicted nodes dropped because staging was full then (writes in flight)",
+    "spills_refused_reserved": "evicted nodes dropped because their spill would have taken the room in "
+    "staging a restore's read waited for (--hicache-spill-extra-config restore_reserve; their tokens "
+    "count as staging_full)",
     "spills_refused_too_large": "evicted nodes dropped because they are larger than all of staging "
     "(raise --hicache-spill-staging)",
     "restored_tokens": "tokens restored from the tier into the device pool by restores that completed",

@@ -18,8 +18,9 @@ Contract (every method runs on the scheduler thread and never blocks on I/O):
 - a restore's reads start in its refs' order (the prefix first) as long as staging has room; the
   first that finds none stops it (`Readiness.STREAMING`: the caller unpacks what lands and gives
   those reads back, `finish_extent`, then asks again), and prefetches start no new read while a
-  restore waits for room (`prefetch`). Only a read larger than all of staging fails a restore for
-  room: it could never start;
+  restore waits for room (`prefetch`), nor may a store take the room its read needs
+  (`room_wanted_bytes`: staging_share.py). Only a read larger than all of staging fails a restore
+  for room: it could never start;
 - the tier reads a restore's (or a prefetch's) extents one after another, or, with `group_major`
   (layer-wise restores), layer group by layer group across them (`Tier.submit_load`'s `batch`: the
   reads one call starts join the first of them, never an earlier call's), so that group 0 of every extent
@@ -128,7 +129,8 @@ class ExtentReads:
         self._reads: dict[int, PendingRead] = {}  # by id(extent): loads started (prefetch or restore)
         self._tickets: dict[Ticket, PendingRead] = {}  # loads whose completion is still due
         self._spans: list[list[PendingRead]] = []  # read spans to count once their reads complete
-        self._waiting: dict[int, float] = {}  # by id(extent): reads restores wait to start (no room)
+        # by id(extent): reads restores wait to start for room: (since when, bytes the read needs)
+        self._waiting: dict[int, tuple[float, int]] = {}
         self._mismatch_logged = False
         self._too_large_logged = False
         self.group_major = group_major  # read the extents one call starts layer group by layer group
@@ -188,7 +190,7 @@ class ExtentReads:
                 if extent.state is not ExtentState.ON_TIER or not self._fits(extent, need):
                     return Readiness.FAILED, 0.0
                 if room:  # the read that found no room (none after it was tried)
-                    self._wait_for_room(eid)
+                    self._wait_for_room(eid, packed_nbytes(self.view, need))
                 room, state = False, Readiness.STREAMING
                 continue
             self._waiting.pop(eid, None)
@@ -224,11 +226,19 @@ class ExtentReads:
         """Whether a restore waits for room in staging to start a read."""
         return bool(self._waiting)
 
-    def _wait_for_room(self, eid: int) -> None:
-        """A restore could not start this extent's read for room: prefetches yield until it starts."""
+    @property
+    def room_wanted_bytes(self) -> int:
+        """The bytes of the largest read a restore waits to start for room (0: none waits): what
+        staging keeps for it from stores (`StagingShare.reserved`)."""
+        return max((nbytes for _, nbytes in self._waiting.values()), default=0)
+
+    def _wait_for_room(self, eid: int, nbytes: int) -> None:
+        """A restore could not start this extent's read of `nbytes` for room: prefetches yield, and
+        stores leave it that room (`StagingShare`), until it starts."""
         if eid not in self._waiting:
-            self._waiting[eid] = time.monotonic()
             self.metrics.inc("restore_staging_waits")
+        since = self._waiting.get(eid, (time.monotonic(), 0))[0]
+        self._waiting[eid] = (since, nbytes)
 
     def landed(self, extent: Extent) -> Landing | None:
         """The buffer holding `extent`'s packed bytes and, per layer group, how many of its leading
@@ -396,7 +406,7 @@ class ExtentReads:
         away while waiting) give their staging back; but for the extents in `keep` (by identity:
         those a layer-wise restore in progress still lands from, which ends within its forward)."""
         now = time.monotonic()
-        for eid in [e for e, since in self._waiting.items() if now - since > self.ttl_s]:
+        for eid in [e for e, (since, _) in self._waiting.items() if now - since > self.ttl_s]:
             del self._waiting[eid]  # its restore went away: prefetches may start again
         for read in list(self._reads.values()):
             if now - read.started > self.ttl_s and id(read.extent) not in keep:

@@ -1,13 +1,19 @@
 """What of staging a store may take, and why a store is refused: one rule, asked by the controller's
-`store` and `background_fit` (controller.py), and the one place those refusals are counted and
-logged.
+`store` (`take`) and `background_fit` (controller.py), and the one place those refusals are counted
+and logged.
 
 - An eviction's spill may fill all of staging; a **background** store (a write-through or a
   write-ahead: nothing is lost without it) only `BACKGROUND_SHARE` of it, so eviction spills and
   reads always have the rest.
-- A refusal is `Refused`: momentary (writes in flight hold staging) or for good (a node larger than
-  all of staging, or than the background share). The lasting ones are logged once with the flag to
-  raise; every one is counted.
+- **Room for a waiting restore** (`restore_reserve`, on by default): while a restore waits for room
+  to start a read (`ExtentReads.room_wanted_bytes`), no store may take the bytes that read needs:
+  staging freed as earlier writes finish goes to the read, not to the next eviction. A spill that
+  would take them is dropped unwritten (`RESERVED`, counted in `spills_refused_reserved`); a
+  background store is deferred (`writes_through_deferred`). Only a store its own limit would have
+  taken counts there; one refused anyway counts as before.
+- A refusal is `Refused`: momentary (writes in flight hold staging, or room is kept for a read) or
+  for good (a node larger than all of staging, or than the background share). The lasting ones are
+  logged once with the flag to raise; every one is counted.
 Staging is passed in at each call (tests swap the controller's arena for a smaller one).
 """
 
@@ -15,7 +21,9 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Callable
 
+import torch
 from sgl_hicache_kernels import KVPoolView, packed_nbytes
 
 from sgl_hicache.cache.metrics import SpillMetrics
@@ -32,15 +40,21 @@ class Refused(enum.Enum):
     """Why `SpillController.store` did not take a node (see controller.py's module doc)."""
 
     STAGING_FULL = "staging_full"  # momentarily: writes in flight hold staging
+    RESERVED = "reserved"  # momentarily: it would take the room a restore's read waits for
     TOO_LARGE = "too_large"  # never: larger than all of staging
-    DEFERRED = "deferred"  # a write-through: its share of staging is full now
+    DEFERRED = "deferred"  # a write-through: its share of staging is full now, or kept for a read
     TOO_LARGE_FOR_SHARE = "too_large_for_share"  # a write-through: larger than its share
 
 
 class StagingShare:
-    def __init__(self, view: KVPoolView, metrics: SpillMetrics) -> None:
+    def __init__(
+        self, view: KVPoolView, metrics: SpillMetrics, wanted: Callable[[], int] | None = None
+    ) -> None:
+        """`wanted`: the bytes of the read a restore waits to start for room (0: none waits), kept
+        from stores; None: none kept (`restore_reserve` off)."""
         self.view = view
         self.metrics = metrics
+        self.wanted = wanted
         self._logged: set[str] = set()  # counters whose warning was logged (`_count_once`)
 
     @staticmethod
@@ -48,16 +62,40 @@ class StagingShare:
         """The bytes of staging background stores (write-through, write-ahead) may hold at once."""
         return int(staging.capacity_bytes * BACKGROUND_SHARE)
 
+    def reserved(self, staging: StagingPool) -> int:
+        """The bytes of staging no store may take now: those a waiting restore's read needs."""
+        return 0 if self.wanted is None else min(self.wanted(), staging.capacity_bytes)
+
     def background_fit(self, staging: StagingPool, tokens: int) -> Refused | None:
         """Whether a background store of `tokens` tokens would find its share of staging now (None),
-        or DEFERRED (not now: writes in flight hold it) or TOO_LARGE_FOR_SHARE (never); counts
-        nothing (`refused` counts a store's refusals)."""
+        or DEFERRED (not now: writes in flight hold it, or a waiting read's room is in it) or
+        TOO_LARGE_FOR_SHARE (never); counts nothing (`take` counts a store's refusals)."""
         nbytes, limit = packed_nbytes(self.view, tokens), self.background_limit(staging)
         if nbytes > limit:
             return Refused.TOO_LARGE_FOR_SHARE
-        return Refused.DEFERRED if staging.used_bytes + nbytes > limit else None
+        room = min(limit, staging.capacity_bytes - self.reserved(staging))
+        return Refused.DEFERRED if staging.used_bytes + nbytes > room else None
 
-    def refused(self, staging: StagingPool, tokens: int, nbytes: int, limit: int | None) -> Refused:
+    def take(self, staging: StagingPool, tokens: int, background: bool = False) -> torch.Tensor | Refused:
+        """A block of staging for the packed KV of `tokens` tokens, or why a store may not have one
+        (counted; logged once if lasting): an eviction's spill may fill staging, a `background`
+        store its share of it, and neither the room a waiting restore's read needs."""
+        nbytes = packed_nbytes(self.view, tokens)
+        limit = self.background_limit(staging) if background else None
+        if self._takes_reserved(staging, nbytes, limit):
+            self.metrics.inc("writes_through_deferred" if background else "spills_refused_reserved")
+            return Refused.DEFERRED if background else Refused.RESERVED
+        buf = staging.acquire(nbytes, limit)
+        return buf if buf is not None else self._refused(staging, tokens, nbytes, limit)
+
+    def _takes_reserved(self, staging: StagingPool, nbytes: int, limit: int | None) -> bool:
+        """Whether a store of `nbytes` within `limit` (None: all of staging) would fit it but take
+        room kept for a waiting restore's read (one that does not fit is refused as before)."""
+        kept, after = self.reserved(staging), staging.used_bytes + nbytes
+        own = staging.capacity_bytes if limit is None else limit
+        return kept > 0 and staging.capacity_bytes - kept < after <= own
+
+    def _refused(self, staging: StagingPool, tokens: int, nbytes: int, limit: int | None) -> Refused:
         """Why a store of `tokens` tokens (`nbytes` packed) found no block of staging within `limit`
         (None: all of it; else a background store's share); counted, and logged once if lasting."""
         if limit is not None and nbytes <= limit:

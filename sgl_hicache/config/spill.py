@@ -164,6 +164,9 @@ class SpillConfig:
     admission_hold: float = tuning(
         0.5, "a resume's first admission holds for its reads up to this share of a deferral's cost; 0: never"
     )
+    restore_reserve: bool = tuning(
+        True, "while a restore waits for room in staging, no store takes the room its read needs"
+    )
     layerwise_restore: bool = option(
         False,
         "a resume's prefill starts once its first layer group landed; each layer waits for its own",

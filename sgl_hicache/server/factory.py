@@ -149,4 +149,5 @@ def open_controller(
         streams,
         config.layer_groups,
         group_major=config.layerwise_restore,
+        restore_reserve=config.restore_reserve,
     )

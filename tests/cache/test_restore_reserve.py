@@ -1,0 +1,239 @@
+"""Restores waiting for room in staging come before new eviction spills (`restore_reserve`,
+staging_share.py): while a restore waits to start a read, no store may take the bytes that read
+needs, so the room earlier writes give back goes to the read; a spill that would take it is dropped
+unwritten and counted. With the key off (as before) the eviction takes the room and the restore
+waits on. No effect while no restore waits; with TP > 1 the ranks' trees stay equal.
+
+The histories here are 64-token turns (one extent each, 8 KiB of packed KV: 128 B a token) under a
+20 KiB staging: two turns' writes and one page.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from sgl_hicache_kernels import packed_nbytes
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+from sgl_hicache.cache.metrics import DropReason, SpillMetrics
+from sgl_hicache.cache.staging import StagingPool
+from sgl_hicache.cache.staging_share import Refused, StagingShare
+from tests.cache.conftest import Stack, build_stack, close_stack, expected_kv, read_kv, shrink_staging
+from tests.cache.test_streamed_restore import admission, admit_all, resident
+from tests.cache.test_tp_agreement import ThreadedAgreement
+
+TURN = 64
+STAGING = 20 << 10
+HISTORY = list(range(100, 100 + TURN))
+
+
+def turn(base: int, tokens: int = TURN) -> list[int]:
+    return list(range(base, base + tokens))
+
+
+class HeldWrites:
+    """The tier's finished stores kept from the cache (their staging stays held, as behind a slow
+    disk) until `release`d."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, tier: Any) -> None:
+        from sgl_hicache.tier.base import Op
+
+        self.held: list[Any] = []
+        self._out: list[Any] = []
+        inner = tier.get_finished
+
+        def get_finished() -> list[Any]:
+            done = inner()
+            self.held.extend(d for d in done if d.op is Op.STORE)
+            out, self._out = [d for d in done if d.op is not Op.STORE] + self._out, []
+            return out
+
+        monkeypatch.setattr(tier, "get_finished", get_finished)
+
+    def wait(self, s: Stack, n: int) -> None:
+        """Until the tier has finished `n` stores (the cache sees none of them)."""
+        for _ in range(3000):
+            s.cache.controller.poll()
+            if len(self.held) >= n:
+                return
+            threading.Event().wait(0.01)
+        raise AssertionError(f"the tier finished {len(self.held)} of {n} stores in 30 s")
+
+    def release(self, n: int | None = None) -> None:
+        """Let `n` held stores (all by default) reach the cache at its next poll."""
+        n = len(self.held) if n is None else n
+        self._out, self.held = self._out + self.held[:n], self.held[n:]
+
+
+def waiting_restore(make_stack: Callable[..., Stack], monkeypatch: pytest.MonkeyPatch,
+                    reserve: bool = True) -> tuple[Stack, HeldWrites, Any]:  # fmt: skip
+    """HISTORY on the tier; two evictions' writes (16 KiB) hold staging; HISTORY's restore tried
+    once: its 8 KiB read found no room and waits."""
+    s = make_stack(size=1024, restore_reserve=reserve)
+    s.insert(HISTORY)
+    s.evict_all()
+    shrink_staging(s, STAGING)
+    held = HeldWrites(monkeypatch, s.cache.controller.tier)
+    for base in (1000, 2000):
+        s.insert(turn(base))
+    s.cache.evict(EvictParams(num_tokens=10**9))
+    held.wait(s, 2)
+    assert s.cache.controller.staging.used_bytes == 2 * packed_nbytes(s.cache.controller.view, TURN)
+    params = admission(s, HISTORY, "r")
+    assert s.cache.init_load_back(params) is None
+    assert s.metrics.totals["restore_staging_waits"] == 1 and s.cache.controller.reads.room_wanted
+    return s, held, params
+
+
+@pytest.mark.parametrize("reserve", [True, False], ids=["reserve", "noreserve"])
+def test_room_freed_by_a_write_goes_to_the_waiting_restore_not_the_next_eviction(
+    make_stack: Any, monkeypatch: pytest.MonkeyPatch, reserve: bool
+) -> None:
+    s, held, params = waiting_restore(make_stack, monkeypatch, reserve)
+    ctl, totals = s.cache.controller, s.metrics.totals
+    held.release(1)  # one write finished: 8 KiB back, the read's room
+    ctl.poll()
+    evicted = turn(3000)
+    s.insert(evicted)
+    s.cache.evict(EvictParams(num_tokens=10**9))  # its 8 KiB would fit in the room given back
+    if reserve:
+        assert (totals["spills_refused_reserved"], totals["spills_refused_staging_full"]) == (1, 0)
+        assert s.metrics.drops[DropReason.STAGING_FULL] == TURN and totals["spilled_tokens"] == 3 * TURN
+        assert s.match(evicted).host_hit_length == 0, "dropped unwritten"
+        s.cache.init_load_back(params)  # its read starts now, with one write still in flight
+        assert not ctl.reads.room_wanted and len(held.held) == 1
+    else:
+        assert totals["spills_refused_reserved"] == 0 and totals["spilled_tokens"] == 4 * TURN
+        assert s.cache.init_load_back(params) is None
+        assert ctl.reads.room_wanted, "the eviction took the room: the read still waits"
+        held.release()
+    loaded, last = admit_all(s, {"r": params})["r"]
+    assert loaded == TURN and read_kv(s.pool, last.value) == expected_kv(HISTORY)
+    assert resident(s, HISTORY) == expected_kv(HISTORY)
+    assert ctl.share.reserved(ctl.staging) == 0, "nothing is kept once no restore waits"
+    held.release()
+    ctl.wait_writes()
+    s.cache.check_integrity()
+
+
+def test_while_no_restore_waits_a_spill_may_fill_staging(
+    make_stack: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = make_stack(size=1024)  # restore_reserve is on by default
+    shrink_staging(s, STAGING)
+    held = HeldWrites(monkeypatch, s.cache.controller.tier)
+    for base in (1000, 2000, 3000):  # the last one: 32 tokens, staging's last 4 KiB
+        s.insert(turn(base, TURN if base < 3000 else 32))
+    s.cache.evict(EvictParams(num_tokens=10**9))
+    totals = s.metrics.totals
+    assert (totals["spills_refused_reserved"], totals["dropped_tokens"]) == (0, 0)
+    assert totals["spilled_tokens"] == 2 * TURN + 32 and s.cache.controller.staging.used_bytes == STAGING
+    held.release()
+    s.cache.controller.wait_writes()
+    s.cache.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "tokens, background, wanted, refused, counter",
+    [
+        (8, False, 96, Refused.RESERVED, "spills_refused_reserved"),  # fits, but in the read's room
+        (8, False, 0, None, None),  # no restore waits
+        (8, False, None, None, None),  # restore_reserve off
+        (96, False, 96, Refused.STAGING_FULL, "spills_refused_staging_full"),  # refused anyway
+        (200, False, 96, Refused.TOO_LARGE, "spills_refused_too_large"),
+        (8, True, 96, Refused.DEFERRED, "writes_through_deferred"),  # within its share, in the room
+        (8, True, 0, None, None),
+        (96, True, 96, Refused.TOO_LARGE_FOR_SHARE, "writes_through_too_large"),
+    ],
+)
+def test_what_a_store_may_take_while_a_read_waits(
+    make_stack: Any, tokens: int, background: bool, wanted: int | None, refused: Refused | None,
+    counter: str | None,
+) -> None:  # fmt: skip
+    """Staging of 20 KiB, 9 KiB held by a write; a restore waits for a read of `wanted` tokens
+    (96: 12 KiB, which does not fit beside it). A store is refused for the reservation only where
+    its own limit would have taken it (counted apart), and counted as before otherwise."""
+    view = make_stack().cache.controller.view
+    metrics, staging = SpillMetrics(), StagingPool(STAGING)
+    share = StagingShare(view, metrics, None if wanted is None else lambda: packed_nbytes(view, wanted))
+    assert staging.acquire(packed_nbytes(view, 72)) is not None
+    used = staging.used_bytes
+    got = share.take(staging, tokens, background)
+    if refused is None:
+        assert isinstance(got, torch.Tensor) and staging.used_bytes == used + packed_nbytes(view, tokens)
+    else:
+        assert got is refused and staging.used_bytes == used
+        assert {n for n, v in metrics.totals.items() if v} == {counter}
+    if background:  # what clean-ahead asks before a write-ahead says the same
+        if isinstance(got, torch.Tensor):
+            staging.release(got)
+        assert share.background_fit(staging, tokens) is refused
+
+
+def test_tp_ranks_whose_restore_waits_on_one_only_keep_equal_trees(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0's restore waits for room (its writes held), rank 1's read starts: the same eviction
+    is refused for the reservation on rank 0 and spilled on rank 1; the eviction's agreement drops
+    it on both, so their trees stay equal, and the restore is exact on both once writes finish."""
+    from sgl_hicache.cache.warm_start import tree_digest
+
+    group = ThreadedAgreement.Group(2)
+    stacks = [build_stack(tmp_path / f"rank{r}", size=1024) for r in range(2)]
+    for s in stacks:  # HISTORY on both tiers (one rank each: nothing to agree yet)
+        s.insert(HISTORY)
+        s.evict_all()
+    shrink_staging(stacks[0], STAGING)
+    held = HeldWrites(monkeypatch, stacks[0].cache.controller.tier)
+    records: list[list[Any]] = [[], []]
+    errors: list[BaseException] = []
+    evicted = turn(3000, 16)
+
+    def target(r: int) -> None:
+        s = stacks[r]
+        try:
+            s.cache.agreement = ThreadedAgreement(group, r)
+            for base in (1000, 2000):
+                s.insert(turn(base))
+            s.cache.evict(EvictParams(num_tokens=10**9))  # rank 0: its 16 KiB of writes held
+            if r == 0:
+                held.wait(s, 2)
+            params = admission(s, HISTORY, "r")
+            assert s.cache.init_load_back(params) is None  # agreed: rank 0's read waits
+            s.insert(evicted)
+            s.cache.evict(EvictParams(num_tokens=10**9))  # the restore's slots, then `evicted`
+            records[r].append((s.match(evicted).host_hit_length, tree_digest(s.cache.root_node)))
+            if r == 0:
+                held.release()
+            loaded, last = s.load_back(s.match(HISTORY), rid="r")
+            records[r].append((loaded, read_kv(s.pool, last.value), tree_digest(s.cache.root_node)))
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads), "a rank hung"
+        if errors:
+            raise errors[0]
+        assert records[0] == records[1], "the ranks' trees diverged"
+        assert records[0][0][0] == 0, "the evicted node was dropped on both ranks"
+        assert records[0][1][:2] == (TURN, expected_kv(HISTORY))
+        totals = [s.metrics.totals for s in stacks]
+        assert (totals[0]["spills_refused_reserved"], totals[1]["spills_refused_reserved"]) == (1, 0)
+        assert totals[1]["tp_disagreements"] >= 1, "rank 1 spilled it and had to drop it"
+        for s in stacks:
+            s.cache.controller.wait_writes()
+            s.cache.check_integrity()
+    finally:
+        for s in stacks:
+            close_stack(s)
