@@ -12,6 +12,7 @@ store (`FakeStore`), the binding's calls raising where a test says.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,9 @@ import pytest
 import sgl_hicache.tier.file.backend as file_backend
 import sgl_hicache.tier.mooncake.backend as mc
 from sgl_hicache.tier import ROOT_KEY, ExtentKey, Status
+from sgl_hicache.tier.base import Completion, Op
+from sgl_hicache.tier.completions import Returned
+from sgl_hicache.tier.faults import Counters, FaultLog
 from sgl_hicache.tier.format import Mismatch
 from sgl_hicache.tier.mooncake import objects
 from tests.tier.common import CHUNK, NS, key_for, payload_for, tokens_for
@@ -189,3 +193,50 @@ def test_a_mooncake_store_whose_failure_handling_raises_ends_and_its_key_is_stor
         m.setattr(fake, "remove", binding_raises)
         done = tier.wait(tier.submit_store(key, data, tokens_for(1), ROOT_KEY), PROMPT_S)
     store_failed_then_stores_again(tier, key, data, done)
+
+
+# -- the guard itself ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", [Op.LOAD, Op.STORE])
+@pytest.mark.parametrize("status", [Status.OK, Status.IO_ERROR])
+def test_a_job_that_raises_after_posting_keeps_its_completion_and_counts_nothing_more(
+    caplog: pytest.LogCaptureFixture, op: Op, status: Status
+) -> None:
+    """The job posted its completion (and counted it, as a backend's post does) and then raised: the
+    completion stands, the raise is logged once, and nothing more is counted (one operation, one
+    count: before, a failure was counted twice and an OK operation counted as an I/O error)."""
+    counters = Counters()
+    returned: Returned[Any] = Returned(threading.Lock(), lambda load: 0, counters, FaultLog(), "a test")
+    ticket, key = returned.queue.issue(), key_for(1)
+
+    def posts_then_raises() -> None:
+        if status is not Status.OK:
+            counters.add("io_errors")
+            if op is Op.STORE:
+                counters.add("store_failures")
+        returned.queue.post(Completion(ticket, op, key, status, 0, "the job's own"))
+        raise RuntimeError("a bug after the post")
+
+    failed = {"io_errors": 1, **({"store_failures": 1} if op is Op.STORE else {})}
+    counted = {} if status is Status.OK else failed
+    with caplog.at_level(logging.WARNING, logger="sgl_hicache.tier"):
+        returned.guard(ticket, op, key, posts_then_raises)()
+    done = returned.wait(ticket, 0)
+    assert (done.status, done.detail) == (status, "the job's own")
+    assert counters.snapshot() == counted
+    assert len(unexpected_logs(caplog)) == 1
+
+
+@pytest.mark.parametrize("op", [Op.LOAD, Op.STORE])
+def test_a_job_that_raises_before_posting_ends_io_error_counted_once(
+    caplog: pytest.LogCaptureFixture, op: Op
+) -> None:
+    counters = Counters()
+    returned: Returned[Any] = Returned(threading.Lock(), lambda load: 0, counters, FaultLog(), "a test")
+    ticket = returned.queue.issue()
+    with caplog.at_level(logging.WARNING, logger="sgl_hicache.tier"):
+        returned.guard(ticket, op, key_for(1), lambda: binding_raises())()
+    assert returned.wait(ticket, 0).status is Status.IO_ERROR
+    assert counters.snapshot() == {"io_errors": 1, **({"store_failures": 1} if op is Op.STORE else {})}
+    assert len(unexpected_logs(caplog)) == 1
