@@ -176,6 +176,29 @@ def test_a_mooncake_remove_whose_binding_raises_still_completes(
     assert done.status is Status.IO_ERROR and tier.stats().io_errors == 1
 
 
+def test_a_mooncake_remove_that_fails_for_one_key_removes_and_counts_the_others(
+    on_store: tuple[FakeStore, mc.MooncakeTier], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The binding raises on the removal of the second of three keys: the first and the third go
+    all the same, and both are counted (`purged_extents`, the completion's `nbytes`); the remove
+    ends IO_ERROR, counted once (before: the job stopped at the raise, counting nothing)."""
+    fake, tier = on_store
+    keys = [store(tier, i) for i in (1, 2, 3)]
+    remove_many = fake.remove_many
+
+    def raises_for_the_second(names: list[str]) -> Any:
+        if names[0].endswith(bytes(keys[1]).hex()):
+            raise RuntimeError("the binding raised")
+        return remove_many(names)
+
+    monkeypatch.setattr(fake, "remove_many", raises_for_the_second)
+    done = tier.wait(tier.submit_remove(keys), PROMPT_S)
+    assert (done.status, done.nbytes) == (Status.IO_ERROR, 2)
+    assert (tier.stats().purged_extents, tier.stats().io_errors) == (2, 1)
+    monkeypatch.undo()
+    assert [load(tier, k)[0] for k in keys] == [Status.MISS, Status.OK, Status.MISS]
+
+
 def test_a_mooncake_store_whose_failure_handling_raises_ends_and_its_key_is_stored_again(
     on_store: tuple[FakeStore, mc.MooncakeTier], monkeypatch: pytest.MonkeyPatch
 ) -> None:
