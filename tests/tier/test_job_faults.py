@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -197,6 +198,50 @@ def test_a_mooncake_remove_that_fails_for_one_key_removes_and_counts_the_others(
     assert (tier.stats().purged_extents, tier.stats().io_errors) == (2, 1)
     monkeypatch.undo()
     assert [load(tier, k)[0] for k in keys] == [Status.MISS, Status.OK, Status.MISS]
+
+
+def test_a_mooncake_purge_whose_binding_raises_is_owed_and_retried(
+    on_store: tuple[FakeStore, mc.MooncakeTier], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The binding raises on a purge's `remove_by_regex`: the purge ends IO_ERROR at once and is
+    owed like one the store refused, so the tier's tick runs it again until the salt's objects are
+    gone (before: a raise left nothing owed, and the deletion was lost)."""
+    fake, tier = on_store
+    key = key_for(1)
+    ticket = tier.submit_store(key, payload_for(1, NBYTES), tokens_for(1), ROOT_KEY, cache_salt="s1")
+    assert tier.wait(ticket, PROMPT_S).ok
+    remove_matching, raises = fake.remove_matching, [True]
+
+    def raises_once(pattern: str) -> Any:
+        if raises:
+            raises.pop()
+            raise RuntimeError("the binding raised")
+        return remove_matching(pattern)
+
+    monkeypatch.setattr(fake, "remove_matching", raises_once)
+    assert tier.wait(tier.submit_purge("s1"), PROMPT_S).status is Status.IO_ERROR
+    deadline = time.monotonic() + 10
+    while any("/" + bytes(key).hex() in name for name in list(fake.objs)):
+        assert time.monotonic() < deadline, "the purge that raised was not retried"
+        time.sleep(0.05)
+    assert tier.stats().purge_retries >= 1 and tier.stats().purged_extents >= 1
+
+
+def test_a_mooncake_purge_retry_whose_binding_raises_is_counted_and_still_owed(
+    on_store: tuple[FakeStore, mc.MooncakeTier], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The binding raises on every `remove_by_regex`: each retry of the owed purge is counted as an
+    I/O error like a retry the store refused (before: a retry that raised was counted nowhere)."""
+    fake, tier = on_store
+    monkeypatch.setattr(fake, "remove_matching", binding_raises)
+    assert tier.wait(tier.submit_purge("s1"), PROMPT_S).status is Status.IO_ERROR
+    deadline = time.monotonic() + 10
+    while tier.stats().io_errors < 3:
+        assert time.monotonic() < deadline, (
+            f"retries {tier.stats().purge_retries}, io_errors {tier.stats().io_errors}"
+        )
+        time.sleep(0.05)
+    assert tier.stats().purge_retries >= 2
 
 
 def test_a_mooncake_store_whose_failure_handling_raises_ends_and_its_key_is_stored_again(
