@@ -150,6 +150,10 @@ def binding_raises(*args: Any) -> Any:
     raise RuntimeError("the binding raised")
 
 
+def found_bad(*args: Any) -> bool:
+    raise Mismatch("an extent of the key that is not what the key names")
+
+
 def test_a_mooncake_load_whose_bad_extent_cannot_be_removed_still_ends(
     on_store: tuple[FakeStore, mc.MooncakeTier], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -165,6 +169,29 @@ def test_a_mooncake_load_whose_bad_extent_cannot_be_removed_still_ends(
     assert status is Status.IO_ERROR and tier.stats().io_errors == 1
     assert load(tier, key)[0] is Status.CORRUPT
     assert load(tier, key)[0] is Status.MISS
+
+
+@pytest.mark.parametrize("where", ["load", "store"])
+def test_a_bad_mooncake_extent_leaves_the_index_even_when_its_removal_raises(
+    on_store: tuple[FakeStore, mc.MooncakeTier], monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A load finds a chunk corrupt, or a store finds its key's extent bad, and the binding raises
+    on the removal of the bad header: the key leaves the index all the same (the tier no longer
+    claims an extent it found bad; before, `contains`, `lookup` and `stats` kept it)."""
+    fake, tier = on_store
+    key = store(tier, 1)
+    chunk = next(n for n in fake.objs if n.endswith(".2"))
+    fake.objs[chunk] = bytes([fake.objs[chunk][0] ^ 1]) + fake.objs[chunk][1:]
+    with monkeypatch.context() as m:
+        m.setattr(fake, "remove", binding_raises)
+        if where == "load":
+            assert load(tier, key)[0] is Status.IO_ERROR
+        else:
+            m.setattr(objects, "present", found_bad)
+            ticket = tier.submit_store(key, payload_for(1, NBYTES), tokens_for(1), ROOT_KEY)
+            assert tier.wait(ticket, PROMPT_S).status is Status.IO_ERROR
+    assert not tier.contains(key) and tier.lookup(key) is None
+    assert (tier.stats().extents, tier.stats().bytes_stored) == (0, 0)
 
 
 def test_a_mooncake_remove_whose_binding_raises_still_completes(
@@ -252,10 +279,6 @@ def test_a_mooncake_store_whose_failure_handling_raises_ends_and_its_key_is_stor
     without a completion)."""
     fake, tier = on_store
     key, data = key_for(1), payload_for(1, NBYTES)
-
-    def found_bad(*args: Any) -> bool:
-        raise Mismatch("an extent of the key that is not what the key names")
-
     with monkeypatch.context() as m:
         m.setattr(objects, "present", found_bad)
         m.setattr(fake, "remove", binding_raises)

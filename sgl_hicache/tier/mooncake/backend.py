@@ -283,10 +283,13 @@ class MooncakeTier(ReturnedCompletions, IndexedTier):
             return False
 
     def _drop(self, key: ExtentKey, salt: bytes | None) -> None:
-        """Remove a bad extent's header (its chunks are left to the master's eviction)."""
-        self._client.remove(self._names.header(key, salt))
-        with self._lock:
-            self._index.forget(key)
+        """Remove a bad extent's header (its chunks are left to the master's eviction). The key
+        leaves the index even if the removal raises (which propagates): it claims no bad extent."""
+        try:
+            self._client.remove(self._names.header(key, salt))
+        finally:
+            with self._lock:
+                self._index.forget(key)
 
     def _open(self) -> bool:
         with self._lock:
