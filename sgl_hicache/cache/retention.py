@@ -195,8 +195,9 @@ class Retention:
             self.cache.spill_metrics.inc("pin_over_budget")
 
     def poll(self) -> None:
-        """Remove the files of dropped extents whose writes have finished since. Never blocks."""
-        if not self._doomed or self.cache.controller is None:
+        """Remove the files of dropped extents whose writes have finished since (also after spill
+        was disabled: a deletion asked for is still owed). Never blocks."""
+        if not self._doomed or self._tier is None:
             return
         done = [e for e in self._doomed if e.state is not ExtentState.WRITING]
         self._doomed = [e for e in self._doomed if e.state is ExtentState.WRITING]

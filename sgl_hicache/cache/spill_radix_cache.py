@@ -341,7 +341,11 @@ class SpillRadixCache(RadixCache):
     @contained("poll", nothing)
     def _poll(self) -> None:
         """Take finished I/O and copies (never changes the tree; lookups attach in
-        `Matching.attach_lookups`)."""
+        `Matching.attach_lookups`). With spill disabled, the writes in flight still end (ON_TIER or
+        LOST, their staging back), so that the removals owed after them run (`Retention.poll`)."""
+        if self.controller is None and self.io_to_close is not None:
+            self.io_to_close.poll()
+            self.retention.poll()
         if self.controller is not None:
             self.controller.poll()
             self.layerwise_flow.advance()
@@ -363,11 +367,12 @@ class SpillRadixCache(RadixCache):
         (else sglang's idle memory check finds slots nobody owns). Spilled nodes left in the tree are
         never restored (a request matching them recomputes that part; an insert over them adopts
         them), but the tree decisions go on as on every rank: walks that split nodes, evictions'
-        agreements. Logged once."""
+        agreements. Writes in flight still end (`_poll`): their staging goes back, and a drop or
+        purge still removes what they wrote. Logged once."""
         ctl = self.controller
         if ctl is None:
             return
-        self.controller = None  # the tier finishes its writes unwatched (closed at shutdown: `io_to_close`)
+        self.controller = None  # its writes still end (`_poll`); closed at shutdown (`io_to_close`)
         logger.error("sgl_hicache: spill disabled after an internal error in a fallback; serving as "
                      "sglang's plain radix cache from now on")  # fmt: skip
         try:  # restores in progress own slots that nothing would count or free from now on

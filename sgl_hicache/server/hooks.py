@@ -89,7 +89,8 @@ calls `register_exit_hook` (5 and 12).
 14. `Scheduler.get_next_batch_to_run`, BEFORE: a scheduling round starts, so the admission holds of
    the round share a whole budget again (`SpillRadixCache.new_round`, cache/admission_hold.py); the
    retracted requests leave the last batch before sglang merges it into the running batch
-   (retract.py). sglang's pipeline-parallel loop admits without it: holds then never start.
+   (retract.py). sglang's pipeline-parallel loop (`event_loop_pp`) calls it too, though our backend
+   refuses `--pp-size` > 1 (cache/identity.py, `UNISOLATED`).
 15. `Scheduler.process_batch_result`, AFTER: once their batch's result was processed (committing
    nothing of them: `is_retracted`), the retracted requests go back to the waiting queue.
 16. `BaseTokenToKVPoolAllocator.max_new_tokens_for_memory` (`sglang/srt/mem_cache/allocator/base.py`),

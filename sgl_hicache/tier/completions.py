@@ -98,20 +98,22 @@ class Returned(Generic[L]):
 
     def guard(self, ticket: Ticket, op: Op, key: ExtentKey, job: Job) -> Job:
         """`job`, an I/O job that ends operation `ticket` (posts its completion), made to end it even
-        if it raises: then `ticket` completes IO_ERROR unless `job` posted it before raising (one
-        completion), counted in `io_errors` (and `store_failures` for a store), logged. Every job
-        that ends an operation runs so; a job that shares the operation with others (a load's
-        pieces) must raise only where no other job of it still touches its buffer (its end)."""
+        if it raises: then `ticket` completes IO_ERROR, counted in `io_errors` (and
+        `store_failures` for a store), and the raise is logged. If `job` posted before raising, its
+        completion stands and was counted by whoever posted it: the raise is logged only (one
+        operation, one completion, one count). Every job that ends an operation runs so; a job that
+        shares the operation with others (a load's pieces) must raise only where no other job of it
+        still touches its buffer (its end)."""
 
         def run() -> None:
             try:
                 job()
             except Exception as e:  # the binding raising, an OSError of a cleanup, a bug: never lost
                 why = f"unexpected {type(e).__name__}: {e}"
-                posted = self.queue.post(Completion(ticket, op, key, Status.IO_ERROR, 0, why))
-                self._counters.add("io_errors")
-                if posted and op is Op.STORE:
-                    self._counters.add("store_failures")
+                if self.queue.post(Completion(ticket, op, key, Status.IO_ERROR, 0, why)):
+                    self._counters.add("io_errors")
+                    if op is Op.STORE:
+                        self._counters.add("store_failures")
                 self._faults.unexpected(op, e, self._where)
 
         return run

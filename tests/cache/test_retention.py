@@ -16,6 +16,7 @@ import pytest
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
 from sgl_hicache.cache.hint_source import HintRefused, RetentionHint
+from sgl_hicache.cache.spill_state import ExtentState
 from sgl_hicache.cli import main as cli_main
 from sgl_hicache.tier.base import LookupRequest
 from sgl_hicache.tier.keys import tenant_of
@@ -393,3 +394,19 @@ def test_a_purge_after_spill_was_disabled_still_removes_the_salts_extents(make_s
     purge(s, "tenant-x")
     s.cache.retention.wait_jobs()
     assert x not in on_disk(s) and a in on_disk(s)
+
+
+def test_a_drop_after_spill_was_disabled_removes_an_extent_still_being_written(make_stack: Any) -> None:
+    """A drop is a deletion owed too: the extent whose write was in flight when spill was disabled
+    goes once written, and its staging goes back (before: nobody took the write's completion after
+    the disable, so the extent stayed WRITING with its staging held, and the drop never removed it)."""
+    s = make_stack()
+    s.insert(A)
+    s.cache.evict(EvictParams(num_tokens=10**9))  # the write submitted, its completion not taken
+    ctl, extent = s.cache.controller, next(iter(s.cache.root_node.children.values())).spill.extent
+    assert extent.state is ExtentState.WRITING
+    s.cache.disable_spill()
+    drop(s, A)
+    eventually(lambda: bytes(extent.key) not in on_disk(s) and extent.state is not ExtentState.WRITING, s)
+    assert extent.state is ExtentState.ON_TIER and ctl.staging.used_bytes == 0
+    s.cache.check_integrity()

@@ -12,6 +12,8 @@ store (`FakeStore`), the binding's calls raising where a test says.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,9 @@ import pytest
 import sgl_hicache.tier.file.backend as file_backend
 import sgl_hicache.tier.mooncake.backend as mc
 from sgl_hicache.tier import ROOT_KEY, ExtentKey, Status
+from sgl_hicache.tier.base import Completion, Op
+from sgl_hicache.tier.completions import Returned
+from sgl_hicache.tier.faults import Counters, FaultLog
 from sgl_hicache.tier.format import Mismatch
 from sgl_hicache.tier.mooncake import objects
 from tests.tier.common import CHUNK, NS, key_for, payload_for, tokens_for
@@ -145,6 +150,10 @@ def binding_raises(*args: Any) -> Any:
     raise RuntimeError("the binding raised")
 
 
+def found_bad(*args: Any) -> bool:
+    raise Mismatch("an extent of the key that is not what the key names")
+
+
 def test_a_mooncake_load_whose_bad_extent_cannot_be_removed_still_ends(
     on_store: tuple[FakeStore, mc.MooncakeTier], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -162,6 +171,29 @@ def test_a_mooncake_load_whose_bad_extent_cannot_be_removed_still_ends(
     assert load(tier, key)[0] is Status.MISS
 
 
+@pytest.mark.parametrize("where", ["load", "store"])
+def test_a_bad_mooncake_extent_leaves_the_index_even_when_its_removal_raises(
+    on_store: tuple[FakeStore, mc.MooncakeTier], monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A load finds a chunk corrupt, or a store finds its key's extent bad, and the binding raises
+    on the removal of the bad header: the key leaves the index all the same (the tier no longer
+    claims an extent it found bad; before, `contains`, `lookup` and `stats` kept it)."""
+    fake, tier = on_store
+    key = store(tier, 1)
+    chunk = next(n for n in fake.objs if n.endswith(".2"))
+    fake.objs[chunk] = bytes([fake.objs[chunk][0] ^ 1]) + fake.objs[chunk][1:]
+    with monkeypatch.context() as m:
+        m.setattr(fake, "remove", binding_raises)
+        if where == "load":
+            assert load(tier, key)[0] is Status.IO_ERROR
+        else:
+            m.setattr(objects, "present", found_bad)
+            ticket = tier.submit_store(key, payload_for(1, NBYTES), tokens_for(1), ROOT_KEY)
+            assert tier.wait(ticket, PROMPT_S).status is Status.IO_ERROR
+    assert not tier.contains(key) and tier.lookup(key) is None
+    assert (tier.stats().extents, tier.stats().bytes_stored) == (0, 0)
+
+
 def test_a_mooncake_remove_whose_binding_raises_still_completes(
     on_store: tuple[FakeStore, mc.MooncakeTier], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -172,6 +204,73 @@ def test_a_mooncake_remove_whose_binding_raises_still_completes(
     assert done.status is Status.IO_ERROR and tier.stats().io_errors == 1
 
 
+def test_a_mooncake_remove_that_fails_for_one_key_removes_and_counts_the_others(
+    on_store: tuple[FakeStore, mc.MooncakeTier], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The binding raises on the removal of the second of three keys: the first and the third go
+    all the same, and both are counted (`purged_extents`, the completion's `nbytes`); the remove
+    ends IO_ERROR, counted once (before: the job stopped at the raise, counting nothing)."""
+    fake, tier = on_store
+    keys = [store(tier, i) for i in (1, 2, 3)]
+    remove_many = fake.remove_many
+
+    def raises_for_the_second(names: list[str]) -> Any:
+        if names[0].endswith(bytes(keys[1]).hex()):
+            raise RuntimeError("the binding raised")
+        return remove_many(names)
+
+    monkeypatch.setattr(fake, "remove_many", raises_for_the_second)
+    done = tier.wait(tier.submit_remove(keys), PROMPT_S)
+    assert (done.status, done.nbytes) == (Status.IO_ERROR, 2)
+    assert (tier.stats().purged_extents, tier.stats().io_errors) == (2, 1)
+    monkeypatch.undo()
+    assert [load(tier, k)[0] for k in keys] == [Status.MISS, Status.OK, Status.MISS]
+
+
+def test_a_mooncake_purge_whose_binding_raises_is_owed_and_retried(
+    on_store: tuple[FakeStore, mc.MooncakeTier], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The binding raises on a purge's `remove_by_regex`: the purge ends IO_ERROR at once and is
+    owed like one the store refused, so the tier's tick runs it again until the salt's objects are
+    gone (before: a raise left nothing owed, and the deletion was lost)."""
+    fake, tier = on_store
+    key = key_for(1)
+    ticket = tier.submit_store(key, payload_for(1, NBYTES), tokens_for(1), ROOT_KEY, cache_salt="s1")
+    assert tier.wait(ticket, PROMPT_S).ok
+    remove_matching, raises = fake.remove_matching, [True]
+
+    def raises_once(pattern: str) -> Any:
+        if raises:
+            raises.pop()
+            raise RuntimeError("the binding raised")
+        return remove_matching(pattern)
+
+    monkeypatch.setattr(fake, "remove_matching", raises_once)
+    assert tier.wait(tier.submit_purge("s1"), PROMPT_S).status is Status.IO_ERROR
+    deadline = time.monotonic() + 10
+    while any("/" + bytes(key).hex() in name for name in list(fake.objs)):
+        assert time.monotonic() < deadline, "the purge that raised was not retried"
+        time.sleep(0.05)
+    assert tier.stats().purge_retries >= 1 and tier.stats().purged_extents >= 1
+
+
+def test_a_mooncake_purge_retry_whose_binding_raises_is_counted_and_still_owed(
+    on_store: tuple[FakeStore, mc.MooncakeTier], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The binding raises on every `remove_by_regex`: each retry of the owed purge is counted as an
+    I/O error like a retry the store refused (before: a retry that raised was counted nowhere)."""
+    fake, tier = on_store
+    monkeypatch.setattr(fake, "remove_matching", binding_raises)
+    assert tier.wait(tier.submit_purge("s1"), PROMPT_S).status is Status.IO_ERROR
+    deadline = time.monotonic() + 10
+    while tier.stats().io_errors < 3:
+        assert time.monotonic() < deadline, (
+            f"retries {tier.stats().purge_retries}, io_errors {tier.stats().io_errors}"
+        )
+        time.sleep(0.05)
+    assert tier.stats().purge_retries >= 2
+
+
 def test_a_mooncake_store_whose_failure_handling_raises_ends_and_its_key_is_stored_again(
     on_store: tuple[FakeStore, mc.MooncakeTier], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -180,12 +279,55 @@ def test_a_mooncake_store_whose_failure_handling_raises_ends_and_its_key_is_stor
     without a completion)."""
     fake, tier = on_store
     key, data = key_for(1), payload_for(1, NBYTES)
-
-    def found_bad(*args: Any) -> bool:
-        raise Mismatch("an extent of the key that is not what the key names")
-
     with monkeypatch.context() as m:
         m.setattr(objects, "present", found_bad)
         m.setattr(fake, "remove", binding_raises)
         done = tier.wait(tier.submit_store(key, data, tokens_for(1), ROOT_KEY), PROMPT_S)
     store_failed_then_stores_again(tier, key, data, done)
+
+
+# -- the guard itself ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", [Op.LOAD, Op.STORE])
+@pytest.mark.parametrize("status", [Status.OK, Status.IO_ERROR])
+def test_a_job_that_raises_after_posting_keeps_its_completion_and_counts_nothing_more(
+    caplog: pytest.LogCaptureFixture, op: Op, status: Status
+) -> None:
+    """The job posted its completion (and counted it, as a backend's post does) and then raised: the
+    completion stands, the raise is logged once, and nothing more is counted (one operation, one
+    count: before, a failure was counted twice and an OK operation counted as an I/O error)."""
+    counters = Counters()
+    returned: Returned[Any] = Returned(threading.Lock(), lambda load: 0, counters, FaultLog(), "a test")
+    ticket, key = returned.queue.issue(), key_for(1)
+
+    def posts_then_raises() -> None:
+        if status is not Status.OK:
+            counters.add("io_errors")
+            if op is Op.STORE:
+                counters.add("store_failures")
+        returned.queue.post(Completion(ticket, op, key, status, 0, "the job's own"))
+        raise RuntimeError("a bug after the post")
+
+    failed = {"io_errors": 1, **({"store_failures": 1} if op is Op.STORE else {})}
+    counted = {} if status is Status.OK else failed
+    with caplog.at_level(logging.WARNING, logger="sgl_hicache.tier"):
+        returned.guard(ticket, op, key, posts_then_raises)()
+    done = returned.wait(ticket, 0)
+    assert (done.status, done.detail) == (status, "the job's own")
+    assert counters.snapshot() == counted
+    assert len(unexpected_logs(caplog)) == 1
+
+
+@pytest.mark.parametrize("op", [Op.LOAD, Op.STORE])
+def test_a_job_that_raises_before_posting_ends_io_error_counted_once(
+    caplog: pytest.LogCaptureFixture, op: Op
+) -> None:
+    counters = Counters()
+    returned: Returned[Any] = Returned(threading.Lock(), lambda load: 0, counters, FaultLog(), "a test")
+    ticket = returned.queue.issue()
+    with caplog.at_level(logging.WARNING, logger="sgl_hicache.tier"):
+        returned.guard(ticket, op, key_for(1), lambda: binding_raises())()
+    assert returned.wait(ticket, 0).status is Status.IO_ERROR
+    assert counters.snapshot() == {"io_errors": 1, **({"store_failures": 1} if op is Op.STORE else {})}
+    assert len(unexpected_logs(caplog)) == 1

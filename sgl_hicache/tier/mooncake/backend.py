@@ -283,10 +283,13 @@ class MooncakeTier(ReturnedCompletions, IndexedTier):
             return False
 
     def _drop(self, key: ExtentKey, salt: bytes | None) -> None:
-        """Remove a bad extent's header (its chunks are left to the master's eviction)."""
-        self._client.remove(self._names.header(key, salt))
-        with self._lock:
-            self._index.forget(key)
+        """Remove a bad extent's header (its chunks are left to the master's eviction). The key
+        leaves the index even if the removal raises (which propagates): it claims no bad extent."""
+        try:
+            self._client.remove(self._names.header(key, salt))
+        finally:
+            with self._lock:
+                self._index.forget(key)
 
     def _open(self) -> bool:
         with self._lock:
@@ -301,10 +304,22 @@ class MooncakeTier(ReturnedCompletions, IndexedTier):
         return ticket
 
     def _remove_job(self, ticket: Ticket, keys: list[ExtentKey]) -> None:
-        """`nbytes`: the extents whose header was there and went (aliases: the master's eviction)."""
-        removed = sum(self.discard(key) for key in keys)
+        """`nbytes`: the extents whose header was there and went (aliases: the master's eviction).
+        A key whose removal raised (the binding) stops none of the others: then IO_ERROR, still
+        counting what went."""
+        removed, failed = 0, None
+        for key in keys:
+            try:
+                removed += self.discard(key)
+            except Exception as e:  # logged below with its traceback, counted by the post
+                failed = failed or e
         self._counters.add("purged_extents", removed)
-        self._post(ticket, Op.REMOVE, ROOT_KEY, Status.OK, removed)
+        if failed is None:
+            self._post(ticket, Op.REMOVE, ROOT_KEY, Status.OK, removed)
+            return
+        self._faults.unexpected(Op.REMOVE, failed, self._where)
+        why = f"unexpected {type(failed).__name__}: {failed}"
+        self._post(ticket, Op.REMOVE, ROOT_KEY, Status.IO_ERROR, removed, why)
 
     def submit_purge(self, cache_salt: str) -> Ticket:
         salt, ticket = self._seal.salt(cache_salt), self._completions.issue()

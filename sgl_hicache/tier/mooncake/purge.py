@@ -4,9 +4,9 @@ Every object of a salted extent (header, chunks, aliases) is named in its salt's
 (client.py), in whatever namespace, so one `remove_by_regex` of `salt_pattern` removes them all, for
 every model and TP rank sharing the store (each rank's purge runs it again: idempotent). Stores of
 the salt in flight when the purge is queued are *doomed*: their store job removes what it has just
-written (backend.py). A purge the store failed (an unreachable master) is *owed*: retried on the
-tier's periodic tick until it succeeds, each retry counted in `purge_retries` (a failure also in
-`io_errors`, logged at most once a minute).
+written (backend.py). A purge the store failed (an unreachable master, the binding raising) is
+*owed*: retried on the tier's periodic tick until it succeeds, each retry counted in
+`purge_retries` (a failure also in `io_errors`, logged at most once a minute).
 
 `doom` and `doomed` run under the tier's lock; `run` (whose failure the tier's completion counts) and `retry` on its I/O threads.
 """
@@ -41,11 +41,12 @@ class Purges:
         return found
 
     def run(self, salt: bytes) -> int | None:
-        """Remove every object of `salt`; how many, or None if the store failed (then owed)."""
+        """Remove every object of `salt`; how many, or None if the store failed. Owed until the
+        store says it is done: also when the call raises (the binding), which propagates."""
+        with self._owed_lock:
+            self._owed.add(salt)
         reply = self._client.remove_matching(salt_pattern(salt))
         if not reply.ok:
-            with self._owed_lock:
-                self._owed.add(salt)
             self._faults.report(Op.PURGE, StoreFailed("remove_by_regex", reply), self._where)
             return None
         with self._owed_lock:
@@ -59,7 +60,12 @@ class Purges:
             owed = list(self._owed)
         for salt in owed:
             self._counters.add("purge_retries")
-            if self.run(salt) is None:
+            try:
+                done = self.run(salt) is not None
+            except Exception as e:  # the binding raised: still owed, and the other salts still run
+                self._faults.unexpected(Op.PURGE, e, self._where)
+                done = False
+            if not done:
                 self._counters.add("io_errors")
 
     @property
