@@ -144,6 +144,12 @@ def test_while_no_restore_waits_a_spill_may_fill_staging(
         (8, False, 96, Refused.RESERVED, "spills_refused_reserved"),  # fits, but in the read's room
         (8, False, 0, None, None),  # no restore waits
         (8, False, None, None, None),  # restore_reserve off
+        (8, False, 32, None, None),  # leaves the read's room: taken while it waits
+        (8, True, 32, None, None),
+        # fits by bytes (10 KiB of the 12 not kept), but the write's 9 KiB hold 12 KiB of blocks:
+        # its 4 KiB block would leave no 8 KiB one for the read
+        (8, False, 64, Refused.RESERVED, "spills_refused_reserved"),
+        (8, True, 64, Refused.DEFERRED, "writes_through_deferred"),
         (96, False, 96, Refused.STAGING_FULL, "spills_refused_staging_full"),  # refused anyway
         (200, False, 96, Refused.TOO_LARGE, "spills_refused_too_large"),
         (8, True, 96, Refused.DEFERRED, "writes_through_deferred"),  # within its share, in the room
@@ -155,8 +161,8 @@ def test_what_a_store_may_take_while_a_read_waits(
     make_stack: Any, tokens: int, background: bool, wanted: int | None, refused: Refused | None,
     counter: str | None,
 ) -> None:  # fmt: skip
-    """Staging of 20 KiB, 9 KiB held by a write; a restore waits for a read of `wanted` tokens
-    (96: 12 KiB, which does not fit beside it). A store is refused for the reservation only where
+    """Staging of 20 KiB, 9 KiB held by a write (in 12 KiB of 4 KiB blocks); a restore waits for a
+    read of `wanted` tokens (96: 12 KiB, which does not fit beside it; 64: 8 KiB, which does; 32). A store is refused for the reservation only where
     its own limit would have taken it (counted apart), and counted as before otherwise."""
     view = make_stack().cache.controller.view
     metrics, staging = SpillMetrics(), StagingPool(STAGING)
@@ -237,3 +243,28 @@ def test_tp_ranks_whose_restore_waits_on_one_only_keep_equal_trees(
     finally:
         for s in stacks:
             close_stack(s)
+
+
+def test_the_room_kept_is_counted_in_the_blocks_staging_hands_out(
+    make_stack: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Staging hands out whole 4 KiB blocks: two 40-token spills (5 KiB each, an 8 KiB block each)
+    leave 10 KiB of the 20 free by bytes, more than the 8 KiB read, but one 4 KiB block. The
+    second is refused, so the read starts at its next try."""
+    s, held, params = waiting_restore(make_stack, monkeypatch)
+    ctl, totals = s.cache.controller, s.metrics.totals
+    held.release()  # both writes done (their staging back) before the restore is tried again
+    ctl.poll()
+    assert ctl.staging.used_bytes == 0 and ctl.reads.room_wanted
+    for base in (3000, 4000):
+        s.insert(turn(base, 40))
+    s.cache.evict(EvictParams(num_tokens=10**9))
+    assert totals["spills_refused_reserved"] == 1 and totals["spilled_tokens"] == 3 * TURN + 40
+    assert s.cache.init_load_back(params) is None  # its read starts now
+    assert not ctl.reads.room_wanted, "the read found its room"
+    held.release()
+    loaded, last = admit_all(s, {"r": params})["r"]
+    assert loaded == TURN and read_kv(s.pool, last.value) == expected_kv(HISTORY)
+    held.release()
+    ctl.wait_writes()
+    s.cache.check_integrity()
