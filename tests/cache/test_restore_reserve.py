@@ -71,10 +71,10 @@ class HeldWrites:
 
 
 def waiting_restore(make_stack: Callable[..., Stack], monkeypatch: pytest.MonkeyPatch,
-                    reserve: bool = True) -> tuple[Stack, HeldWrites, Any]:  # fmt: skip
+                    reserve: bool = True, **config: Any) -> tuple[Stack, HeldWrites, Any]:  # fmt: skip
     """HISTORY on the tier; two evictions' writes (16 KiB) hold staging; HISTORY's restore tried
-    once: its 8 KiB read found no room and waits."""
-    s = make_stack(size=1024, restore_reserve=reserve)
+    once: its 8 KiB read found no room and waits (`config`: SpillConfig fields to change)."""
+    s = make_stack(size=1024, restore_reserve=reserve, **config)
     s.insert(HISTORY)
     s.evict_all()
     shrink_staging(s, STAGING)
@@ -265,6 +265,31 @@ def test_the_room_kept_is_counted_in_the_blocks_staging_hands_out(
     held.release()
     loaded, last = admit_all(s, {"r": params})["r"]
     assert loaded == TURN and read_kv(s.pool, last.value) == expected_kv(HISTORY)
+    held.release()
+    ctl.wait_writes()
+    s.cache.check_integrity()
+
+
+def test_the_room_of_a_restore_whose_request_went_away_is_kept_no_longer_than_a_restore_waits(
+    make_stack: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The request of a waiting restore is never tried again (aborted, or its chain changed): no
+    restore can want its room once it would have given up (here the timeout policy's 0.2 s), so
+    the next eviction's spill takes it, not only after prefetch_ttl_s (30 s)."""
+    from sgl_hicache.config import PrefetchPolicy
+
+    s, held, _ = waiting_restore(
+        make_stack, monkeypatch, prefetch_policy=PrefetchPolicy.TIMEOUT, prefetch_timeout_s=0.2
+    )
+    ctl, totals = s.cache.controller, s.metrics.totals
+    held.release(1)  # 8 KiB back: the room the read waited for
+    threading.Event().wait(0.3)
+    ctl.poll()
+    evicted = turn(3000)
+    s.insert(evicted)
+    s.cache.evict(EvictParams(num_tokens=10**9))
+    assert totals["spills_refused_reserved"] == 0 and totals["spilled_tokens"] == 4 * TURN
+    assert s.match(evicted).host_hit_length == TURN
     held.release()
     ctl.wait_writes()
     s.cache.check_integrity()
