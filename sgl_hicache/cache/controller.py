@@ -113,12 +113,14 @@ class SpillController:
     def store(
         self, key: ExtentKey, parent: ExtentKey, tokens: np.ndarray, slots: torch.Tensor, store_tokens: bool,
         aliases: Sequence[tuple[int, bytes]] = (), background: bool = False, cache_salt: str | None = None,
+        yields: bool = True,
     ) -> Extent | Refused:  # fmt: skip
         """`store_tokens`: whether the extent file may hold the token ids (the default tenant's only);
         `aliases`: the path keys inside it, so other servers find it (`Tier.submit_store`);
         `cache_salt`: the request's tenant salt, tagged in the file so a purge finds it;
-        `background`: a write-through, bounded by `BACKGROUND_SHARE` of staging."""
-        buf = self.share.take(self.staging, len(slots), background)
+        `background`: a write-through, bounded by `BACKGROUND_SHARE` of staging; `yields`: leaves a
+        waiting restore's read its room (`StagingShare.take`)."""
+        buf = self.share.take(self.staging, len(slots), background, yields)
         if isinstance(buf, Refused):
             return buf
         t0 = time.perf_counter()

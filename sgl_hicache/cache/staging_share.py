@@ -8,9 +8,11 @@ and logged.
 - **Room for a waiting restore** (`restore_reserve`, on by default): while a restore waits for room
   to start a read (`ExtentReads.room_wanted_bytes`), no store may take the bytes that read needs:
   staging freed as earlier writes finish goes to the read, not to the next eviction. A spill that
-  would take them is dropped unwritten (`RESERVED`, counted in `spills_refused_reserved`); a
-  background store is deferred (`writes_through_deferred`). Only a store its own limit would have
-  taken counts there; one refused anyway counts as before. The room is counted as the read will take it: in bytes of the
+  would take them is dropped unwritten (`RESERVED`, counted in `spills_refused_reserved`), but
+  for one whose drop would lose more than its own tokens (`yields` False: a pinned conversation,
+  spilled nodes below it, which the drop would take along); a background store is deferred
+  (`writes_through_deferred`). Only a store its own limit would have taken counts there; one
+  refused anyway counts as before. The room is counted as the read will take it: in bytes of the
   budget and in whole blocks of the arena (a 5 KiB store holds an 8 KiB block), though not where
   they lie (fragmented, the read waits until a block beside its room comes back).
 - A refusal is `Refused`: momentary (writes in flight hold staging, or room is kept for a read) or
@@ -79,13 +81,16 @@ class StagingShare:
             return Refused.DEFERRED
         return None
 
-    def take(self, staging: StagingPool, tokens: int, background: bool = False) -> torch.Tensor | Refused:
+    def take(
+        self, staging: StagingPool, tokens: int, background: bool = False, yields: bool = True
+    ) -> torch.Tensor | Refused:
         """A block of staging for the packed KV of `tokens` tokens, or why a store may not have one
         (counted; logged once if lasting): an eviction's spill may fill staging, a `background`
-        store its share of it, and neither the room a waiting restore's read needs."""
+        store its share of it, and neither the room a waiting restore's read needs, unless it does
+        not `yield` (a spill whose drop would lose more than its own tokens)."""
         nbytes = packed_nbytes(self.view, tokens)
         limit = self.background_limit(staging) if background else None
-        if self._takes_reserved(staging, nbytes, limit):
+        if yields and self._takes_reserved(staging, nbytes, limit):
             self.metrics.inc("writes_through_deferred" if background else "spills_refused_reserved")
             return Refused.DEFERRED if background else Refused.RESERVED
         buf = staging.acquire(nbytes, limit)

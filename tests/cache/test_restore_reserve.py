@@ -293,3 +293,70 @@ def test_the_room_of_a_restore_whose_request_went_away_is_kept_no_longer_than_a_
     held.release()
     ctl.wait_writes()
     s.cache.check_integrity()
+
+
+def test_a_pinned_victim_is_spilled_into_the_room_a_waiting_read_needs(
+    make_stack: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pin promises that eviction spills its conversation rather than drop it, where it can be
+    written: the reservation does not drop it (the read waits on for the next write to finish)."""
+    from sgl_hicache.cache.hint_source import RetentionHint
+
+    s, held, params = waiting_restore(make_stack, monkeypatch)
+    ctl, totals = s.cache.controller, s.metrics.totals
+    held.release(1)
+    ctl.poll()
+    pinned = turn(3000)
+    s.insert(pinned)
+    s.cache.retention.apply(RetentionHint("pin", pinned, None, None, 60.0))
+    s.cache.evict(EvictParams(num_tokens=10**9))
+    assert totals["spills_refused_reserved"] == 0 and totals["pinned_spilled_tokens"] == TURN
+    assert s.match(pinned).host_hit_length == TURN, "spilled, not dropped"
+    held.release()
+    loaded, last = admit_all(s, {"r": params})["r"]
+    assert loaded == TURN and read_kv(s.pool, last.value) == expected_kv(HISTORY)
+    held.release()
+    ctl.wait_writes()
+    s.cache.check_integrity()
+
+
+def test_a_victim_whose_children_are_spilled_is_spilled_into_the_room_not_dropped_with_them(
+    make_stack: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another conversation's last turn is spilled, its first still resident: evicting the first
+    while a restore waits spills it (dropping it would drop its spilled turn with it, KV written
+    to the tier and lost to every later restore), and both restores are exact."""
+    s = make_stack(size=1024)
+    s.insert(HISTORY)
+    s.evict_all()
+    first, other = turn(5000), turn(5000) + turn(6000)
+    s.insert(first)
+    s.insert(other)
+    s.cache.evict(EvictParams(num_tokens=TURN))  # its last turn, the only leaf
+    s.cache.controller.wait_writes()
+    assert s.match(other).host_hit_length == TURN
+    shrink_staging(s, STAGING)
+    held = HeldWrites(monkeypatch, s.cache.controller.tier)
+    anchor = s.match(first).last_device_node
+    s.cache.inc_lock_ref(anchor)  # not a victim yet
+    for base in (1000, 2000):
+        s.insert(turn(base))
+    s.cache.evict(EvictParams(num_tokens=10**9))
+    s.cache.dec_lock_ref(anchor)
+    held.wait(s, 2)
+    params = admission(s, HISTORY, "r")
+    assert s.cache.init_load_back(params) is None and s.cache.controller.reads.room_wanted
+    held.release(1)
+    s.cache.controller.poll()
+    s.cache.evict(EvictParams(num_tokens=10**9))  # the first turn: its spill takes the read's room
+    totals = s.metrics.totals
+    assert totals["spills_refused_reserved"] == 0 and s.metrics.drops[DropReason.STAGING_FULL] == 0
+    assert s.match(other).host_hit_length == 2 * TURN, "both turns on the tier"
+    held.release()
+    loaded, last = admit_all(s, {"r": params})["r"]
+    assert loaded == TURN and read_kv(s.pool, last.value) == expected_kv(HISTORY)
+    held.release()
+    s.cache.controller.wait_writes()
+    loaded, last = s.load_back(s.match(other), rid="o")
+    assert loaded == 2 * TURN and resident(s, other) == expected_kv(other)
+    s.cache.check_integrity()
