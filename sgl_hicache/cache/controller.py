@@ -76,7 +76,7 @@ class SpillController:
     def __init__(self, tier: Tier, view: KVPoolView, staging: StagingPool, metrics: SpillMetrics, timeout_s: float,
                  allocator: Any, prefetch_ttl_s: float = 30.0, streams: Streams | None = None,
                  layer_groups: int = DEFAULT_LAYER_GROUPS, group_major: bool = False,
-                 restore_reserve: bool = True) -> None:  # fmt: skip
+                 restore_reserve: bool = True, restore_wait_s: float | None = None) -> None:  # fmt: skip
         self.view = view
         self.staging = staging
         self.metrics = metrics
@@ -84,9 +84,9 @@ class SpillController:
         # every extent this controller writes and reads is laid out in these layer groups (format v6)
         self.layout = view.groups(default_group_layers(len(view.layers), layer_groups))
         self.engine = CopyEngine(view, streams or streams_for(view.device), self.layout)
-        self.reads = ExtentReads(
-            tier, view, staging, metrics, prefetch_ttl_s, self.retire, self.layout, group_major
-        )  # group_major: layer-wise restores start once group 0 of every extent landed: read that first
+        # group_major: layer-wise restores start once group 0 of every extent landed: read that first
+        self.reads = ExtentReads(tier, view, staging, metrics, prefetch_ttl_s, self.retire, self.layout,
+                                 group_major, restore_wait_s)  # fmt: skip
         self.restores = Restores(allocator, self.engine, prefetch_ttl_s)
         self.lookups = Lookups()
         self._packing: list[_Store] = []  # stores whose pack is not done yet (submitted by `poll`)
@@ -113,12 +113,14 @@ class SpillController:
     def store(
         self, key: ExtentKey, parent: ExtentKey, tokens: np.ndarray, slots: torch.Tensor, store_tokens: bool,
         aliases: Sequence[tuple[int, bytes]] = (), background: bool = False, cache_salt: str | None = None,
+        yields: bool = True,
     ) -> Extent | Refused:  # fmt: skip
         """`store_tokens`: whether the extent file may hold the token ids (the default tenant's only);
         `aliases`: the path keys inside it, so other servers find it (`Tier.submit_store`);
         `cache_salt`: the request's tenant salt, tagged in the file so a purge finds it;
-        `background`: a write-through, bounded by `BACKGROUND_SHARE` of staging."""
-        buf = self.share.take(self.staging, len(slots), background)
+        `background`: a write-through, bounded by `BACKGROUND_SHARE` of staging; `yields`: leaves a
+        waiting restore's read its room (`StagingShare.take`)."""
+        buf = self.share.take(self.staging, len(slots), background, yields)
         if isinstance(buf, Refused):
             return buf
         t0 = time.perf_counter()

@@ -118,7 +118,10 @@ def needs(refs: Sequence[SpillRef]) -> dict[int, tuple[Extent, int]]:
 class ExtentReads:
     def __init__(self, tier: Tier, view: KVPoolView, staging: StagingPool, metrics: SpillMetrics,
                  ttl_s: float, release: Callable[[torch.Tensor], None],
-                 layout: LayerGroups | None = None, group_major: bool = False) -> None:  # fmt: skip
+                 layout: LayerGroups | None = None, group_major: bool = False,
+                 wait_s: float | None = None) -> None:  # fmt: skip
+        """`wait_s`: the longest a restore waits for its reads (`RestorePolicy.restore_wait_s`; None:
+        `ttl_s`): a read that waited longer for room is wanted by no restore that is still waiting."""
         self.tier = tier
         self.view = view
         self.layout = layout or view.groups(0)  # the layer groups every buffer is laid out in
@@ -126,6 +129,7 @@ class ExtentReads:
         self.release = release
         self.metrics = metrics
         self.ttl_s = ttl_s
+        self.wait_ttl_s = ttl_s if wait_s is None else min(ttl_s, wait_s)  # of `_waiting`'s entries
         self._reads: dict[int, PendingRead] = {}  # by id(extent): loads started (prefetch or restore)
         self._tickets: dict[Ticket, PendingRead] = {}  # loads whose completion is still due
         self._spans: list[list[PendingRead]] = []  # read spans to count once their reads complete
@@ -404,10 +408,12 @@ class ExtentReads:
     def expire(self, keep: Collection[int] = ()) -> None:
         """Reads nobody consumed within `ttl_s` (an unused prefetch, or a restore whose request went
         away while waiting) give their staging back; but for the extents in `keep` (by identity:
-        those a layer-wise restore in progress still lands from, which ends within its forward)."""
+        those a layer-wise restore in progress still lands from, which ends within its forward).
+        A read waiting for room is no longer waited for after `wait_ttl_s` (its restore gave up, or
+        went away: aborted, its chain dropped), so the room kept for it goes back to stores."""
         now = time.monotonic()
-        for eid in [e for e, (since, _) in self._waiting.items() if now - since > self.ttl_s]:
-            del self._waiting[eid]  # its restore went away: prefetches may start again
+        for eid in [e for e, (since, _) in self._waiting.items() if now - since > self.wait_ttl_s]:
+            del self._waiting[eid]  # its restore went away: prefetches and stores may take the room
         for read in list(self._reads.values()):
             if now - read.started > self.ttl_s and id(read.extent) not in keep:
                 self.metrics.inc("prefetch_abandoned")

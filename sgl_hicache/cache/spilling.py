@@ -128,7 +128,9 @@ class Spilling(GuardedPart[SpillingCache]):
             return DropReason.TOO_SHORT
         if cache.write_admission.reason(node) is None:  # dropped as sglang's plain cache drops it
             return DropReason.NOT_ADMITTED
-        ref = self.store_node(node)
+        # a drop that would lose more than the node (its pin's promise, its spilled children) does
+        # not yield to a waiting restore's read
+        ref = self.store_node(node, yields=pin is None and not node.children)
         if isinstance(ref, DropReason):
             return ref
         cache.tree.mark_spilled(node, ref)
@@ -143,10 +145,12 @@ class Spilling(GuardedPart[SpillingCache]):
             len(node.value) < self.cache.spill_config.min_spill_tokens and not node.children and pin is None
         )
 
-    def store_node(self, node: TreeNode, background: bool = False) -> SpillRef | DropReason:
+    def store_node(
+        self, node: TreeNode, background: bool = False, yields: bool = True
+    ) -> SpillRef | DropReason:
         """Write resident `node`'s KV to the tier as one extent (never blocks: `SpillController.store`;
-        `background`: a write-through, within its share of staging); its reference, or why it
-        cannot be written now."""
+        `background`: a write-through, within its share of staging; `yields`: leaves a waiting
+        restore's read its room); its reference, or why it cannot be written now."""
         cache = self.cache
         if cache.controller is None:
             return DropReason.NO_TIER
@@ -162,9 +166,8 @@ class Spilling(GuardedPart[SpillingCache]):
         except ValueError:  # an id outside 0..2**32-1 on its path (keys hash u32 ids): never spilled
             return DropReason.UNNAMEABLE
         default_tenant = tenant_of(node.key.extra_key, node.key.cache_salt) == b""  # others: no ids on disk
-        extent = cache.controller.store(
-            key, parent_key, tokens, node.value, default_tenant, aliases, background, node.key.cache_salt
-        )
+        extent = cache.controller.store(key, parent_key, tokens, node.value, default_tenant, aliases,
+                                        background, node.key.cache_salt, yields)  # fmt: skip
         if isinstance(extent, Refused):
             return DropReason.TOO_LARGE if extent is Refused.TOO_LARGE else DropReason.STAGING_FULL
         return SpillRef(extent, 0, len(node.value))

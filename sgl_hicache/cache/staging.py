@@ -36,6 +36,7 @@ class StagingPool:
         self._free: list[tuple[int, int]] = [(0, self._size)]  # (offset, size), by offset
         self._blocks: dict[int, tuple[int, int]] = {}  # data_ptr -> (offset, size) of blocks in use
         self._used = 0
+        self._held = 0  # bytes of the blocks in use (whole pages)
         self.peak_bytes = 0  # high-water mark since start (to size the budget from measurement)
         self.refused = 0  # acquisitions refused for lack of room (not those held to a lower limit)
         self.pinned = False
@@ -44,6 +45,17 @@ class StagingPool:
     @property
     def used_bytes(self) -> int:
         return self._used
+
+    @property
+    def free_block_bytes(self) -> int:
+        """The arena's bytes in no block: what blocks (whole pages, `block_bytes`) may still take,
+        in pieces if it is fragmented."""
+        return self._size - self._held
+
+    @staticmethod
+    def block_bytes(nbytes: int) -> int:
+        """The bytes of the block `acquire(nbytes)` takes: whole pages."""
+        return _round(nbytes)
 
     @property
     def arena(self) -> memoryview:
@@ -84,6 +96,7 @@ class StagingPool:
             buf = self._arena[offset : offset + nbytes]
             self._blocks[buf.data_ptr()] = (offset, size)
             self._used += nbytes
+            self._held += size
             self.peak_bytes = max(self.peak_bytes, self._used)
         return buf
 
@@ -93,6 +106,7 @@ class StagingPool:
         with self._lock:
             offset, size = self._blocks.pop(buf.data_ptr())
             self._used -= buf.numel()
+            self._held -= size
             assert self._used >= 0, f"staging accounting went negative: {self._used}"
             i = bisect.bisect(self._free, (offset, size))
             self._free.insert(i, (offset, size))
@@ -114,6 +128,8 @@ class StagingPool:
                 assert offset == end, f"staging block at {offset} where {end} was expected"
                 end = offset + size
             assert end == self._size, f"staging blocks cover {end} B of {self._size} B"
+            held = sum(size for _, size in self._blocks.values())
+            assert self._held == held, f"staging counts {self._held} B of blocks in use, they hold {held} B"
 
 
 def _round(nbytes: int) -> int:

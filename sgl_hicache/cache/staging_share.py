@@ -8,9 +8,13 @@ and logged.
 - **Room for a waiting restore** (`restore_reserve`, on by default): while a restore waits for room
   to start a read (`ExtentReads.room_wanted_bytes`), no store may take the bytes that read needs:
   staging freed as earlier writes finish goes to the read, not to the next eviction. A spill that
-  would take them is dropped unwritten (`RESERVED`, counted in `spills_refused_reserved`); a
-  background store is deferred (`writes_through_deferred`). Only a store its own limit would have
-  taken counts there; one refused anyway counts as before.
+  would take them is dropped unwritten (`RESERVED`, counted in `spills_refused_reserved`), but
+  for one whose drop would lose more than its own tokens (`yields` False: a pinned conversation,
+  spilled nodes below it, which the drop would take along); a background store is deferred
+  (`writes_through_deferred`). Only a store its own limit would have taken counts there; one
+  refused anyway counts as before. The room is counted as the read will take it: in bytes of the
+  budget and in whole blocks of the arena (a 5 KiB store holds an 8 KiB block), though not where
+  they lie (fragmented, the read waits until a block beside its room comes back).
 - A refusal is `Refused`: momentary (writes in flight hold staging, or room is kept for a read) or
   for good (a node larger than all of staging, or than the background share). The lasting ones are
   logged once with the flag to raise; every one is counted.
@@ -73,16 +77,20 @@ class StagingShare:
         nbytes, limit = packed_nbytes(self.view, tokens), self.background_limit(staging)
         if nbytes > limit:
             return Refused.TOO_LARGE_FOR_SHARE
-        room = min(limit, staging.capacity_bytes - self.reserved(staging))
-        return Refused.DEFERRED if staging.used_bytes + nbytes > room else None
+        if staging.used_bytes + nbytes > limit or not self._leaves_room(staging, nbytes):
+            return Refused.DEFERRED
+        return None
 
-    def take(self, staging: StagingPool, tokens: int, background: bool = False) -> torch.Tensor | Refused:
+    def take(
+        self, staging: StagingPool, tokens: int, background: bool = False, yields: bool = True
+    ) -> torch.Tensor | Refused:
         """A block of staging for the packed KV of `tokens` tokens, or why a store may not have one
         (counted; logged once if lasting): an eviction's spill may fill staging, a `background`
-        store its share of it, and neither the room a waiting restore's read needs."""
+        store its share of it, and neither the room a waiting restore's read needs, unless it does
+        not `yield` (a spill whose drop would lose more than its own tokens)."""
         nbytes = packed_nbytes(self.view, tokens)
         limit = self.background_limit(staging) if background else None
-        if self._takes_reserved(staging, nbytes, limit):
+        if yields and self._takes_reserved(staging, nbytes, limit):
             self.metrics.inc("writes_through_deferred" if background else "spills_refused_reserved")
             return Refused.DEFERRED if background else Refused.RESERVED
         buf = staging.acquire(nbytes, limit)
@@ -91,9 +99,21 @@ class StagingShare:
     def _takes_reserved(self, staging: StagingPool, nbytes: int, limit: int | None) -> bool:
         """Whether a store of `nbytes` within `limit` (None: all of staging) would fit it but take
         room kept for a waiting restore's read (one that does not fit is refused as before)."""
-        kept, after = self.reserved(staging), staging.used_bytes + nbytes
         own = staging.capacity_bytes if limit is None else limit
-        return kept > 0 and staging.capacity_bytes - kept < after <= own
+        return staging.used_bytes + nbytes <= own and not self._leaves_room(staging, nbytes)
+
+    def _leaves_room(self, staging: StagingPool, nbytes: int) -> bool:
+        """Whether a store of `nbytes` leaves the bytes kept for a waiting restore's read, counted
+        as the read will take them: within the budget, and in whole blocks (a block is whole pages:
+        a store of 5 KiB takes 8 KiB of the arena)."""
+        kept = self.reserved(staging)
+        if not kept:
+            return True
+        block = staging.block_bytes
+        return (
+            staging.used_bytes + nbytes <= staging.capacity_bytes - kept
+            and block(nbytes) + block(kept) <= staging.free_block_bytes
+        )
 
     def _refused(self, staging: StagingPool, tokens: int, nbytes: int, limit: int | None) -> Refused:
         """Why a store of `tokens` tokens (`nbytes` packed) found no block of staging within `limit`

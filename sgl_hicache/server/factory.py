@@ -116,6 +116,7 @@ def open_controller(
     """The tier, staging (pinned on a GPU) and the copy streams; None (spill off, evictions drop as
     in sglang) if the tier cannot open. `streams`: the copy streams' stand-in (tests)."""
     from sgl_hicache.cache.controller import SpillController
+    from sgl_hicache.cache.restore_policy import RestorePolicy
     from sgl_hicache.cache.staging import StagingPool
     from sgl_hicache.server.room import warn_if_too_small
     from sgl_hicache.tier import open_tier
@@ -150,4 +151,5 @@ def open_controller(
         config.layer_groups,
         group_major=config.layerwise_restore,
         restore_reserve=config.restore_reserve,
+        restore_wait_s=RestorePolicy.of(config).restore_wait_s,
     )

@@ -71,10 +71,10 @@ class HeldWrites:
 
 
 def waiting_restore(make_stack: Callable[..., Stack], monkeypatch: pytest.MonkeyPatch,
-                    reserve: bool = True) -> tuple[Stack, HeldWrites, Any]:  # fmt: skip
+                    reserve: bool = True, **config: Any) -> tuple[Stack, HeldWrites, Any]:  # fmt: skip
     """HISTORY on the tier; two evictions' writes (16 KiB) hold staging; HISTORY's restore tried
-    once: its 8 KiB read found no room and waits."""
-    s = make_stack(size=1024, restore_reserve=reserve)
+    once: its 8 KiB read found no room and waits (`config`: SpillConfig fields to change)."""
+    s = make_stack(size=1024, restore_reserve=reserve, **config)
     s.insert(HISTORY)
     s.evict_all()
     shrink_staging(s, STAGING)
@@ -144,6 +144,12 @@ def test_while_no_restore_waits_a_spill_may_fill_staging(
         (8, False, 96, Refused.RESERVED, "spills_refused_reserved"),  # fits, but in the read's room
         (8, False, 0, None, None),  # no restore waits
         (8, False, None, None, None),  # restore_reserve off
+        (8, False, 32, None, None),  # leaves the read's room: taken while it waits
+        (8, True, 32, None, None),
+        # fits by bytes (10 KiB of the 12 not kept), but the write's 9 KiB hold 12 KiB of blocks:
+        # its 4 KiB block would leave no 8 KiB one for the read
+        (8, False, 64, Refused.RESERVED, "spills_refused_reserved"),
+        (8, True, 64, Refused.DEFERRED, "writes_through_deferred"),
         (96, False, 96, Refused.STAGING_FULL, "spills_refused_staging_full"),  # refused anyway
         (200, False, 96, Refused.TOO_LARGE, "spills_refused_too_large"),
         (8, True, 96, Refused.DEFERRED, "writes_through_deferred"),  # within its share, in the room
@@ -155,8 +161,8 @@ def test_what_a_store_may_take_while_a_read_waits(
     make_stack: Any, tokens: int, background: bool, wanted: int | None, refused: Refused | None,
     counter: str | None,
 ) -> None:  # fmt: skip
-    """Staging of 20 KiB, 9 KiB held by a write; a restore waits for a read of `wanted` tokens
-    (96: 12 KiB, which does not fit beside it). A store is refused for the reservation only where
+    """Staging of 20 KiB, 9 KiB held by a write (in 12 KiB of 4 KiB blocks); a restore waits for a
+    read of `wanted` tokens (96: 12 KiB, which does not fit beside it; 64: 8 KiB, which does; 32). A store is refused for the reservation only where
     its own limit would have taken it (counted apart), and counted as before otherwise."""
     view = make_stack().cache.controller.view
     metrics, staging = SpillMetrics(), StagingPool(STAGING)
@@ -237,3 +243,120 @@ def test_tp_ranks_whose_restore_waits_on_one_only_keep_equal_trees(
     finally:
         for s in stacks:
             close_stack(s)
+
+
+def test_the_room_kept_is_counted_in_the_blocks_staging_hands_out(
+    make_stack: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Staging hands out whole 4 KiB blocks: two 40-token spills (5 KiB each, an 8 KiB block each)
+    leave 10 KiB of the 20 free by bytes, more than the 8 KiB read, but one 4 KiB block. The
+    second is refused, so the read starts at its next try."""
+    s, held, params = waiting_restore(make_stack, monkeypatch)
+    ctl, totals = s.cache.controller, s.metrics.totals
+    held.release()  # both writes done (their staging back) before the restore is tried again
+    ctl.poll()
+    assert ctl.staging.used_bytes == 0 and ctl.reads.room_wanted
+    for base in (3000, 4000):
+        s.insert(turn(base, 40))
+    s.cache.evict(EvictParams(num_tokens=10**9))
+    assert totals["spills_refused_reserved"] == 1 and totals["spilled_tokens"] == 3 * TURN + 40
+    assert s.cache.init_load_back(params) is None  # its read starts now
+    assert not ctl.reads.room_wanted, "the read found its room"
+    held.release()
+    loaded, last = admit_all(s, {"r": params})["r"]
+    assert loaded == TURN and read_kv(s.pool, last.value) == expected_kv(HISTORY)
+    held.release()
+    ctl.wait_writes()
+    s.cache.check_integrity()
+
+
+def test_the_room_of_a_restore_whose_request_went_away_is_kept_no_longer_than_a_restore_waits(
+    make_stack: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The request of a waiting restore is never tried again (aborted, or its chain changed): no
+    restore can want its room once it would have given up (here the timeout policy's 0.2 s), so
+    the next eviction's spill takes it, not only after prefetch_ttl_s (30 s)."""
+    from sgl_hicache.config import PrefetchPolicy
+
+    s, held, _ = waiting_restore(
+        make_stack, monkeypatch, prefetch_policy=PrefetchPolicy.TIMEOUT, prefetch_timeout_s=0.2
+    )
+    ctl, totals = s.cache.controller, s.metrics.totals
+    held.release(1)  # 8 KiB back: the room the read waited for
+    threading.Event().wait(0.3)
+    ctl.poll()
+    evicted = turn(3000)
+    s.insert(evicted)
+    s.cache.evict(EvictParams(num_tokens=10**9))
+    assert totals["spills_refused_reserved"] == 0 and totals["spilled_tokens"] == 4 * TURN
+    assert s.match(evicted).host_hit_length == TURN
+    held.release()
+    ctl.wait_writes()
+    s.cache.check_integrity()
+
+
+def test_a_pinned_victim_is_spilled_into_the_room_a_waiting_read_needs(
+    make_stack: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pin promises that eviction spills its conversation rather than drop it, where it can be
+    written: the reservation does not drop it (the read waits on for the next write to finish)."""
+    from sgl_hicache.cache.hint_source import RetentionHint
+
+    s, held, params = waiting_restore(make_stack, monkeypatch)
+    ctl, totals = s.cache.controller, s.metrics.totals
+    held.release(1)
+    ctl.poll()
+    pinned = turn(3000)
+    s.insert(pinned)
+    s.cache.retention.apply(RetentionHint("pin", pinned, None, None, 60.0))
+    s.cache.evict(EvictParams(num_tokens=10**9))
+    assert totals["spills_refused_reserved"] == 0 and totals["pinned_spilled_tokens"] == TURN
+    assert s.match(pinned).host_hit_length == TURN, "spilled, not dropped"
+    held.release()
+    loaded, last = admit_all(s, {"r": params})["r"]
+    assert loaded == TURN and read_kv(s.pool, last.value) == expected_kv(HISTORY)
+    held.release()
+    ctl.wait_writes()
+    s.cache.check_integrity()
+
+
+def test_a_victim_whose_children_are_spilled_is_spilled_into_the_room_not_dropped_with_them(
+    make_stack: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another conversation's last turn is spilled, its first still resident: evicting the first
+    while a restore waits spills it (dropping it would drop its spilled turn with it, KV written
+    to the tier and lost to every later restore), and both restores are exact."""
+    s = make_stack(size=1024)
+    s.insert(HISTORY)
+    s.evict_all()
+    first, other = turn(5000), turn(5000) + turn(6000)
+    s.insert(first)
+    s.insert(other)
+    s.cache.evict(EvictParams(num_tokens=TURN))  # its last turn, the only leaf
+    s.cache.controller.wait_writes()
+    assert s.match(other).host_hit_length == TURN
+    shrink_staging(s, STAGING)
+    held = HeldWrites(monkeypatch, s.cache.controller.tier)
+    anchor = s.match(first).last_device_node
+    s.cache.inc_lock_ref(anchor)  # not a victim yet
+    for base in (1000, 2000):
+        s.insert(turn(base))
+    s.cache.evict(EvictParams(num_tokens=10**9))
+    s.cache.dec_lock_ref(anchor)
+    held.wait(s, 2)
+    params = admission(s, HISTORY, "r")
+    assert s.cache.init_load_back(params) is None and s.cache.controller.reads.room_wanted
+    held.release(1)
+    s.cache.controller.poll()
+    s.cache.evict(EvictParams(num_tokens=10**9))  # the first turn: its spill takes the read's room
+    totals = s.metrics.totals
+    assert totals["spills_refused_reserved"] == 0 and s.metrics.drops[DropReason.STAGING_FULL] == 0
+    assert s.match(other).host_hit_length == 2 * TURN, "both turns on the tier"
+    held.release()
+    loaded, last = admit_all(s, {"r": params})["r"]
+    assert loaded == TURN and read_kv(s.pool, last.value) == expected_kv(HISTORY)
+    held.release()
+    s.cache.controller.wait_writes()
+    loaded, last = s.load_back(s.match(other), rid="o")
+    assert loaded == 2 * TURN and resident(s, other) == expected_kv(other)
+    s.cache.check_integrity()
