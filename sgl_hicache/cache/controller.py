@@ -48,11 +48,12 @@ from sgl_hicache_kernels import DEFAULT_LAYER_GROUPS, KVPoolView, default_group_
 
 from sgl_hicache.cache.device import Copy, CopyEngine, Streams, streams_for
 from sgl_hicache.cache.lookups import FoundSegments, Lookups
-from sgl_hicache.cache.metrics import SpillMetrics
+from sgl_hicache.cache.metrics import SpillMetrics, StagingHolder
 from sgl_hicache.cache.reads import ExtentReads, Landing, Readiness, needs
 from sgl_hicache.cache.restores import RestoreProgress, Restores
 from sgl_hicache.cache.spill_state import Extent, ExtentState, SpillRef
 from sgl_hicache.cache.staging import StagingPool
+from sgl_hicache.cache.staging_holders import HeldTime, held
 from sgl_hicache.cache.staging_share import Refused, StagingShare
 from sgl_hicache.tier import Completion, ExtentKey, Ticket, Tier
 from sgl_hicache.tier.base import LookupResult
@@ -99,6 +100,7 @@ class SpillController:
         wanted = (lambda: self.reads.room_wanted_bytes) if restore_reserve else None
         self.share = StagingShare(view, metrics, wanted)
         self.share.log_extent_bound(staging)
+        self.held_time = HeldTime(metrics)  # staging held per holder over time, for /metrics
 
     @property
     def tier(self) -> Tier:
@@ -190,6 +192,7 @@ class SpillController:
         one whose handling raises must not lose the ones after it (their writes would stay in
         flight, their staging held, for good), so all are handled and then the first exception is
         raised."""
+        self.held_time.add(self.staging_held(), self.staging.capacity_bytes)  # held since the last poll
         errors: list[Exception] = []
         for done in self.tier.get_finished():
             try:
@@ -430,13 +433,17 @@ class SpillController:
     def check_integrity(self, with_tier: bool = True) -> None:
         """Staging accounting, and the tier's own check when nothing is in flight (`with_tier`;
         off for a directory that other processes change, where index and files legitimately differ)."""
-        staged = sum(e.staged.numel() for e in self._extents_in_flight() if e.staged is not None)
-        retiring = sum(buf.numel() for buf, _ in self._retiring)
-        held = staged + self.reads.held_bytes + retiring
-        assert self.staging.used_bytes == held, f"staging used {self.staging.used_bytes} != held {held}"
+        split = self.staging_held()
+        assert self.staging.used_bytes == sum(split.values()), (
+            f"staging used {self.staging.used_bytes} != {split}"
+        )
         self.staging.check_integrity()
         if with_tier and not self.writes_in_flight and not self.reads.in_flight:
             self.tier.check_integrity()
+
+    def staging_held(self) -> dict[StagingHolder, int]:
+        """Staging in use by what holds it (`staging_holders.held`); sums to `staging.used_bytes`."""
+        return held(self._extents_in_flight(), (buf for buf, _ in self._retiring), self.reads, self.restores)
 
     def _extents_in_flight(self) -> list[Extent]:
         return [*self._writing.values(), *(request.extent for request in self._packing)]

@@ -81,6 +81,25 @@ STAGING_REFUSALS = (
     "staging blocks refused for lack of room (a spill then drops, a restore waits or recomputes): "
     "raise --hicache-spill-staging if it grows",
 )
+STAGING_HELD = (
+    "staging_held_bytes",
+    "host staging in use by what holds it (holder: write = a spill or write-through packing or on its "
+    "way to the tier; restore = a read a restore in progress needs, its slots taken; restore_deferred = "
+    "a read a restore attempt asked for, its request deferred or gone; prefetch = a prefetch's or hint's "
+    "read no restore asked for yet; abandoned = a read given up, released when it completes; retiring = "
+    "blocks given back, waiting for the device copy using them); sums to staging_used_bytes",
+)
+STAGING_HELD_TIME = (
+    "staging_held_byte_seconds",
+    "host staging held over time by holder (staging_held_bytes integrated, sampled at each poll of "
+    "the cache: a block counts from the poll before it was taken to the poll that gave it back)",
+)
+STAGING_USED_TIME = (
+    "staging_used_seconds",
+    "seconds host staging spent with its use in each quarter of its capacity (used=0-25%, ..., "
+    "75-100%), sampled at each poll of the cache",
+)
+USED_BANDS = ("0-25%", "25-50%", "50-75%", "75-100%")
 AMPLIFICATION_GAUGE = (
     "tier_written_per_restored_byte",
     "bytes written to the tier per byte restored from it (tier_written_bytes / restored_bytes): write "
@@ -100,6 +119,17 @@ class DropReason(enum.StrEnum):
     INTERNAL_ERROR = "internal_error"  # our logic raised: contained, dropped as sglang would
     TP_DISAGREEMENT = "tp_disagreement"  # another TP rank could not spill it
     NOT_ADMITTED = "not_admitted"  # --hicache-spill-admission: not reused, hinted, pinned nor long
+
+
+class StagingHolder(enum.StrEnum):
+    """What holds a block of host staging (`staging_held_bytes{holder}`: cache/staging_holders.py)."""
+
+    WRITE = "write"  # a store's packed KV: packing, or on its way to the tier (its completion not taken)
+    RESTORE = "restore"  # a read a restore in progress needs (its slots taken; open, or landing layer-wise)
+    RESTORE_DEFERRED = "restore_deferred"  # a read a restore attempt asked for; no slots taken (deferred)
+    PREFETCH = "prefetch"  # a read a prefetch or hint started that no restore attempt asked for yet
+    ABANDONED = "abandoned"  # a read given up while in flight: released when its completion arrives
+    RETIRING = "retiring"  # a block given back, waiting for the device copy (pack, unpack) using it
 
 
 COUNTERS = {
@@ -237,6 +267,13 @@ class SpillMetrics:
     staging_gauges: dict[str, Any] | None = None
     staging_refusals: Any = None  # Counter child of STAGING_REFUSALS, when exported
     amplification: Any = None  # Gauge child of AMPLIFICATION_GAUGE, when exported
+    held_byte_seconds: dict[StagingHolder, float] = field(
+        default_factory=lambda: dict.fromkeys(StagingHolder, 0.0)
+    )
+    used_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(USED_BANDS, 0.0))
+    staging_held: dict[StagingHolder, Any] | None = None  # Gauge children of STAGING_HELD by holder
+    held_time: dict[StagingHolder, Any] | None = None  # Counter children of STAGING_HELD_TIME by holder
+    used_time: dict[str, Any] | None = None  # Counter children of STAGING_USED_TIME by band
     _tier_seen: dict[str, int] = field(default_factory=dict)  # last TierStats totals mirrored
 
     @classmethod
@@ -267,6 +304,9 @@ class SpillMetrics:
         dropped = counter(
             "dropped_tokens", "evicted tokens dropped instead of spilled, by reason", ("reason",)
         )
+        held = gauge(*STAGING_HELD, extra=("holder",))
+        held_time = counter(*STAGING_HELD_TIME, extra=("holder",))
+        used_time = counter(*STAGING_USED_TIME, extra=("used",))
         restore = Histogram("sglang:hicache_spill_restore_seconds", "time to restore a request's spilled KV",
                             names, registry=None, buckets=RESTORE_BUCKETS)  # fmt: skip
         return cls(
@@ -280,6 +320,9 @@ class SpillMetrics:
             staging_gauges={n: gauge(n, doc).labels(**labels) for n, doc in STAGING_GAUGES.items()},
             staging_refusals=counter(*STAGING_REFUSALS).labels(**labels),
             amplification=gauge(*AMPLIFICATION_GAUGE).labels(**labels),
+            staging_held={h: held.labels(**labels, holder=h.value) for h in StagingHolder},
+            held_time={h: held_time.labels(**labels, holder=h.value) for h in StagingHolder},
+            used_time={b: used_time.labels(**labels, used=b) for b in USED_BANDS},
         )
 
     def observe_restore(self, seconds: float) -> None:
@@ -319,6 +362,23 @@ class SpillMetrics:
             }
             for name, gauge in self.staging_gauges.items():
                 gauge.set(values[name])
+
+    def set_staging_held(self, held: Mapping[StagingHolder, int]) -> None:
+        """Mirror staging in use by holder (a holder not in `held` holds nothing)."""
+        if self.staging_held is not None:
+            for holder, gauge in self.staging_held.items():
+                gauge.set(held.get(holder, 0))
+
+    def add_staging_time(self, held: Mapping[StagingHolder, int], seconds: float, band: str) -> None:
+        """Staging held as `held` for `seconds`, its use in quarter `band` (`USED_BANDS`) of its capacity."""
+        self.used_seconds[band] += seconds
+        if self.used_time is not None:
+            self.used_time[band].inc(seconds)
+        for holder, nbytes in held.items():
+            if nbytes and seconds:
+                self.held_byte_seconds[holder] += nbytes * seconds
+                if self.held_time is not None:
+                    self.held_time[holder].inc(nbytes * seconds)
 
     def drop(self, tokens: int, reason: DropReason) -> None:
         """Evicted tokens dropped instead of spilled, and why."""

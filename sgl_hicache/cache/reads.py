@@ -152,10 +152,9 @@ class ExtentReads:
             self.release(read.buf)
         return True
 
-    @property
-    def held_bytes(self) -> int:
-        reads = {id(r): r for r in [*self._reads.values(), *self._tickets.values()]}
-        return sum(r.buf.numel() for r in reads.values())
+    def holding(self) -> list[PendingRead]:
+        """Every read holding a block of staging: kept for a restore, or its completion still due."""
+        return list({id(r): r for r in [*self._reads.values(), *self._tickets.values()]}.values())
 
     @property
     def in_flight(self) -> int:

@@ -74,6 +74,7 @@ def io_report(ctl: SpillController) -> dict[str, Any]:
         "staging_capacity_bytes": ctl.staging.capacity_bytes,
         "staging_peak_bytes": ctl.staging.peak_bytes,
         "staging_refused": ctl.staging.refused,
+        "staging_held_bytes": {h.value: n for h, n in ctl.staging_held().items()},
         "staging_pinned": ctl.staging.pinned,
         "writes_in_flight": ctl.writes_in_flight,
         "partial_restores": len(ctl.restores.held_slots()),
@@ -84,6 +85,6 @@ def io_report(ctl: SpillController) -> dict[str, Any]:
 
 NO_CONTROLLER: dict[str, Any] = {
     "staging_used_bytes": 0, "staging_capacity_bytes": 0, "staging_peak_bytes": 0, "staging_refused": 0,
-    "staging_pinned": False, "writes_in_flight": 0, "partial_restores": 0,
+    "staging_held_bytes": {}, "staging_pinned": False, "writes_in_flight": 0, "partial_restores": 0,
     "early_unpack": vars(EarlyUnpackStats()), "tier": None,
 }  # fmt: skip

@@ -357,6 +357,7 @@ class SpillRadixCache(RadixCache):
             self.spill_metrics.set_staging(
                 staging.used_bytes, staging.peak_bytes, staging.capacity_bytes, staging.refused
             )
+            self.spill_metrics.set_staging_held(self.controller.staging_held())
 
     # ---- state and accounting ----------------------------------------------------------------
 

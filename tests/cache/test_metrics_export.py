@@ -43,3 +43,20 @@ def test_manifest_records_that_did_not_verify_are_exported() -> None:
     zero = dict.fromkeys(TierStats.__dataclass_fields__, 0)
     m.set_tier_stats(TierStats(**{**zero, "manifest_bad_records": 3}))
     assert value(m.tier_counters["manifest_bad_records"]) == 3
+
+
+def test_staging_held_by_holder_is_a_labelled_gauge_and_its_time_a_counter() -> None:
+    from sgl_hicache.cache.metrics import StagingHolder
+
+    m = metrics()
+    assert m.staging_held is not None and m.held_time is not None and m.used_time is not None
+    m.set_staging_held({StagingHolder.WRITE: 4096, StagingHolder.PREFETCH: 8192})
+    assert value(m.staging_held[StagingHolder.WRITE]) == 4096
+    assert value(m.staging_held[StagingHolder.PREFETCH]) == 8192
+    assert value(m.staging_held[StagingHolder.RESTORE]) == 0
+    m.set_staging_held({StagingHolder.WRITE: 4096})  # the prefetch's block was released
+    assert value(m.staging_held[StagingHolder.PREFETCH]) == 0
+    m.add_staging_time({StagingHolder.WRITE: 100}, 2.0, "50-75%")
+    m.add_staging_time({StagingHolder.WRITE: 100}, 1.0, "50-75%")
+    assert value(m.held_time[StagingHolder.WRITE]) == 300 and value(m.used_time["50-75%"]) == 3.0
+    assert m.held_byte_seconds[StagingHolder.WRITE] == 300
