@@ -1,6 +1,7 @@
 """The loads of one batch share their Mooncake calls (issue 40): a restore's extents read in one
 batch read of their headers and one of each layer group across them, instead of a header call and a
-call a group for each extent (concurrent calls into the client slow each other down).
+call a group for each extent, and those calls one after another, however many I/O threads are
+free (concurrent calls into the client slow each other down).
 
 Counted at the tier's `StoreClient` (`Counted`, each call by method name) on a real master, the
 I/O threads held until every load of the batch is queued. Per load nothing is shared: every byte is
@@ -57,25 +58,44 @@ def prefix(i: int, pages: int) -> np.ndarray:
 
 class Counted:
     """A `StoreClient` whose every call is counted by method name; `reads`: the object names of
-    each `get_many_into`, in order."""
+    each `get_many_into`, in order; `most`: the most of them that ran at once (each takes at least
+    `slow_s`, so that calls that could overlap do)."""
 
     def __init__(self, client: StoreClient) -> None:
         self.client, self.calls, self.reads = client, Counter[str](), list[list[str]]()
+        self.slow_s, self._lock, self._now, self.most = 0.0, threading.Lock(), 0, 0
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self.client, name)
+        return self._read(method) if name == "get_many_into" else self._counted(name, method)
 
+    def _counted(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any) -> Any:
             self.calls[name] += 1
-            if name == "get_many_into":
-                self.reads.append(list(args[0]))
             return method(*args)
+
+        return call
+
+    def _read(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(names: list[str], dests: list[memoryview]) -> Any:
+            with self._lock:
+                self.calls["get_many_into"] += 1
+                self.reads.append(list(names))
+                self._now += 1
+                self.most = max(self.most, self._now)
+            try:
+                time.sleep(self.slow_s)
+                return method(names, dests)
+            finally:
+                with self._lock:
+                    self._now -= 1
 
         return call
 
     def reset(self) -> None:
         self.calls.clear()
         self.reads.clear()
+        self.most = 0
 
     @property
     def per_operation(self) -> Counter[str]:
@@ -160,12 +180,16 @@ def batch(mooncake_master: MooncakeMaster, tmp_path: Path,
 def test_the_loads_of_a_batch_are_one_header_call_and_one_call_a_layer_group(
     batch: Callable[..., Batch], threads: int
 ) -> None:
+    """And one call after another, however many I/O threads are free (each call is slowed down
+    here, so that calls that could overlap do)."""
     b = batch(threads)
+    b.client.slow_s = 0.05
     statuses, dests = b.load([None] * EXTENTS)
     assert statuses == [Status.OK] * EXTENTS
     for i, dest in enumerate(dests):
         assert np.array_equal(dest, payload(i)), f"extent {i} loaded other bytes"
     assert b.client.per_operation == Counter(get_many_into=1 + GROUPS), b.client.calls
+    assert b.client.most == 1, "calls of one batch ran at once"
 
 
 @pytest.mark.parametrize("compression", [Compression.NONE, Compression.ZSTD])

@@ -8,23 +8,25 @@ finds nothing returns):
 
 - rank (batch, 0): the headers of the batch's loads not opened yet, in one batch read
   (`objects.open_headers`), each verified and planned (`codec.plan_load`) on its own; their layer
-  groups join the batch's pending groups, one job is queued for each further group, ranked (batch,
-  group), and the job reads group 0;
-- a layer group: its chunks across the batch's loads pending for it, in batch reads of up to
-  `objects.LOAD_BATCH_BYTES` (`objects.read_pieces`).
+  groups join the batch's pending groups, and the job reads group 0;
+- rank (batch, group): that layer group's chunks across the batch's loads pending for it, in batch
+  reads of up to `objects.LOAD_BATCH_BYTES` (`objects.read_pieces`).
 
+A batch's layer groups are read one after another: the last of its running jobs, as it ends,
+queues a job for the lowest group still pending (unless one is queued), so the calls of one batch
+do not run at once (concurrent calls into the client slow each other down more than they overlap).
 So a batch whose loads are all pending when its first job runs costs one call for the headers and
-one a layer group; every group 0 is read before any group 1, and a later batch after it. Per load
-nothing is shared: each reply is checked and each chunk verified on its own before `landed` counts
-its bytes (the verified byte prefix, `progress.LoadProgress`; nothing before the end for a load
-that rearranges its bytes); a missing or bad object fails its own load only (with that load's
-other pieces of the call); a load failed earlier reads nothing more. Groups finish in any order;
-the job that records a load's last piece ends it: an OK completion, or the first error, classified
-by the tier (`Ends`). Every job runs under `Returned.guard`, and so does each load's end under its
-own ticket: an end that raises still ends its load (IO_ERROR, counted). The store's and the
-checks' errors are the loads' outcomes, never raised, so a job raises only from a bug (then its own
-ticket completes IO_ERROR), and no completion is posted while another job may still write the
-load's destination.
+one a layer group; every group 0 is read before any group 1, and a later batch after it.
+
+Per load nothing is shared: each reply is checked and each chunk verified on its own before
+`landed` counts its bytes (the verified byte prefix, `progress.LoadProgress`; nothing before the
+end for a load that rearranges its bytes); a missing or bad object fails its own load only (with
+that load's other pieces of the call); a load failed earlier reads nothing more. The job that
+records a load's last piece ends it: an OK completion, or the first error, classified by the tier
+(`Ends`). Every job runs under `Returned.guard`, and so does each load's end under its own ticket:
+an end that raises still ends its load (IO_ERROR, counted). The store's and the checks' errors are
+the loads' outcomes, never raised, so a job raises only from a bug (then its own ticket completes
+IO_ERROR), and no completion is posted while another job may still write the load's destination.
 """
 
 from __future__ import annotations
@@ -107,14 +109,17 @@ class _Opening(NamedTuple):
 class _Batch:
     """What of batch `number` waits for a job (guarded by the tier lock): `opening`, the loads whose
     header is not read yet; `groups`: group -> the loads whose pieces of that layer group are not
-    read yet; `jobs`: its jobs queued and not yet ended. Every pending entry has a job queued after
-    it that will take it (or takes it itself), so a batch without jobs has nothing pending."""
+    read yet (never an empty list); `queued`: the groups a group job is queued for, not started;
+    `jobs`: its jobs queued and not yet ended, `running` those started. An entry is added by a job,
+    or with one queued after it, and the last running job that ends queues one for the lowest group
+    pending (`Loads._chain`): a batch without jobs has nothing pending."""
 
     def __init__(self, number: int) -> None:
         self.number = number
         self.opening: list[_Opening] = []
         self.groups: dict[int, list[MooncakeLoad]] = {}
-        self.jobs = 0
+        self.queued: set[int] = set()
+        self.jobs = self.running = 0
 
 
 def _runs(loads: list[MooncakeLoad], group: int) -> Iterator[list[Part]]:
@@ -163,29 +168,41 @@ class Loads:
         self._io.submit_read(job, (b.number, group))
 
     def _job(self, b: _Batch, group: int, run: Callable[[_Batch, int], None]) -> None:
+        with self._lock:
+            b.running += 1
         try:
             run(b, group)
         finally:
             with self._lock:
                 b.jobs -= 1
+                b.running -= 1
+                self._chain(b)
                 if not b.jobs and self._batches.get(b.number) is b:  # nothing pending: forgotten
                     del self._batches[b.number]
 
+    def _chain(self, b: _Batch) -> None:
+        """As a job of `b` ends (holding `lock`), the last of its jobs running: a job for its lowest
+        layer group still pending, unless one is queued (the module doc: one group after another)."""
+        if not b.running and b.groups and (group := min(b.groups)) not in b.queued:
+            b.queued.add(group)
+            load = b.groups[group][0]  # its ticket guards the job
+            self._queue(b, group, load.ticket, load.key, self._group_job)
+
     def _open_job(self, b: _Batch, group: int) -> None:
-        """The headers pending, planned; their further groups queued; then `group` (0) read."""
+        """The headers pending, planned, their layer groups pending; then `group` (0) read."""
         with self._lock:
             opening, b.opening = b.opening, []
         loads = self._open(opening) if opening else []
         with self._lock:
-            later: dict[int, MooncakeLoad] = {}  # group -> a load that reads it (its job's guard)
             for load in loads:
                 for g in load.groups:
                     b.groups.setdefault(g, []).append(load)
-                    if g != group:
-                        later.setdefault(g, load)
-            for g, load in sorted(later.items()):  # ranked: the batch's group 0 first (the module doc)
-                self._queue(b, g, load.ticket, load.key, self._group_job)
-        self._group_job(b, group)
+        self._read_group(b, group)
+
+    def _group_job(self, b: _Batch, group: int) -> None:
+        with self._lock:
+            b.queued.discard(group)
+        self._read_group(b, group)
 
     def _open(self, opening: list[_Opening]) -> list[MooncakeLoad]:
         """The headers of `opening` read (one batch read) and planned: the loads planned with
@@ -223,7 +240,7 @@ class Loads:
         else:
             self._end(load)
 
-    def _group_job(self, b: _Batch, group: int) -> None:
+    def _read_group(self, b: _Batch, group: int) -> None:
         with self._lock:
             loads = b.groups.pop(group, [])
         for run in _runs(loads, group):
