@@ -1,13 +1,16 @@
 """The order the Mooncake tier reads chunks in (`Tier.submit_load`'s `batch`, issue 37), as the file
 tier's (test_read_order.py): the loads of one batch layer group by layer group, every load's group
 g before any load's group g + 1; loads of different batches, and loads without one, one after
-another in the order they were submitted; a lookup after the loads submitted before it. `landed`
-grows as the verified prefix of each destination while the groups of a batch land; a corrupt chunk
-in a late group fails its load (CORRUPT, its one completion) and nothing of that group counts.
+another in the order they were submitted; a lookup after the loads submitted before it. The loads
+of a batch share their calls (issue 40): one batch read of their headers, then one of each layer
+group across them (or, one chunk a call, the same objects in the same order). `landed` grows as
+the verified prefix of each destination while the groups of a batch land; a corrupt chunk in a
+late group fails its load (CORRUPT, its one completion), nothing of that group counts for it, and
+the other loads of the call are OK and exact.
 
-A real master; one I/O thread, held at the first batch read of chunks (`get_many_into`) until
-every load is queued: the order is then the queue's, not the threads' timing. Each call is
-recorded with the (extent, layer group) of the chunks it reads."""
+A real master; one I/O thread, held by a job queued ahead of the loads until every load is queued:
+the order is then the queue's, not the threads' timing. Each batch read (`get_many_into`) is
+recorded with the (extent, layer group) of the objects it reads, HEADERS for a header."""
 
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ skip_without_mooncake()
 PAGES, LAYER_PAGE = 100, 2048  # a layer group's section: 200 KiB, four chunks of at most 64 KiB
 SECTION = PAGES * LAYER_PAGE
 EXTENTS = 4
+HEADERS = -1  # the "layer group" of a header object
 
 
 def tokens(i: int) -> list[int]:
@@ -50,12 +54,12 @@ def payload(i: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Read:
-    """One batch read of chunks: the (extent, group) pairs it read (in order, once each), its bytes,
-    and when it began the `landed` of every load so far, and whether each destination held exactly
-    the payload up to it."""
+    """One batch read: the (extent, group) pairs it read (in order, once each), the chunk bytes it
+    read of each extent, and when it began the `landed` of every load so far, and whether each
+    destination held exactly the payload up to it."""
 
     parts: tuple[tuple[int, int], ...]
-    nbytes: int
+    chunk_bytes: dict[int, int]
     landed: tuple[int, ...]
     exact: bool
 
@@ -65,7 +69,7 @@ class Recorded:
     tier: Any
     ns: Namespace
     gate: threading.Event
-    chunks: dict[str, tuple[int, int]]  # chunk object name -> (extent, group)
+    objects: dict[str, tuple[int, int]]  # header or chunk object name -> (extent, group)
     reads: list[Read | str] = field(default_factory=list)
     tickets: list[Ticket] = field(default_factory=list)
     dests: list[np.ndarray] = field(default_factory=list)
@@ -82,7 +86,7 @@ def recorded(request: pytest.FixtureRequest, mooncake_master: MooncakeMaster, tm
              monkeypatch: pytest.MonkeyPatch) -> Iterator[Recorded]:  # fmt: skip
     """A Mooncake tier of one I/O thread holding extents 0..3 (one layer a group: two groups of four
     chunks each), whose batch reads of chunks are recorded and held until `gate` is set; `param`:
-    the bytes of one batch read (None: as shipped, a whole group a call)."""
+    the bytes of one batch read (None: as shipped, a whole group of every load of a batch a call)."""
     if request.param is not None:
         monkeypatch.setattr(objects, "LOAD_BATCH_BYTES", request.param)
     cfg = TierConfig(backend=SpillBackend.MOONCAKE, mooncake=mooncake_master.config(),
@@ -100,9 +104,10 @@ def recorded(request: pytest.FixtureRequest, mooncake_master: MooncakeMaster, tm
             spans = chunk_spans(ext.header.sections, CHUNK)
             groups = section_of(ext.header.sections, [offset for offset, _ in spans])
             assert groups == [0] * 4 + [1] * 4
-            rec.chunks.update(
+            rec.objects.update(
                 (name, (i, g)) for name, g in zip(ext.chunk_names(tier._names), groups, strict=True)
             )
+            rec.objects[tier._names.header(rec.key(i))] = (i, HEADERS)
         _record(rec, monkeypatch)
         yield rec
     finally:
@@ -114,14 +119,16 @@ def _record(rec: Recorded, monkeypatch: pytest.MonkeyPatch) -> None:
     client, real = rec.tier._client, rec.tier._client.get_many_into
 
     def get_many_into(names: list[str], dests: list[memoryview]) -> Any:
-        rec.gate.wait(30)
         landed = tuple(rec.tier.landed(t) for t in rec.tickets)
         exact = all(
             np.array_equal(d[:n], payload(i)[:n])
             for i, (d, n) in enumerate(zip(rec.dests, landed, strict=True))
         )
-        parts = tuple(dict.fromkeys(rec.chunks.get(n, (-1, -1)) for n in names))
-        rec.reads.append(Read(parts, sum(d.nbytes for d in dests), landed, exact))
+        seen = [rec.objects[n] for n in names]
+        nbytes = Counter[int]()
+        for (i, group), d in zip(seen, dests, strict=True):
+            nbytes[i] += d.nbytes if group != HEADERS else 0
+        rec.reads.append(Read(tuple(dict.fromkeys(seen)), dict(nbytes), landed, exact))
         return real(names, dests)
 
     monkeypatch.setattr(client, "get_many_into", get_many_into)
@@ -134,9 +141,15 @@ def _record(rec: Recorded, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(mooncake_backend, "run_lookup_in", run_lookup_in)
 
 
+def hold(rec: Recorded) -> None:
+    """Hold the tier's one I/O thread (a job ranked ahead of every load) until `rec.gate` is set."""
+    rec.tier._io.submit_read(lambda: rec.gate.wait(30), ())
+
+
 def submit(rec: Recorded, batches: list[int | None]) -> None:
     """Load extents 0..n-1, extent i with the ticket of extent batches[i]'s load as its batch (None:
     no batch), then release the thread."""
+    hold(rec)
     for i, of in enumerate(batches):
         rec.dests.append(np.zeros(payload(i).nbytes, np.uint8))
         extra = {} if of is None else {"batch": rec.tickets[of]}
@@ -169,31 +182,37 @@ def finished(rec: Recorded, oks: int, failures: int = 0) -> dict[Ticket, Complet
     return {c.ticket: c for c in done}
 
 
-def order(rec: Recorded) -> list[tuple[int, int] | str]:
-    """The (extent, group) of each recorded read, a call at a time; a call that read more than one
-    (extent, group) fails here."""
-    out: list[tuple[int, int] | str] = []
-    for r in rec.reads:
-        if isinstance(r, Read):
-            assert len(r.parts) == 1, f"one batch read spans several layer groups or extents: {r.parts}"
-            out.append(r.parts[0])
+Call = tuple[tuple[int, int], ...]
+
+
+def order(rec: Recorded) -> list[Call | str]:
+    """The (extent, group) pairs of each recorded read, a call at a time."""
+    return [r.parts if isinstance(r, Read) else r for r in rec.reads]
+
+
+def calls(steps: list[tuple[list[int], int]]) -> list[Call | str]:
+    """The reads of `steps`, each (extents, group) one call of that group (or HEADERS) of those
+    extents or, one chunk a call, one call an object (a header, or each of four chunks)."""
+    out: list[Call | str] = []
+    for extents, group in steps:
+        if SECTION * len(extents) <= objects.LOAD_BATCH_BYTES:
+            out.append(tuple((i, group) for i in extents))
         else:
-            out.append(r)
+            out += [((i, group),) for i in extents for _ in range(1 if group == HEADERS else 4)]
     return out
 
 
-def calls(pairs: list[tuple[int, int]]) -> list[tuple[int, int] | str]:
-    """The reads of `pairs`, each (extent, group) a call or, one chunk a call, four."""
-    per_group = 1 if objects.LOAD_BATCH_BYTES >= SECTION else 4
-    return [pair for pair in pairs for _ in range(per_group)]
+def one_by_one(extents: list[int]) -> list[tuple[list[int], int]]:
+    """The steps of loads of no batch: each extent's header and groups, one extent after another."""
+    return [([i], group) for i in extents for group in (HEADERS, 0, 1)]
 
 
 def test_the_loads_of_a_batch_are_read_group_by_group_and_a_later_load_after_them(recorded: Recorded) -> None:
     rec = recorded
     submit(rec, [None, 0, 0, None])  # extents 0-2: one restore; extent 3: another load
     done = finished(rec, EXTENTS)
-    pairs = [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (3, 0), (3, 1)]
-    assert order(rec) == calls(pairs), rec.reads
+    steps = [([0, 1, 2], HEADERS), ([0, 1, 2], 0), ([0, 1, 2], 1), *one_by_one([3])]
+    assert order(rec) == calls(steps), rec.reads
     for i, ticket in enumerate(rec.tickets):
         assert (done[ticket].status, done[ticket].nbytes) == (Status.OK, payload(i).nbytes)
         assert np.array_equal(rec.dests[i], payload(i))
@@ -212,7 +231,7 @@ def test_landed_grows_as_the_verified_prefix_of_each_load_of_a_batch(recorded: R
     for k, r in enumerate(reads):
         assert r.exact, f"a landed prefix held other bytes than the payload at read {k}"
         for i in range(3):
-            assert r.landed[i] == sum(p.nbytes for p in reads[:k] if p.parts[0][0] == i), (k, r)
+            assert r.landed[i] == sum(p.chunk_bytes.get(i, 0) for p in reads[:k]), (k, r)
     first_group_1 = next(r for r in reads if r.parts[0][1] == 1)
     assert first_group_1.landed == (SECTION,) * 3
     assert [rec.tier.landed(t) for t in rec.tickets] == [0] * 3, "nothing once returned"
@@ -222,14 +241,14 @@ def test_loads_without_a_batch_are_read_one_after_another(recorded: Recorded) ->
     rec = recorded
     submit(rec, [None, None, None])
     finished(rec, 3)
-    pairs = [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
-    assert order(rec) == calls(pairs), rec.reads
+    assert order(rec) == calls(one_by_one([0, 1, 2])), rec.reads
     for i in range(3):
         assert np.array_equal(rec.dests[i], payload(i))
 
 
 def test_a_lookup_runs_after_the_loads_before_it_and_before_the_loads_after_it(recorded: Recorded) -> None:
     rec = recorded
+    hold(rec)
     for i in range(2):
         rec.dests.append(np.zeros(payload(i).nbytes, np.uint8))
     rec.tickets.append(rec.tier.submit_load(rec.key(0), rec.dests[0]))
@@ -237,21 +256,26 @@ def test_a_lookup_runs_after_the_loads_before_it_and_before_the_loads_after_it(r
     rec.tickets.append(rec.tier.submit_load(rec.key(1), rec.dests[1]))
     rec.gate.set()
     finished(rec, 2)
-    assert order(rec) == [*calls([(0, 0), (0, 1)]), "lookup", *calls([(1, 0), (1, 1)])], rec.reads
+    assert order(rec) == [*calls(one_by_one([0])), "lookup", *calls(one_by_one([1]))], rec.reads
 
 
 def test_a_corrupt_chunk_in_a_late_group_fails_its_load_and_only_it(recorded: Recorded) -> None:
     """Extent 1's group-1 chunk fails its checksum: its load completes CORRUPT (its one completion,
-    never OK), `landed` of it never passes its group 0, and the other loads of the batch are OK and
-    exact."""
+    never OK), `landed` of it never passes its group 0, and the other loads of the batch, read in
+    the same calls, are OK and exact."""
     rec = recorded
     client = rec.tier._client
-    name = next(n for n, pair in rec.chunks.items() if pair == (1, 1))
+    name = next(n for n, pair in rec.objects.items() if pair == (1, 1))
     bad = bytearray(client.get(name))
     bad[10] ^= 1
     assert client.remove(name).ok and client.write(name, bytes(bad)).ok
     submit(rec, [None, 0, 0])
     done = finished(rec, 2, failures=1)
+    expected = calls([([0, 1, 2], HEADERS), ([0, 1, 2], 0), ([0, 1, 2], 1)])
+    if SECTION * 3 > objects.LOAD_BATCH_BYTES:  # a chunk a call: extent 1 reads none after its bad one
+        first = expected.index(((1, 1),))
+        expected = [c for k, c in enumerate(expected) if c != ((1, 1),) or k == first]
+    assert order(rec) == expected, rec.reads
     assert [done[t].status for t in rec.tickets] == [Status.OK, Status.CORRUPT, Status.OK]
     assert rec.tier.stats().checksum_failures == 1
     for r in rec.batch_reads():

@@ -22,10 +22,11 @@ and codes: client.py), and every load verifies it as a file load does. The contr
   `read_tokens`, `scanned_extents`); what it could not use is counted, a header that does not
   verify removed, and the manifest compacted (warm_start.py). Every store this tier writes is
   recorded there within about `MANIFEST_FLUSH_S` (and at close).
-- Loads (load.py): read as a file load is, layer group by layer group: a load's header job, then a
-  job per further group, ranked on the I/O threads (batch, group) as the file tier ranks its reads,
-  so the loads of one batch (`submit_load`'s `batch`) land every group 0 before any group 1; each
-  group's chunks in batch reads, each chunk verified before `landed` counts it.
+- Loads (load.py): the loads of one batch (`submit_load`'s `batch`) are read together, layer group
+  by layer group, ranked on the I/O threads (batch, group) as the file tier ranks its reads: their
+  headers in one batch read, then each group's chunks across them, every group 0 before any group
+  1; each object is checked on its own (one extent's missing or bad object fails its load alone)
+  and each chunk verified before `landed` counts it.
 - Lookups: path_lookup.py's walk over alias objects in the request's salt directory (the newest
   writer's wins), read after the loads submitted before it and before those submitted after; a
   dangling alias is left to the master's eviction. Failures: an unreachable master or peer is an
@@ -244,12 +245,11 @@ class MooncakeTier(ReturnedCompletions, IndexedTier):
         view, key = as_view(dest, writable=True), check_key(key)
         ticket = self._completions.issue()
         first = int(ticket) if batch is None else min(int(batch), int(ticket))
-        job = self._loads.job(ticket, key, view, nbytes, group_layers, first)
         fits = nbytes is None or 0 <= nbytes <= view.nbytes
         with self._lock:  # queued under the lock: close() cannot slip in between
             closed = self._closed
             if fits and not closed:
-                self._io.submit_read(job, (first, 0))  # ranked (batch, layer group): load.py
+                self._loads.submit(ticket, key, view, nbytes, group_layers, first)  # with its batch: load.py
         if closed or not fits:
             why = "tier closed" if closed else f"destination of {view.nbytes} B cannot hold {nbytes} B"
             self._post(ticket, Op.LOAD, key, Status.REJECTED, 0, why)

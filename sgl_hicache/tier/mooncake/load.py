@@ -1,24 +1,38 @@
-"""The Mooncake tier's loads (`MooncakeTier.submit_load`), read layer group by layer group.
+"""The Mooncake tier's loads (`MooncakeTier.submit_load`): a batch's loads share their store calls.
 
-A load's first job, ranked (batch, 0) on the tier's `IoScheduler` (batch: the load's own ticket or
-the earlier one it was submitted with, as the file tier ranks its reads), reads and verifies the
-header, plans the load (`codec.plan_load`), queues one job per further layer group ranked (batch,
-group) and reads group 0 itself: so the loads of one batch read every group 0 before any group 1,
-and a later batch after them. A group's chunks go in batch reads of up to
-`objects.LOAD_BATCH_BYTES` (`objects.read_pieces`), each chunk verified before its bytes count.
-Groups finish in any order; `landed` is the verified byte prefix (`progress.LoadProgress`; nothing
-before the end for a load that rearranges its bytes). The job that finishes last ends the load: an
-OK completion, or the first error, classified by the tier. A group job that starts after the load
-failed reads nothing. Every job of a load runs under `Returned.guard`, so one that raises still ends
-the load (IO_ERROR, counted); a group job raises only from the load's end (its reads' errors are the
-load's, its runs planned before any job was queued): no completion is posted while another job of
-the load may still write its destination.
+Loads submitted with the same `batch` (the load's own ticket or the earlier one it was submitted
+with, as the file tier ranks its reads) are read together: a load joins its batch's pending loads
+(`_Batch`, guarded by the tier lock) and queues a job ranked (batch, 0) on the tier's
+`IoScheduler`. A job takes everything of its batch pending for its rank when it runs (one that
+finds nothing returns):
+
+- rank (batch, 0): the headers of the batch's loads not opened yet, in one batch read
+  (`objects.open_headers`), each verified and planned (`codec.plan_load`) on its own; their layer
+  groups join the batch's pending groups, and the job reads group 0;
+- rank (batch, group): that layer group's chunks across the batch's loads pending for it, in batch
+  reads of up to `objects.LOAD_BATCH_BYTES` (`objects.read_pieces`).
+
+A batch's layer groups are read one after another: the last of its running jobs, as it ends,
+queues a job for the lowest group still pending (unless one is queued), so the calls of one batch
+do not run at once (concurrent calls into the client slow each other down more than they overlap).
+So a batch whose loads are all pending when its first job runs costs one call for the headers and
+one a layer group; every group 0 is read before any group 1, and a later batch after it.
+
+Per load nothing is shared: each reply is checked and each chunk verified on its own before
+`landed` counts its bytes (the verified byte prefix, `progress.LoadProgress`; nothing before the
+end for a load that rearranges its bytes); a missing or bad object fails its own load only (with
+that load's other pieces of the call); a load failed earlier reads nothing more. The job that
+records a load's last piece ends it: an OK completion, or the first error, classified by the tier
+(`Ends`). Every job runs under `Returned.guard`, and so does each load's end under its own ticket:
+an end that raises still ends its load (IO_ERROR, counted). The store's and the checks' errors are
+the loads' outcomes, never raised, so a job raises only from a bug (then its own ticket completes
+IO_ERROR), and no completion is posted while another job may still write the load's destination.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import NamedTuple
 
@@ -43,8 +57,8 @@ class Reader(NamedTuple):
     seal: DirectoryMac
     scratch: objects.Scratch
 
-    def open(self, key: ExtentKey, salt: bytes | None) -> objects.Opened:
-        return objects.open_header(self.client, self.names, self.ns, key, salt, self.seal, self.scratch)
+    def open(self, wanted: Sequence[tuple[ExtentKey, bytes | None]]) -> list[objects.Opened | Exception]:
+        return objects.open_headers(self.client, self.names, self.ns, wanted, self.seal, self.scratch)
 
 
 class Ends(NamedTuple):
@@ -62,8 +76,7 @@ class Ends(NamedTuple):
 
 class MooncakeLoad(LoadProgress):
     """A load whose header was verified and planned: its pieces by layer group (`groups`: group ->
-    indices into `pieces`, in order), one job a group, which reads the group's `runs` (one batch
-    read each); `key`'s objects are under the salt tag `ext.salt`."""
+    indices into `pieces`, in order); `key`'s objects are under the salt tag `ext.salt`."""
 
     def __init__(self, ticket: Ticket, key: ExtentKey, ext: objects.Opened, dest: memoryview, want: int,
                  plan: Plan, chunk_names: list[str]) -> None:  # fmt: skip
@@ -72,84 +85,199 @@ class MooncakeLoad(LoadProgress):
         self.groups: dict[int, list[int]] = {}
         for i, g in enumerate(section_of(ext.header.sections, [p.raw_off for p in plan.pieces])):
             self.groups.setdefault(g, []).append(i)
-        self.runs = {g: list(self._runs(indices)) for g, indices in self.groups.items()}
 
-    def _runs(self, indices: list[int]) -> Iterator[list[int]]:
-        """`indices` in runs of at most `LOAD_BATCH_BYTES` of chunks (at least one)."""
+    def read(self, i: int) -> objects.PieceRead:
+        """Piece `i` as one object of a batch read."""
+        p = self.pieces[i]
+        return objects.PieceRead(self.chunk_names[p.chunk], self.ext, p, self.dest)
+
+
+Part = tuple[MooncakeLoad, list[int]]
+"""A load and some of its pieces (indices into its `pieces`)."""
+
+
+class _Opening(NamedTuple):
+    """A load submitted whose header is not read yet."""
+
+    ticket: Ticket
+    key: ExtentKey
+    dest: memoryview
+    nbytes: int | None
+    group_layers: int | None
+
+
+class _Batch:
+    """What of batch `number` waits for a job (guarded by the tier lock): `opening`, the loads whose
+    header is not read yet; `groups`: group -> the loads whose pieces of that layer group are not
+    read yet (never an empty list); `queued`: the groups a group job is queued for, not started;
+    `jobs`: its jobs queued and not yet ended, `running` those started. An entry is added by a job,
+    or with one queued after it, and the last running job that ends queues one for the lowest group
+    pending (`Loads._chain`): a batch without jobs has nothing pending."""
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+        self.opening: list[_Opening] = []
+        self.groups: dict[int, list[MooncakeLoad]] = {}
+        self.queued: set[int] = set()
+        self.jobs = self.running = 0
+
+
+def _runs(loads: list[MooncakeLoad], group: int) -> Iterator[list[Part]]:
+    """The pieces of layer group `group` of `loads`, in order, in runs of at most `LOAD_BATCH_BYTES`
+    of chunks (at least one piece)."""
+    run: list[Part] = []
+    nbytes = 0
+    for load in loads:
         part: list[int] = []
-        nbytes = 0
-        for i in indices:
-            n = self.ext.chunks[self.pieces[i].chunk].length
-            if part and nbytes + n > objects.LOAD_BATCH_BYTES:
-                yield part
-                part, nbytes = [], 0
+        for i in load.groups[group]:
+            n = load.ext.chunks[load.pieces[i].chunk].length
+            if nbytes and nbytes + n > objects.LOAD_BATCH_BYTES:
+                yield [*run, (load, part)] if part else run
+                run, part, nbytes = [], [], 0
             part.append(i)
             nbytes += n
-        if part:
-            yield part
+        run.append((load, part))
+    if run:
+        yield run
 
 
 class Loads:
-    """The load jobs of one tier: run on `io`, each under `returned.guard`; `returned.loading`
-    (ticket -> its load, guarded by `lock`) is what the tier's `landed` reads, from the plan on
-    until the completion is returned."""
+    """The load jobs of one tier (the module doc): run on `io`; `returned.loading` (ticket -> its
+    load, guarded by `lock`) is what the tier's `landed` reads, from the plan on until the
+    completion is returned."""
 
     def __init__(self, reader: Reader, io: IoScheduler, lock: threading.Lock,
                  returned: Returned[LoadProgress], ends: Ends) -> None:  # fmt: skip
         self._reader, self._io, self._lock, self._ends = reader, io, lock, ends
         self._returned, self._loading = returned, returned.loading
+        self._batches: dict[int, _Batch] = {}  # by number, while it has jobs
 
-    def job(self, ticket: Ticket, key: ExtentKey, dest: memoryview, nbytes: int | None,
-            group_layers: int | None, batch: int) -> Callable[[], None]:  # fmt: skip
-        """The load's first job (`open_job`), to queue ranked (batch, 0)."""
-        opened = partial(self.open_job, ticket, key, dest, nbytes, group_layers, batch)
-        return self._returned.guard(ticket, Op.LOAD, key, opened)
+    def submit(self, ticket: Ticket, key: ExtentKey, dest: memoryview, nbytes: int | None,
+               group_layers: int | None, batch: int) -> None:  # fmt: skip
+        """Queue the load with the loads of `batch` (its first job ranked (batch, 0)); call holding
+        `lock`. Its completion is posted by the jobs."""
+        b = self._batches.setdefault(batch, _Batch(batch))
+        b.opening.append(_Opening(ticket, key, dest, nbytes, group_layers))
+        self._queue(b, 0, ticket, key, self._open_job)
 
-    def open_job(self, ticket: Ticket, key: ExtentKey, dest: memoryview, nbytes: int | None,
-                 group_layers: int | None, batch: int) -> None:  # fmt: skip
-        """The load's first job: the header, the plan, the further groups queued, group 0 read."""
-        salt = self._ends.salt(key)
+    def _queue(self, b: _Batch, group: int, ticket: Ticket, key: ExtentKey,
+               run: Callable[[_Batch, int], None]) -> None:  # fmt: skip
+        """Queue `run(b, group)` ranked (batch, group), guarded under `ticket`; holding `lock`."""
+        b.jobs += 1
+        job = self._returned.guard(ticket, Op.LOAD, key, partial(self._job, b, group, run))
+        self._io.submit_read(job, (b.number, group))
+
+    def _job(self, b: _Batch, group: int, run: Callable[[_Batch, int], None]) -> None:
+        with self._lock:
+            b.running += 1
         try:
-            ext = self._reader.open(key, salt)
-        except Exception as e:
-            self._ends.failed(ticket, key, salt, e, None)
+            run(b, group)
+        finally:
+            with self._lock:
+                b.jobs -= 1
+                b.running -= 1
+                self._chain(b)
+                if not b.jobs and self._batches.get(b.number) is b:  # nothing pending: forgotten
+                    del self._batches[b.number]
+
+    def _chain(self, b: _Batch) -> None:
+        """As a job of `b` ends (holding `lock`), the last of its jobs running: a job for its lowest
+        layer group still pending, unless one is queued (the module doc: one group after another)."""
+        if not b.running and b.groups and (group := min(b.groups)) not in b.queued:
+            b.queued.add(group)
+            load = b.groups[group][0]  # its ticket guards the job
+            self._queue(b, group, load.ticket, load.key, self._group_job)
+
+    def _open_job(self, b: _Batch, group: int) -> None:
+        """The headers pending, planned, their layer groups pending; then `group` (0) read."""
+        with self._lock:
+            opening, b.opening = b.opening, []
+        loads = self._open(opening) if opening else []
+        with self._lock:
+            for load in loads:
+                for g in load.groups:
+                    b.groups.setdefault(g, []).append(load)
+        self._read_group(b, group)
+
+    def _group_job(self, b: _Batch, group: int) -> None:
+        with self._lock:
+            b.queued.discard(group)
+        self._read_group(b, group)
+
+    def _open(self, opening: list[_Opening]) -> list[MooncakeLoad]:
+        """The headers of `opening` read (one batch read) and planned: the loads planned with
+        pieces to read; every other one ended."""
+        salts = [self._ends.salt(o.key) for o in opening]
+        try:
+            got = self._reader.open([(o.key, salt) for o, salt in zip(opening, salts, strict=True)])
+        except Exception as e:  # the binding raised: no header of the call was read
+            got = [e] * len(opening)
+        planned: list[MooncakeLoad] = []
+        for o, salt, ext in zip(opening, salts, got, strict=True):
+            self._guarded(o.ticket, o.key, partial(self._plan, o, salt, ext, planned))
+        return planned
+
+    def _plan(self, o: _Opening, salt: bytes | None, ext: objects.Opened | Exception,
+              planned: list[MooncakeLoad]) -> None:  # fmt: skip
+        """One load's header (or what failed it): planned into `planned`, or ended."""
+        if isinstance(ext, Exception):
+            self._ends.failed(o.ticket, o.key, salt, ext, None)
             return
-        want = ext.header.payload_len if nbytes is None else nbytes
-        if want > dest.nbytes:
-            self._ends.rejected(ticket, key, f"destination too small for {want} B")
+        want = ext.header.payload_len if o.nbytes is None else o.nbytes
+        if want > o.dest.nbytes:
+            self._ends.rejected(o.ticket, o.key, f"destination too small for {want} B")
             return
         try:
-            plan = plan_load(ext.header, want, group_layers)
-            load = MooncakeLoad(ticket, key, ext, dest, want, plan, ext.chunk_names(self._reader.names))
+            plan = plan_load(ext.header, want, o.group_layers)
+            load = MooncakeLoad(o.ticket, o.key, ext, o.dest, want, plan, ext.chunk_names(self._reader.names))
         except Exception as e:
-            self._fail(ticket, key, ext, e)
+            self._fail(o.ticket, o.key, ext, e)
             return
         with self._lock:
-            self._loading[ticket] = load
-        if not load.groups:
+            self._loading[o.ticket] = load
+        if load.groups:
+            planned.append(load)
+        else:
             self._end(load)
-            return
-        first, *later = sorted(load.groups)
-        for group in later:  # ranked: the batch's group 0 first (the module doc)
-            job = self._returned.guard(ticket, Op.LOAD, key, partial(self._group_job, load, group))
-            self._io.submit_read(job, (batch, group))
-        self._group_job(load, first)
 
-    def _group_job(self, load: MooncakeLoad, group: int) -> None:
-        for part in load.runs[group]:
-            error = load.error  # once the load failed, nothing more is read
-            if error is None:
-                try:
-                    pieces = [load.pieces[i] for i in part]
-                    objects.read_pieces(self._reader.client, [load.chunk_names[p.chunk] for p in pieces],
-                                        load.ext, pieces, load.dest, self._reader.scratch)  # fmt: skip
-                except Exception as e:
-                    error = e
-            if load.done(part, error):
+    def _read_group(self, b: _Batch, group: int) -> None:
+        with self._lock:
+            loads = b.groups.pop(group, [])
+        for run in _runs(loads, group):
+            self._read_run(run)
+
+    def _read_run(self, run: list[Part]) -> None:
+        """One batch read of `run`'s pieces, each load's recorded (and ended if that was its last)."""
+        failed = [load.error for load, _ in run]  # once a load failed, nothing more is read
+        errors = iter(self._read([part for part, error in zip(run, failed, strict=True) if error is None]))
+        for (load, indices), error in zip(run, failed, strict=True):
+            if load.done(indices, error if error is not None else next(errors)):
                 self._end(load)
 
+    def _read(self, parts: list[Part]) -> list[Exception | None]:
+        """The pieces of `parts` in one batch read; per part the first error of its pieces, or None."""
+        if not parts:
+            return []
+        reads = [load.read(i) for load, indices in parts for i in indices]
+        try:
+            per_piece = objects.read_pieces(self._reader.client, reads, self._reader.scratch)
+        except Exception as e:  # the binding raised: no piece of the call was read
+            per_piece = [e] * len(reads)
+        out, at = [], 0
+        for _, indices in parts:
+            out.append(next((e for e in per_piece[at : at + len(indices)] if e is not None), None))
+            at += len(indices)
+        return out
+
+    def _guarded(self, ticket: Ticket, key: ExtentKey, fn: Callable[[], None]) -> None:
+        """`fn`, which ends load `ticket` or leaves it to later jobs, under the load's own guard."""
+        self._returned.guard(ticket, Op.LOAD, key, fn)()
+
     def _end(self, load: MooncakeLoad) -> None:
-        """The last job's: rearrange (if planned) and post the outcome."""
+        """After its last piece: rearrange (if planned) and post the outcome, under its guard."""
+        self._guarded(load.ticket, load.key, partial(self._finish, load))
+
+    def _finish(self, load: MooncakeLoad) -> None:
         error = load.error
         if error is None:
             try:

@@ -18,20 +18,24 @@ chunks are there; else it writes them all again.
 Store calls (each one call of the store, whatever the number of objects): a store is at most four:
 read the header (absent: go on), one batch write of every chunk (`write_many_from`, straight from
 the caller's payload: an uncompressed chunk is never copied by us), the header, one batch write of
-the aliases; a present extent costs a batch existence check of its chunks instead of the writes. A
-load (load.py) is the header, then one batch read (`read_pieces`: `get_many_into`, up to
-`LOAD_BATCH_BYTES` a call) of the chunks each layer group needs: two calls for a page-major extent,
-one more for each further group; whole chunks go straight into the caller's destination and are
-verified in place; only a compressed chunk, or the part of a chunk a prefix load needs, passes
-through a per-thread scratch buffer (registered with the store, as RDMA needs).
+the aliases; a present extent costs a batch existence check of its chunks instead of the writes.
+Loads (load.py) are read a batch at a time: the headers of the batch's loads in one batch read
+(`open_headers`: `get_many_into`; a header larger than `HEADER_READ_BYTES` is read again alone at
+its size), then the chunks each layer group needs across the loads in one more (`read_pieces`, up
+to `LOAD_BATCH_BYTES` a call): two calls for a batch of page-major extents, one more for each
+further group, whatever the number of extents. Each reply is checked and each object verified on
+its own, so one object's failure is its extent's only. Whole chunks go straight into the caller's
+destination and are verified in place; only a compressed chunk, or the part of a chunk a prefix
+load needs, passes through a per-thread scratch buffer (registered with the store, as RDMA needs),
+as do the headers.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import xxhash
 
@@ -66,8 +70,10 @@ HEADER_READ_BYTES = 64 << 10
 """A header is read into a buffer this large in one call (most headers fit); a larger one is
 refused by the store and read again at its size."""
 LOAD_BATCH_BYTES = 64 << 20
-"""A layer group's chunks go in one batch read up to this many bytes; a larger group reads in
-several, reporting each verified prefix as it lands (load.py)."""
+"""One batch read reads into at most this many bytes (at least one object): a layer group's chunks
+across a batch's loads go in one call up to it (load.py), a larger group in several, each verified
+prefix reported as it lands; headers (`open_headers`) count HEADER_READ_BYTES each."""
+T = TypeVar("T")
 
 
 class Gone(FileNotFoundError):
@@ -168,10 +174,60 @@ def open_header(client: StoreClient, names: Names, ns: NamespaceId, key: ExtentK
     name = names.header(key, salt)
     buf = scratch.get(HEADER_READ_BYTES)
     reply = client.get_into(name, buf)
-    if reply.code == INVALID_PARAMS:  # larger than the guess: read it again at its size
-        buf = scratch.get(_checked(client.size(name), "header size").n)
-        reply = client.get_into(name, buf)
+    if reply.code == INVALID_PARAMS:
+        return _open_large(client, name, ns, key, salt, seal, scratch)
+    return _verified(buf, reply, ns, key, salt, seal)
+
+
+def open_headers(client: StoreClient, names: Names, ns: NamespaceId, wanted: Sequence[tuple[ExtentKey, bytes | None]],
+                 seal: DirectoryMac, scratch: Scratch) -> list[Opened | Exception]:  # fmt: skip
+    """`open_header` of each (key, salt) of `wanted` in one batch read (of up to `LOAD_BATCH_BYTES`:
+    more headers take more), each reply checked and verified on its own: per pair its header or
+    what `open_header` would have raised for it (one extent's missing or bad header leaves the
+    others as they are)."""
+    per_call = max(1, LOAD_BATCH_BYTES // HEADER_READ_BYTES)
+    out: list[Opened | Exception] = []
+    for at in range(0, len(wanted), per_call):
+        out += _open_some(client, names, ns, wanted[at : at + per_call], seal, scratch)
+    return out
+
+
+def _open_some(client: StoreClient, names: Names, ns: NamespaceId, wanted: Sequence[tuple[ExtentKey, bytes | None]],
+               seal: DirectoryMac, scratch: Scratch) -> list[Opened | Exception]:  # fmt: skip
+    """A header larger than HEADER_READ_BYTES is read again on its own once the others were
+    verified (it reuses the scratch buffer that holds them)."""
+    header_names = [names.header(key, salt) for key, salt in wanted]
+    buf = scratch.get(len(wanted) * HEADER_READ_BYTES)
+    slots = [buf[i * HEADER_READ_BYTES : (i + 1) * HEADER_READ_BYTES] for i in range(len(wanted))]
+    replies = client.get_many_into(header_names, slots)
+    out = [
+        None if reply.code == INVALID_PARAMS else _attempt(_verified, slot, reply, ns, key, salt, seal)
+        for (key, salt), slot, reply in zip(wanted, slots, replies, strict=True)
+    ]
+    return [
+        _attempt(_open_large, client, name, ns, key, salt, seal, scratch) if got is None else got
+        for (key, salt), name, got in zip(wanted, header_names, out, strict=True)
+    ]
+
+
+def _open_large(client: StoreClient, name: str, ns: NamespaceId, key: ExtentKey, salt: bytes | None,
+                seal: DirectoryMac, scratch: Scratch) -> Opened:  # fmt: skip
+    """A header larger than HEADER_READ_BYTES (the store refused that buffer): read at its size."""
+    buf = scratch.get(_checked(client.size(name), "header size").n)
+    return _verified(buf, client.get_into(name, buf), ns, key, salt, seal)
+
+
+def _verified(buf: memoryview, reply: Reply, ns: NamespaceId, key: ExtentKey, salt: bytes | None,
+              seal: DirectoryMac) -> Opened:  # fmt: skip
     return verify_header(buf[: _checked(reply, "header get").n], ns, key, salt, seal)
+
+
+def _attempt(fn: Callable[..., T], *args: Any) -> T | Exception:
+    """`fn(*args)`, or what it raised: one object's failure, kept apart from the others' of a call."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        return e
 
 
 def verify_header(raw: memoryview | bytes, ns: NamespaceId, key: ExtentKey, salt: bytes | None,
@@ -219,29 +275,54 @@ def remove_extent(client: StoreClient, names: Names, ns: NamespaceId, key: Exten
     return client.remove_many([names.header(key, salt), *chunks])[0].ok
 
 
-def read_pieces(client: StoreClient, chunk_names: list[str], ext: Opened, pieces: list[Piece], dest: memoryview,
-                scratch: Scratch) -> None:  # fmt: skip
-    """`pieces` of their chunks (named `chunk_names`) into `dest` in one call, each verified before
-    its decoded bytes are placed; raises Gone, StoreFailed, FormatError. A piece is read whole into
-    `dest` where it lands there as stored, else into its own part of the scratch buffer and decoded
-    from there."""
-    h, chunks = ext.header, ext.chunks
-    whole = [h.compression is Compression.NONE and p.need == p.raw_len for p in pieces]
-    spare = scratch.get(sum(chunks[p.chunk].length for p, w in zip(pieces, whole, strict=True) if not w))
+class PieceRead(NamedTuple):
+    """One piece of a load to read: its chunk object's `name`, the extent `ext` whose header
+    records the chunk, and the load's destination `dest` (the piece goes at its `dest_off`)."""
+
+    name: str
+    ext: Opened
+    piece: Piece
+    dest: memoryview
+
+    @property
+    def length(self) -> int:
+        """The chunk object's bytes, as its header records them."""
+        return self.ext.chunks[self.piece.chunk].length
+
+    @property
+    def whole(self) -> bool:
+        """Whether the chunk lands in `dest` as stored (read straight there)."""
+        return self.ext.header.compression is Compression.NONE and self.piece.need == self.piece.raw_len
+
+
+def read_pieces(client: StoreClient, reads: Sequence[PieceRead], scratch: Scratch) -> list[Exception | None]:
+    """The pieces of `reads` (of any loads) in one call, each reply checked and each chunk verified
+    on its own before its decoded bytes are placed: per piece None (verified and in place) or what
+    failed it (Gone, StoreFailed, FormatError; one piece's failure leaves the others as they are). A
+    piece is read whole into its `dest` where it lands there as stored, else into its own part of
+    the scratch buffer and decoded from there."""
+    spare = scratch.get(sum(r.length for r in reads if not r.whole))
     targets, at = [], 0
-    for p, w in zip(pieces, whole, strict=True):
-        n = chunks[p.chunk].length
-        if w:
-            targets.append(dest[p.dest_off : p.dest_off + n])
+    for r in reads:
+        if r.whole:
+            targets.append(r.dest[r.piece.dest_off : r.piece.dest_off + r.length])
         else:
-            targets.append(spare[at : at + n])
-            at += n
-    replies = client.get_many_into(chunk_names, targets)
-    for p, w, name, target, reply in zip(pieces, whole, chunk_names, targets, replies, strict=True):
-        _check_length(reply, name, chunks[p.chunk].length)
-        verify_chunk(target, chunks[p.chunk], p.chunk)
-        if not w:
-            dest[p.dest_off : p.dest_off + p.need] = decode_chunk(target, h.compression, p.raw_len)[: p.need]
+            targets.append(spare[at : at + r.length])
+            at += r.length
+    replies = client.get_many_into([r.name for r in reads], targets)
+    return [
+        _attempt(_place, r, target, reply) for r, target, reply in zip(reads, targets, replies, strict=True)
+    ]
+
+
+def _place(r: PieceRead, target: memoryview, reply: Reply) -> None:
+    p, chunk = r.piece, r.ext.chunks[r.piece.chunk]
+    _check_length(reply, r.name, chunk.length)
+    verify_chunk(target, chunk, p.chunk)
+    if not r.whole:
+        r.dest[p.dest_off : p.dest_off + p.need] = decode_chunk(target, r.ext.header.compression, p.raw_len)[
+            : p.need
+        ]
 
 
 def _check_length(reply: Reply, name: str, length: int) -> None:

@@ -1,0 +1,275 @@
+"""The loads of one batch share their Mooncake calls (issue 40): a restore's extents read in one
+batch read of their headers and one of each layer group across them, instead of a header call and a
+call a group for each extent, and those calls one after another, however many I/O threads are
+free (concurrent calls into the client slow each other down).
+
+Counted at the tier's `StoreClient` (`Counted`, each call by method name) on a real master, the
+I/O threads held until every load of the batch is queued. Per load nothing is shared: every byte is
+exact (whole loads, page prefixes, compressed chunks, headers larger than one read's guess), and
+one extent's missing or damaged object fails that load alone, as a load on its own would fail
+(MISS or CORRUPT), while the others of the same calls are OK and exact.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from sgl_hicache.config import Compression, MooncakeConfig, SpillBackend, TierConfig
+from sgl_hicache.tier import ROOT_KEY, ExtentKey, KVDtype, KVLayout, Namespace, Status, chain_key
+from sgl_hicache.tier.format import FIXED_SIZE
+from sgl_hicache.tier.groups import chunk_spans, section_of
+from sgl_hicache.tier.mooncake import backend as mooncake_backend
+from sgl_hicache.tier.mooncake import objects
+from sgl_hicache.tier.mooncake.client import StoreClient, connect
+from tests.mooncake_master import MooncakeMaster, skip_without_mooncake
+from tests.tier.common import CHUNK
+
+skip_without_mooncake()
+
+LAYOUT = KVLayout(num_layers=4, num_heads=2, head_dim=64, dtype=KVDtype.BF16, page_size=4)
+GROUPS = 4  # one layer a group
+PAGES = 40
+LAYER_PAGE = 2 * LAYOUT.num_heads * LAYOUT.head_dim * LAYOUT.dtype.itemsize * LAYOUT.page_size
+SECTION = PAGES * LAYER_PAGE  # 80 KiB: two chunks of a group
+EXTENTS = 8
+
+
+def tokens(i: int) -> list[int]:
+    return list(range(i * 10_000, i * 10_000 + PAGES * LAYOUT.page_size))
+
+
+def payload(i: int) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, GROUPS * SECTION, dtype=np.uint8)
+
+
+def prefix(i: int, pages: int) -> np.ndarray:
+    """What a load of the first `pages` pages of extent i holds: each group's first pages."""
+    return np.concatenate([payload(i)[g * SECTION : g * SECTION + pages * LAYER_PAGE] for g in range(GROUPS)])
+
+
+class Counted:
+    """A `StoreClient` whose every call is counted by method name; `reads`: the object names of
+    each `get_many_into`, in order; `most`: the most of them that ran at once (each takes at least
+    `slow_s`, so that calls that could overlap do)."""
+
+    def __init__(self, client: StoreClient) -> None:
+        self.client, self.calls, self.reads = client, Counter[str](), list[list[str]]()
+        self.slow_s, self._lock, self._now, self.most = 0.0, threading.Lock(), 0, 0
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.client, name)
+        return self._read(method) if name == "get_many_into" else self._counted(name, method)
+
+    def _counted(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            self.calls[name] += 1
+            return method(*args)
+
+        return call
+
+    def _read(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(names: list[str], dests: list[memoryview]) -> Any:
+            with self._lock:
+                self.calls["get_many_into"] += 1
+                self.reads.append(list(names))
+                self._now += 1
+                self.most = max(self.most, self._now)
+            try:
+                time.sleep(self.slow_s)
+                return method(names, dests)
+            finally:
+                with self._lock:
+                    self._now -= 1
+
+        return call
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.reads.clear()
+        self.most = 0
+
+    @property
+    def per_operation(self) -> Counter[str]:
+        """The calls but the I/O threads' registrations of their scratch buffers (first use)."""
+        return Counter({name: n for name, n in self.calls.items() if name != "register"})
+
+
+@dataclass
+class Batch:
+    tier: Any
+    client: Counted
+    threads: int
+    keys: list[ExtentKey] = field(default_factory=list)
+
+    def chunks(self, i: int) -> dict[int, list[str]]:
+        """Extent i's chunk object names by layer group."""
+        t = self.tier
+        ext = objects.open_header(
+            t._client, t._names, t.namespace.id, self.keys[i], None, t._seal, t._scratch
+        )
+        spans = chunk_spans(ext.header.sections, CHUNK)
+        out: dict[int, list[str]] = {}
+        for name, g in zip(ext.chunk_names(t._names), section_of(ext.header.sections, [o for o, _ in spans]),
+                           strict=True):  # fmt: skip
+            out.setdefault(g, []).append(name)
+        return out
+
+    def load(self, wants: list[int | None]) -> tuple[list[Status], list[np.ndarray]]:
+        """Load extents 0..n-1 as one batch (extent i's first wants[i] bytes; None: all), every
+        load queued before an I/O thread takes one; their statuses and destinations."""
+        gate = threading.Event()
+        for _ in range(self.threads):  # ranked ahead of every load: each holds a thread
+            self.tier._io.submit_read(gate.wait, ())
+        dests = [np.zeros(GROUPS * SECTION, np.uint8) for _ in wants]
+        tickets = [self.tier.submit_load(self.keys[0], dests[0], wants[0])]
+        tickets += [self.tier.submit_load(self.keys[i], dests[i], wants[i], batch=tickets[0])
+                    for i in range(1, len(wants))]  # fmt: skip
+        gate.set()
+        done = [self.tier.wait(t, 30) for t in tickets]
+        assert not self.tier.get_finished(), "one completion a load"
+        for c, want in zip(done, wants, strict=True):
+            if c.ok:
+                assert c.nbytes == (GROUPS * SECTION if want is None else want)
+        return [c.status for c in done], dests
+
+
+@pytest.fixture
+def batch(mooncake_master: MooncakeMaster, tmp_path: Path,
+          monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Batch]]:  # fmt: skip
+    """A Mooncake tier on a counted client (`io_threads`, `compression` as asked), holding extents
+    0..7 in groups of one layer."""
+    monkeypatch.setattr(mooncake_backend, "MANIFEST_FLUSH_S", 3600.0)  # no manifest write while counting
+    made: list[mooncake_backend.MooncakeTier] = []
+
+    def counted(cfg: MooncakeConfig) -> Any:
+        return Counted(connect(cfg))
+
+    monkeypatch.setattr(mooncake_backend, "connect", counted)
+
+    def make(threads: int = 1, compression: Compression = Compression.NONE) -> Batch:
+        cfg = TierConfig(backend=SpillBackend.MOONCAKE, mooncake=mooncake_master.config(),
+                         directory=tmp_path / "tier", chunk_bytes=CHUNK, io_threads=threads,
+                         compression=compression)  # fmt: skip
+        tier = mooncake_backend.MooncakeTier(cfg, Namespace(f"batch-{time.monotonic_ns()}", LAYOUT))
+        made.append(tier)
+        b = Batch(tier, tier._client, threads)
+        for i in range(EXTENTS):
+            b.keys.append(chain_key(tier.namespace.id, ROOT_KEY, tokens(i)))
+            done = tier.wait(
+                tier.submit_store(b.keys[i], payload(i), tokens(i), ROOT_KEY, group_layers=1), 30
+            )
+            assert done.ok, done
+        b.client.reset()
+        return b
+
+    yield make
+    for tier in made:
+        tier.close(10)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_the_loads_of_a_batch_are_one_header_call_and_one_call_a_layer_group(
+    batch: Callable[..., Batch], threads: int
+) -> None:
+    """And one call after another, however many I/O threads are free (each call is slowed down
+    here, so that calls that could overlap do)."""
+    b = batch(threads)
+    b.client.slow_s = 0.05
+    statuses, dests = b.load([None] * EXTENTS)
+    assert statuses == [Status.OK] * EXTENTS
+    for i, dest in enumerate(dests):
+        assert np.array_equal(dest, payload(i)), f"extent {i} loaded other bytes"
+    assert b.client.per_operation == Counter(get_many_into=1 + GROUPS), b.client.calls
+    assert b.client.most == 1, "calls of one batch ran at once"
+
+
+@pytest.mark.parametrize("compression", [Compression.NONE, Compression.ZSTD])
+def test_every_byte_of_a_batch_of_whole_loads_and_prefixes_is_exact(
+    batch: Callable[..., Batch], compression: Compression
+) -> None:
+    """Whole loads and page prefixes (a part of a chunk: decoded from the scratch buffer, as every
+    compressed chunk is) in the same calls."""
+    b = batch(1, compression)
+    pages = [PAGES, 1, 7, 16, 17, 39, PAGES, 3]
+    statuses, dests = b.load([None if p == PAGES else p * GROUPS * LAYER_PAGE for p in pages])
+    assert statuses == [Status.OK] * EXTENTS
+    for i, (p, dest) in enumerate(zip(pages, dests, strict=True)):
+        n = p * GROUPS * LAYER_PAGE
+        assert np.array_equal(dest[:n], prefix(i, p)), f"extent {i} ({p} pages) loaded other bytes"
+        assert not dest[n:].any(), f"extent {i}: bytes written past its {p} pages"
+    assert b.client.per_operation == Counter(get_many_into=1 + GROUPS), b.client.calls
+
+
+def test_headers_larger_than_the_guess_are_read_again_alone_and_verified(
+    batch: Callable[..., Batch], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every header is larger than the buffer a batch read gives it: the store refuses each
+    (INVALID_PARAMS), and each is read again at its size, on its own; every load is OK and exact."""
+    b = batch(1)
+    monkeypatch.setattr(objects, "HEADER_READ_BYTES", 1024)
+    statuses, dests = b.load([None] * EXTENTS)
+    assert statuses == [Status.OK] * EXTENTS
+    for i, dest in enumerate(dests):
+        assert np.array_equal(dest, payload(i))
+    assert b.client.per_operation == Counter(get_many_into=1 + GROUPS, size=EXTENTS, get_into=EXTENTS)
+
+
+DAMAGED = 3  # the extent whose object is removed or damaged
+
+
+def damage(b: Batch, name: str, how: str, at: int) -> None:
+    """Remove object `name`, or flip its byte `at`."""
+    client = b.tier._client
+    if how == "removed":
+        assert client.remove(name).ok
+    else:
+        bad = bytearray(client.get(name))
+        bad[at] ^= 1
+        assert client.remove(name).ok and client.write(name, bytes(bad)).ok
+
+
+@pytest.mark.parametrize(
+    ("what", "how", "status"),
+    [
+        ("header", "removed", Status.MISS),
+        ("header", "corrupt", Status.CORRUPT),
+        ("chunk", "removed", Status.MISS),
+        ("chunk", "corrupt", Status.CORRUPT),
+    ],
+)
+def test_one_extents_missing_or_damaged_object_fails_its_load_alone(
+    batch: Callable[..., Batch], what: str, how: str, status: Status
+) -> None:
+    """Extent 3's header, or the first chunk of its group 2, is removed or has a flipped byte: its
+    load is a MISS or CORRUPT as it would be alone (counted once), it reads nothing after the
+    failure, and the other seven loads of the same calls are OK and exact."""
+    b = batch(1)
+    chunks = b.chunks(DAMAGED)
+    if what == "header":
+        damage(b, b.tier._names.header(b.keys[DAMAGED]), how, FIXED_SIZE - 1)  # its MAC
+    else:
+        damage(b, chunks[2][0], how, 1000)
+    b.client.reset()
+    statuses, dests = b.load([None] * EXTENTS)
+    assert statuses == [status if i == DAMAGED else Status.OK for i in range(EXTENTS)]
+    for i, dest in enumerate(dests):
+        if i != DAMAGED:
+            assert np.array_equal(dest, payload(i)), f"extent {i} loaded other bytes"
+    stats = b.tier.stats()
+    assert (stats.misses, stats.checksum_failures) == ((1, 0) if status is Status.MISS else (0, 1))
+    assert b.client.calls["get_many_into"] == 1 + GROUPS, b.client.calls
+    read = {name for names in b.client.reads for name in names}
+    assert not read & set(chunks.get(3, [])), "a load that failed read on"
+    if what == "header":
+        assert not read & {n for names in chunks.values() for n in names}, (
+            "a load without a header read chunks"
+        )
