@@ -25,6 +25,8 @@ Contract (every method runs on the scheduler thread and never blocks on I/O):
   (layer-wise restores), layer group by layer group across them (`Tier.submit_load`'s `batch`: the
   reads one call starts join the first of them, never an earlier call's), so that group 0 of every extent
   lands first and the prefill can start after about 1/groups of the reads, not after most of them;
+  a tier whose batches cost fewer calls (`Tier.batches_loads`: Mooncake) gets a call's reads as one
+  batch in either case;
 - `restore_read_seconds` (`count_read_span`): the first read a restore used starting to the last
   one completing (when the tier posted its completion, `Completion.at`, not when the scheduler
   took it); counted by the controller once per restore that got all its bytes, whole (at
@@ -91,18 +93,18 @@ class Landing:
 
 
 class _Batch:
-    """The reads one call starts (one restore's, or one prefetch's): with `group_major`, each is
-    read with the first of them (`Tier.submit_load`'s `batch`). A read started earlier (another
+    """The reads one call starts (one restore's, or one prefetch's): if `batched`, each is read
+    with the first of them (`Tier.submit_load`'s `batch`). A read started earlier (another
     request's prefetch of a shared prefix) is never joined: work joining it would rank ahead of
     everything submitted since, for as long as reads kept joining."""
 
-    def __init__(self, group_major: bool) -> None:
-        self.group_major = group_major
+    def __init__(self, batched: bool) -> None:
+        self.batched = batched
         self.began = time.monotonic()
         self.ticket: Ticket | None = None
 
     def joined(self, read: PendingRead) -> None:
-        if self.group_major and self.ticket is None and read.done is None and read.started >= self.began:
+        if self.batched and self.ticket is None and read.done is None and read.started >= self.began:
             self.ticket = read.ticket
 
 
@@ -139,6 +141,12 @@ class ExtentReads:
         self._too_large_logged = False
         self.group_major = group_major  # read the extents one call starts layer group by layer group
 
+    @property
+    def batched(self) -> bool:
+        """Whether the reads one call starts go to the tier as one batch: layer-wise, or where the
+        tier reads a batch in fewer calls than one by one (`Tier.batches_loads`)."""
+        return self.group_major or self.tier.batches_loads
+
     def completed(self, done: Completion) -> bool:
         """Take a load's completion (from the tier's `get_finished`); False if not one of ours."""
         read = self._tickets.pop(done.ticket, None)
@@ -165,7 +173,7 @@ class ExtentReads:
         already started; starts none while a restore waits for room in staging (restores come
         first), and none after the first that finds no room (the prefix first). Returns the tokens
         now on their way."""
-        tokens, room, batch = 0, not self._waiting, _Batch(self.group_major)
+        tokens, room, batch = 0, not self._waiting, _Batch(self.batched)
         for extent, need in needs(refs).values():
             if extent.state is ExtentState.WRITING:
                 tokens += need
@@ -184,7 +192,7 @@ class ExtentReads:
         pending read has run."""
         waited = 0.0
         state = Readiness.READY
-        room, batch = True, _Batch(self.group_major)
+        room, batch = True, _Batch(self.batched)
         for eid, (extent, need) in needs(refs).items():
             if eid in done or (extent.state is ExtentState.WRITING and extent.staged is not None):
                 continue

@@ -195,8 +195,8 @@ class Tier(abc.ABC):
 
     Buffers: the tier keeps a reference to a store's payload and a load's destination until that
     ticket's completion has been returned; the caller must neither modify (store) nor read or reuse
-    (load) the buffer before then, except the verified prefix of a load that `landed` reports. For direct I/O the buffer should come from
-    `sgl_hicache.tier.alloc_aligned` (unaligned buffers work, through a bounce copy).
+    (load) the buffer before then, except the verified prefix of a load that `landed` reports. For
+    direct I/O it should come from `alloc_aligned` (an unaligned one works, through a bounce copy).
 
     Payloads are page-major (page p of all layers before page p+1), or layer-grouped (format v6:
     one page-major section per group of layers), so the first n pages are a byte prefix of every
@@ -207,6 +207,8 @@ class Tier(abc.ABC):
     (`file/backend.py`); another backend keeps the same promise on its own objects and says how in its
     module doc (`mooncake/backend.py`: objects in a Mooncake Store, whose master owns capacity and eviction).
     """
+
+    batches_loads = False  # a batch of loads costs fewer calls (Mooncake): reads.py batches each restore
 
     @property
     @abc.abstractmethod
@@ -270,8 +272,7 @@ class Tier(abc.ABC):
         `capacity_bytes` (docs/DESIGN.md "Sharing a tier"), nor eat into `min_free_bytes`. A tier
         directory removed while serving is re-created (same trust checks as at open, same secret,
         same volume) and the store goes on; extents that went with it are forgotten (counted in
-        `stats().recreations`).
-        """
+        `stats().recreations`)."""
 
     @abc.abstractmethod
     def submit_load(self, key: ExtentKey, dest: Buffer, nbytes: int | None = None,
@@ -320,10 +321,8 @@ class Tier(abc.ABC):
 
     @abc.abstractmethod
     def wait(self, ticket: Ticket, timeout: float | None = None) -> Completion:
-        """Block until `ticket` completes and return (consume) its completion.
-
-        Raises KeyError for a ticket never issued or already returned, TimeoutError on timeout.
-        """
+        """Block until `ticket` completes and return (consume) its completion. Raises KeyError for
+        a ticket never issued or already returned, TimeoutError on timeout."""
 
     @abc.abstractmethod
     def wait_posted(self, timeout: float) -> bool:

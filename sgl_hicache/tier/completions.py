@@ -9,6 +9,7 @@ import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any, Generic, TypeVar
 
 from sgl_hicache.tier.base import Completion, Op, Status, Ticket
@@ -46,12 +47,15 @@ class CompletionQueue:
         with self._cond:
             self._followers.setdefault(leader, []).append(ticket)
 
-    def post(self, c: Completion) -> bool:
+    def post(self, c: Completion, posting: Callable[[], None] | None = None) -> bool:
         """Complete `c.ticket` and its followers not completed yet with `c`; False (nothing done) if
-        `c.ticket` was completed already."""
+        `c.ticket` was completed already. `posting` (counting it, say) runs only if it is posted,
+        before any waiter can see it."""
         with self._cond:
             if c.ticket not in self._pending:
                 return False
+            if posting is not None:
+                posting()
             for t in [c.ticket, *self._followers.pop(c.ticket, [])]:
                 if t in self._pending:
                     self._pending.discard(t)
@@ -109,14 +113,19 @@ class Returned(Generic[L]):
             try:
                 job()
             except Exception as e:  # the binding raising, an OSError of a cleanup, a bug: never lost
-                why = f"unexpected {type(e).__name__}: {e}"
-                if self.queue.post(Completion(ticket, op, key, Status.IO_ERROR, 0, why)):
-                    self._counters.add("io_errors")
-                    if op is Op.STORE:
-                        self._counters.add("store_failures")
+                # logged and counted before a waiter can see the completion
                 self._faults.unexpected(op, e, self._where)
+                why = f"unexpected {type(e).__name__}: {e}"
+                self.queue.post(
+                    Completion(ticket, op, key, Status.IO_ERROR, 0, why), partial(self._failed, op)
+                )
 
         return run
+
+    def _failed(self, op: Op) -> None:
+        self._counters.add("io_errors")
+        if op is Op.STORE:
+            self._counters.add("store_failures")
 
     def get_finished(self) -> list[Completion]:
         return self._returned(self.queue.drain())

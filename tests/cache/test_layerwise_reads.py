@@ -144,3 +144,50 @@ def test_a_restore_never_joins_a_read_another_request_started(make_stack: Any) -
         assert time.monotonic() < deadline
         time.sleep(0.01)
     s.cache.check_integrity()
+
+
+@pytest.mark.parametrize("batches", [False, True])
+def test_a_whole_restore_is_one_batch_where_the_tier_batches_loads(make_stack: Any, batches: bool) -> None:
+    """Issue 40: on a tier whose batches cost fewer calls (`Tier.batches_loads`: Mooncake, one store
+    call for a batch's objects), a restore that is not layer-wise still submits its reads as one
+    batch (each joins the first); on the file tier each extent is read on its own, as before."""
+    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+
+    from sgl_hicache.tier.testing.injector import FaultSpec, FaultyTier
+
+    s = make_stack(size=2048, chunk_bytes=CHUNK)
+    tokens = list(range(300, 300 + TURN * TURNS))
+    for end in range(TURN, len(tokens) + 1, TURN):
+        s.insert(tokens[:end])
+    s.evict_all()
+    ctl = s.cache.controller
+    if batches:  # the file tier made to say so, so that this test needs no Mooncake master
+        ctl.tier.batches_loads = True
+    ctl.tier = FaultyTier(ctl.tier, FaultSpec(latency_s=0.5))
+    loads: list[tuple[Any, Any]] = []  # (batch, ticket) of each load submitted
+    submit = ctl.tier.submit_load
+
+    def recording(
+        key: Any, dest: Any, nbytes: Any = None, group_layers: Any = None, batch: Any = None
+    ) -> Any:
+        ticket = submit(key, dest, nbytes, group_layers, batch)
+        loads.append((batch, ticket))
+        return ticket
+
+    ctl.tier.submit_load = recording  # type: ignore[method-assign]
+    m = s.match(tokens)
+    req = SimpleNamespace(last_node=m.last_device_node, rid="resume")
+    params = InitLoadBackParams(m.best_match_node, m.host_hit_length, req=req)
+    assert s.cache.init_load_back(params) is None  # reads started, none landed yet
+    assert len(loads) == TURNS
+    first = loads[0][1]
+    want = [None] + [first if batches else None] * (TURNS - 1)
+    assert [batch for batch, _ in loads] == want
+    deadline = time.monotonic() + 20
+    while (answer := s.cache.init_load_back(params)) is None:
+        assert time.monotonic() < deadline, "never admitted"
+        time.sleep(0.01)
+    assert answer[0] == len(tokens)
+    _, node = answer
+    assert forward(s, s.cache.path_device_indices(node)) == [expected_kv(tokens)] * LAYERS
+    s.cache.check_integrity()

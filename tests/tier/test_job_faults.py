@@ -331,3 +331,26 @@ def test_a_job_that_raises_before_posting_ends_io_error_counted_once(
     assert returned.wait(ticket, 0).status is Status.IO_ERROR
     assert counters.snapshot() == {"io_errors": 1, **({"store_failures": 1} if op is Op.STORE else {})}
     assert len(unexpected_logs(caplog)) == 1
+
+
+def test_a_raising_jobs_completion_is_seen_only_once_it_is_logged_and_counted() -> None:
+    """A waiter that sees the IO_ERROR of a job that raised also sees its count and its log line
+    (before: posted first, so a test checking the log right after its wait could find none)."""
+    counters, logged = Counters(), threading.Event()
+
+    class SlowLog(FaultLog):
+        def unexpected(self, op: Op, err: Exception, where: str) -> None:
+            time.sleep(0.2)  # a slow log handler: the waiter must not overtake it
+            logged.set()
+
+    returned: Returned[Any] = Returned(threading.Lock(), lambda _: 0, counters, SlowLog(), "test")
+    ticket = returned.queue.issue()
+
+    def raises() -> None:
+        raise RuntimeError("a bug")
+
+    threading.Thread(target=returned.guard(ticket, Op.STORE, ROOT_KEY, raises)).start()
+    done = returned.queue.wait(ticket, timeout=10)
+    assert done.status is Status.IO_ERROR
+    assert logged.is_set(), "the completion was seen before the failure was logged"
+    assert counters.snapshot()["io_errors"] == 1 and counters.snapshot()["store_failures"] == 1

@@ -26,7 +26,8 @@ and codes: client.py), and every load verifies it as a file load does. The contr
   by layer group, ranked on the I/O threads (batch, group) as the file tier ranks its reads: their
   headers in one batch read, then each group's chunks across them, every group 0 before any group
   1; each object is checked on its own (one extent's missing or bad object fails its load alone)
-  and each chunk verified before `landed` counts it.
+  and each chunk verified before `landed` counts it. `batches_loads` is True: the cache submits a
+  restore's reads as one batch whether or not it restores layer-wise.
 - Lookups: path_lookup.py's walk over alias objects in the request's salt directory (the newest
   writer's wins), read after the loads submitted before it and before those submitted after; a
   dangling alias is left to the master's eviction. Failures: an unreachable master or peer is an
@@ -137,6 +138,8 @@ class MooncakeTier(ReturnedCompletions, IndexedTier):
     @property
     def namespace(self) -> Namespace:
         return self._ns
+
+    batches_loads = True  # a batch's loads share their store calls (load.py)
 
     @property
     def shared(self) -> bool:

@@ -141,6 +141,10 @@ class FaultyTier(IndexedTier):
     def shared(self) -> bool:
         return self._inner.shared
 
+    @property
+    def batches_loads(self) -> bool:  # type: ignore[override]
+        return self._inner.batches_loads
+
     def _draw(self) -> tuple[Ticket, float, bool, bool, bool]:
         with self._lock:
             ticket = Ticket(next(self._tickets))
