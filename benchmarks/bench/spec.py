@@ -148,7 +148,7 @@ OURS_FLAGS = {
     "ours-reused": ("--hicache-spill-admission", "reused"),
     "ours-layerwise": ("--hicache-spill-layerwise",),
     "ours-nohold": ("--hicache-spill-extra-config", '{"admission_hold": 0}'),
-    "ours-noreserve": ("--hicache-spill-extra-config", '{"restore_reserve": false}'),
+    "ours-reserve": ("--hicache-spill-extra-config", '{"restore_reserve": true}'),
 }
 """Ours and its variants, by the flags they add to ours' defaults: `ours-reused` writes only reused,
 hinted, pinned or long nodes to the tier (issue 37's admission rule, measured against the default on
@@ -156,9 +156,9 @@ hinted, pinned or long nodes to the tier (issue 37's admission rule, measured ag
 admitted once the first layer group is read, not after every read: on `agents` a deferred
 admission waits for the forward then running); `ours-nohold` never holds a first admission attempt
 for its reads in flight (`admission_hold` 0: every such request deferred a round, as before the
-hold), the control for measuring the hold; `ours-noreserve` lets eviction spills take the room in
-staging a restore waiting for it needs (`restore_reserve` false, as before the reservation), the
-control for measuring the reservation."""
+hold), the control for measuring the hold; `ours-reserve` keeps eviction spills from the room in
+staging a restore waiting for it needs (`restore_reserve` true; off by default, measured no
+better: docs/RESULTS.md)."""
 
 SYSTEMS = ("recompute", *HICACHE, *LMCACHE, *OURS_FLAGS, "resident")
 """Every system that can be named: (a) sglang's default cache, evicted KV is recomputed; (b) sglang

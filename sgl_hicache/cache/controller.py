@@ -77,7 +77,7 @@ class SpillController:
     def __init__(self, tier: Tier, view: KVPoolView, staging: StagingPool, metrics: SpillMetrics, timeout_s: float,
                  allocator: Any, prefetch_ttl_s: float = 30.0, streams: Streams | None = None,
                  layer_groups: int = DEFAULT_LAYER_GROUPS, group_major: bool = False,
-                 restore_reserve: bool = True, restore_wait_s: float | None = None) -> None:  # fmt: skip
+                 restore_reserve: bool = False, restore_wait_s: float | None = None) -> None:  # fmt: skip
         self.view = view
         self.staging = staging
         self.metrics = metrics

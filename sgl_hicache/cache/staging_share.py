@@ -5,7 +5,7 @@ and logged.
 - An eviction's spill may fill all of staging; a **background** store (a write-through or a
   write-ahead: nothing is lost without it) only `BACKGROUND_SHARE` of it, so eviction spills and
   reads always have the rest.
-- **Room for a waiting restore** (`restore_reserve`, on by default): while a restore waits for room
+- **Room for a waiting restore** (`restore_reserve`, off by default: measured no better): while a restore waits for room
   to start a read (`ExtentReads.room_wanted_bytes`), no store may take the bytes that read needs:
   staging freed as earlier writes finish goes to the read, not to the next eviction. A spill that
   would take them is dropped unwritten (`RESERVED`, counted in `spills_refused_reserved`), but

@@ -165,7 +165,7 @@ class SpillConfig:
         0.5, "a resume's first admission holds for its reads up to this share of a deferral's cost; 0: never"
     )
     restore_reserve: bool = tuning(
-        True, "while a restore waits for room in staging, no store takes the room its read needs"
+        False, "while a restore waits for room in staging, no store takes the room its read needs"
     )
     layerwise_restore: bool = option(
         False,

@@ -147,7 +147,7 @@ def test_a_shape_that_keeps_the_contexts_in_memory_is_refused(model: Path) -> No
         ("ours-reused", ("--hicache-spill-admission", "reused")),
         ("ours-layerwise", ("--hicache-spill-layerwise",)),
         ("ours-nohold", ("--hicache-spill-extra-config", '{"admission_hold": 0}')),
-        ("ours-noreserve", ("--hicache-spill-extra-config", '{"restore_reserve": false}')),
+        ("ours-reserve", ("--hicache-spill-extra-config", '{"restore_reserve": true}')),
     ],
 )
 def test_ours_variants_are_ours_with_their_flag_and_its_memory(

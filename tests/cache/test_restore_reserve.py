@@ -124,7 +124,7 @@ def test_room_freed_by_a_write_goes_to_the_waiting_restore_not_the_next_eviction
 def test_while_no_restore_waits_a_spill_may_fill_staging(
     make_stack: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    s = make_stack(size=1024)  # restore_reserve is on by default
+    s = make_stack(size=1024, restore_reserve=True)
     shrink_staging(s, STAGING)
     held = HeldWrites(monkeypatch, s.cache.controller.tier)
     for base in (1000, 2000, 3000):  # the last one: 32 tokens, staging's last 4 KiB
@@ -190,7 +190,7 @@ def test_tp_ranks_whose_restore_waits_on_one_only_keep_equal_trees(
     from sgl_hicache.cache.warm_start import tree_digest
 
     group = ThreadedAgreement.Group(2)
-    stacks = [build_stack(tmp_path / f"rank{r}", size=1024) for r in range(2)]
+    stacks = [build_stack(tmp_path / f"rank{r}", size=1024, restore_reserve=True) for r in range(2)]
     for s in stacks:  # HISTORY on both tiers (one rank each: nothing to agree yet)
         s.insert(HISTORY)
         s.evict_all()
@@ -326,7 +326,7 @@ def test_a_victim_whose_children_are_spilled_is_spilled_into_the_room_not_droppe
     """Another conversation's last turn is spilled, its first still resident: evicting the first
     while a restore waits spills it (dropping it would drop its spilled turn with it, KV written
     to the tier and lost to every later restore), and both restores are exact."""
-    s = make_stack(size=1024)
+    s = make_stack(size=1024, restore_reserve=True)
     s.insert(HISTORY)
     s.evict_all()
     first, other = turn(5000), turn(5000) + turn(6000)
