@@ -24,6 +24,7 @@ from sgl_hicache.cache.metrics import DropReason, SpillMetrics
 from sgl_hicache.cache.staging import StagingPool
 from sgl_hicache.cache.staging_share import Refused, StagingShare
 from tests.cache.conftest import Stack, build_stack, close_stack, expected_kv, read_kv, shrink_staging
+from tests.cache.test_guards_tp import run_ranks
 from tests.cache.test_streamed_restore import admission, admit_all, resident
 from tests.cache.test_tp_agreement import ThreadedAgreement
 
@@ -197,40 +198,28 @@ def test_tp_ranks_whose_restore_waits_on_one_only_keep_equal_trees(
     shrink_staging(stacks[0], STAGING)
     held = HeldWrites(monkeypatch, stacks[0].cache.controller.tier)
     records: list[list[Any]] = [[], []]
-    errors: list[BaseException] = []
     evicted = turn(3000, 16)
 
-    def target(r: int) -> None:
+    def work(r: int) -> None:
         s = stacks[r]
-        try:
-            s.cache.agreement = ThreadedAgreement(group, r)
-            for base in (1000, 2000):
-                s.insert(turn(base))
-            s.cache.evict(EvictParams(num_tokens=10**9))  # rank 0: its 16 KiB of writes held
-            if r == 0:
-                held.wait(s, 2)
-            params = admission(s, HISTORY, "r")
-            assert s.cache.init_load_back(params) is None  # agreed: rank 0's read waits
-            s.insert(evicted)
-            s.cache.evict(EvictParams(num_tokens=10**9))  # the restore's slots, then `evicted`
-            records[r].append((s.match(evicted).host_hit_length, tree_digest(s.cache.root_node)))
-            if r == 0:
-                held.release()
-            loaded, last = s.load_back(s.match(HISTORY), rid="r")
-            records[r].append((loaded, read_kv(s.pool, last.value), tree_digest(s.cache.root_node)))
-        except BaseException as e:  # reported by the main thread
-            errors.append(e)
-            group.barrier.abort()
+        s.cache.agreement = ThreadedAgreement(group, r)
+        for base in (1000, 2000):
+            s.insert(turn(base))
+        s.cache.evict(EvictParams(num_tokens=10**9))  # rank 0: its 16 KiB of writes held
+        if r == 0:
+            held.wait(s, 2)
+        params = admission(s, HISTORY, "r")
+        assert s.cache.init_load_back(params) is None  # agreed: rank 0's read waits
+        s.insert(evicted)
+        s.cache.evict(EvictParams(num_tokens=10**9))  # the restore's slots, then `evicted`
+        records[r].append((s.match(evicted).host_hit_length, tree_digest(s.cache.root_node)))
+        if r == 0:
+            held.release()
+        loaded, last = s.load_back(s.match(HISTORY), rid="r")
+        records[r].append((loaded, read_kv(s.pool, last.value), tree_digest(s.cache.root_node)))
 
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(2)]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        assert not any(t.is_alive() for t in threads), "a rank hung"
-        if errors:
-            raise errors[0]
+        run_ranks(group, work, timeout_s=120)
         assert records[0] == records[1], "the ranks' trees diverged"
         assert records[0][0][0] == 0, "the evicted node was dropped on both ranks"
         assert records[0][1][:2] == (TURN, expected_kv(HISTORY))

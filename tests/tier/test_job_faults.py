@@ -154,6 +154,12 @@ def found_bad(*args: Any) -> bool:
     raise Mismatch("an extent of the key that is not what the key names")
 
 
+def corrupt_a_chunk(fake: FakeStore) -> None:
+    """Flip the first byte of the extent's chunk object 2 (its checksum then fails)."""
+    chunk = next(n for n in fake.objs if n.endswith(".2"))
+    fake.objs[chunk] = bytes([fake.objs[chunk][0] ^ 1]) + fake.objs[chunk][1:]
+
+
 def test_a_mooncake_load_whose_bad_extent_cannot_be_removed_still_ends(
     on_store: tuple[FakeStore, mc.MooncakeTier], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -161,8 +167,7 @@ def test_a_mooncake_load_whose_bad_extent_cannot_be_removed_still_ends(
     ends IO_ERROR at once (never OK), counted; once the binding answers, the next load drops it."""
     fake, tier = on_store
     key = store(tier, 1)
-    chunk = next(n for n in fake.objs if n.endswith(".2"))
-    fake.objs[chunk] = bytes([fake.objs[chunk][0] ^ 1]) + fake.objs[chunk][1:]
+    corrupt_a_chunk(fake)
     with monkeypatch.context() as m:
         m.setattr(fake, "remove", binding_raises)
         status, _ = load(tier, key)
@@ -180,8 +185,7 @@ def test_a_bad_mooncake_extent_leaves_the_index_even_when_its_removal_raises(
     claims an extent it found bad; before, `contains`, `lookup` and `stats` kept it)."""
     fake, tier = on_store
     key = store(tier, 1)
-    chunk = next(n for n in fake.objs if n.endswith(".2"))
-    fake.objs[chunk] = bytes([fake.objs[chunk][0] ^ 1]) + fake.objs[chunk][1:]
+    corrupt_a_chunk(fake)
     with monkeypatch.context() as m:
         m.setattr(fake, "remove", binding_raises)
         if where == "load":
