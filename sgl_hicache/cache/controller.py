@@ -51,6 +51,7 @@ from sgl_hicache.cache.lookups import FoundSegments, Lookups
 from sgl_hicache.cache.metrics import SpillMetrics, StagingHolder
 from sgl_hicache.cache.reads import ExtentReads, Landing, Readiness, needs
 from sgl_hicache.cache.restores import RestoreProgress, Restores
+from sgl_hicache.cache.retiring import Retiring
 from sgl_hicache.cache.spill_state import Extent, ExtentState, SpillRef
 from sgl_hicache.cache.staging import StagingPool
 from sgl_hicache.cache.staging_holders import HeldTime, held
@@ -92,10 +93,7 @@ class SpillController:
         self.lookups = Lookups()
         self._packing: list[_Store] = []  # stores whose pack is not done yet (submitted by `poll`)
         self._writing: dict[Ticket, Extent] = {}
-        self._readers: dict[int, Copy] = {}  # staging block (data_ptr) -> the last unpack reading it
-        self._retiring: list[
-            tuple[torch.Tensor, list[Copy]]
-        ] = []  # blocks released once their copies are done
+        self.retiring = Retiring(staging)  # blocks given back once their copies are done
         # what a store may take of staging (not the room a waiting restore's read needs), its refusals
         wanted = (lambda: self.reads.room_wanted_bytes) if restore_reserve else None
         self.share = StagingShare(view, metrics, wanted)
@@ -200,7 +198,7 @@ class SpillController:
             except Exception as e:  # re-raised below, after the rest are handled
                 errors.append(e)
         self._submit_packed()
-        self._release_retired()
+        self.retiring.release_done()
         self.reads.expire(keep=self.restores.landing_extents())
         self.restores.expire()
         if errors:
@@ -237,22 +235,8 @@ class SpillController:
             extent.staged, extent.pack = None, None
 
     def retire(self, buf: torch.Tensor, copy: Copy | None = None) -> None:
-        """Give a staging block back once the copies using it are done (`copy`, and the last unpack
-        that read it); at once if they are."""
-        reader = self._readers.pop(buf.data_ptr(), None) if buf.numel() else None
-        pending = [c for c in (copy, reader) if c is not None and not c.done]
-        if pending:
-            self._retiring.append((buf, pending))
-        else:
-            self.staging.release(buf)
-
-    def _release_retired(self) -> None:
-        waiting, self._retiring = self._retiring, []
-        for buf, copies in waiting:
-            if all(c.done for c in copies):
-                self.staging.release(buf)
-            else:
-                self._retiring.append((buf, copies))
+        """Give a staging block back once the copies using it are done (`Retiring.retire`)."""
+        self.retiring.retire(buf, copy)
 
     # ---- reads and restores -------------------------------------------------------------------
 
@@ -384,8 +368,7 @@ class SpillController:
         staging block `buf`: freeing the slots and releasing the block wait for it."""
         progress.last_copy = copy
         progress.group_copies[group] = copy
-        if buf.numel():
-            self._readers[buf.data_ptr()] = copy
+        self.retiring.reading(buf, copy)
 
     # ---- lookups ------------------------------------------------------------------------------
 
@@ -443,7 +426,7 @@ class SpillController:
 
     def staging_held(self) -> dict[StagingHolder, int]:
         """Staging in use by what holds it (`staging_holders.held`); sums to `staging.used_bytes`."""
-        return held(self._extents_in_flight(), (buf for buf, _ in self._retiring), self.reads, self.restores)
+        return held(self._extents_in_flight(), self.retiring.blocks(), self.reads, self.restores)
 
     def _extents_in_flight(self) -> list[Extent]:
         return [*self._writing.values(), *(request.extent for request in self._packing)]
