@@ -16,7 +16,9 @@ Contract:
   `writes_through_deferred` or `writes_through_too_large` (logged once). While a restore waits for
   room to start a read, no store takes the bytes that read needs (`restore_reserve`): a spill is
   refused (`spills_refused_reserved`), a write-through deferred. That rule and those
-  refusals are `StagingShare`'s (staging_share.py). The caller may free the
+  refusals are `StagingShare`'s (staging_share.py). Before an eviction's spill is refused for room,
+  reads that landed for queued requests give it theirs (`TakeBack`: the tier serves them again;
+  never the reads of a restore in progress or taking its slots now). The caller may free the
   slots as soon as `store` returns (later forwards wait for the pack's gather).
 - `poll` (never blocks) submits the writes whose packs are done, moves finished writes to ON_TIER
   or LOST, hands finished loads to `reads`, and gives back staging whose copies are done. It never
@@ -56,6 +58,7 @@ from sgl_hicache.cache.spill_state import Extent, ExtentState, SpillRef
 from sgl_hicache.cache.staging import StagingPool
 from sgl_hicache.cache.staging_holders import HeldTime, held
 from sgl_hicache.cache.staging_share import Refused, StagingShare
+from sgl_hicache.cache.take_back import TakeBack
 from sgl_hicache.tier import Completion, ExtentKey, Ticket, Tier
 from sgl_hicache.tier.base import LookupResult
 
@@ -78,9 +81,9 @@ class SpillController:
     def __init__(self, tier: Tier, view: KVPoolView, staging: StagingPool, metrics: SpillMetrics, timeout_s: float,
                  allocator: Any, prefetch_ttl_s: float = 30.0, streams: Streams | None = None,
                  layer_groups: int = DEFAULT_LAYER_GROUPS, group_major: bool = False,
-                 restore_reserve: bool = False, restore_wait_s: float | None = None) -> None:  # fmt: skip
+                 restore_reserve: bool = False, restore_wait_s: float | None = None,
+                 take_back_reads: bool = True) -> None:  # fmt: skip
         self.view = view
-        self.staging = staging
         self.metrics = metrics
         self.timeout_s = timeout_s
         # every extent this controller writes and reads is laid out in these layer groups (format v6)
@@ -96,9 +99,18 @@ class SpillController:
         self.retiring = Retiring(staging)  # blocks given back once their copies are done
         # what a store may take of staging (not the room a waiting restore's read needs), its refusals
         wanted = (lambda: self.reads.room_wanted_bytes) if restore_reserve else None
-        self.share = StagingShare(view, metrics, wanted)
+        self.take_back = TakeBack(self.reads, self.restores, metrics)  # landed reads yield to spills
+        self.share = StagingShare(view, metrics, wanted, self.take_back.block if take_back_reads else None)
         self.share.log_extent_bound(staging)
         self.held_time = HeldTime(metrics)  # staging held per holder over time, for /metrics
+
+    @property
+    def staging(self) -> StagingPool:
+        return self.reads.staging
+
+    @staging.setter
+    def staging(self, staging: StagingPool) -> None:  # tests swap in a smaller arena while idle
+        self.reads.staging = self.retiring.staging = staging
 
     @property
     def tier(self) -> Tier:
