@@ -149,6 +149,7 @@ OURS_FLAGS = {
     "ours-layerwise": ("--hicache-spill-layerwise",),
     "ours-nohold": ("--hicache-spill-extra-config", '{"admission_hold": 0}'),
     "ours-reserve": ("--hicache-spill-extra-config", '{"restore_reserve": true}'),
+    "ours-keepreads": ("--hicache-spill-extra-config", '{"take_back_reads": false}'),
 }
 """Ours and its variants, by the flags they add to ours' defaults: `ours-reused` writes only reused,
 hinted, pinned or long nodes to the tier (issue 37's admission rule, measured against the default on
@@ -158,7 +159,9 @@ admission waits for the forward then running); `ours-nohold` never holds a first
 for its reads in flight (`admission_hold` 0: every such request deferred a round, as before the
 hold), the control for measuring the hold; `ours-reserve` keeps eviction spills from the room in
 staging a restore waiting for it needs (`restore_reserve` true; off by default, measured no
-better: docs/RESULTS.md)."""
+better: docs/RESULTS.md); `ours-keepreads` drops an eviction's victim when staging is full rather
+than take back reads landed for queued requests (`take_back_reads` false: the control for
+measuring it)."""
 
 SYSTEMS = ("recompute", *HICACHE, *LMCACHE, *OURS_FLAGS, "resident")
 """Every system that can be named: (a) sglang's default cache, evicted KV is recomputed; (b) sglang

@@ -16,7 +16,9 @@ Contract:
   `writes_through_deferred` or `writes_through_too_large` (logged once). While a restore waits for
   room to start a read, no store takes the bytes that read needs (`restore_reserve`): a spill is
   refused (`spills_refused_reserved`), a write-through deferred. That rule and those
-  refusals are `StagingShare`'s (staging_share.py). The caller may free the
+  refusals are `StagingShare`'s (staging_share.py). Before an eviction's spill is refused for room,
+  reads that landed for queued requests give it theirs (`TakeBack`: the tier serves them again;
+  never the reads of a restore in progress or taking its slots now). The caller may free the
   slots as soon as `store` returns (later forwards wait for the pack's gather).
 - `poll` (never blocks) submits the writes whose packs are done, moves finished writes to ON_TIER
   or LOST, hands finished loads to `reads`, and gives back staging whose copies are done. It never
@@ -51,10 +53,12 @@ from sgl_hicache.cache.lookups import FoundSegments, Lookups
 from sgl_hicache.cache.metrics import SpillMetrics, StagingHolder
 from sgl_hicache.cache.reads import ExtentReads, Landing, Readiness, needs
 from sgl_hicache.cache.restores import RestoreProgress, Restores
+from sgl_hicache.cache.retiring import Retiring
 from sgl_hicache.cache.spill_state import Extent, ExtentState, SpillRef
 from sgl_hicache.cache.staging import StagingPool
 from sgl_hicache.cache.staging_holders import HeldTime, held
 from sgl_hicache.cache.staging_share import Refused, StagingShare
+from sgl_hicache.cache.take_back import TakeBack
 from sgl_hicache.tier import Completion, ExtentKey, Ticket, Tier
 from sgl_hicache.tier.base import LookupResult
 
@@ -77,9 +81,9 @@ class SpillController:
     def __init__(self, tier: Tier, view: KVPoolView, staging: StagingPool, metrics: SpillMetrics, timeout_s: float,
                  allocator: Any, prefetch_ttl_s: float = 30.0, streams: Streams | None = None,
                  layer_groups: int = DEFAULT_LAYER_GROUPS, group_major: bool = False,
-                 restore_reserve: bool = False, restore_wait_s: float | None = None) -> None:  # fmt: skip
+                 restore_reserve: bool = False, restore_wait_s: float | None = None,
+                 take_back_reads: bool = True) -> None:  # fmt: skip
         self.view = view
-        self.staging = staging
         self.metrics = metrics
         self.timeout_s = timeout_s
         # every extent this controller writes and reads is laid out in these layer groups (format v6)
@@ -92,15 +96,21 @@ class SpillController:
         self.lookups = Lookups()
         self._packing: list[_Store] = []  # stores whose pack is not done yet (submitted by `poll`)
         self._writing: dict[Ticket, Extent] = {}
-        self._readers: dict[int, Copy] = {}  # staging block (data_ptr) -> the last unpack reading it
-        self._retiring: list[
-            tuple[torch.Tensor, list[Copy]]
-        ] = []  # blocks released once their copies are done
+        self.retiring = Retiring(staging)  # blocks given back once their copies are done
         # what a store may take of staging (not the room a waiting restore's read needs), its refusals
         wanted = (lambda: self.reads.room_wanted_bytes) if restore_reserve else None
-        self.share = StagingShare(view, metrics, wanted)
+        self.take_back = TakeBack(self.reads, self.restores, metrics)  # landed reads yield to spills
+        self.share = StagingShare(view, metrics, wanted, self.take_back.block if take_back_reads else None)
         self.share.log_extent_bound(staging)
         self.held_time = HeldTime(metrics)  # staging held per holder over time, for /metrics
+
+    @property
+    def staging(self) -> StagingPool:
+        return self.reads.staging
+
+    @staging.setter
+    def staging(self, staging: StagingPool) -> None:  # tests swap in a smaller arena while idle
+        self.reads.staging = self.retiring.staging = staging
 
     @property
     def tier(self) -> Tier:
@@ -200,7 +210,7 @@ class SpillController:
             except Exception as e:  # re-raised below, after the rest are handled
                 errors.append(e)
         self._submit_packed()
-        self._release_retired()
+        self.retiring.release_done()
         self.reads.expire(keep=self.restores.landing_extents())
         self.restores.expire()
         if errors:
@@ -237,22 +247,8 @@ class SpillController:
             extent.staged, extent.pack = None, None
 
     def retire(self, buf: torch.Tensor, copy: Copy | None = None) -> None:
-        """Give a staging block back once the copies using it are done (`copy`, and the last unpack
-        that read it); at once if they are."""
-        reader = self._readers.pop(buf.data_ptr(), None) if buf.numel() else None
-        pending = [c for c in (copy, reader) if c is not None and not c.done]
-        if pending:
-            self._retiring.append((buf, pending))
-        else:
-            self.staging.release(buf)
-
-    def _release_retired(self) -> None:
-        waiting, self._retiring = self._retiring, []
-        for buf, copies in waiting:
-            if all(c.done for c in copies):
-                self.staging.release(buf)
-            else:
-                self._retiring.append((buf, copies))
+        """Give a staging block back once the copies using it are done (`Retiring.retire`)."""
+        self.retiring.retire(buf, copy)
 
     # ---- reads and restores -------------------------------------------------------------------
 
@@ -384,8 +380,7 @@ class SpillController:
         staging block `buf`: freeing the slots and releasing the block wait for it."""
         progress.last_copy = copy
         progress.group_copies[group] = copy
-        if buf.numel():
-            self._readers[buf.data_ptr()] = copy
+        self.retiring.reading(buf, copy)
 
     # ---- lookups ------------------------------------------------------------------------------
 
@@ -443,7 +438,7 @@ class SpillController:
 
     def staging_held(self) -> dict[StagingHolder, int]:
         """Staging in use by what holds it (`staging_holders.held`); sums to `staging.used_bytes`."""
-        return held(self._extents_in_flight(), (buf for buf, _ in self._retiring), self.reads, self.restores)
+        return held(self._extents_in_flight(), self.retiring.blocks(), self.reads, self.restores)
 
     def _extents_in_flight(self) -> list[Extent]:
         return [*self._writing.values(), *(request.extent for request in self._packing)]

@@ -164,6 +164,10 @@ class ExtentReads:
         """Every read holding a block of staging: kept for a restore, or its completion still due."""
         return list({id(r): r for r in [*self._reads.values(), *self._tickets.values()]}.values())
 
+    def landed_reads(self) -> list[PendingRead]:
+        """The reads completed and verified that are kept for a restore (not given up)."""
+        return [r for r in self._reads.values() if r.usable and r.done is not None and r.done.ok]
+
     @property
     def in_flight(self) -> int:
         return len(self._tickets)

@@ -15,6 +15,9 @@ and logged.
   refused anyway counts as before. The room is counted as the read will take it: in bytes of the
   budget and in whole blocks of the arena (a 5 KiB store holds an 8 KiB block), though not where
   they lie (fragmented, the read waits until a block beside its room comes back).
+- **Landed reads yield to evicted KV** (`take_back_reads`, on by default): an eviction's spill that
+  finds no room takes it back from reads that landed for queued requests before it is refused
+  (take_back.py: the tier serves those again; a dropped victim is recomputed).
 - A refusal is `Refused`: momentary (writes in flight hold staging, or room is kept for a read) or
   for good (a node larger than all of staging, or than the background share). The lasting ones are
   logged once with the flag to raise; every one is counted.
@@ -52,13 +55,20 @@ class Refused(enum.Enum):
 
 class StagingShare:
     def __init__(
-        self, view: KVPoolView, metrics: SpillMetrics, wanted: Callable[[], int] | None = None
+        self,
+        view: KVPoolView,
+        metrics: SpillMetrics,
+        wanted: Callable[[], int] | None = None,
+        take_back: Callable[[StagingPool, int], torch.Tensor | None] | None = None,
     ) -> None:
         """`wanted`: the bytes of the read a restore waits to start for room (0: none waits), kept
-        from stores; None: none kept (`restore_reserve` off)."""
+        from stores; None: none kept (`restore_reserve` off). `take_back`: a block of staging for an
+        eviction's spill that found none, given back by landed reads (`TakeBack.block`); None:
+        such a spill is refused (`take_back_reads` off)."""
         self.view = view
         self.metrics = metrics
         self.wanted = wanted
+        self.take_back = take_back
         self._logged: set[str] = set()  # counters whose warning was logged (`_count_once`)
 
     @staticmethod
@@ -94,7 +104,21 @@ class StagingShare:
             self.metrics.inc("writes_through_deferred" if background else "spills_refused_reserved")
             return Refused.DEFERRED if background else Refused.RESERVED
         buf = staging.acquire(nbytes, limit)
+        if buf is None and self._may_take_back(staging, nbytes, limit):
+            assert self.take_back is not None
+            buf = self.take_back(staging, nbytes)
         return buf if buf is not None else self._refused(staging, tokens, nbytes, limit)
+
+    def _may_take_back(self, staging: StagingPool, nbytes: int, limit: int | None) -> bool:
+        """Whether a store refused room may have landed reads given back for it: an eviction's spill
+        (not a `limit`ed background store) that fits staging, while no restore waits for room with
+        `restore_reserve` on (the room given back is that read's first)."""
+        return (
+            self.take_back is not None
+            and limit is None
+            and nbytes <= staging.capacity_bytes
+            and not self.reserved(staging)
+        )
 
     def _takes_reserved(self, staging: StagingPool, nbytes: int, limit: int | None) -> bool:
         """Whether a store of `nbytes` within `limit` (None: all of staging) would fit it but take

@@ -167,6 +167,11 @@ class SpillConfig:
     restore_reserve: bool = tuning(
         False, "while a restore waits for room in staging, no store takes the room its read needs"
     )
+    take_back_reads: bool = tuning(
+        True,
+        "an eviction's spill that finds staging full takes it back from reads landed for queued "
+        "requests (read again later) before its victim is dropped",
+    )
     layerwise_restore: bool = option(
         False,
         "a resume's prefill starts once its first layer group landed; each layer waits for its own",

@@ -152,4 +152,5 @@ def open_controller(
         group_major=config.layerwise_restore,
         restore_reserve=config.restore_reserve,
         restore_wait_s=RestorePolicy.of(config).restore_wait_s,
+        take_back_reads=config.take_back_reads,
     )

@@ -1,0 +1,50 @@
+"""Staging blocks on their way back: a block goes back to staging only once every copy using it is
+done (the pack that filled it, the last unpack that read it), so no device copy ever reads or writes
+a block another store or read has taken since. The controller owns one; the copies are
+`CopyEngine`'s (on CPU they are done when enqueued)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from sgl_hicache.cache.device import Copy
+from sgl_hicache.cache.staging import StagingPool
+
+
+class Retiring:
+    def __init__(self, staging: StagingPool) -> None:
+        self.staging = staging
+        self._readers: dict[int, Copy] = {}  # staging block (data_ptr) -> the last unpack reading it
+        self._waiting: list[
+            tuple[torch.Tensor, list[Copy]]
+        ] = []  # blocks released once their copies are done
+
+    def reading(self, buf: torch.Tensor, copy: Copy) -> None:
+        """`copy` (an unpack) reads staging block `buf`: its release waits for it."""
+        if buf.numel():
+            self._readers[buf.data_ptr()] = copy
+
+    def retire(self, buf: torch.Tensor, copy: Copy | None = None) -> None:
+        """Give a staging block back once the copies using it are done (`copy`, and the last unpack
+        that read it); at once if they are."""
+        reader = self._readers.pop(buf.data_ptr(), None) if buf.numel() else None
+        pending = [c for c in (copy, reader) if c is not None and not c.done]
+        if pending:
+            self._waiting.append((buf, pending))
+        else:
+            self.staging.release(buf)
+
+    def release_done(self) -> None:
+        """Give back the blocks whose copies are done now."""
+        waiting, self._waiting = self._waiting, []
+        for buf, copies in waiting:
+            if all(c.done for c in copies):
+                self.staging.release(buf)
+            else:
+                self._waiting.append((buf, copies))
+
+    def blocks(self) -> Iterator[torch.Tensor]:
+        """The blocks still waiting for their copies."""
+        return (buf for buf, _ in self._waiting)

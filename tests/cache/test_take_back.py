@@ -1,0 +1,160 @@
+"""Landed reads yield to evicted KV (`take_back_reads`, take_back.py): an eviction's spill that finds
+staging full takes the room back from reads that landed for queued requests (the tier serves them
+again) instead of dropping its victim; never from the restore taking its slots in that eviction,
+nor from a restore in progress; nothing given back when all of it would not make room. Off, the
+victim is dropped as before. Every restore here is checked byte for byte.
+
+The histories are 64-token turns (one extent each, 8 KiB of packed KV) under a 20 KiB staging.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+from sgl_hicache.cache.metrics import DropReason
+from tests.cache.conftest import Stack, expected_kv, read_kv, shrink_staging
+from tests.cache.test_restore_reserve import HISTORY, STAGING, TURN, HeldWrites, turn
+from tests.cache.test_streamed_restore import admission, admit_all, resident
+
+
+def landed(s: Stack, n: int) -> None:
+    """Until `n` reads have landed (completed and verified, kept for a restore)."""
+    for _ in range(3000):
+        s.cache.controller.poll()
+        if len(s.cache.controller.reads.landed_reads()) >= n:
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError(f"{n} reads did not land in 30 s")
+
+
+def on_tier(s: Stack, *histories: list[int], staging: int = STAGING) -> None:
+    for tokens in histories:
+        s.insert(tokens)
+    s.evict_all()
+    shrink_staging(s, staging)
+
+
+def evict(s: Stack, tokens: list[int]) -> None:
+    s.insert(tokens)
+    s.cache.evict(EvictParams(num_tokens=10**9))
+
+
+@pytest.mark.parametrize("take_back", [True, False], ids=["take_back", "off"])
+def test_a_spill_takes_back_a_landed_prefetch_instead_of_dropping_its_victim(
+    make_stack: Any, monkeypatch: pytest.MonkeyPatch, take_back: bool
+) -> None:
+    s = make_stack(size=1024, take_back_reads=take_back)
+    on_tier(s, HISTORY)
+    held = HeldWrites(monkeypatch, s.cache.controller.tier)
+    assert s.cache.prefetch(HISTORY) == TURN
+    landed(s, 1)
+    evict(s, turn(1000))  # its write holds 8 KiB: 16 of 20 KiB held
+    held.wait(s, 1)
+    victim = turn(2000)
+    evict(s, victim)  # 8 KiB more: only the prefetch's room can hold it
+    totals = s.metrics.totals
+    if take_back:
+        assert (totals["reads_taken_back"], totals["reads_taken_back_tokens"]) == (1, TURN)
+        assert totals["spills_refused_staging_full"] == 0 and totals["spilled_tokens"] == 3 * TURN
+        assert not s.cache.controller.reads.landed_reads()
+    else:
+        assert totals["reads_taken_back"] == 0 and s.metrics.drops[DropReason.STAGING_FULL] == TURN
+        assert s.match(victim).host_hit_length == 0, "dropped unwritten"
+    held.release()
+    s.cache.controller.wait_writes()
+    if take_back:
+        assert s.match(victim).host_hit_length == TURN
+        loaded, last = s.load_back(s.match(victim), rid="victim")
+        assert loaded == TURN and read_kv(s.pool, last.value) == expected_kv(victim)
+    loaded, last = s.load_back(s.match(HISTORY), rid="history")  # read again if it was taken back
+    assert loaded == TURN and read_kv(s.pool, last.value) == expected_kv(HISTORY)
+    assert totals["reads_on_demand"] == (2 if take_back else 0)  # the victim, HISTORY again
+    s.cache.check_integrity()
+
+
+def test_the_eviction_that_makes_room_for_a_restore_never_takes_its_reads(
+    make_stack: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HISTORY's read has landed; its restore must evict a resident turn, whose spill finds staging
+    full: the only landed read is the restore's own, so the victim is dropped, not the restore."""
+    s = make_stack(size=2 * TURN)
+    on_tier(s, HISTORY)
+    held = HeldWrites(monkeypatch, s.cache.controller.tier)
+    evict(s, turn(3000))  # its write holds 8 KiB
+    held.wait(s, 1)
+    for base in (1000, 2000):
+        s.insert(turn(base))  # the pool is full
+    s.cache.prefetch(HISTORY)
+    landed(s, 1)
+    (loaded, last) = admit_all(s, {"r": admission(s, HISTORY, "r")})["r"]
+    totals = s.metrics.totals
+    assert loaded == TURN and read_kv(s.pool, last.value) == expected_kv(HISTORY)
+    assert resident(s, HISTORY) == expected_kv(HISTORY)
+    assert (totals["reads_taken_back"], totals["restores_overtaken"], totals["restore_failures"]) == (0, 0, 0)
+    assert s.metrics.drops[DropReason.STAGING_FULL] == TURN, "the victim had no room: dropped"
+    held.release()
+    s.cache.check_integrity()
+
+
+def test_prefetches_no_restore_asked_for_go_first_the_latest_first(make_stack: Any) -> None:
+    s = make_stack(size=1024)
+    first, second, deferred = turn(100), turn(1000), turn(2000)
+    on_tier(s, first, second, deferred, staging=STAGING + (8 << 10))  # three reads and 4 KiB
+    s.cache.prefetch(first)
+    landed(s, 1)
+    s.cache.prefetch(second)
+    landed(s, 2)
+    assert s.cache.init_load_back(admission(s, deferred, "d")) is None  # its read started: deferred
+    landed(s, 3)
+    ctl = s.cache.controller
+    order = [r.extent for r in ctl.take_back.candidates()]
+    extents = [s.match(t).best_match_node.spill.extent for t in (second, first, deferred)]
+    assert order == extents
+    evict(s, turn(3000))  # 8 KiB: one read's room is enough
+    assert s.metrics.totals["reads_taken_back"] == 1
+    assert [r.extent for r in ctl.reads.landed_reads()] == [extents[1], extents[2]]
+    s.cache.controller.wait_writes()
+    for rid, tokens in (("a", first), ("b", second), ("d", deferred)):
+        loaded, last = s.load_back(s.match(tokens), rid=rid)
+        assert loaded == TURN and read_kv(s.pool, last.value) == expected_kv(tokens)
+    s.cache.check_integrity()
+
+
+def test_nothing_is_given_back_when_all_of_it_would_not_make_room(
+    make_stack: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = make_stack(size=1024)
+    on_tier(s, HISTORY)
+    held = HeldWrites(monkeypatch, s.cache.controller.tier)
+    s.cache.prefetch(HISTORY)
+    landed(s, 1)
+    evict(s, turn(1000))
+    held.wait(s, 1)  # 16 of 20 KiB held: 4 KiB free and 8 KiB of landed read
+    evict(s, turn(2000, 2 * TURN))  # 16 KiB: more than both
+    totals = s.metrics.totals
+    assert totals["reads_taken_back"] == 0 and s.metrics.drops[DropReason.STAGING_FULL] == 2 * TURN
+    assert len(s.cache.controller.reads.landed_reads()) == 1, "the read is kept"
+    held.release()
+    loaded, last = s.load_back(s.match(HISTORY), rid="h")
+    assert loaded == TURN and read_kv(s.pool, last.value) == expected_kv(HISTORY)
+    assert totals["prefetch_hits"] == 1 and totals["reads_on_demand"] == 0
+    s.cache.check_integrity()
+
+
+def test_a_restore_in_progress_keeps_its_reads(make_stack: Any) -> None:
+    s = make_stack(size=1024)
+    on_tier(s, HISTORY)
+    s.cache.prefetch(HISTORY)
+    landed(s, 1)
+    ctl = s.cache.controller
+    assert len(ctl.take_back.candidates()) == 1
+    refs = (s.match(HISTORY).best_match_node.spill,)
+    slots = s.allocator.alloc(TURN)
+    ctl.restores.open("r", refs, slots)  # its slots taken: in progress
+    assert ctl.take_back.candidates() == []
+    ctl.restores.drop("r")
+    assert len(ctl.take_back.candidates()) == 1
