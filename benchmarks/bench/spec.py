@@ -160,7 +160,7 @@ for its reads in flight (`admission_hold` 0: every such request deferred a round
 hold), the control for measuring the hold; `ours-reserve` keeps eviction spills from the room in
 staging a restore waiting for it needs (`restore_reserve` true; off by default, measured no
 better: docs/RESULTS.md); `ours-keepreads` drops an eviction's victim when staging is full rather
-than take back reads landed for queued requests (`take_back_reads` false: the control for
+than take back prefetched reads landed for queued requests (`take_back_reads` false: the control for
 measuring it)."""
 
 SYSTEMS = ("recompute", *HICACHE, *LMCACHE, *OURS_FLAGS, "resident")

@@ -17,8 +17,8 @@ Contract:
   room to start a read, no store takes the bytes that read needs (`restore_reserve`): a spill is
   refused (`spills_refused_reserved`), a write-through deferred. That rule and those
   refusals are `StagingShare`'s (staging_share.py). Before an eviction's spill is refused for room,
-  reads that landed for queued requests give it theirs (`TakeBack`: the tier serves them again;
-  never the reads of a restore in progress or taking its slots now). The caller may free the
+  prefetched reads that landed for queued requests give it theirs (`TakeBack`: the tier serves
+  them again; never the reads a restore has asked for). The caller may free the
   slots as soon as `store` returns (later forwards wait for the pack's gather).
 - `poll` (never blocks) submits the writes whose packs are done, moves finished writes to ON_TIER
   or LOST, hands finished loads to `reads`, and gives back staging whose copies are done. It never

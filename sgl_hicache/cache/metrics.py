@@ -169,7 +169,7 @@ COUNTERS = {
     "prefetch_coalesced": "prefetches that joined a read already started for the same extent",
     "prefetch_hits": "restores that found their read already started by a prefetch",
     "prefetch_abandoned": "prefetched reads released unused after their time to live",
-    "reads_taken_back": "landed reads given back (read again when their restore comes) so that an "
+    "reads_taken_back": "landed prefetched reads given back (read again when their restore comes) so that an "
     "eviction's spill found room in staging instead of dropping its victim (take_back_reads)",
     "reads_taken_back_tokens": "the tokens of the reads counted in reads_taken_back",
     "reads_on_demand": "extent reads a restore had to start itself (no prefetch)",

@@ -99,8 +99,7 @@ class Restoring(GuardedPart[RestoringCache]):
         when the pool cannot hold them, or the chain changed while room was made."""
         cache = self.cache
         assert cache.controller is not None
-        with cache.controller.take_back.keeping(refs):  # the eviction leaves this restore's reads
-            slots = self._alloc_slots(sum(ref.count for ref in refs), anchor)
+        slots = self._alloc_slots(sum(ref.count for ref in refs), anchor)
         if slots is None:
             return False
         if cache.controller is None or not all(  # None: the eviction that made room disabled spill

@@ -16,7 +16,7 @@ and logged.
   budget and in whole blocks of the arena (a 5 KiB store holds an 8 KiB block), though not where
   they lie (fragmented, the read waits until a block beside its room comes back).
 - **Landed reads yield to evicted KV** (`take_back_reads`, on by default): an eviction's spill that
-  finds no room takes it back from reads that landed for queued requests before it is refused
+  finds no room takes it back from prefetched reads that landed for queued requests before it is refused
   (take_back.py: the tier serves those again; a dropped victim is recomputed).
 - A refusal is `Refused`: momentary (writes in flight hold staging, or room is kept for a read) or
   for good (a node larger than all of staging, or than the background share). The lasting ones are

@@ -8,11 +8,16 @@ bytes are on the tier: given back, such a read costs a second read when its rest
 recompute. So before a spill is refused for room, landed reads are given back one at a time until
 its block fits (`block`):
 - only reads completed and verified (a read in flight is the tier's until its completion);
-- never one a restore in progress needs (`Restores.needs`: its slots taken, or landing layer-wise),
-  nor one of the restore taking its slots now (`keeping`: the eviction that makes room for a restore
-  must not take its bytes away; it would recompute, `restores_overtaken`);
-- prefetches no restore attempt asked for yet before the reads of deferred restores, and in each the
-  latest started first (admission is first come first served: its request is the furthest from it);
+- only prefetches (at arrival, or hinted) that no restore attempt has asked for yet: a read a
+  restore found and was deferred for is the next round's admission (taking those back made the
+  same restores wait and re-read again and again: 3x the reads on demand, more restores too late,
+  docs/RESULTS.md);
+- never one a restore in progress needs (`Restores.needs`: its slots taken, or landing layer-wise);
+  the restore whose slots the eviction makes room for has asked for its reads just before
+  (`ExtentReads.readiness`), so none of them is a prefetch any more (else it would be overtaken and
+  recompute: tests/cache/test_take_back.py);
+- the latest started first (admission is first come first served: its request is the furthest
+  from it);
 - none at all when even all of them would not make room (nothing is given back for nothing).
 Each read given back counts `reads_taken_back`; its extent's next restore reads it again
 (`reads_on_demand`). Background stores (write-through, write-ahead) never take back: nothing is
@@ -21,15 +26,11 @@ lost without them. Off (`take_back_reads` false): spills are refused as before.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-
 import torch
 
 from sgl_hicache.cache.metrics import SpillMetrics
 from sgl_hicache.cache.reads import ExtentReads, PendingRead
 from sgl_hicache.cache.restores import Restores
-from sgl_hicache.cache.spill_state import SpillRef
 from sgl_hicache.cache.staging import StagingPool
 
 
@@ -38,26 +39,13 @@ class TakeBack:
         self.reads = reads
         self.restores = restores
         self.metrics = metrics
-        self._kept: set[int] = set()  # extents (by identity) of the restores taking their slots now
-
-    @contextmanager
-    def keeping(self, refs: Sequence[SpillRef]) -> Iterator[None]:
-        """While a restore of `refs` takes its slots (evicting for room): its reads are never taken back."""
-        added = {id(ref.extent) for ref in refs} - self._kept
-        self._kept |= added
-        try:
-            yield
-        finally:
-            self._kept -= added
 
     def candidates(self) -> list[PendingRead]:
         """The landed reads a spill may take back, in the order it takes them (the module doc)."""
         free = [
-            r
-            for r in self.reads.landed_reads()
-            if id(r.extent) not in self._kept and not self.restores.needs(id(r.extent))
+            r for r in self.reads.landed_reads() if r.prefetched and not self.restores.needs(id(r.extent))
         ]
-        return sorted(free, key=lambda r: (not r.prefetched, -r.started))
+        return sorted(free, key=lambda r: -r.started)
 
     def block(self, staging: StagingPool, nbytes: int) -> torch.Tensor | None:
         """A block of `nbytes` for an eviction's spill, taken back from landed reads (the module doc);

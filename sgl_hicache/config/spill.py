@@ -169,8 +169,8 @@ class SpillConfig:
     )
     take_back_reads: bool = tuning(
         True,
-        "an eviction's spill that finds staging full takes it back from reads landed for queued "
-        "requests (read again later) before its victim is dropped",
+        "an eviction's spill that finds staging full takes it back from prefetched reads landed for "
+        "queued requests (read again later) before its victim is dropped",
     )
     layerwise_restore: bool = option(
         False,
