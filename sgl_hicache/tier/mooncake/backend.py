@@ -334,7 +334,16 @@ class MooncakeTier(ReturnedCompletions, IndexedTier):
             return self._index.infos()
 
     def read_tokens(self, key: ExtentKey) -> np.ndarray | None:
-        salt = self._salt(check_key(key))
+        key = check_key(key)
+        try:
+            return self._read_tokens(key)
+        except Exception as e:  # the binding raising (a header's read, a bad one's removal): a miss
+            self._faults.unexpected(Op.LOAD, e, self._where)
+            self._counters.add("io_errors")
+            return None
+
+    def _read_tokens(self, key: ExtentKey) -> np.ndarray | None:
+        salt = self._salt(key)
         try:
             ext = objects.open_header(
                 self._client, self._names, self._ns.id, key, salt, self._seal, self._scratch
