@@ -96,11 +96,11 @@ def test_the_guides_promql_is_readable() -> None:
 def test_every_metric_of_ours_the_dashboard_reads_is_exported(exported: Callable[[], str]) -> None:
     """Each panel's PromQL, read as the alerts' is: the names of ours are what `SpillMetrics`
     exports (counters at 0 from the start, gauges once the cache's poll set them), the staging
-    counters' panel included. sglang's own names (the hit rate panel) are checked against a real
-    server only."""
+    counters' panel and the staging holders' panels included. sglang's own names (the hit rate
+    panel) are checked against a real server only."""
     import dataclasses
 
-    from sgl_hicache.cache.metrics import SpillMetrics
+    from sgl_hicache.cache.metrics import STAGING_HELD, STAGING_HELD_TIME, STAGING_USED_TIME, SpillMetrics
     from sgl_hicache.config import SpillConfig
     from sgl_hicache.tier import TierStats
 
@@ -109,6 +109,7 @@ def test_every_metric_of_ours_the_dashboard_reads_is_exported(exported: Callable
     )
     metrics.set_tier_stats(TierStats(**{f.name: 0 for f in dataclasses.fields(TierStats)}))
     metrics.set_staging(0, 0, 1 << 20)
+    metrics.set_staging_held({})
     panels = json.loads(DASHBOARD.read_text())["panels"]
     exprs = {f"{p['title']} {t['refId']}": t["expr"] for p in panels for t in p["targets"]}
     ours = {k: e for k, e in exprs.items() if any(n.startswith(OURS) for n in metric_names(e))}
@@ -116,6 +117,16 @@ def test_every_metric_of_ours_the_dashboard_reads_is_exported(exported: Callable
     assert unexported(ours, exported_names(exported())) == {}
     read = set().union(*(metric_names(e) for e in ours.values()))
     staging = {
-        f"{OURS}{n}_total" for n in ("restores_streamed", "restore_staging_waits", "restores_too_large")
+        f"{OURS}{n}_total"
+        for n in (
+            "restores_streamed",
+            "restore_staging_waits",
+            "restores_too_large",
+            "spills_refused_reserved",
+        )
+    } | {
+        f"{OURS}{STAGING_HELD[0]}",
+        f"{OURS}{STAGING_HELD_TIME[0]}_total",
+        f"{OURS}{STAGING_USED_TIME[0]}_total",
     }
     assert staging <= read, sorted(staging - read)

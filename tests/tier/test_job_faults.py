@@ -29,6 +29,7 @@ from sgl_hicache.tier.completions import Returned
 from sgl_hicache.tier.faults import Counters, FaultLog
 from sgl_hicache.tier.format import Mismatch
 from sgl_hicache.tier.mooncake import objects
+from sgl_hicache.tier.mooncake.client import Names
 from tests.tier.common import CHUNK, NS, key_for, payload_for, tokens_for
 from tests.tier.test_integrity import covered
 from tests.tier.test_mooncake_races import FakeStore, on_fake_store
@@ -288,6 +289,33 @@ def test_a_mooncake_store_whose_failure_handling_raises_ends_and_its_key_is_stor
         m.setattr(fake, "remove", binding_raises)
         done = tier.wait(tier.submit_store(key, data, tokens_for(1), ROOT_KEY), PROMPT_S)
     store_failed_then_stores_again(tier, key, data, done)
+
+
+@pytest.mark.parametrize("raising", ["remove", "get_into"])
+def test_a_mooncake_read_of_tokens_whose_binding_raises_is_a_miss_counted_and_logged_once(
+    on_store: tuple[FakeStore, mc.MooncakeTier], monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture, raising: str,
+) -> None:  # fmt: skip
+    """A warm start reads an extent's token ids; the binding raises on the removal of its bad
+    header, or on the header's read: None (a miss), counted in `io_errors`, logged once, never
+    raised into the warm start (before: the raise escaped `read_tokens`). Once the binding
+    answers, a bad header is dropped and a good one read."""
+    fake, tier = on_store
+    key = store(tier, 1)
+    header = Names(NS.id).header(key)
+    if raising == "remove":
+        raw = bytearray(fake.objs[header])
+        raw[20] ^= 1  # under the header's MAC: a FormatError
+        fake.objs[header] = bytes(raw)
+    with monkeypatch.context() as m, caplog.at_level(logging.WARNING, logger="sgl_hicache.tier"):
+        m.setattr(fake, raising, binding_raises)
+        assert [tier.read_tokens(key), tier.read_tokens(key)] == [None, None]
+    assert tier.stats().io_errors == 2 and len(unexpected_logs(caplog)) == 1
+    tokens = tier.read_tokens(key)
+    if raising == "remove":
+        assert tokens is None and header not in fake.objs
+    else:
+        assert tokens is not None and tokens.tolist() == tokens_for(1)
 
 
 # -- the guard itself ------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ keys, and retention of keys against eviction until a deadline."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,8 +16,11 @@ from sgl_hicache.cli import main as cli_main
 from sgl_hicache.tier import ROOT_KEY, KVDtype, KVLayout, Namespace, Tier
 from sgl_hicache.tier import format as fmt
 from sgl_hicache.tier.base import Op, Status
+from sgl_hicache.tier.file import paths as paths_mod
 from sgl_hicache.tier.file.purge import salt_extents
+from sgl_hicache.tier.file.retain import Removed
 from tests.tier.common import NS, key_for, payload_for, tokens_for
+from tests.tier.test_store_faults import FailingOs
 
 SIZE = 20_000
 
@@ -192,10 +196,8 @@ def test_a_purge_cut_short_by_an_io_error_is_retried_until_done(
     assert store(tier, 1, "s1") is Status.OK and store(tier, 2, "s2") is Status.OK
     purge_once, failures = tier._retention._purge, [OSError(5, "injected EIO")]
 
-    def fails_once(tag: bytes) -> int:
-        if failures:
-            raise failures.pop()
-        return int(purge_once(tag))
+    def fails_once(tag: bytes) -> Removed:
+        return Removed(0, failures.pop()) if failures else purge_once(tag)
 
     monkeypatch.setattr(tier._retention, "_purge", fails_once)
     done = tier.wait(tier.submit_purge("s1"), timeout=30)
@@ -206,3 +208,58 @@ def test_a_purge_cut_short_by_an_io_error_is_retried_until_done(
         time.sleep(0.05)
     assert tier.stats().purge_retries >= 1
     assert key_for(2).hex() + ".ext" in files(tmp_path / "tier")
+
+
+def test_a_purge_cut_short_by_an_io_error_counts_the_files_it_removed(
+    make_tier: Callable[..., Tier], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EIO listing the fan-out directory the walk reaches last, after the files of the others went:
+    the purge completes IO_ERROR with `nbytes` the files it removed, as `purged_extents` counts them
+    (before: `nbytes` 0), and is still owed: retried until the rest are gone, each counted once."""
+    tier: Any = make_tier()
+    for i in range(8):
+        assert store(tier, i, "s") is Status.OK
+    root = tmp_path / "tier"
+    with os.scandir(tier._budget.paths.ns_dir) as it:
+        walked = [Path(de.path) for de in it]  # the walk's order of fan-out directories
+    last = max({p.parent for p in root.rglob("*.ext")}, key=walked.index)
+    monkeypatch.setattr(paths_mod, "os", FailingOs(lambda name, *a: name == "scandir" and Path(a[0]) == last))
+    done = tier.wait(tier.submit_purge("s"), timeout=30)
+    assert files(root) == {p.name for p in last.glob("*.ext")} and len(files(root)) == 1
+    assert (done.status, done.nbytes, tier.stats().purged_extents) == (Status.IO_ERROR, 7, 7)
+    monkeypatch.undo()
+    deadline = time.monotonic() + 10
+    while files(root):
+        assert time.monotonic() < deadline, "the purge cut short was not retried"
+        time.sleep(0.05)
+    assert tier.stats().purged_extents == 8
+
+
+def test_a_removal_cut_short_counts_what_went_and_still_unlinks_the_rest(
+    make_tier: Callable[..., Tier], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The unlink of the second of three removed keys raises (a bug): the first and the third go
+    all the same and both are counted (`purged_extents`, the completion's `nbytes`), the removal
+    ends IO_ERROR, and no key is left dying in the index (before: the job stopped at the raise,
+    counting nothing and leaving the third marked dying); sent again, it removes the rest."""
+    from sgl_hicache.tier.file.budget.shared import SharedBudget
+
+    tier = make_tier()
+    keys = [key_for(i) for i in range(3)]
+    for i in range(3):
+        assert store(tier, i, None) is Status.OK
+    real = SharedBudget.unlink
+
+    def raises_for_the_second(budget: SharedBudget, path: str) -> bool:
+        if Path(path).name.startswith(keys[1].hex()):
+            raise RuntimeError("a bug in the unlink")
+        return real(budget, path)
+
+    monkeypatch.setattr(SharedBudget, "unlink", raises_for_the_second)
+    done = tier.wait(tier.submit_remove(keys), timeout=30)
+    assert (done.status, done.nbytes, tier.stats().purged_extents) == (Status.IO_ERROR, 2, 2)
+    assert files(tmp_path / "tier") == {keys[1].hex() + ".ext"}
+    monkeypatch.undo()
+    assert tier.wait(tier.submit_remove([keys[1]]), timeout=30).nbytes == 1  # sent again: the rest goes
+    assert not files(tmp_path / "tier")
+    tier.check_integrity()

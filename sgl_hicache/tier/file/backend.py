@@ -31,6 +31,7 @@ import contextlib
 import os
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from functools import partial
 
 import numpy as np
@@ -61,7 +62,7 @@ from sgl_hicache.tier.file.load import LoadState, OpenExtent, open_extent, read_
 from sgl_hicache.tier.file.paths import ExtentPaths
 from sgl_hicache.tier.file.publish import Publisher
 from sgl_hicache.tier.file.recreate import Recreator
-from sgl_hicache.tier.file.retain import TierRetention
+from sgl_hicache.tier.file.retain import Removed, TierRetention
 from sgl_hicache.tier.file.scan import scan
 from sgl_hicache.tier.file.source import run_lookup
 from sgl_hicache.tier.format import DirectoryMac, FormatError, Mismatch, NewerFormat
@@ -147,7 +148,8 @@ class FileTier(ReturnedCompletions, IndexedTier):
                 del self._storing[req.key]
                 doomed = self._retention.stored_locked(req.key)
             if doomed:  # dropped or purged while written: the file goes, the write never happened
-                self._retention.unlink(doomed)
+                if (cut := self._retention.unlink(doomed).error) is not None:
+                    raise cut  # its guard ends the store IO_ERROR, logged
                 done = Completion(ticket, Op.STORE, req.key, Status.REJECTED, 0, "purged while written")
         self._completions.post(done)
 
@@ -356,15 +358,16 @@ class FileTier(ReturnedCompletions, IndexedTier):
             self._retention.doom_locked(tag)
         return self._submit_job(Op.PURGE, lambda: self._retention.purge(tag))
 
-    def _submit_job(self, op: Op, job: Callable[[], int]) -> Ticket:
-        """Queue `job` (returns how many files it removed) with the writes; its completion says."""
+    def _submit_job(self, op: Op, job: Callable[[], Removed]) -> Ticket:
+        """Queue `job` with the writes; its completion says how many files it removed, and whether
+        it was cut short (I/O errors, and bugs: logged by _fail, never lost)."""
         ticket = self._completions.issue()
 
         def run() -> None:
-            try:
-                done = Completion(ticket, op, ROOT_KEY, Status.OK, job())
-            except Exception as e:  # I/O errors, and bugs: logged by _fail, never lost
-                done = self._fail(op, ticket, ROOT_KEY, e)
+            files, error = job()
+            done = Completion(ticket, op, ROOT_KEY, Status.OK, files)
+            if error is not None:
+                done = replace(self._fail(op, ticket, ROOT_KEY, error), nbytes=files)
             self._completions.post(done)
 
         with self._lock:

@@ -18,6 +18,9 @@
   in `newer_extents`. A purge cut short by an I/O error (its completion says so) is *owed*: run
   again by `retry_purges` (the tier's periodic refresh, about every second) until it is done,
   each run counted in `purge_retries`.
+- **Counting**: every file a removal or purge removed is counted in `purged_extents` and its
+  completion's `nbytes`, also when the job was cut short (`Removed.error`: the completion then
+  says IO_ERROR); a removal whose unlink of one key raised still unlinks the others.
 
 Methods ending in `_locked` run under `budget.lock`; the others take it themselves.
 """
@@ -27,12 +30,20 @@ from __future__ import annotations
 import time
 from collections.abc import Container, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 from sgl_hicache.tier.base import Op
 from sgl_hicache.tier.file.budget.process import ProcessBudget
 from sgl_hicache.tier.file.purge import belongs, marked_extents, purged_namespaces
 from sgl_hicache.tier.format import DirectoryMac
 from sgl_hicache.tier.keys import ExtentKey, Namespace
+
+
+class Removed(NamedTuple):
+    """What a removal or purge did: the `files` it removed, and what cut it short (None: done)."""
+
+    files: int
+    error: Exception | None = None
 
 
 class TierRetention:
@@ -100,34 +111,35 @@ class TierRetention:
                 marked.append((key, 0 if entry is None else entry.file_bytes))
         return marked
 
-    def unlink(self, marked: list[tuple[ExtentKey, int]]) -> int:
-        """Unlink what `mark_locked` returned; how many files were removed. Blocks."""
-        removed = 0
+    def unlink(self, marked: list[tuple[ExtentKey, int]]) -> Removed:
+        """Unlink what `mark_locked` returned, each key even if another's unlink raised (a bug:
+        `remove_file` counts an OSError itself); `error`: the first raise. Blocks."""
+        removed, error = 0, None
         for key, nbytes in marked:
             try:
                 removed += self._budget.remove_file(key)
+            except Exception as e:  # ended by the job's completion (IO_ERROR), logged there
+                error = error or e
             finally:
                 self._budget.unlinked(key, nbytes)
         self._budget.counters.add("purged_extents", removed)
-        return removed
+        return Removed(removed, error)
 
-    def remove(self, keys: Sequence[ExtentKey]) -> int:
+    def remove(self, keys: Sequence[ExtentKey]) -> Removed:
         with self._budget.lock:
             marked = self.mark_locked(keys)
         return self.unlink(marked)
 
-    def purge(self, tag: bytes) -> int:
-        """Remove every file of the namespaces this tier purges that belongs to the salt of `tag`;
-        how many. Blocks. Raises OSError if cut short (then owed: `retry_purges`)."""
-        try:
-            removed = self._purge(tag)
-        except OSError:
-            with self._budget.lock:
-                self._owed.add(tag)
-            raise
+    def purge(self, tag: bytes) -> Removed:
+        """Remove every file of the namespaces this tier purges that belongs to the salt of `tag`.
+        Blocks. Cut short by an OSError: owed (`retry_purges`)."""
+        done = self._purge(tag)
         with self._budget.lock:
-            self._owed.discard(tag)
-        return removed
+            if isinstance(done.error, OSError):
+                self._owed.add(tag)
+            elif done.error is None:
+                self._owed.discard(tag)
+        return done
 
     def retry_purges(self) -> None:
         """Run each owed purge again. Blocks."""
@@ -135,25 +147,33 @@ class TierRetention:
             owed = list(self._owed)
         for tag in owed:
             self._budget.counters.add("purge_retries")
-            try:
-                self.purge(tag)
-            except OSError as e:
-                self._budget.counters.add("io_errors")
-                self._budget.faults.report(Op.PURGE, e, str(self._budget.paths.ns_dir))
+            error = self.purge(tag).error
+            if error is None:
+                continue
+            self._budget.counters.add("io_errors")
+            log = self._budget.faults.report if isinstance(error, OSError) else self._budget.faults.unexpected
+            log(Op.PURGE, error, str(self._budget.paths.ns_dir))
 
-    def _purge(self, tag: bytes) -> int:
+    def _purge(self, tag: bytes) -> Removed:
+        """The walk of `purge`, stopped by the first error (an OSError of the walk, a raise)."""
         ns_dir, root = self._budget.paths.ns_dir, self._budget.paths.root
         removed = 0
-        for path, mark in marked_extents(purged_namespaces(root, self._ns), self._seal):
-            if mark is not None and mark.newer:
-                self._budget.counters.add("newer_extents")
-            if not belongs(mark, tag):
-                continue
-            if Path(path).parent.parent == ns_dir:
-                removed += self.remove([ExtentKey(bytes.fromhex(Path(path).name.split(".")[0]))])
-            else:
-                removed += self._remove_foreign(path)
-        return removed
+        try:
+            for path, mark in marked_extents(purged_namespaces(root, self._ns), self._seal):
+                if mark is not None and mark.newer:
+                    self._budget.counters.add("newer_extents")
+                if not belongs(mark, tag):
+                    continue
+                if Path(path).parent.parent != ns_dir:
+                    removed += self._remove_foreign(path)
+                    continue
+                files, error = self.remove([ExtentKey(bytes.fromhex(Path(path).name.split(".")[0]))])
+                removed += files
+                if error is not None:
+                    return Removed(removed, error)
+        except Exception as e:  # counted and logged by the purge's completion (or `retry_purges`)
+            return Removed(removed, e)
+        return Removed(removed)
 
     def _remove_foreign(self, path: str) -> int:
         """Another namespace's file (another model, older weights, TP size): accounted, aliases too."""

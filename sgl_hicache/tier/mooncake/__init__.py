@@ -2,6 +2,7 @@
 
 backend.py     MooncakeTier: submit/complete, store, remove, purge and lookup jobs, warm start
 load.py        a load's jobs: the header, then layer group by layer group (a batch's group 0 first)
+failures.py    what a failed job leaves: its status, a bad extent's header removed
 objects.py     one extent as Mooncake objects (the file format, cut at its seams), written and verified
 client.py      the Mooncake client: setup, batch calls, object names (a directory per salt), result codes
 manifest.py    the records of which extents a namespace's writers stored (warm start), compacted

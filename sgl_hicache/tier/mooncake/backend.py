@@ -12,7 +12,7 @@ and codes: client.py), and every load verifies it as a file load does. The contr
   evicts, what another client removed, and everything after a master restart is a clean MISS.
   Chunk names are unique per publish (client.py), so a load never meets another publish's chunk:
   a chunk that fails its checksum under a header still the one the load verified is corrupt (the
-  header is dropped); under a header replaced since, a miss (`_still`; nothing removed).
+  header is dropped); under a header replaced since, a miss (failures.py; nothing removed).
 - Index: the keys this process found at open, stored, loaded or looked up (recent.py, with each
   key's salt tag, which names its objects); it proves nothing (`shared` is always True), so the cache
   stores again on eviction, and a store that finds a header of its key that verifies and every
@@ -66,10 +66,11 @@ from sgl_hicache.tier.codec import StoreRequest, prepare, store_request
 from sgl_hicache.tier.completions import Returned, ReturnedCompletions
 from sgl_hicache.tier.directio import as_view
 from sgl_hicache.tier.faults import Counters, FaultLog, logger
-from sgl_hicache.tier.format import DirectoryMac, FormatError, Mismatch, NewerFormat
+from sgl_hicache.tier.format import DirectoryMac, FormatError, NewerFormat
 from sgl_hicache.tier.keys import ROOT_KEY, ExtentKey, Namespace, check_key
 from sgl_hicache.tier.mooncake import objects
 from sgl_hicache.tier.mooncake.client import Names, connect
+from sgl_hicache.tier.mooncake.failures import COUNTER_OF, Failures
 from sgl_hicache.tier.mooncake.load import Ends, Loads, Reader
 from sgl_hicache.tier.mooncake.manifest import Manifest
 from sgl_hicache.tier.mooncake.purge import Purges
@@ -84,8 +85,6 @@ from sgl_hicache.tier.trust import open_trusted
 MANIFEST_FLUSH_S = 1.0
 """How often an I/O thread writes the manifest's waiting entries (and retries owed purges)."""
 _NOT_COUNTED = ("extents", "bytes_stored", "direct_io", "volume_free_bytes")
-_COUNTER_OF = {Status.MISS: "misses", Status.CORRUPT: "checksum_failures", Status.MISMATCH: "mismatches",
-               Status.NO_SPACE: "no_space", Status.IO_ERROR: "io_errors"}  # fmt: skip
 
 
 class MooncakeTier(ReturnedCompletions, IndexedTier):
@@ -107,6 +106,8 @@ class MooncakeTier(ReturnedCompletions, IndexedTier):
         self._closed = self._abandoned = False
         self._manifest = Manifest(self._client, self._names, self._seal)
         self._purges = Purges(self._client, self._counters, self._faults, self._where)
+        self._failures = Failures(self._client, self._names, self._lock, self._index, self._counters,
+                                  self._faults, self._where)  # fmt: skip
         self._warm_start()
         self._io = IoScheduler(cfg.io_threads, name="sgl-hicache-mooncake")
         self._io.every(MANIFEST_FLUSH_S, self._tick)
@@ -148,39 +149,11 @@ class MooncakeTier(ReturnedCompletions, IndexedTier):
     def _post(
         self, ticket: Ticket, op: Op, key: ExtentKey, status: Status, nbytes: int = 0, detail: str = ""
     ) -> None:
-        if status in _COUNTER_OF:
-            self._counters.add(_COUNTER_OF[status])
-        if op is Op.STORE and status in _COUNTER_OF:
+        if status in COUNTER_OF:
+            self._counters.add(COUNTER_OF[status])
+        if op is Op.STORE and status in COUNTER_OF:
             self._counters.add("store_failures")
         self._completions.post(Completion(ticket, op, key, status, nbytes, detail))
-
-    def _classify(self, op: Op, key: ExtentKey, salt: bytes | None, err: Exception,
-                  seen: objects.Opened | None = None) -> Status:  # fmt: skip
-        """The status of a failed job, after its side effects: a bad extent dropped, a failure of the
-        store logged (rate-limited), a key that did not load forgotten. `seen`: the header the load
-        verified, if it got that far (its chunks then failed)."""
-        if isinstance(err, objects.Gone):
-            status = Status.MISS
-        elif isinstance(err, NewerFormat):  # a newer server's extent: kept for it, never corrupt
-            status = Status.MISS
-            self._counters.add("newer_extents")
-        elif isinstance(err, FormatError) and seen is not None and not self._still(key, seen):
-            # The key was re-published (or removed) since the load verified its header: not this
-            # extent's fault. Nothing is removed.
-            status = Status.MISS
-        elif isinstance(err, FormatError):
-            status = Status.MISMATCH if isinstance(err, Mismatch) else Status.CORRUPT
-            self._drop(key, salt)
-        elif isinstance(err, objects.StoreFailed):
-            status = Status.NO_SPACE if err.reply.no_space and op is Op.STORE else Status.IO_ERROR
-            self._faults.report(op, err, self._where)
-        else:
-            status = Status.IO_ERROR
-            logger.error("spill tier (mooncake) %s job failed unexpectedly", op.value, exc_info=err)
-        if op is Op.LOAD:
-            with self._lock:
-                self._index.forget(key)
-        return status
 
     def submit_store(
         self, key: ExtentKey, payload: Buffer, tokens: Sequence[int] | np.ndarray, parent: ExtentKey,
@@ -213,7 +186,7 @@ class MooncakeTier(ReturnedCompletions, IndexedTier):
                 self._write(req)
                 status, detail = Status.OK, ""
         except Exception as e:
-            status, detail = self._classify(Op.STORE, req.key, req.salt_tag, e), str(e)
+            status, detail = self._failures.classify(Op.STORE, req.key, req.salt_tag, e), str(e)
         finally:  # before any post (the guard's if this raised): a later store of it follows no ended one
             with self._lock:
                 self._storing.pop(req.key, None)
@@ -267,32 +240,11 @@ class MooncakeTier(ReturnedCompletions, IndexedTier):
 
     def _load_failed(self, ticket: Ticket, key: ExtentKey, salt: bytes | None, err: Exception,
                      seen: objects.Opened | None) -> None:  # fmt: skip
-        self._post(ticket, Op.LOAD, key, self._classify(Op.LOAD, key, salt, err, seen), 0, str(err))
+        self._post(ticket, Op.LOAD, key, self._failures.classify(Op.LOAD, key, salt, err, seen), 0, str(err))
 
     def _salt(self, key: ExtentKey) -> bytes | None:
         with self._lock:
             return self._index.salt(key)
-
-    def _still(self, key: ExtentKey, seen: objects.Opened) -> bool:
-        """Whether `key`'s header is still the one a failed load verified (then the failure is that
-        extent's; chunk names are unique per publish, so no other publish's chunk was read). A
-        store that does not answer proves nothing: not still (a miss, nothing removed). The store
-        has no compare-and-delete: a re-publish landing after this check and before `_drop`'s
-        remove loses its header (a miss for every reader, stored again on the next spill; never
-        wrong bytes)."""
-        try:
-            return objects.header_is(self._client, self._names, key, seen.salt, seen.raw)
-        except Exception:
-            return False
-
-    def _drop(self, key: ExtentKey, salt: bytes | None) -> None:
-        """Remove a bad extent's header (its chunks are left to the master's eviction). The key
-        leaves the index even if the removal raises (which propagates): it claims no bad extent."""
-        try:
-            self._client.remove(self._names.header(key, salt))
-        finally:
-            with self._lock:
-                self._index.forget(key)
 
     def _open(self) -> bool:
         with self._lock:
@@ -382,7 +334,16 @@ class MooncakeTier(ReturnedCompletions, IndexedTier):
             return self._index.infos()
 
     def read_tokens(self, key: ExtentKey) -> np.ndarray | None:
-        salt = self._salt(check_key(key))
+        key = check_key(key)
+        try:
+            return self._read_tokens(key)
+        except Exception as e:  # the binding raising (a header's read, a bad one's removal): a miss
+            self._faults.unexpected(Op.LOAD, e, self._where)
+            self._counters.add("io_errors")
+            return None
+
+    def _read_tokens(self, key: ExtentKey) -> np.ndarray | None:
+        salt = self._salt(key)
         try:
             ext = objects.open_header(
                 self._client, self._names, self._ns.id, key, salt, self._seal, self._scratch
@@ -391,7 +352,7 @@ class MooncakeTier(ReturnedCompletions, IndexedTier):
             self._counters.add("newer_extents")
             return None
         except FormatError:
-            self._drop(key, salt)
+            self._failures.drop(key, salt)
             return None
         except OSError:  # gone, or the store did not answer
             return None
