@@ -130,9 +130,8 @@ class SpillConfig:
     )
     clean_ahead: float = tuning(
         1.0,
-        "write_back on a tier no other server uses: while idle, write the next victims of eviction "
-        "(the coldest unwritten KV, until they and the free slots make this share of the device pool), "
-        "so that evicting them later copies nothing; 0 turns it off",
+        "write_back, a tier of our own: while idle, write the coldest unwritten KV ahead of eviction "
+        "until it and the free slots make this share of the device pool; 0: off",
     )
     write_policy: WritePolicy = option(
         WritePolicy.WRITE_BACK,
@@ -169,8 +168,7 @@ class SpillConfig:
     )
     take_back_reads: bool = tuning(
         True,
-        "an eviction's spill that finds staging full takes it back from prefetched reads landed for "
-        "queued requests (read again later) before its victim is dropped",
+        "a spill finding staging full takes back landed prefetches before dropping its victim",
     )
     layerwise_restore: bool = option(
         False,

@@ -146,7 +146,8 @@ def _keys_table() -> str:
     for s in [s for s in settings() if s.key]:
         head = f"{s.key} {s.metavar}"
         text = f"{s.help} (default: {s.shown_default}; env {s.env})"
-        rows.append(textwrap.fill(text, width, initial_indent=f"{head:<26}", subsequent_indent=" " * 26))
+        head = f"{head:<25} "  # a key wider than the column still gets a space before its text
+        rows.append(textwrap.fill(text, width, initial_indent=head, subsequent_indent=" " * 26))
     return "\n".join(rows)
 
 
