@@ -99,7 +99,9 @@ class SpillController:
         self.retiring = Retiring(staging)  # blocks given back once their copies are done
         # what a store may take of staging (not the room a waiting restore's read needs), its refusals
         wanted = (lambda: self.reads.room_wanted_bytes) if restore_reserve else None
-        self.take_back = TakeBack(self.reads, self.restores, metrics)  # landed reads yield to spills
+        self.take_back = TakeBack(
+            self.reads, self.restores, self.retiring, metrics
+        )  # landed reads yield to spills
         self.share = StagingShare(view, metrics, wanted, self.take_back.block if take_back_reads else None)
         self.share.log_extent_bound(staging)
         self.held_time = HeldTime(metrics)  # staging held per holder over time, for /metrics

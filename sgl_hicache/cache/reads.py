@@ -347,6 +347,8 @@ class ExtentReads:
                 self.metrics.inc("prefetch_hits")
                 read.prefetched = False
             return read
+        if read is not None and not prefetch:  # too short: a restore's now, until a longer one starts
+            read.prefetched = False
         if not new or extent.state is not ExtentState.ON_TIER:
             return None
         nbytes = packed_nbytes(self.view, tokens)

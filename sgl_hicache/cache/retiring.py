@@ -26,6 +26,11 @@ class Retiring:
         if buf.numel():
             self._readers[buf.data_ptr()] = copy
 
+    def busy(self, buf: torch.Tensor) -> bool:
+        """Whether an unpack still reads staging block `buf` (given back, it would not be free yet)."""
+        reader = self._readers.get(buf.data_ptr()) if buf.numel() else None
+        return reader is not None and not reader.done
+
     def retire(self, buf: torch.Tensor, copy: Copy | None = None) -> None:
         """Give a staging block back once the copies using it are done (`copy`, and the last unpack
         that read it); at once if they are."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
+from collections.abc import Sequence
 
 import torch
 
@@ -100,6 +101,27 @@ class StagingPool:
             self.peak_bytes = max(self.peak_bytes, self._used)
         return buf
 
+    def freed_for(self, nbytes: int, bufs: Sequence[torch.Tensor]) -> list[int] | None:
+        """Which of `bufs` (blocks in use), given back, would let `acquire(nbytes)` succeed: the
+        fewest of the shortest leading run of them that does (those whose blocks lie in the free
+        block it would take), by index; None if all of them would not (the room in pieces, or the
+        bytes in use over the budget). Changes nothing."""
+        size = _round(nbytes)
+        with self._lock:
+            spans = [self._blocks[buf.data_ptr()] for buf in bufs]
+            free = list(self._free)
+            for n, span in enumerate(spans):
+                free = _merged(free, span)
+                run = next(((o, f) for o, f in free if f >= size), None)
+                if run is None:
+                    continue
+                chosen = [i for i in range(n + 1) if run[0] <= spans[i][0] < run[0] + run[1]]
+                if self._used - sum(bufs[i].numel() for i in chosen) + nbytes > self.capacity_bytes:
+                    chosen = list(range(n + 1))  # within the budget only with the others too
+                if self._used - sum(bufs[i].numel() for i in chosen) + nbytes <= self.capacity_bytes:
+                    return chosen
+        return None
+
     def release(self, buf: torch.Tensor) -> None:
         if buf.numel() == 0:
             return
@@ -130,6 +152,17 @@ class StagingPool:
             assert end == self._size, f"staging blocks cover {end} B of {self._size} B"
             held = sum(size for _, size in self._blocks.values())
             assert self._held == held, f"staging counts {self._held} B of blocks in use, they hold {held} B"
+
+
+def _merged(free: list[tuple[int, int]], span: tuple[int, int]) -> list[tuple[int, int]]:
+    """`free` (offset, size) sorted and coalesced, with `span` added."""
+    out: list[tuple[int, int]] = []
+    for offset, size in sorted([*free, span]):
+        if out and out[-1][0] + out[-1][1] == offset:
+            out[-1] = (out[-1][0], out[-1][1] + size)
+        else:
+            out.append((offset, size))
+    return out
 
 
 def _round(nbytes: int) -> int:

@@ -104,20 +104,21 @@ class StagingShare:
             self.metrics.inc("writes_through_deferred" if background else "spills_refused_reserved")
             return Refused.DEFERRED if background else Refused.RESERVED
         buf = staging.acquire(nbytes, limit)
-        if buf is None and self._may_take_back(staging, nbytes, limit):
+        if buf is None and self._may_take_back(staging, nbytes, limit, yields):
             assert self.take_back is not None
             buf = self.take_back(staging, nbytes)
         return buf if buf is not None else self._refused(staging, tokens, nbytes, limit)
 
-    def _may_take_back(self, staging: StagingPool, nbytes: int, limit: int | None) -> bool:
+    def _may_take_back(self, staging: StagingPool, nbytes: int, limit: int | None, yields: bool) -> bool:
         """Whether a store refused room may have landed reads given back for it: an eviction's spill
-        (not a `limit`ed background store) that fits staging, while no restore waits for room with
-        `restore_reserve` on (the room given back is that read's first)."""
+        (not a `limit`ed background store) that fits staging; while a restore waits for room with
+        `restore_reserve` on, only one that does not `yield` (the room given back is the read's
+        first; a pinned conversation's or a node with spilled children's spill loses more dropped)."""
         return (
             self.take_back is not None
             and limit is None
             and nbytes <= staging.capacity_bytes
-            and not self.reserved(staging)
+            and (not yields or not self.reserved(staging))
         )
 
     def _takes_reserved(self, staging: StagingPool, nbytes: int, limit: int | None) -> bool:

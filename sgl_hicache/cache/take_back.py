@@ -18,7 +18,9 @@ its block fits (`block`):
   recompute: tests/cache/test_take_back.py);
 - the latest started first (admission is first come first served: its request is the furthest
   from it);
-- none at all when even all of them would not make room (nothing is given back for nothing).
+- only those whose blocks make the free block the spill takes (the room they leave beside each
+  other and the free space, not in pieces), none whose block an unpack still reads, and none at
+  all when even all of them would not make room (nothing is given back for nothing).
 Each read given back counts `reads_taken_back`; its extent's next restore reads it again
 (`reads_on_demand`). Background stores (write-through, write-ahead) never take back: nothing is
 lost without them. Off (`take_back_reads` false): spills are refused as before.
@@ -31,13 +33,17 @@ import torch
 from sgl_hicache.cache.metrics import SpillMetrics
 from sgl_hicache.cache.reads import ExtentReads, PendingRead
 from sgl_hicache.cache.restores import Restores
+from sgl_hicache.cache.retiring import Retiring
 from sgl_hicache.cache.staging import StagingPool
 
 
 class TakeBack:
-    def __init__(self, reads: ExtentReads, restores: Restores, metrics: SpillMetrics) -> None:
+    def __init__(
+        self, reads: ExtentReads, restores: Restores, retiring: Retiring, metrics: SpillMetrics
+    ) -> None:
         self.reads = reads
         self.restores = restores
+        self.retiring = retiring
         self.metrics = metrics
 
     def candidates(self) -> list[PendingRead]:
@@ -48,18 +54,15 @@ class TakeBack:
         return sorted(free, key=lambda r: -r.started)
 
     def block(self, staging: StagingPool, nbytes: int) -> torch.Tensor | None:
-        """A block of `nbytes` for an eviction's spill, taken back from landed reads (the module doc);
-        None, having given back nothing, when all of them would not make room."""
-        reads = self.candidates()
-        used = staging.used_bytes - sum(r.buf.numel() for r in reads)
-        blocks = staging.free_block_bytes + sum(staging.block_bytes(r.buf.numel()) for r in reads)
-        if used + nbytes > staging.capacity_bytes or blocks < staging.block_bytes(nbytes):
+        """A block of `nbytes` for an eviction's spill, taken back from landed reads (the module doc):
+        only those whose blocks make the free block it takes (`StagingPool.freed_for`), none whose
+        block an unpack still reads; None, having given back nothing, when they would not make room."""
+        reads = [r for r in self.candidates() if r.buf.numel() and not self.retiring.busy(r.buf)]
+        chosen = staging.freed_for(nbytes, [r.buf for r in reads])
+        if chosen is None:
             return None
-        for read in reads:
+        for read in (reads[i] for i in chosen):
             self.reads.finish_extent(id(read.extent))
             self.metrics.inc("reads_taken_back")
             self.metrics.inc("reads_taken_back_tokens", read.tokens)
-            buf = staging.acquire(nbytes)
-            if buf is not None:
-                return buf
-        return None
+        return staging.acquire(nbytes)

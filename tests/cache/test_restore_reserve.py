@@ -349,3 +349,25 @@ def test_a_victim_whose_children_are_spilled_is_spilled_into_the_room_not_droppe
     loaded, last = s.load_back(s.match(other), rid="o")
     assert loaded == 2 * TURN and resident(s, other) == expected_kv(other)
     s.cache.check_integrity()
+
+
+@pytest.mark.parametrize("yields", [True, False], ids=["yields", "pinned"])
+def test_a_spill_that_does_not_yield_takes_back_reads_while_a_restore_waits(
+    make_stack: Any, yields: bool
+) -> None:
+    """With a restore waiting for room, a spill that yields to it takes no reads back (the room
+    given back is the restore's first); one whose drop would lose more than itself (a pinned
+    conversation, spilled children) does."""
+    view = make_stack().cache.controller.view
+    staging = StagingPool(STAGING)
+    asked: list[int] = []
+
+    def take_back(pool: StagingPool, nbytes: int) -> torch.Tensor | None:
+        asked.append(nbytes)
+        return None
+
+    share = StagingShare(view, SpillMetrics(), lambda: packed_nbytes(view, 32), take_back)
+    assert staging.acquire(packed_nbytes(view, 150)) is not None  # 18.75 of 20 KiB
+    got = share.take(staging, TURN, yields=yields)
+    assert got is Refused.STAGING_FULL
+    assert asked == ([] if yields else [packed_nbytes(view, TURN)])

@@ -159,3 +159,85 @@ def test_a_restore_in_progress_keeps_its_reads(make_stack: Any) -> None:
     assert ctl.take_back.candidates() == []
     ctl.restores.drop("r")
     assert len(ctl.take_back.candidates()) == 1
+
+
+def test_nothing_is_given_back_when_the_room_freed_would_lie_in_pieces(
+    make_stack: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Staging of 24 KiB: a landed read, a write held, another landed read. A 16 KiB spill would
+    find 16 KiB free after giving back both reads, but in two 8 KiB pieces around the write: it
+    gives back nothing, and the reads stay for their restores."""
+    s = make_stack(size=1024)
+    other = turn(5000)
+    on_tier(s, HISTORY, other, staging=24 << 10)
+    held = HeldWrites(monkeypatch, s.cache.controller.tier)
+    s.cache.prefetch(HISTORY)
+    landed(s, 1)
+    evict(s, turn(1000))
+    held.wait(s, 1)
+    s.cache.prefetch(other)
+    landed(s, 2)
+    assert s.cache.controller.staging.used_bytes == 24 << 10
+    evict(s, turn(2000, 2 * TURN))
+    totals = s.metrics.totals
+    assert totals["reads_taken_back"] == 0 and s.metrics.drops[DropReason.STAGING_FULL] == 2 * TURN
+    assert len(s.cache.controller.reads.landed_reads()) == 2
+    held.release()
+    for rid, tokens in (("h", HISTORY), ("o", other)):
+        loaded, last = s.load_back(s.match(tokens), rid=rid)
+        assert loaded == TURN and read_kv(s.pool, last.value) == expected_kv(tokens)
+    assert totals["reads_on_demand"] == 0
+    s.cache.check_integrity()
+
+
+def test_only_the_reads_around_the_room_are_given_back(
+    make_stack: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Staging of 28 KiB: read A, a write held, read B, 4 KiB free. A 12 KiB spill fits once B
+    (beside the free 4 KiB) is given back; A, though started last (first in line), lies the other
+    side of the write: it is kept."""
+    s = make_stack(size=1024)
+    a, b, x = HISTORY, turn(5000), turn(6000)
+    on_tier(s, a, b, x, staging=28 << 10)
+    held = HeldWrites(monkeypatch, s.cache.controller.tier)
+    ctl = s.cache.controller
+    s.cache.prefetch(x)  # [0, 8K)
+    landed(s, 1)
+    evict(s, turn(1000))  # [8K, 16K), held
+    held.wait(s, 1)
+    s.cache.prefetch(b)  # [16K, 24K)
+    landed(s, 2)
+    ctl.reads.finish_extent(id(s.match(x).best_match_node.spill.extent))  # [0, 8K) free again
+    s.cache.prefetch(a)  # [0, 8K), started last
+    landed(s, 2)
+    extent = {tuple(t): s.match(t).best_match_node.spill.extent for t in (a, b)}
+    assert [r.extent for r in ctl.take_back.candidates()] == [extent[tuple(a)], extent[tuple(b)]]
+    victim = turn(2000, 96)
+    evict(s, victim)  # 12 KiB: only B's block and the free 4 KiB beside it make one
+    totals = s.metrics.totals
+    assert totals["reads_taken_back"] == 1 and totals["spills_refused_staging_full"] == 0
+    assert [r.extent for r in ctl.reads.landed_reads()] == [extent[tuple(a)]]
+    held.release()
+    ctl.wait_writes()
+    for rid, tokens in (("a", a), ("b", b), ("v", victim)):
+        loaded, _ = s.load_back(s.match(tokens), rid=rid)
+        assert loaded == len(tokens) and resident(s, tokens) == expected_kv(tokens)
+    s.cache.check_integrity()
+
+
+def test_a_short_prefetch_a_restore_asked_for_is_not_taken_back(make_stack: Any) -> None:
+    """A prefetch read the first 32 tokens of HISTORY; its restore needs all 64 and finds no room
+    for the longer read: the short read is the restore's now (it may unpack from it while it waits
+    for room, and the eviction making room for its slots must not take it), not a prefetch."""
+    s = make_stack(size=1024)
+    on_tier(s, HISTORY)
+    s.cache.prefetch(HISTORY[:32])
+    landed(s, 1)
+    ctl = s.cache.controller
+    extent = s.match(HISTORY).best_match_node.spill.extent
+    assert [r.extent for r in ctl.take_back.candidates()] == [extent]
+    assert ctl.reads.start(extent, TURN, prefetch=False, new=False) is None  # no room to start it
+    assert ctl.take_back.candidates() == []
+    loaded, _ = s.load_back(s.match(HISTORY), rid="r")
+    assert loaded == TURN and resident(s, HISTORY) == expected_kv(HISTORY)
+    s.cache.check_integrity()
