@@ -28,6 +28,7 @@ from sgl_hicache.tier import ROOT_KEY, ExtentKey, KVDtype, KVLayout, Namespace, 
 from sgl_hicache.tier.format import FIXED_SIZE
 from sgl_hicache.tier.groups import chunk_spans, section_of
 from sgl_hicache.tier.mooncake import backend as mooncake_backend
+from sgl_hicache.tier.mooncake import load as mooncake_load
 from sgl_hicache.tier.mooncake import objects
 from sgl_hicache.tier.mooncake.client import StoreClient, connect
 from tests.mooncake_master import MooncakeMaster, skip_without_mooncake
@@ -123,9 +124,10 @@ class Batch:
             out.setdefault(g, []).append(name)
         return out
 
-    def load(self, wants: list[int | None]) -> tuple[list[Status], list[np.ndarray]]:
+    def load(self, wants: list[int | None], timeout_s: float = 30) -> tuple[list[Status], list[np.ndarray]]:
         """Load extents 0..n-1 as one batch (extent i's first wants[i] bytes; None: all), every
-        load queued before an I/O thread takes one; their statuses and destinations."""
+        load queued before an I/O thread takes one; their statuses and destinations (each load
+        completed within `timeout_s`, once)."""
         gate = threading.Event()
         for _ in range(self.threads):  # ranked ahead of every load: each holds a thread
             self.tier._io.submit_read(gate.wait, ())
@@ -134,7 +136,7 @@ class Batch:
         tickets += [self.tier.submit_load(self.keys[i], dests[i], wants[i], batch=tickets[0])
                     for i in range(1, len(wants))]  # fmt: skip
         gate.set()
-        done = [self.tier.wait(t, 30) for t in tickets]
+        done = [self.tier.wait(t, timeout_s) for t in tickets]
         assert not self.tier.get_finished(), "one completion a load"
         for c, want in zip(done, wants, strict=True):
             if c.ok:
@@ -273,3 +275,57 @@ def test_one_extents_missing_or_damaged_object_fails_its_load_alone(
         assert not read & {n for names in chunks.values() for n in names}, (
             "a load without a header read chunks"
         )
+
+
+def plant_bug(b: Batch, where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug of ours raising on an I/O thread (the store's own errors are outcomes, never raised):
+    in extent 3's header's salt lookup, its pieces' reads, its recording, or the runs of group 2."""
+    bad = b.keys[DAMAGED]
+
+    def boom(*args: Any) -> Any:
+        raise RuntimeError(f"a bug in {where}")
+
+    if where == "salt":
+        ends = b.tier._loads._ends
+        salt = ends.salt
+        b.tier._loads._ends = ends._replace(salt=lambda key: boom() if key == bad else salt(key))
+        return
+    if where == "runs":
+        runs = mooncake_load._runs
+        monkeypatch.setattr(mooncake_load, "_runs", lambda loads, g: boom() if g == 2 else runs(loads, g))
+        return
+    real = getattr(mooncake_load.MooncakeLoad, where)
+    monkeypatch.setattr(mooncake_load.MooncakeLoad, where,
+                        lambda load, *a: boom() if load.key == bad else real(load, *a))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("where", "oks"),
+    [("salt", 0), ("read", 0), ("runs", 0), ("done", EXTENTS - 1)],
+)
+def test_a_bug_on_an_io_thread_ends_every_load_it_touched_once(
+    batch: Callable[..., Batch], monkeypatch: pytest.MonkeyPatch, where: str, oks: int
+) -> None:
+    """A bug raising in a job that reads for the whole batch strands none of the loads it took:
+    every load of the batch completes once. Raised where the batch's loads are read together (their
+    headers' planning, a call's pieces, a group's runs) it fails every load of that step (IO_ERROR,
+    counted once each), which then reads nothing more; raised recording one load's pieces, it fails
+    that load alone, and the other seven are OK and exact."""
+    b = batch(1)
+    plant_bug(b, where, monkeypatch)
+    statuses, dests = b.load([None] * EXTENTS, timeout_s=10)
+    if oks:
+        assert statuses == [Status.IO_ERROR if i == DAMAGED else Status.OK for i in range(EXTENTS)]
+    else:
+        assert statuses == [Status.IO_ERROR] * EXTENTS
+    for i, (status, dest) in enumerate(zip(statuses, dests, strict=True)):
+        if status is Status.OK:
+            assert np.array_equal(dest, payload(i)), f"extent {i} loaded other bytes"
+    stats = b.tier.stats()
+    assert (stats.loads, stats.io_errors) == (oks, EXTENTS - oks)
+    read = {name for names in b.client.reads for name in names}
+    failed_at = {"salt": 0, "read": 0, "runs": 2, "done": 1}[where]  # the first group nothing reads
+    for i, status in enumerate(statuses):
+        if status is not Status.OK:
+            later = {n for g, names in b.chunks(i).items() if g >= failed_at for n in names}
+            assert not read & later, f"extent {i} read on after it failed"

@@ -23,10 +23,12 @@ Per load nothing is shared: each reply is checked and each chunk verified on its
 end for a load that rearranges its bytes); a missing or bad object fails its own load only (with
 that load's other pieces of the call); a load failed earlier reads nothing more. The job that
 records a load's last piece ends it: an OK completion, or the first error, classified by the tier
-(`Ends`). Every job runs under `Returned.guard`, and so does each load's end under its own ticket:
-an end that raises still ends its load (IO_ERROR, counted). The store's and the checks' errors are
-the loads' outcomes, never raised, so a job raises only from a bug (then its own ticket completes
-IO_ERROR), and no completion is posted while another job may still write the load's destination.
+(`Ends`). The store's and the checks' errors are the loads' outcomes, never raised, so only a bug
+raises, and it strands no load: one raising where loads are handled together (planning a call's
+headers, a group's runs, a call's pieces) is the error of each load of that step (IO_ERROR; each
+then reads nothing more), and each load's planning, recording and end run under its own ticket's
+`Returned.guard` (a raise there fails that load alone, IO_ERROR, counted); every job, too, as a
+last resort. No completion is posted while another job may still write the load's destination.
 """
 
 from __future__ import annotations
@@ -207,10 +209,11 @@ class Loads:
     def _open(self, opening: list[_Opening]) -> list[MooncakeLoad]:
         """The headers of `opening` read (one batch read) and planned: the loads planned with
         pieces to read; every other one ended."""
-        salts = [self._ends.salt(o.key) for o in opening]
+        salts: list[bytes | None] = [None] * len(opening)
         try:
+            salts = [self._ends.salt(o.key) for o in opening]
             got = self._reader.open([(o.key, salt) for o, salt in zip(opening, salts, strict=True)])
-        except Exception as e:  # the binding raised: no header of the call was read
+        except Exception as e:  # the binding raised, or a bug: no header of the call was read
             got = [e] * len(opening)
         planned: list[MooncakeLoad] = []
         for o, salt, ext in zip(opening, salts, got, strict=True):
@@ -241,18 +244,43 @@ class Loads:
             self._end(load)
 
     def _read_group(self, b: _Batch, group: int) -> None:
+        """`group`'s pieces of the loads pending for it, a run a call. A bug raising here fails
+        the pieces it was to read (each load then reads nothing more): it strands no load."""
         with self._lock:
             loads = b.groups.pop(group, [])
-        for run in _runs(loads, group):
-            self._read_run(run)
+        try:
+            runs = list(_runs(loads, group))
+        except Exception as e:
+            self._record([(load, load.groups[group]) for load in loads], [e] * len(loads))
+            return
+        for run in runs:
+            self._record(run, self._read_run(run))
 
-    def _read_run(self, run: list[Part]) -> None:
-        """One batch read of `run`'s pieces, each load's recorded (and ended if that was its last)."""
-        failed = [load.error for load, _ in run]  # once a load failed, nothing more is read
-        errors = iter(self._read([part for part, error in zip(run, failed, strict=True) if error is None]))
-        for (load, indices), error in zip(run, failed, strict=True):
-            if load.done(indices, error if error is not None else next(errors)):
-                self._end(load)
+    def _read_run(self, run: list[Part]) -> list[Exception | None]:
+        """One batch read of `run`'s pieces; per part its outcome: its load's earlier error (then
+        nothing of it is read), else the first error of its pieces, or None."""
+        try:
+            failed = [load.error for load, _ in run]
+            errors = iter(
+                self._read([part for part, error in zip(run, failed, strict=True) if error is None])
+            )
+            return [error if error is not None else next(errors) for error in failed]
+        except Exception as e:  # a bug (the store's errors are outcomes): every part fails with it
+            return [e] * len(run)
+
+    def _record(self, parts: list[Part], errors: list[Exception | None]) -> None:
+        """Each part's outcome recorded under its load's guard, and the loads it was the last of ended."""
+        for (load, indices), error in zip(parts, errors, strict=True):
+            self._guarded(load.ticket, load.key, partial(self._done, load, indices, error))
+
+    def _done(self, load: MooncakeLoad, indices: list[int], error: Exception | None) -> None:
+        try:
+            last = load.done(indices, error)
+        except Exception as e:  # a bug: the guard ends the load (IO_ERROR) and it reads nothing more
+            load.fail(e)
+            raise
+        if last:
+            self._end(load)
 
     def _read(self, parts: list[Part]) -> list[Exception | None]:
         """The pieces of `parts` in one batch read; per part the first error of its pieces, or None."""
