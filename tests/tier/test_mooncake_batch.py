@@ -100,8 +100,8 @@ class Counted:
 
     @property
     def per_operation(self) -> Counter[str]:
-        """The calls but the I/O threads' registrations of their scratch buffers (first use)."""
-        return Counter({name: n for name, n in self.calls.items() if name != "register"})
+        """The calls but the I/O threads' registrations of their scratch buffers (as they grow)."""
+        return Counter({name: n for name, n in self.calls.items() if name not in ("register", "unregister")})
 
 
 @dataclass

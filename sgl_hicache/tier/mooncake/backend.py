@@ -94,7 +94,7 @@ class MooncakeTier(ReturnedCompletions, IndexedTier):
         self._seal = DirectoryMac(open_trusted(cfg.directory, namespace.id.hex()))
         self._client = connect(cfg.mooncake)
         self._names = Names(namespace.id)
-        self._scratch = objects.Scratch(self._client.register)
+        self._scratch = objects.Scratch(self._client.register, self._client.unregister)
         self._counters, self._faults = Counters(), FaultLog()
         self._where = f"the Mooncake Store ({cfg.mooncake.master})"
         self._lock = threading.Lock()

@@ -97,19 +97,28 @@ def _checked(reply: Reply, what: str) -> Reply:
 
 
 class Scratch:
-    """Per-thread byte buffers, each registered with the store once (`register`) when made."""
+    """Per-thread byte buffers, each registered with the store (`register`) when made. A thread's
+    buffer grows by at least doubling, up to `LOAD_BATCH_BYTES` (what one batch read reads into;
+    past it, what a request needs), so requests growing in small steps cost a few registrations;
+    the buffer it replaces is unregistered (`unregister`) once its successor is registered."""
 
-    def __init__(self, register: Callable[[memoryview], object]) -> None:
+    def __init__(
+        self, register: Callable[[memoryview], object], unregister: Callable[[memoryview], object]
+    ) -> None:
         self._local = threading.local()
-        self._register = register
+        self._register, self._unregister = register, unregister
 
     def get(self, nbytes: int) -> memoryview:
         from sgl_hicache.tier.directio import alloc_aligned
 
-        buf: memoryview | None = getattr(self._local, "buf", None)
-        if buf is None or buf.nbytes < nbytes:
-            buf = self._local.buf = alloc_aligned(align_up(max(nbytes, 1)))
-            self._register(buf)
+        old: memoryview | None = getattr(self._local, "buf", None)
+        if old is not None and old.nbytes >= nbytes:
+            return old[:nbytes]
+        grown = max(nbytes, min(2 * old.nbytes, LOAD_BATCH_BYTES)) if old is not None else nbytes
+        buf = self._local.buf = alloc_aligned(align_up(max(grown, 1)))
+        self._register(buf)
+        if old is not None:
+            self._unregister(old)
         return buf[:nbytes]
 
 
