@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from sgl_hicache.config import Compression, MooncakeConfig, SpillBackend, TierConfig
-from sgl_hicache.tier import ROOT_KEY, ExtentKey, KVDtype, KVLayout, Namespace, Status, chain_key
+from sgl_hicache.tier import ROOT_KEY, Completion, ExtentKey, KVDtype, KVLayout, Namespace, Status, chain_key
 from sgl_hicache.tier.format import FIXED_SIZE
 from sgl_hicache.tier.groups import chunk_spans, section_of
 from sgl_hicache.tier.mooncake import backend as mooncake_backend
@@ -329,3 +329,28 @@ def test_a_bug_on_an_io_thread_ends_every_load_it_touched_once(
         if status is not Status.OK:
             later = {n for g, names in b.chunks(i).items() if g >= failed_at for n in names}
             assert not read & later, f"extent {i} read on after it failed"
+
+
+def test_the_ok_loads_of_a_call_complete_before_a_failed_one_is_classified(
+    batch: Callable[..., Batch],
+) -> None:
+    """Extent 3's chunk of the last layer group is corrupt: its classification asks the store (is
+    the header still the one it verified? then it is removed), so the seven OK loads the same call
+    ended complete first, and extent 3 last (CORRUPT)."""
+    b = batch(1)
+    damage(b, b.chunks(DAMAGED)[GROUPS - 1][0], "corrupt", 1000)
+    gate = threading.Event()
+    b.tier._io.submit_read(gate.wait, ())
+    dests = [np.zeros(GROUPS * SECTION, np.uint8) for _ in range(EXTENTS)]
+    tickets = [b.tier.submit_load(b.keys[0], dests[0])]
+    tickets += [b.tier.submit_load(b.keys[i], dests[i], batch=tickets[0]) for i in range(1, EXTENTS)]
+    gate.set()
+    done: list[Completion] = []
+    deadline = time.monotonic() + 30
+    while len(done) < EXTENTS:
+        assert time.monotonic() < deadline, f"completions missing: {done}"
+        b.tier.wait_posted(1)
+        done += b.tier.get_finished()
+    order = [tickets.index(c.ticket) for c in done]
+    assert order == [i for i in range(EXTENTS) if i != DAMAGED] + [DAMAGED], done
+    assert [c.status for c in done] == [Status.OK] * (EXTENTS - 1) + [Status.CORRUPT]

@@ -269,8 +269,10 @@ class Loads:
             return [e] * len(run)
 
     def _record(self, parts: list[Part], errors: list[Exception | None]) -> None:
-        """Each part's outcome recorded under its load's guard, and the loads it was the last of ended."""
-        for (load, indices), error in zip(parts, errors, strict=True):
+        """Each part's outcome recorded under its load's guard, and the loads it was the last of
+        ended: the OK parts first (a failure's classification may call the store)."""
+        outcomes = sorted(zip(parts, errors, strict=True), key=lambda outcome: outcome[1] is not None)
+        for (load, indices), error in outcomes:
             self._guarded(load.ticket, load.key, partial(self._done, load, indices, error))
 
     def _done(self, load: MooncakeLoad, indices: list[int], error: Exception | None) -> None:
