@@ -354,3 +354,64 @@ def test_the_ok_loads_of_a_call_complete_before_a_failed_one_is_classified(
     order = [tickets.index(c.ticket) for c in done]
     assert order == [i for i in range(EXTENTS) if i != DAMAGED] + [DAMAGED], done
     assert [c.status for c in done] == [Status.OK] * (EXTENTS - 1) + [Status.CORRUPT]
+
+
+BATCHES = 6
+
+
+def test_loads_joining_running_batches_on_four_threads_each_complete_once_and_exact(
+    batch: Callable[..., Batch],
+) -> None:
+    """Six batches at once on four I/O threads (each call slowed down a little), each of eight loads
+    of whole extents and page prefixes: the first half submitted, the second once the batch's first
+    load has its header read (its jobs are running), joining it. Every load completes once, OK, with
+    exactly its bytes; some loads did join a batch whose jobs were running."""
+    b = batch(4)
+    b.client.slow_s = 0.005
+    tier = b.tier
+    pages = [[PAGES, 1 + k, PAGES, 7 * k % PAGES + 1, PAGES, 3 + k, 20 + k, PAGES] for k in range(BATCHES)]
+    dests = [[np.zeros(GROUPS * SECTION, np.uint8) for _ in range(EXTENTS)] for _ in range(BATCHES)]
+    tickets: list[list[Any]] = [[] for _ in range(BATCHES)]
+    joined_running = [0] * BATCHES
+
+    def submit(k: int) -> None:
+        def one(i: int, of: Any) -> Any:
+            want = None if pages[k][i] == PAGES else pages[k][i] * GROUPS * LAYER_PAGE
+            return tier.submit_load(b.keys[i], dests[k][i], want, batch=of)
+
+        tickets[k].append(one(0, None))
+        tickets[k] += [one(i, tickets[k][0]) for i in range(1, EXTENTS // 2)]
+        deadline = time.monotonic() + 30
+        while tickets[k][0] not in tier._returned.loading:  # planned: its header was read
+            assert time.monotonic() < deadline
+            time.sleep(0.0005)
+        for i in range(EXTENTS // 2, EXTENTS):
+            with tier._lock:
+                joined_running[k] += int(tickets[k][0]) in tier._loads._batches
+            tickets[k].append(one(i, tickets[k][0]))
+
+    submitters = [threading.Thread(target=submit, args=(k,)) for k in range(BATCHES)]
+    for t in submitters:
+        t.start()
+    for t in submitters:
+        t.join(60)
+    done: list[Completion] = []
+    deadline = time.monotonic() + 60
+    while len(done) < BATCHES * EXTENTS:
+        assert time.monotonic() < deadline, f"{BATCHES * EXTENTS - len(done)} loads never completed"
+        tier.wait_posted(1)
+        done += tier.get_finished()
+    time.sleep(0.2)
+    done += tier.get_finished()
+    by_ticket = {c.ticket: c for c in done}
+    assert len(done) == len(by_ticket) == BATCHES * EXTENTS, "one completion a load"
+    for k in range(BATCHES):
+        for i, ticket in enumerate(tickets[k]):
+            n = pages[k][i] * GROUPS * LAYER_PAGE
+            assert (by_ticket[ticket].status, by_ticket[ticket].nbytes) == (Status.OK, n), by_ticket[ticket]
+            assert np.array_equal(dests[k][i][:n], prefix(i, pages[k][i])), (
+                f"batch {k} extent {i}: other bytes"
+            )
+    assert sum(joined_running) > 0, "no load joined a running batch"
+    stats = tier.stats()
+    assert (stats.loads, stats.io_errors) == (BATCHES * EXTENTS, 0)

@@ -40,6 +40,7 @@ PAGES, LAYER_PAGE = 100, 2048  # a layer group's section: 200 KiB, four chunks o
 SECTION = PAGES * LAYER_PAGE
 EXTENTS = 4
 HEADERS = -1  # the "layer group" of a header object
+GROUP_CHUNKS = [n for _, n in chunk_spans([SECTION], CHUNK)]  # a group's chunk objects' bytes
 
 
 def tokens(i: int) -> list[int]:
@@ -81,14 +82,21 @@ class Recorded:
         return [r for r in self.reads if isinstance(r, Read)]
 
 
-@pytest.fixture(params=[None, CHUNK], ids=["one-call-a-group", "one-call-a-chunk"])
+@pytest.fixture(
+    params=[(None, None), (CHUNK, None), (CHUNK, CHUNK // 2)],
+    ids=["one-call-a-group", "one-call-a-chunk", "two-headers-a-call"],
+)
 def recorded(request: pytest.FixtureRequest, mooncake_master: MooncakeMaster, tmp_path: Path,
              monkeypatch: pytest.MonkeyPatch) -> Iterator[Recorded]:  # fmt: skip
     """A Mooncake tier of one I/O thread holding extents 0..3 (one layer a group: two groups of four
     chunks each), whose batch reads of chunks are recorded and held until `gate` is set; `param`:
-    the bytes of one batch read (None: as shipped, a whole group of every load of a batch a call)."""
-    if request.param is not None:
-        monkeypatch.setattr(objects, "LOAD_BATCH_BYTES", request.param)
+    the bytes of one batch read and of a header's guess (None: as shipped, a whole group of every
+    load of a batch a call, every header of a batch in one)."""
+    batch_bytes, header_bytes = request.param
+    if batch_bytes is not None:
+        monkeypatch.setattr(objects, "LOAD_BATCH_BYTES", batch_bytes)
+    if header_bytes is not None:
+        monkeypatch.setattr(objects, "HEADER_READ_BYTES", header_bytes)
     cfg = TierConfig(backend=SpillBackend.MOONCAKE, mooncake=mooncake_master.config(),
                      directory=tmp_path / "tier", chunk_bytes=CHUNK, io_threads=1)  # fmt: skip
     tier: Any = open_tier(cfg, Namespace(f"order-{time.monotonic_ns()}", NS.layout))
@@ -191,14 +199,22 @@ def order(rec: Recorded) -> list[Call | str]:
 
 
 def calls(steps: list[tuple[list[int], int]]) -> list[Call | str]:
-    """The reads of `steps`, each (extents, group) one call of that group (or HEADERS) of those
-    extents or, one chunk a call, one call an object (a header, or each of four chunks)."""
+    """The reads of `steps`, each (extents, group): those extents' header objects (HEADERS) or
+    chunks of that group, in batch reads as the tier packs them: up to `LOAD_BATCH_BYTES` a call
+    (at least one object), a header counting `HEADER_READ_BYTES`, a chunk its length."""
     out: list[Call | str] = []
     for extents, group in steps:
-        if SECTION * len(extents) <= objects.LOAD_BATCH_BYTES:
-            out.append(tuple((i, group) for i in extents))
-        else:
-            out += [((i, group),) for i in extents for _ in range(1 if group == HEADERS else 4)]
+        sizes = [objects.HEADER_READ_BYTES] if group == HEADERS else GROUP_CHUNKS
+        call: list[tuple[int, int]] = []
+        nbytes = 0
+        for i in extents:
+            for n in sizes:
+                if call and nbytes + n > objects.LOAD_BATCH_BYTES:
+                    out.append(tuple(dict.fromkeys(call)))
+                    call, nbytes = [], 0
+                call.append((i, group))
+                nbytes += n
+        out.append(tuple(dict.fromkeys(call)))
     return out
 
 
