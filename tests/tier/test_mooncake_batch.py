@@ -7,11 +7,14 @@ Counted at the tier's `StoreClient` (`Counted`, each call by method name) on a r
 I/O threads held until every load of the batch is queued. Per load nothing is shared: every byte is
 exact (whole loads, page prefixes, compressed chunks, headers larger than one read's guess), and
 one extent's missing or damaged object fails that load alone, as a load on its own would fail
-(MISS or CORRUPT), while the others of the same calls are OK and exact.
+(MISS or CORRUPT), while the others of the same calls are OK and exact. A batch whose loads need no
+group order (`group_order` False: a restore that is not layer-wise) is two calls, the headers and
+every group's chunks (`load_calls` "merged", the default), or one a group ("by_group").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import Counter
@@ -124,7 +127,8 @@ class Batch:
             out.setdefault(g, []).append(name)
         return out
 
-    def load(self, wants: list[int | None], timeout_s: float = 30) -> tuple[list[Status], list[np.ndarray]]:
+    def load(self, wants: list[int | None], timeout_s: float = 30,
+             group_order: bool = True) -> tuple[list[Status], list[np.ndarray]]:  # fmt: skip
         """Load extents 0..n-1 as one batch (extent i's first wants[i] bytes; None: all), every
         load queued before an I/O thread takes one; their statuses and destinations (each load
         completed within `timeout_s`, once)."""
@@ -132,8 +136,8 @@ class Batch:
         for _ in range(self.threads):  # ranked ahead of every load: each holds a thread
             self.tier._io.submit_read(gate.wait, ())
         dests = [np.zeros(GROUPS * SECTION, np.uint8) for _ in wants]
-        tickets = [self.tier.submit_load(self.keys[0], dests[0], wants[0])]
-        tickets += [self.tier.submit_load(self.keys[i], dests[i], wants[i], batch=tickets[0])
+        tickets = [self.tier.submit_load(self.keys[0], dests[0], wants[0], group_order=group_order)]
+        tickets += [self.tier.submit_load(self.keys[i], dests[i], wants[i], batch=tickets[0], group_order=group_order)
                     for i in range(1, len(wants))]  # fmt: skip
         gate.set()
         done = [self.tier.wait(t, timeout_s) for t in tickets]
@@ -147,8 +151,8 @@ class Batch:
 @pytest.fixture
 def batch(mooncake_master: MooncakeMaster, tmp_path: Path,
           monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Batch]]:  # fmt: skip
-    """A Mooncake tier on a counted client (`io_threads`, `compression` as asked), holding extents
-    0..7 in groups of one layer."""
+    """A Mooncake tier on a counted client (`io_threads`, `compression`, `load_calls` as asked),
+    holding extents 0..7 in groups of one layer."""
     monkeypatch.setattr(mooncake_backend, "MANIFEST_FLUSH_S", 3600.0)  # no manifest write while counting
     made: list[mooncake_backend.MooncakeTier] = []
 
@@ -157,8 +161,11 @@ def batch(mooncake_master: MooncakeMaster, tmp_path: Path,
 
     monkeypatch.setattr(mooncake_backend, "connect", counted)
 
-    def make(threads: int = 1, compression: Compression = Compression.NONE) -> Batch:
-        cfg = TierConfig(backend=SpillBackend.MOONCAKE, mooncake=mooncake_master.config(),
+    def make(
+        threads: int = 1, compression: Compression = Compression.NONE, load_calls: str = "merged"
+    ) -> Batch:
+        mooncake = dataclasses.replace(mooncake_master.config(), load_calls=load_calls)
+        cfg = TierConfig(backend=SpillBackend.MOONCAKE, mooncake=mooncake,
                          directory=tmp_path / "tier", chunk_bytes=CHUNK, io_threads=threads,
                          compression=compression)  # fmt: skip
         tier = mooncake_backend.MooncakeTier(cfg, Namespace(f"batch-{time.monotonic_ns()}", LAYOUT))
@@ -194,21 +201,47 @@ def test_the_loads_of_a_batch_are_one_header_call_and_one_call_a_layer_group(
     assert b.client.most == 1, "calls of one batch ran at once"
 
 
+@pytest.mark.parametrize(("load_calls", "calls"), [("merged", 2), ("by_group", 1 + GROUPS)])
+def test_a_batch_that_needs_no_group_order_is_two_calls_merged_and_one_a_group_by_group(
+    batch: Callable[..., Batch], load_calls: str, calls: int
+) -> None:
+    """Issue 40: a restore that is not layer-wise (`group_order` False) waits for no group first:
+    merged, every group's chunks of the batch's eight loads are one call after the headers'."""
+    b = batch(4, load_calls=load_calls)
+    b.client.slow_s = 0.05
+    statuses, dests = b.load([None] * EXTENTS, group_order=False)
+    assert statuses == [Status.OK] * EXTENTS
+    for i, dest in enumerate(dests):
+        assert np.array_equal(dest, payload(i)), f"extent {i} loaded other bytes"
+    assert b.client.per_operation == Counter(get_many_into=calls), b.client.calls
+    assert b.client.most == 1, "calls of one batch ran at once"
+
+
+READS = {  # how a batch is read: (load_calls, group_order, its calls)
+    "layer-wise": ("merged", True, 1 + GROUPS),
+    "merged": ("merged", False, 2),
+    "by-group": ("by_group", False, 1 + GROUPS),
+}
+
+
 @pytest.mark.parametrize("compression", [Compression.NONE, Compression.ZSTD])
+@pytest.mark.parametrize("reads", list(READS))
 def test_every_byte_of_a_batch_of_whole_loads_and_prefixes_is_exact(
-    batch: Callable[..., Batch], compression: Compression
+    batch: Callable[..., Batch], compression: Compression, reads: str
 ) -> None:
     """Whole loads and page prefixes (a part of a chunk: decoded from the scratch buffer, as every
-    compressed chunk is) in the same calls."""
-    b = batch(1, compression)
+    compressed chunk is) in the same calls, read group by group or every group at once."""
+    load_calls, group_order, calls = READS[reads]
+    b = batch(1, compression, load_calls)
     pages = [PAGES, 1, 7, 16, 17, 39, PAGES, 3]
-    statuses, dests = b.load([None if p == PAGES else p * GROUPS * LAYER_PAGE for p in pages])
+    wants = [None if p == PAGES else p * GROUPS * LAYER_PAGE for p in pages]
+    statuses, dests = b.load(wants, group_order=group_order)
     assert statuses == [Status.OK] * EXTENTS
     for i, (p, dest) in enumerate(zip(pages, dests, strict=True)):
         n = p * GROUPS * LAYER_PAGE
         assert np.array_equal(dest[:n], prefix(i, p)), f"extent {i} ({p} pages) loaded other bytes"
         assert not dest[n:].any(), f"extent {i}: bytes written past its {p} pages"
-    assert b.client.per_operation == Counter(get_many_into=1 + GROUPS), b.client.calls
+    assert b.client.per_operation == Counter(get_many_into=calls), b.client.calls
 
 
 def test_headers_larger_than_the_guess_are_read_again_alone_and_verified(
@@ -248,29 +281,32 @@ def damage(b: Batch, name: str, how: str, at: int) -> None:
         ("chunk", "corrupt", Status.CORRUPT),
     ],
 )
+@pytest.mark.parametrize("reads", ["layer-wise", "merged"])
 def test_one_extents_missing_or_damaged_object_fails_its_load_alone(
-    batch: Callable[..., Batch], what: str, how: str, status: Status
+    batch: Callable[..., Batch], what: str, how: str, status: Status, reads: str
 ) -> None:
     """Extent 3's header, or the first chunk of its group 2, is removed or has a flipped byte: its
     load is a MISS or CORRUPT as it would be alone (counted once), it reads nothing after the
-    failure, and the other seven loads of the same calls are OK and exact."""
-    b = batch(1)
+    failure (merged, its groups are read in the same call), and the other seven loads of the same
+    calls are OK and exact."""
+    load_calls, group_order, calls = READS[reads]
+    b = batch(1, load_calls=load_calls)
     chunks = b.chunks(DAMAGED)
     if what == "header":
         damage(b, b.tier._names.header(b.keys[DAMAGED]), how, FIXED_SIZE - 1)  # its MAC
     else:
         damage(b, chunks[2][0], how, 1000)
     b.client.reset()
-    statuses, dests = b.load([None] * EXTENTS)
+    statuses, dests = b.load([None] * EXTENTS, group_order=group_order)
     assert statuses == [status if i == DAMAGED else Status.OK for i in range(EXTENTS)]
     for i, dest in enumerate(dests):
         if i != DAMAGED:
             assert np.array_equal(dest, payload(i)), f"extent {i} loaded other bytes"
     stats = b.tier.stats()
     assert (stats.misses, stats.checksum_failures) == ((1, 0) if status is Status.MISS else (0, 1))
-    assert b.client.calls["get_many_into"] == 1 + GROUPS, b.client.calls
+    assert b.client.calls["get_many_into"] == calls, b.client.calls
     read = {name for names in b.client.reads for name in names}
-    assert not read & set(chunks.get(3, [])), "a load that failed read on"
+    assert group_order is False or not read & set(chunks.get(3, [])), "a load that failed read on"
     if what == "header":
         assert not read & {n for names in chunks.values() for n in names}, (
             "a load without a header read chunks"
@@ -363,9 +399,10 @@ def test_loads_joining_running_batches_on_four_threads_each_complete_once_and_ex
     batch: Callable[..., Batch],
 ) -> None:
     """Six batches at once on four I/O threads (each call slowed down a little), each of eight loads
-    of whole extents and page prefixes: the first half submitted, the second once the batch's first
-    load has its header read (its jobs are running), joining it. Every load completes once, OK, with
-    exactly its bytes; some loads did join a batch whose jobs were running."""
+    of whole extents and page prefixes, read in group order, without (merged) or both mixed: the
+    first half submitted, the second once the batch's first load has its header read (its jobs are
+    running), joining it. Every load completes once, OK, with exactly its bytes; some loads did
+    join a batch whose jobs were running."""
     b = batch(4)
     b.client.slow_s = 0.005
     tier = b.tier
@@ -377,7 +414,8 @@ def test_loads_joining_running_batches_on_four_threads_each_complete_once_and_ex
     def submit(k: int) -> None:
         def one(i: int, of: Any) -> Any:
             want = None if pages[k][i] == PAGES else pages[k][i] * GROUPS * LAYER_PAGE
-            return tier.submit_load(b.keys[i], dests[k][i], want, batch=of)
+            in_order = (k % 3 == 0) or (k % 3 == 2 and i % 2 == 0)
+            return tier.submit_load(b.keys[i], dests[k][i], want, batch=of, group_order=in_order)
 
         tickets[k].append(one(0, None))
         tickets[k] += [one(i, tickets[k][0]) for i in range(1, EXTENTS // 2)]

@@ -16,7 +16,11 @@ A batch's layer groups are read one after another: the last of its running jobs,
 queues a job for the lowest group still pending (unless one is queued), so the calls of one batch
 do not run at once (concurrent calls into the client slow each other down more than they overlap).
 So a batch whose loads are all pending when its first job runs costs one call for the headers and
-one a layer group; every group 0 is read before any group 1, and a later batch after it.
+one a layer group; every group 0 is read before any group 1, and a later batch after it. A load
+that needs no group order (`group_order` False: a restore that is not layer-wise) has all its
+pieces in group 0 where the tier's `load_calls` is "merged" (the default, `MooncakeConfig`): a
+batch of such loads costs two calls (the headers; every group's chunks, load by load, up to
+`LOAD_BATCH_BYTES` a call) whatever its groups. "by_group" reads them group by group as well.
 
 Per load nothing is shared: each reply is checked and each chunk verified on its own before
 `landed` counts its bytes (the verified byte prefix, `progress.LoadProgress`; nothing before the
@@ -78,14 +82,16 @@ class Ends(NamedTuple):
 
 class MooncakeLoad(LoadProgress):
     """A load whose header was verified and planned: its pieces by layer group (`groups`: group ->
-    indices into `pieces`, in order); `key`'s objects are under the salt tag `ext.salt`."""
+    indices into `pieces`, in order; `merged`: all of them in group 0); `key`'s objects are under
+    the salt tag `ext.salt`."""
 
     def __init__(self, ticket: Ticket, key: ExtentKey, ext: objects.Opened, dest: memoryview, want: int,
-                 plan: Plan, chunk_names: list[str]) -> None:  # fmt: skip
+                 plan: Plan, chunk_names: list[str], merged: bool = False) -> None:  # fmt: skip
         super().__init__(plan, want)
         self.ticket, self.key, self.ext, self.dest, self.chunk_names = ticket, key, ext, dest, chunk_names
         self.groups: dict[int, list[int]] = {}
-        for i, g in enumerate(section_of(ext.header.sections, [p.raw_off for p in plan.pieces])):
+        offsets = [p.raw_off for p in plan.pieces]
+        for i, g in enumerate([0] * len(offsets) if merged else section_of(ext.header.sections, offsets)):
             self.groups.setdefault(g, []).append(i)
 
     def read(self, i: int) -> objects.PieceRead:
@@ -106,6 +112,7 @@ class _Opening(NamedTuple):
     dest: memoryview
     nbytes: int | None
     group_layers: int | None
+    group_order: bool
 
 
 class _Batch:
@@ -149,17 +156,18 @@ class Loads:
     completion is returned."""
 
     def __init__(self, reader: Reader, io: IoScheduler, lock: threading.Lock,
-                 returned: Returned[LoadProgress], ends: Ends) -> None:  # fmt: skip
-        self._reader, self._io, self._lock, self._ends = reader, io, lock, ends
+                 returned: Returned[LoadProgress], ends: Ends, merge: bool) -> None:  # fmt: skip
+        """`merge`: a load without group order reads all its groups with the batch's group 0."""
+        self._reader, self._io, self._lock, self._ends, self._merge = reader, io, lock, ends, merge
         self._returned, self._loading = returned, returned.loading
         self._batches: dict[int, _Batch] = {}  # by number, while it has jobs
 
     def submit(self, ticket: Ticket, key: ExtentKey, dest: memoryview, nbytes: int | None,
-               group_layers: int | None, batch: int) -> None:  # fmt: skip
+               group_layers: int | None, batch: int, group_order: bool) -> None:  # fmt: skip
         """Queue the load with the loads of `batch` (its first job ranked (batch, 0)); call holding
         `lock`. Its completion is posted by the jobs."""
         b = self._batches.setdefault(batch, _Batch(batch))
-        b.opening.append(_Opening(ticket, key, dest, nbytes, group_layers))
+        b.opening.append(_Opening(ticket, key, dest, nbytes, group_layers, group_order))
         self._queue(b, 0, ticket, key, self._open_job)
 
     def _queue(self, b: _Batch, group: int, ticket: Ticket, key: ExtentKey,
@@ -232,7 +240,10 @@ class Loads:
             return
         try:
             plan = plan_load(ext.header, want, o.group_layers)
-            load = MooncakeLoad(o.ticket, o.key, ext, o.dest, want, plan, ext.chunk_names(self._reader.names))
+            merged = self._merge and not o.group_order
+            load = MooncakeLoad(
+                o.ticket, o.key, ext, o.dest, want, plan, ext.chunk_names(self._reader.names), merged
+            )
         except Exception as e:
             self._fail(o.ticket, o.key, ext, e)
             return

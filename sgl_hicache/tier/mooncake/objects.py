@@ -21,10 +21,10 @@ the caller's payload: an uncompressed chunk is never copied by us), the header, 
 the aliases; a present extent costs a batch existence check of its chunks instead of the writes.
 Loads (load.py) are read a batch at a time: the headers of the batch's loads in one batch read
 (`open_headers`: `get_many_into`; a header larger than `HEADER_READ_BYTES` is read again alone at
-its size), then the chunks each layer group needs across the loads in one more (`read_pieces`, up
-to `LOAD_BATCH_BYTES` a call): two calls for a batch of page-major extents, one more for each
-further group, whatever the number of extents. Each reply is checked and each object verified on
-its own, so one object's failure is its extent's only. Whole chunks go straight into the caller's
+its size), then their chunks (`read_pieces`, up to `LOAD_BATCH_BYTES` a call): in one more call
+for a batch that needs no layer-group order (a restore that is not layer-wise) or of page-major
+extents, in one a layer group for a layer-wise restore's, whatever the number of extents. Each reply is checked and each object verified on its own, so
+one object's failure is its extent's only. Whole chunks go straight into the caller's
 destination and are verified in place; only a compressed chunk, or the part of a chunk a prefix
 load needs, passes through a per-thread scratch buffer (registered with the store, as RDMA needs),
 as do the headers.
