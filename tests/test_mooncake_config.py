@@ -58,6 +58,11 @@ def test_the_flag_beats_mooncakes_variables_which_beat_the_defaults() -> None:
             "MOONCAKE_LOCAL_BUFFER_SIZE",
         ),
         (["--hicache-spill-backend", "redis"], {}, "invalid choice"),
+        (
+            [*MOONCAKE, "--hicache-spill-mooncake-config", '{"master": "h:1", "load_calls": "both"}'],
+            {},
+            "load_calls must be merged or by_group, got 'both'",
+        ),
     ],
 )
 def test_bad_settings_are_one_line_naming_the_culprit(
@@ -66,3 +71,13 @@ def test_bad_settings_are_one_line_naming_the_culprit(
     with pytest.raises(ConfigError) as e:
         config(argv, env)
     assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_load_calls_are_merged_unless_asked_by_group_and_reach_the_scheduler() -> None:
+    """`load_calls` (tier/mooncake/load.py): a restore that is not layer-wise reads its chunks in
+    one call, or a call a layer group as a layer-wise one does (to compare them side by side)."""
+    env = {"MOONCAKE_MASTER": "10.0.0.1:50051"}
+    assert config(MOONCAKE, env).tier.mooncake.load_calls == "merged"
+    c = config([*MOONCAKE, "--hicache-spill-mooncake-config", '{"load_calls": "by_group"}'], env)
+    assert (c.tier.mooncake.load_calls, c.tier.mooncake.master) == ("by_group", "10.0.0.1:50051")
+    assert SpillConfig.from_json(c.to_json()) == c

@@ -27,6 +27,9 @@ per-tier hit rates and the lookup counters show what was reused from where.
   `MOONCAKE_SEGMENT` of DRAM (`bench/mooncake_process.py`). The store is DRAM: the page-cache drops
   at the rounds' barriers touch only the directories of the others, so this compares a DRAM store
   over TCP loopback with files read cold from the disk.
+- `ours-mooncake-by-group`: `ours-mooncake` reading a restore's chunks a call a layer group (the
+  Mooncake config's `"load_calls": "by_group"`, as a layer-wise restore reads them) instead of in
+  one call (`merged`, the default): the switch measured side by side (issue 40).
 - `hicache-mooncake`: `hicache-shared` with sglang's own `mooncake` L3 backend on such a store (the
   peer a Mooncake user would compare with): its own master, started the same way, each server a
   client contributing the same `MOONCAKE_SEGMENT`, over TCP on loopback. sglang gives that backend
@@ -149,6 +152,7 @@ class ClusterConfig:
     shared: bool  # both servers on one tier directory (else one each); on Mooncake: one store; LMCache: one daemon
     flags: tuple[str, ...] = ()  # added to the system's command line
     store: Store = Store.DIRECTORY
+    mooncake: tuple[tuple[str, Any], ...] = ()  # on Mooncake: settings over the store's (`MooncakeConfig`)
     router: Router = Router.ROUND_ROBIN
     dispatch: Dispatch = Dispatch.ALTERNATE  # how a round's turns are sent (`drive.send_order`)
 
@@ -171,6 +175,8 @@ CONFIGS = (
     ClusterConfig("ours-separate", "ours", shared=False, flags=WRITE_THROUGH),
     ClusterConfig("hicache-shared", STRONGEST_HICACHE, shared=True),
     ClusterConfig("ours-mooncake", "ours", shared=True, flags=WRITE_THROUGH, store=Store.MOONCAKE),
+    ClusterConfig("ours-mooncake-by-group", "ours", shared=True, flags=WRITE_THROUGH, store=Store.MOONCAKE,
+                  mooncake=(("load_calls", "by_group"),)),
     ClusterConfig("hicache-mooncake", STRONGEST_HICACHE, shared=True, store=Store.MOONCAKE),
     ClusterConfig("lmcache-shared", STRONGEST_LMCACHE, shared=True, store=Store.LMCACHE),
     ClusterConfig("route-round-robin", "ours", shared=False, dispatch=SHUFFLED),
@@ -243,6 +249,7 @@ def run_config(config: ClusterConfig, spec: BenchSpec, model: Path, out: Path, r
             )
             master.log_dir.mkdir(parents=True, exist_ok=True)
             mooncake = stack.enter_context(master).config(segment_bytes=MOONCAKE_SEGMENT)
+            mooncake = replace(mooncake, **dict(config.mooncake))
         servers = [systems.build(config.system, spec.shape, model, _root(out, config, k), mooncake=mooncake)
                    for k in range(SERVERS)]  # fmt: skip
         servers = [replace(s, flags=(*s.flags, *config.flags)) for s in servers]

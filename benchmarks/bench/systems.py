@@ -108,7 +108,8 @@ def build(name: str, shape: Shape, model: Path, workdir: Path, *, tier_capacity_
         if tier_capacity_mb is not None:
             flags += ("--hicache-spill-capacity", f"{tier_capacity_mb}M")
         if mooncake is not None:
-            settings = {k: v for k, v in dataclasses.asdict(mooncake).items() if v}
+            defaults = dataclasses.asdict(MooncakeConfig())
+            settings = {k: v for k, v in dataclasses.asdict(mooncake).items() if v != defaults[k]}
             flags += (
                 "--hicache-spill-backend",
                 "mooncake",

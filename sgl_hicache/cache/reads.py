@@ -26,7 +26,8 @@ Contract (every method runs on the scheduler thread and never blocks on I/O):
   reads one call starts join the first of them, never an earlier call's), so that group 0 of every extent
   lands first and the prefill can start after about 1/groups of the reads, not after most of them;
   a tier whose batches cost fewer calls (`Tier.batches_loads`: Mooncake) gets a call's reads as one
-  batch in either case;
+  batch in either case, in group order only if layer-wise (`group_order`: else it may read all
+  their groups in one call);
 - `restore_read_seconds` (`count_read_span`): the first read a restore used starting to the last
   one completing (when the tier posted its completion, `Completion.at`, not when the scheduler
   took it); counted by the controller once per restore that got all its bytes, whole (at
@@ -357,9 +358,8 @@ class ExtentReads:
             return None
         started = time.monotonic()  # before the submit: its completion may be posted before it returns
         try:
-            ticket = self.tier.submit_load(
-                extent.key, buf.numpy(), nbytes, group_layers=self.layout.group_layers, batch=batch
-            )
+            ticket = self.tier.submit_load(extent.key, buf.numpy(), nbytes, group_layers=self.layout.group_layers,
+                                           batch=batch, group_order=self.group_major)  # fmt: skip
         except BaseException:  # nothing was queued (a submit raises before queueing): nobody holds it
             self.release(buf)
             raise

@@ -20,6 +20,10 @@ _MOONCAKE_ENV = {  # field -> Mooncake's own variable (the names sglang's `moonc
     "local_buffer_size": "MOONCAKE_LOCAL_BUFFER_SIZE",
     "ssd_offload_path": "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH",
 }
+LOAD_CALLS = ("merged", "by_group")
+"""How the tier reads the chunks of a batch of loads that need no layer-group order (a restore that
+is not layer-wise): all its groups in one call (up to `LOAD_BATCH_BYTES`), or a call a group as a
+layer-wise restore's (tier/mooncake/load.py); kept to compare the two side by side."""
 _MOONCAKE_DEFAULTS: dict[str, Any] = {
     "metadata_server": "P2PHANDSHAKE", "protocol": "tcp", "local_hostname": "localhost",
     "global_segment_size": 4 * GiB, "local_buffer_size": 64 * MiB,
@@ -40,6 +44,9 @@ class MooncakeConfig:
     global_segment_size: int = 0  # bytes of DRAM this client contributes to the store
     local_buffer_size: int = 0  # bytes of the client's own transfer buffer
     ssd_offload_path: str = ""  # Mooncake's SSD tier on this host (e.g. an NVMe-oF mount); "" for none
+    load_calls: str = (
+        "merged"  # a restore's chunks not needed group by group: "merged" (one call), "by_group"
+    )
 
     @classmethod
     def from_user(cls, data: object) -> MooncakeConfig:
@@ -63,11 +70,13 @@ class MooncakeConfig:
                 except ConfigError as e:
                     raise ConfigError(f"{var}: {e}") from None
             out[name] = value or _MOONCAKE_DEFAULTS.get(name, value)
-        return MooncakeConfig(**out)
+        return dataclasses.replace(self, **out)
 
     def __post_init__(self) -> None:
         require(self.master == "" or ":" in self.master, None,
                  f"master must be host:port, got {self.master!r}")  # fmt: skip
+        require(self.load_calls in LOAD_CALLS, None,
+                f"load_calls must be {' or '.join(LOAD_CALLS)}, got {self.load_calls!r}")  # fmt: skip
         for name in ("global_segment_size", "local_buffer_size"):
             size = getattr(self, name)
             require(

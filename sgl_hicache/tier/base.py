@@ -275,8 +275,8 @@ class Tier(abc.ABC):
         `stats().recreations`)."""
 
     @abc.abstractmethod
-    def submit_load(self, key: ExtentKey, dest: Buffer, nbytes: int | None = None,
-                    group_layers: int | None = None, batch: Ticket | None = None) -> Ticket:  # fmt: skip
+    def submit_load(self, key: ExtentKey, dest: Buffer, nbytes: int | None = None, group_layers: int | None = None,
+                    batch: Ticket | None = None, group_order: bool = True) -> Ticket:  # fmt: skip
         """Queue reading the first `nbytes` payload bytes (all if None) of `key` into `dest`.
 
         `batch`: the ticket of an earlier load this one is read with (the first load the same
@@ -284,7 +284,8 @@ class Tier(abc.ABC):
         every load's group g before any load's group g + 1, so that the first group of all of them
         lands first (a layer-wise restore starts then); a batch ranks where its first load was
         submitted. Loads of other batches, or of none, are read in the order they were submitted.
-        The order of reads only, never their outcome (both backends honour it).
+        `group_order` False: nobody waits for its group 0 first (a restore not layer-wise), so a
+        tier may read its groups at once, in fewer calls (Mooncake). Orders only, never outcomes.
 
         Never blocks. Only chunks covering the prefix are read and verified; an OK completion has
         exactly `nbytes` (or the payload length, if None). `dest` must hold that many bytes, else

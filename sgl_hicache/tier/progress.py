@@ -40,6 +40,11 @@ class LoadProgress:
             self.remaining -= len(indices)
             return self.remaining == 0
 
+    def fail(self, error: Exception) -> None:
+        """Record `error` as the load's (the first error wins) without recording any piece."""
+        with self.lock:
+            self.error = self.error or error
+
     def finish(self, header: Header, dest: memoryview) -> None:
         """Once every piece is verified: rearrange `dest` as planned (`codec.finish_plan`; raises
         ValueError as it does), then all `want` bytes have landed."""

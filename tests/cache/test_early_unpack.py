@@ -167,15 +167,14 @@ class LateBytes:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def submit_load(
-        self, key: Any, dest: Any, nbytes: Any = None, group_layers: Any = None, batch: Any = None
-    ) -> Any:
+    def submit_load(self, key: Any, dest: Any, nbytes: Any = None, group_layers: Any = None, batch: Any = None,
+                    group_order: bool = True) -> Any:  # fmt: skip
         import numpy as np
 
         from sgl_hicache.tier import alloc_aligned
 
         private = np.frombuffer(alloc_aligned(max(dest.nbytes, 1)), dtype=np.uint8)[: dest.nbytes]
-        ticket = self.inner.submit_load(key, private, nbytes, group_layers, batch)
+        ticket = self.inner.submit_load(key, private, nbytes, group_layers, batch, group_order)
         self.loads[ticket] = (private, dest)
         return ticket
 

@@ -120,10 +120,10 @@ def test_a_restore_never_joins_a_read_another_request_started(make_stack: Any) -
     loads: list[tuple[bytes, Any, Any]] = []  # (key, batch, ticket) of each load submitted
     submit = ctl.tier.submit_load
 
-    def recording(
-        key: Any, dest: Any, nbytes: Any = None, group_layers: Any = None, batch: Any = None
-    ) -> Any:
-        ticket = submit(key, dest, nbytes, group_layers, batch)
+    def recording(key: Any, dest: Any, nbytes: Any = None, group_layers: Any = None, batch: Any = None,
+                  group_order: bool = True) -> Any:  # fmt: skip
+        assert group_order, "a layer-wise restore's reads must land group by group"
+        ticket = submit(key, dest, nbytes, group_layers, batch, group_order)
         loads.append((bytes(key), batch, ticket))
         return ticket
 
@@ -150,7 +150,9 @@ def test_a_restore_never_joins_a_read_another_request_started(make_stack: Any) -
 def test_a_whole_restore_is_one_batch_where_the_tier_batches_loads(make_stack: Any, batches: bool) -> None:
     """Issue 40: on a tier whose batches cost fewer calls (`Tier.batches_loads`: Mooncake, one store
     call for a batch's objects), a restore that is not layer-wise still submits its reads as one
-    batch (each joins the first); on the file tier each extent is read on its own, as before."""
+    batch (each joins the first), and without group order (`group_order` False: the tier may read
+    every group of the batch in one call); on the file tier each extent is read on its own, as
+    before."""
     from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
 
     from sgl_hicache.tier.testing.injector import FaultSpec, FaultyTier
@@ -165,13 +167,14 @@ def test_a_whole_restore_is_one_batch_where_the_tier_batches_loads(make_stack: A
         ctl.tier.batches_loads = True
     ctl.tier = FaultyTier(ctl.tier, FaultSpec(latency_s=0.5))
     loads: list[tuple[Any, Any]] = []  # (batch, ticket) of each load submitted
+    orders: list[bool] = []  # group_order of each
     submit = ctl.tier.submit_load
 
-    def recording(
-        key: Any, dest: Any, nbytes: Any = None, group_layers: Any = None, batch: Any = None
-    ) -> Any:
-        ticket = submit(key, dest, nbytes, group_layers, batch)
+    def recording(key: Any, dest: Any, nbytes: Any = None, group_layers: Any = None, batch: Any = None,
+                  group_order: bool = True) -> Any:  # fmt: skip
+        ticket = submit(key, dest, nbytes, group_layers, batch, group_order)
         loads.append((batch, ticket))
+        orders.append(group_order)
         return ticket
 
     ctl.tier.submit_load = recording  # type: ignore[method-assign]
@@ -183,6 +186,7 @@ def test_a_whole_restore_is_one_batch_where_the_tier_batches_loads(make_stack: A
     first = loads[0][1]
     want = [None] + [first if batches else None] * (TURNS - 1)
     assert [batch for batch, _ in loads] == want
+    assert orders == [False] * TURNS, "a restore that is not layer-wise needs no group order"
     deadline = time.monotonic() + 20
     while (answer := s.cache.init_load_back(params)) is None:
         assert time.monotonic() < deadline, "never admitted"

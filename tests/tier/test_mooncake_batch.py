@@ -7,11 +7,14 @@ Counted at the tier's `StoreClient` (`Counted`, each call by method name) on a r
 I/O threads held until every load of the batch is queued. Per load nothing is shared: every byte is
 exact (whole loads, page prefixes, compressed chunks, headers larger than one read's guess), and
 one extent's missing or damaged object fails that load alone, as a load on its own would fail
-(MISS or CORRUPT), while the others of the same calls are OK and exact.
+(MISS or CORRUPT), while the others of the same calls are OK and exact. A batch whose loads need no
+group order (`group_order` False: a restore that is not layer-wise) is two calls, the headers and
+every group's chunks (`load_calls` "merged", the default), or one a group ("by_group").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import Counter
@@ -24,10 +27,11 @@ import numpy as np
 import pytest
 
 from sgl_hicache.config import Compression, MooncakeConfig, SpillBackend, TierConfig
-from sgl_hicache.tier import ROOT_KEY, ExtentKey, KVDtype, KVLayout, Namespace, Status, chain_key
+from sgl_hicache.tier import ROOT_KEY, Completion, ExtentKey, KVDtype, KVLayout, Namespace, Status, chain_key
 from sgl_hicache.tier.format import FIXED_SIZE
 from sgl_hicache.tier.groups import chunk_spans, section_of
 from sgl_hicache.tier.mooncake import backend as mooncake_backend
+from sgl_hicache.tier.mooncake import load as mooncake_load
 from sgl_hicache.tier.mooncake import objects
 from sgl_hicache.tier.mooncake.client import StoreClient, connect
 from tests.mooncake_master import MooncakeMaster, skip_without_mooncake
@@ -99,8 +103,8 @@ class Counted:
 
     @property
     def per_operation(self) -> Counter[str]:
-        """The calls but the I/O threads' registrations of their scratch buffers (first use)."""
-        return Counter({name: n for name, n in self.calls.items() if name != "register"})
+        """The calls but the I/O threads' registrations of their scratch buffers (as they grow)."""
+        return Counter({name: n for name, n in self.calls.items() if name not in ("register", "unregister")})
 
 
 @dataclass
@@ -123,18 +127,20 @@ class Batch:
             out.setdefault(g, []).append(name)
         return out
 
-    def load(self, wants: list[int | None]) -> tuple[list[Status], list[np.ndarray]]:
+    def load(self, wants: list[int | None], timeout_s: float = 30,
+             group_order: bool = True) -> tuple[list[Status], list[np.ndarray]]:  # fmt: skip
         """Load extents 0..n-1 as one batch (extent i's first wants[i] bytes; None: all), every
-        load queued before an I/O thread takes one; their statuses and destinations."""
+        load queued before an I/O thread takes one; their statuses and destinations (each load
+        completed within `timeout_s`, once)."""
         gate = threading.Event()
         for _ in range(self.threads):  # ranked ahead of every load: each holds a thread
             self.tier._io.submit_read(gate.wait, ())
         dests = [np.zeros(GROUPS * SECTION, np.uint8) for _ in wants]
-        tickets = [self.tier.submit_load(self.keys[0], dests[0], wants[0])]
-        tickets += [self.tier.submit_load(self.keys[i], dests[i], wants[i], batch=tickets[0])
+        tickets = [self.tier.submit_load(self.keys[0], dests[0], wants[0], group_order=group_order)]
+        tickets += [self.tier.submit_load(self.keys[i], dests[i], wants[i], batch=tickets[0], group_order=group_order)
                     for i in range(1, len(wants))]  # fmt: skip
         gate.set()
-        done = [self.tier.wait(t, 30) for t in tickets]
+        done = [self.tier.wait(t, timeout_s) for t in tickets]
         assert not self.tier.get_finished(), "one completion a load"
         for c, want in zip(done, wants, strict=True):
             if c.ok:
@@ -145,8 +151,8 @@ class Batch:
 @pytest.fixture
 def batch(mooncake_master: MooncakeMaster, tmp_path: Path,
           monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Batch]]:  # fmt: skip
-    """A Mooncake tier on a counted client (`io_threads`, `compression` as asked), holding extents
-    0..7 in groups of one layer."""
+    """A Mooncake tier on a counted client (`io_threads`, `compression`, `load_calls` as asked),
+    holding extents 0..7 in groups of one layer."""
     monkeypatch.setattr(mooncake_backend, "MANIFEST_FLUSH_S", 3600.0)  # no manifest write while counting
     made: list[mooncake_backend.MooncakeTier] = []
 
@@ -155,8 +161,11 @@ def batch(mooncake_master: MooncakeMaster, tmp_path: Path,
 
     monkeypatch.setattr(mooncake_backend, "connect", counted)
 
-    def make(threads: int = 1, compression: Compression = Compression.NONE) -> Batch:
-        cfg = TierConfig(backend=SpillBackend.MOONCAKE, mooncake=mooncake_master.config(),
+    def make(
+        threads: int = 1, compression: Compression = Compression.NONE, load_calls: str = "merged"
+    ) -> Batch:
+        mooncake = dataclasses.replace(mooncake_master.config(), load_calls=load_calls)
+        cfg = TierConfig(backend=SpillBackend.MOONCAKE, mooncake=mooncake,
                          directory=tmp_path / "tier", chunk_bytes=CHUNK, io_threads=threads,
                          compression=compression)  # fmt: skip
         tier = mooncake_backend.MooncakeTier(cfg, Namespace(f"batch-{time.monotonic_ns()}", LAYOUT))
@@ -192,21 +201,47 @@ def test_the_loads_of_a_batch_are_one_header_call_and_one_call_a_layer_group(
     assert b.client.most == 1, "calls of one batch ran at once"
 
 
+@pytest.mark.parametrize(("load_calls", "calls"), [("merged", 2), ("by_group", 1 + GROUPS)])
+def test_a_batch_that_needs_no_group_order_is_two_calls_merged_and_one_a_group_by_group(
+    batch: Callable[..., Batch], load_calls: str, calls: int
+) -> None:
+    """Issue 40: a restore that is not layer-wise (`group_order` False) waits for no group first:
+    merged, every group's chunks of the batch's eight loads are one call after the headers'."""
+    b = batch(4, load_calls=load_calls)
+    b.client.slow_s = 0.05
+    statuses, dests = b.load([None] * EXTENTS, group_order=False)
+    assert statuses == [Status.OK] * EXTENTS
+    for i, dest in enumerate(dests):
+        assert np.array_equal(dest, payload(i)), f"extent {i} loaded other bytes"
+    assert b.client.per_operation == Counter(get_many_into=calls), b.client.calls
+    assert b.client.most == 1, "calls of one batch ran at once"
+
+
+READS = {  # how a batch is read: (load_calls, group_order, its calls)
+    "layer-wise": ("merged", True, 1 + GROUPS),
+    "merged": ("merged", False, 2),
+    "by-group": ("by_group", False, 1 + GROUPS),
+}
+
+
 @pytest.mark.parametrize("compression", [Compression.NONE, Compression.ZSTD])
+@pytest.mark.parametrize("reads", list(READS))
 def test_every_byte_of_a_batch_of_whole_loads_and_prefixes_is_exact(
-    batch: Callable[..., Batch], compression: Compression
+    batch: Callable[..., Batch], compression: Compression, reads: str
 ) -> None:
     """Whole loads and page prefixes (a part of a chunk: decoded from the scratch buffer, as every
-    compressed chunk is) in the same calls."""
-    b = batch(1, compression)
+    compressed chunk is) in the same calls, read group by group or every group at once."""
+    load_calls, group_order, calls = READS[reads]
+    b = batch(1, compression, load_calls)
     pages = [PAGES, 1, 7, 16, 17, 39, PAGES, 3]
-    statuses, dests = b.load([None if p == PAGES else p * GROUPS * LAYER_PAGE for p in pages])
+    wants = [None if p == PAGES else p * GROUPS * LAYER_PAGE for p in pages]
+    statuses, dests = b.load(wants, group_order=group_order)
     assert statuses == [Status.OK] * EXTENTS
     for i, (p, dest) in enumerate(zip(pages, dests, strict=True)):
         n = p * GROUPS * LAYER_PAGE
         assert np.array_equal(dest[:n], prefix(i, p)), f"extent {i} ({p} pages) loaded other bytes"
         assert not dest[n:].any(), f"extent {i}: bytes written past its {p} pages"
-    assert b.client.per_operation == Counter(get_many_into=1 + GROUPS), b.client.calls
+    assert b.client.per_operation == Counter(get_many_into=calls), b.client.calls
 
 
 def test_headers_larger_than_the_guess_are_read_again_alone_and_verified(
@@ -246,30 +281,175 @@ def damage(b: Batch, name: str, how: str, at: int) -> None:
         ("chunk", "corrupt", Status.CORRUPT),
     ],
 )
+@pytest.mark.parametrize("reads", ["layer-wise", "merged"])
 def test_one_extents_missing_or_damaged_object_fails_its_load_alone(
-    batch: Callable[..., Batch], what: str, how: str, status: Status
+    batch: Callable[..., Batch], what: str, how: str, status: Status, reads: str
 ) -> None:
     """Extent 3's header, or the first chunk of its group 2, is removed or has a flipped byte: its
     load is a MISS or CORRUPT as it would be alone (counted once), it reads nothing after the
-    failure, and the other seven loads of the same calls are OK and exact."""
-    b = batch(1)
+    failure (merged, its groups are read in the same call), and the other seven loads of the same
+    calls are OK and exact."""
+    load_calls, group_order, calls = READS[reads]
+    b = batch(1, load_calls=load_calls)
     chunks = b.chunks(DAMAGED)
     if what == "header":
         damage(b, b.tier._names.header(b.keys[DAMAGED]), how, FIXED_SIZE - 1)  # its MAC
     else:
         damage(b, chunks[2][0], how, 1000)
     b.client.reset()
-    statuses, dests = b.load([None] * EXTENTS)
+    statuses, dests = b.load([None] * EXTENTS, group_order=group_order)
     assert statuses == [status if i == DAMAGED else Status.OK for i in range(EXTENTS)]
     for i, dest in enumerate(dests):
         if i != DAMAGED:
             assert np.array_equal(dest, payload(i)), f"extent {i} loaded other bytes"
     stats = b.tier.stats()
     assert (stats.misses, stats.checksum_failures) == ((1, 0) if status is Status.MISS else (0, 1))
-    assert b.client.calls["get_many_into"] == 1 + GROUPS, b.client.calls
+    assert b.client.calls["get_many_into"] == calls, b.client.calls
     read = {name for names in b.client.reads for name in names}
-    assert not read & set(chunks.get(3, [])), "a load that failed read on"
+    assert group_order is False or not read & set(chunks.get(3, [])), "a load that failed read on"
     if what == "header":
         assert not read & {n for names in chunks.values() for n in names}, (
             "a load without a header read chunks"
         )
+
+
+def plant_bug(b: Batch, where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug of ours raising on an I/O thread (the store's own errors are outcomes, never raised):
+    in extent 3's header's salt lookup, its pieces' reads, its recording, or the runs of group 2."""
+    bad = b.keys[DAMAGED]
+
+    def boom(*args: Any) -> Any:
+        raise RuntimeError(f"a bug in {where}")
+
+    if where == "salt":
+        ends = b.tier._loads._ends
+        salt = ends.salt
+        b.tier._loads._ends = ends._replace(salt=lambda key: boom() if key == bad else salt(key))
+        return
+    if where == "runs":
+        runs = mooncake_load._runs
+        monkeypatch.setattr(mooncake_load, "_runs", lambda loads, g: boom() if g == 2 else runs(loads, g))
+        return
+    real = getattr(mooncake_load.MooncakeLoad, where)
+    monkeypatch.setattr(mooncake_load.MooncakeLoad, where,
+                        lambda load, *a: boom() if load.key == bad else real(load, *a))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("where", "oks"),
+    [("salt", 0), ("read", 0), ("runs", 0), ("done", EXTENTS - 1)],
+)
+def test_a_bug_on_an_io_thread_ends_every_load_it_touched_once(
+    batch: Callable[..., Batch], monkeypatch: pytest.MonkeyPatch, where: str, oks: int
+) -> None:
+    """A bug raising in a job that reads for the whole batch strands none of the loads it took:
+    every load of the batch completes once. Raised where the batch's loads are read together (their
+    headers' planning, a call's pieces, a group's runs) it fails every load of that step (IO_ERROR,
+    counted once each), which then reads nothing more; raised recording one load's pieces, it fails
+    that load alone, and the other seven are OK and exact."""
+    b = batch(1)
+    plant_bug(b, where, monkeypatch)
+    statuses, dests = b.load([None] * EXTENTS, timeout_s=10)
+    if oks:
+        assert statuses == [Status.IO_ERROR if i == DAMAGED else Status.OK for i in range(EXTENTS)]
+    else:
+        assert statuses == [Status.IO_ERROR] * EXTENTS
+    for i, (status, dest) in enumerate(zip(statuses, dests, strict=True)):
+        if status is Status.OK:
+            assert np.array_equal(dest, payload(i)), f"extent {i} loaded other bytes"
+    stats = b.tier.stats()
+    assert (stats.loads, stats.io_errors) == (oks, EXTENTS - oks)
+    read = {name for names in b.client.reads for name in names}
+    failed_at = {"salt": 0, "read": 0, "runs": 2, "done": 1}[where]  # the first group nothing reads
+    for i, status in enumerate(statuses):
+        if status is not Status.OK:
+            later = {n for g, names in b.chunks(i).items() if g >= failed_at for n in names}
+            assert not read & later, f"extent {i} read on after it failed"
+
+
+def test_the_ok_loads_of_a_call_complete_before_a_failed_one_is_classified(
+    batch: Callable[..., Batch],
+) -> None:
+    """Extent 3's chunk of the last layer group is corrupt: its classification asks the store (is
+    the header still the one it verified? then it is removed), so the seven OK loads the same call
+    ended complete first, and extent 3 last (CORRUPT)."""
+    b = batch(1)
+    damage(b, b.chunks(DAMAGED)[GROUPS - 1][0], "corrupt", 1000)
+    gate = threading.Event()
+    b.tier._io.submit_read(gate.wait, ())
+    dests = [np.zeros(GROUPS * SECTION, np.uint8) for _ in range(EXTENTS)]
+    tickets = [b.tier.submit_load(b.keys[0], dests[0])]
+    tickets += [b.tier.submit_load(b.keys[i], dests[i], batch=tickets[0]) for i in range(1, EXTENTS)]
+    gate.set()
+    done: list[Completion] = []
+    deadline = time.monotonic() + 30
+    while len(done) < EXTENTS:
+        assert time.monotonic() < deadline, f"completions missing: {done}"
+        b.tier.wait_posted(1)
+        done += b.tier.get_finished()
+    order = [tickets.index(c.ticket) for c in done]
+    assert order == [i for i in range(EXTENTS) if i != DAMAGED] + [DAMAGED], done
+    assert [c.status for c in done] == [Status.OK] * (EXTENTS - 1) + [Status.CORRUPT]
+
+
+BATCHES = 6
+
+
+def test_loads_joining_running_batches_on_four_threads_each_complete_once_and_exact(
+    batch: Callable[..., Batch],
+) -> None:
+    """Six batches at once on four I/O threads (each call slowed down a little), each of eight loads
+    of whole extents and page prefixes, read in group order, without (merged) or both mixed: the
+    first half submitted, the second once the batch's first load has its header read (its jobs are
+    running), joining it. Every load completes once, OK, with exactly its bytes; some loads did
+    join a batch whose jobs were running."""
+    b = batch(4)
+    b.client.slow_s = 0.005
+    tier = b.tier
+    pages = [[PAGES, 1 + k, PAGES, 7 * k % PAGES + 1, PAGES, 3 + k, 20 + k, PAGES] for k in range(BATCHES)]
+    dests = [[np.zeros(GROUPS * SECTION, np.uint8) for _ in range(EXTENTS)] for _ in range(BATCHES)]
+    tickets: list[list[Any]] = [[] for _ in range(BATCHES)]
+    joined_running = [0] * BATCHES
+
+    def submit(k: int) -> None:
+        def one(i: int, of: Any) -> Any:
+            want = None if pages[k][i] == PAGES else pages[k][i] * GROUPS * LAYER_PAGE
+            in_order = (k % 3 == 0) or (k % 3 == 2 and i % 2 == 0)
+            return tier.submit_load(b.keys[i], dests[k][i], want, batch=of, group_order=in_order)
+
+        tickets[k].append(one(0, None))
+        tickets[k] += [one(i, tickets[k][0]) for i in range(1, EXTENTS // 2)]
+        deadline = time.monotonic() + 30
+        while tickets[k][0] not in tier._returned.loading:  # planned: its header was read
+            assert time.monotonic() < deadline
+            time.sleep(0.0005)
+        for i in range(EXTENTS // 2, EXTENTS):
+            with tier._lock:
+                joined_running[k] += int(tickets[k][0]) in tier._loads._batches
+            tickets[k].append(one(i, tickets[k][0]))
+
+    submitters = [threading.Thread(target=submit, args=(k,)) for k in range(BATCHES)]
+    for t in submitters:
+        t.start()
+    for t in submitters:
+        t.join(60)
+    done: list[Completion] = []
+    deadline = time.monotonic() + 60
+    while len(done) < BATCHES * EXTENTS:
+        assert time.monotonic() < deadline, f"{BATCHES * EXTENTS - len(done)} loads never completed"
+        tier.wait_posted(1)
+        done += tier.get_finished()
+    time.sleep(0.2)
+    done += tier.get_finished()
+    by_ticket = {c.ticket: c for c in done}
+    assert len(done) == len(by_ticket) == BATCHES * EXTENTS, "one completion a load"
+    for k in range(BATCHES):
+        for i, ticket in enumerate(tickets[k]):
+            n = pages[k][i] * GROUPS * LAYER_PAGE
+            assert (by_ticket[ticket].status, by_ticket[ticket].nbytes) == (Status.OK, n), by_ticket[ticket]
+            assert np.array_equal(dests[k][i][:n], prefix(i, pages[k][i])), (
+                f"batch {k} extent {i}: other bytes"
+            )
+    assert sum(joined_running) > 0, "no load joined a running batch"
+    stats = tier.stats()
+    assert (stats.loads, stats.io_errors) == (BATCHES * EXTENTS, 0)

@@ -114,6 +114,9 @@ class FakeStore:
     def register(self, buf: memoryview) -> Reply:
         return Reply()
 
+    def unregister(self, buf: memoryview) -> Reply:
+        return Reply()
+
     def close(self) -> None:
         pass
 

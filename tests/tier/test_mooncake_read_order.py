@@ -3,7 +3,8 @@ tier's (test_read_order.py): the loads of one batch layer group by layer group, 
 g before any load's group g + 1; loads of different batches, and loads without one, one after
 another in the order they were submitted; a lookup after the loads submitted before it. The loads
 of a batch share their calls (issue 40): one batch read of their headers, then one of each layer
-group across them (or, one chunk a call, the same objects in the same order). `landed` grows as
+group across them (or, one chunk a call, the same objects in the same order); loads that need no
+group order, every group of them in one call after the headers. `landed` grows as
 the verified prefix of each destination while the groups of a batch land; a corrupt chunk in a
 late group fails its load (CORRUPT, its one completion), nothing of that group counts for it, and
 the other loads of the call are OK and exact.
@@ -40,6 +41,8 @@ PAGES, LAYER_PAGE = 100, 2048  # a layer group's section: 200 KiB, four chunks o
 SECTION = PAGES * LAYER_PAGE
 EXTENTS = 4
 HEADERS = -1  # the "layer group" of a header object
+EVERY = -2  # every layer group of an extent, in order (a load read without group order)
+GROUP_CHUNKS = [n for _, n in chunk_spans([SECTION], CHUNK)]  # a group's chunk objects' bytes
 
 
 def tokens(i: int) -> list[int]:
@@ -81,14 +84,21 @@ class Recorded:
         return [r for r in self.reads if isinstance(r, Read)]
 
 
-@pytest.fixture(params=[None, CHUNK], ids=["one-call-a-group", "one-call-a-chunk"])
+@pytest.fixture(
+    params=[(None, None), (CHUNK, None), (CHUNK, CHUNK // 2)],
+    ids=["one-call-a-group", "one-call-a-chunk", "two-headers-a-call"],
+)
 def recorded(request: pytest.FixtureRequest, mooncake_master: MooncakeMaster, tmp_path: Path,
              monkeypatch: pytest.MonkeyPatch) -> Iterator[Recorded]:  # fmt: skip
     """A Mooncake tier of one I/O thread holding extents 0..3 (one layer a group: two groups of four
     chunks each), whose batch reads of chunks are recorded and held until `gate` is set; `param`:
-    the bytes of one batch read (None: as shipped, a whole group of every load of a batch a call)."""
-    if request.param is not None:
-        monkeypatch.setattr(objects, "LOAD_BATCH_BYTES", request.param)
+    the bytes of one batch read and of a header's guess (None: as shipped, a whole group of every
+    load of a batch a call, every header of a batch in one)."""
+    batch_bytes, header_bytes = request.param
+    if batch_bytes is not None:
+        monkeypatch.setattr(objects, "LOAD_BATCH_BYTES", batch_bytes)
+    if header_bytes is not None:
+        monkeypatch.setattr(objects, "HEADER_READ_BYTES", header_bytes)
     cfg = TierConfig(backend=SpillBackend.MOONCAKE, mooncake=mooncake_master.config(),
                      directory=tmp_path / "tier", chunk_bytes=CHUNK, io_threads=1)  # fmt: skip
     tier: Any = open_tier(cfg, Namespace(f"order-{time.monotonic_ns()}", NS.layout))
@@ -146,14 +156,14 @@ def hold(rec: Recorded) -> None:
     rec.tier._io.submit_read(lambda: rec.gate.wait(30), ())
 
 
-def submit(rec: Recorded, batches: list[int | None]) -> None:
+def submit(rec: Recorded, batches: list[int | None], group_order: bool = True) -> None:
     """Load extents 0..n-1, extent i with the ticket of extent batches[i]'s load as its batch (None:
     no batch), then release the thread."""
     hold(rec)
     for i, of in enumerate(batches):
         rec.dests.append(np.zeros(payload(i).nbytes, np.uint8))
         extra = {} if of is None else {"batch": rec.tickets[of]}
-        rec.tickets.append(rec.tier.submit_load(rec.key(i), rec.dests[i], **extra))
+        rec.tickets.append(rec.tier.submit_load(rec.key(i), rec.dests[i], group_order=group_order, **extra))
     rec.gate.set()
 
 
@@ -191,14 +201,23 @@ def order(rec: Recorded) -> list[Call | str]:
 
 
 def calls(steps: list[tuple[list[int], int]]) -> list[Call | str]:
-    """The reads of `steps`, each (extents, group) one call of that group (or HEADERS) of those
-    extents or, one chunk a call, one call an object (a header, or each of four chunks)."""
+    """The reads of `steps`, each (extents, group): those extents' header objects (HEADERS) or
+    chunks of that group (EVERY: of each group, extent by extent), in batch reads as the tier packs
+    them: up to `LOAD_BATCH_BYTES` a call (at least one object), a header counting
+    `HEADER_READ_BYTES`, a chunk its length."""
     out: list[Call | str] = []
     for extents, group in steps:
-        if SECTION * len(extents) <= objects.LOAD_BATCH_BYTES:
-            out.append(tuple((i, group) for i in extents))
-        else:
-            out += [((i, group),) for i in extents for _ in range(1 if group == HEADERS else 4)]
+        groups = (0, 1) if group == EVERY else (group,)
+        sizes = [objects.HEADER_READ_BYTES] if group == HEADERS else GROUP_CHUNKS
+        call: list[tuple[int, int]] = []
+        nbytes = 0
+        for i, g, n in ((i, g, n) for i in extents for g in groups for n in sizes):
+            if call and nbytes + n > objects.LOAD_BATCH_BYTES:
+                out.append(tuple(dict.fromkeys(call)))
+                call, nbytes = [], 0
+            call.append((i, g))
+            nbytes += n
+        out.append(tuple(dict.fromkeys(call)))
     return out
 
 
@@ -213,6 +232,22 @@ def test_the_loads_of_a_batch_are_read_group_by_group_and_a_later_load_after_the
     done = finished(rec, EXTENTS)
     steps = [([0, 1, 2], HEADERS), ([0, 1, 2], 0), ([0, 1, 2], 1), *one_by_one([3])]
     assert order(rec) == calls(steps), rec.reads
+    for i, ticket in enumerate(rec.tickets):
+        assert (done[ticket].status, done[ticket].nbytes) == (Status.OK, payload(i).nbytes)
+        assert np.array_equal(rec.dests[i], payload(i))
+
+
+def test_a_batch_without_group_order_reads_every_group_of_its_loads_at_once(recorded: Recorded) -> None:
+    """Issue 40: loads that need no group order (a restore that is not layer-wise; the Mooncake
+    config's `load_calls` merged, the default) are read, after their headers, every group at once:
+    one call for the batch (or, a chunk a call, extent by extent), and a later load after them.
+    Every landed prefix held exactly the payload."""
+    rec = recorded
+    submit(rec, [None, 0, 0, None], group_order=False)
+    done = finished(rec, EXTENTS)
+    steps = [([0, 1, 2], HEADERS), ([0, 1, 2], EVERY), ([3], HEADERS), ([3], EVERY)]
+    assert order(rec) == calls(steps), rec.reads
+    assert all(r.exact for r in rec.batch_reads())
     for i, ticket in enumerate(rec.tickets):
         assert (done[ticket].status, done[ticket].nbytes) == (Status.OK, payload(i).nbytes)
         assert np.array_equal(rec.dests[i], payload(i))

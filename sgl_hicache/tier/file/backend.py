@@ -181,7 +181,9 @@ class FileTier(ReturnedCompletions, IndexedTier):
     # -- loads --------------------------------------------------------------------------------
 
     def submit_load(self, key: ExtentKey, dest: Buffer, nbytes: int | None = None,
-                    group_layers: int | None = None, batch: Ticket | None = None) -> Ticket:  # fmt: skip
+                    group_layers: int | None = None, batch: Ticket | None = None,
+                    group_order: bool = True) -> Ticket:  # fmt: skip
+        """A piece a job: reading in group order costs no calls (`group_order` unused)."""
         key, view = check_key(key), as_view(dest, writable=True)
         ticket = self._completions.issue()
         first = int(ticket) if batch is None else min(int(batch), int(ticket))

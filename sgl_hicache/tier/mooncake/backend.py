@@ -25,8 +25,9 @@ and codes: client.py), and every load verifies it as a file load does. The contr
 - Loads (load.py): the loads of one batch (`submit_load`'s `batch`) are read together, layer group
   by layer group, ranked on the I/O threads (batch, group) as the file tier ranks its reads: their
   headers in one batch read, then each group's chunks across them, every group 0 before any group
-  1; each object is checked on its own (one extent's missing or bad object fails its load alone)
-  and each chunk verified before `landed` counts it. `batches_loads` is True: the cache submits a
+  1 (loads without `group_order`: all groups in one call, unless `load_calls` is by_group); each
+  object is checked on its own (one extent's missing or bad object fails its load alone) and each
+  chunk verified before `landed` counts it. `batches_loads` is True: the cache submits a
   restore's reads as one batch whether or not it restores layer-wise.
 - Lookups: path_lookup.py's walk over alias objects in the request's salt directory (the newest
   writer's wins), read after the loads submitted before it and before those submitted after; a
@@ -93,7 +94,7 @@ class MooncakeTier(ReturnedCompletions, IndexedTier):
         self._seal = DirectoryMac(open_trusted(cfg.directory, namespace.id.hex()))
         self._client = connect(cfg.mooncake)
         self._names = Names(namespace.id)
-        self._scratch = objects.Scratch(self._client.register)
+        self._scratch = objects.Scratch(self._client.register, self._client.unregister)
         self._counters, self._faults = Counters(), FaultLog()
         self._where = f"the Mooncake Store ({cfg.mooncake.master})"
         self._lock = threading.Lock()
@@ -114,7 +115,9 @@ class MooncakeTier(ReturnedCompletions, IndexedTier):
         reader = Reader(self._client, self._names, namespace.id, self._seal, self._scratch)
         ends = Ends(self._salt, lambda t, k, why: self._post(t, Op.LOAD, k, Status.REJECTED, 0, why),
                     self._load_failed, self._loaded)  # fmt: skip
-        self._loads = Loads(reader, self._io, self._lock, self._returned, ends)
+        self._loads = Loads(
+            reader, self._io, self._lock, self._returned, ends, cfg.mooncake.load_calls == "merged"
+        )
         logger.info("sgl_hicache: spill tier on the Mooncake Store of master %s", cfg.mooncake.master)
 
     def _warm_start(self) -> None:
@@ -216,8 +219,8 @@ class MooncakeTier(ReturnedCompletions, IndexedTier):
         self._counters.add("stores")
         self._counters.add("store_bytes", req.payload.nbytes)
 
-    def submit_load(self, key: ExtentKey, dest: Buffer, nbytes: int | None = None,
-                    group_layers: int | None = None, batch: Ticket | None = None) -> Ticket:  # fmt: skip
+    def submit_load(self, key: ExtentKey, dest: Buffer, nbytes: int | None = None, group_layers: int | None = None,
+                    batch: Ticket | None = None, group_order: bool = True) -> Ticket:  # fmt: skip
         view, key = as_view(dest, writable=True), check_key(key)
         ticket = self._completions.issue()
         first = int(ticket) if batch is None else min(int(batch), int(ticket))
@@ -225,7 +228,7 @@ class MooncakeTier(ReturnedCompletions, IndexedTier):
         with self._lock:  # queued under the lock: close() cannot slip in between
             closed = self._closed
             if fits and not closed:
-                self._loads.submit(ticket, key, view, nbytes, group_layers, first)  # with its batch: load.py
+                self._loads.submit(ticket, key, view, nbytes, group_layers, first, group_order)  # load.py
         if closed or not fits:
             why = "tier closed" if closed else f"destination of {view.nbytes} B cannot hold {nbytes} B"
             self._post(ticket, Op.LOAD, key, Status.REJECTED, 0, why)

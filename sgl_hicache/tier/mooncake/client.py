@@ -208,6 +208,10 @@ class StoreClient:
     def register(self, buf: memoryview) -> Reply:
         return _reply(self._store.register_buffer(address(buf), buf.nbytes))
 
+    def unregister(self, buf: memoryview) -> Reply:
+        """Undo `register` of `buf` (before it is freed: its pages may be mapped again)."""
+        return _reply(self._store.unregister_buffer(address(buf)))
+
     def healthy(self) -> bool:
         return int(self._store.health_check()) == 0
 

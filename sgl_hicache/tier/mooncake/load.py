@@ -16,17 +16,23 @@ A batch's layer groups are read one after another: the last of its running jobs,
 queues a job for the lowest group still pending (unless one is queued), so the calls of one batch
 do not run at once (concurrent calls into the client slow each other down more than they overlap).
 So a batch whose loads are all pending when its first job runs costs one call for the headers and
-one a layer group; every group 0 is read before any group 1, and a later batch after it.
+one a layer group; every group 0 is read before any group 1, and a later batch after it. A load
+that needs no group order (`group_order` False: a restore that is not layer-wise) has all its
+pieces in group 0 where the tier's `load_calls` is "merged" (the default, `MooncakeConfig`): a
+batch of such loads costs two calls (the headers; every group's chunks, load by load, up to
+`LOAD_BATCH_BYTES` a call) whatever its groups. "by_group" reads them group by group as well.
 
 Per load nothing is shared: each reply is checked and each chunk verified on its own before
 `landed` counts its bytes (the verified byte prefix, `progress.LoadProgress`; nothing before the
 end for a load that rearranges its bytes); a missing or bad object fails its own load only (with
 that load's other pieces of the call); a load failed earlier reads nothing more. The job that
 records a load's last piece ends it: an OK completion, or the first error, classified by the tier
-(`Ends`). Every job runs under `Returned.guard`, and so does each load's end under its own ticket:
-an end that raises still ends its load (IO_ERROR, counted). The store's and the checks' errors are
-the loads' outcomes, never raised, so a job raises only from a bug (then its own ticket completes
-IO_ERROR), and no completion is posted while another job may still write the load's destination.
+(`Ends`). The store's and the checks' errors are the loads' outcomes, never raised, so only a bug
+raises, and it strands no load: one raising where loads are handled together (planning a call's
+headers, a group's runs, a call's pieces) is the error of each load of that step (IO_ERROR; each
+then reads nothing more), and each load's planning, recording and end run under its own ticket's
+`Returned.guard` (a raise there fails that load alone, IO_ERROR, counted); every job, too, as a
+last resort. No completion is posted while another job may still write the load's destination.
 """
 
 from __future__ import annotations
@@ -76,14 +82,16 @@ class Ends(NamedTuple):
 
 class MooncakeLoad(LoadProgress):
     """A load whose header was verified and planned: its pieces by layer group (`groups`: group ->
-    indices into `pieces`, in order); `key`'s objects are under the salt tag `ext.salt`."""
+    indices into `pieces`, in order; `merged`: all of them in group 0); `key`'s objects are under
+    the salt tag `ext.salt`."""
 
     def __init__(self, ticket: Ticket, key: ExtentKey, ext: objects.Opened, dest: memoryview, want: int,
-                 plan: Plan, chunk_names: list[str]) -> None:  # fmt: skip
+                 plan: Plan, chunk_names: list[str], merged: bool = False) -> None:  # fmt: skip
         super().__init__(plan, want)
         self.ticket, self.key, self.ext, self.dest, self.chunk_names = ticket, key, ext, dest, chunk_names
         self.groups: dict[int, list[int]] = {}
-        for i, g in enumerate(section_of(ext.header.sections, [p.raw_off for p in plan.pieces])):
+        offsets = [p.raw_off for p in plan.pieces]
+        for i, g in enumerate([0] * len(offsets) if merged else section_of(ext.header.sections, offsets)):
             self.groups.setdefault(g, []).append(i)
 
     def read(self, i: int) -> objects.PieceRead:
@@ -104,6 +112,7 @@ class _Opening(NamedTuple):
     dest: memoryview
     nbytes: int | None
     group_layers: int | None
+    group_order: bool
 
 
 class _Batch:
@@ -147,17 +156,18 @@ class Loads:
     completion is returned."""
 
     def __init__(self, reader: Reader, io: IoScheduler, lock: threading.Lock,
-                 returned: Returned[LoadProgress], ends: Ends) -> None:  # fmt: skip
-        self._reader, self._io, self._lock, self._ends = reader, io, lock, ends
+                 returned: Returned[LoadProgress], ends: Ends, merge: bool) -> None:  # fmt: skip
+        """`merge`: a load without group order reads all its groups with the batch's group 0."""
+        self._reader, self._io, self._lock, self._ends, self._merge = reader, io, lock, ends, merge
         self._returned, self._loading = returned, returned.loading
         self._batches: dict[int, _Batch] = {}  # by number, while it has jobs
 
     def submit(self, ticket: Ticket, key: ExtentKey, dest: memoryview, nbytes: int | None,
-               group_layers: int | None, batch: int) -> None:  # fmt: skip
+               group_layers: int | None, batch: int, group_order: bool) -> None:  # fmt: skip
         """Queue the load with the loads of `batch` (its first job ranked (batch, 0)); call holding
         `lock`. Its completion is posted by the jobs."""
         b = self._batches.setdefault(batch, _Batch(batch))
-        b.opening.append(_Opening(ticket, key, dest, nbytes, group_layers))
+        b.opening.append(_Opening(ticket, key, dest, nbytes, group_layers, group_order))
         self._queue(b, 0, ticket, key, self._open_job)
 
     def _queue(self, b: _Batch, group: int, ticket: Ticket, key: ExtentKey,
@@ -207,10 +217,11 @@ class Loads:
     def _open(self, opening: list[_Opening]) -> list[MooncakeLoad]:
         """The headers of `opening` read (one batch read) and planned: the loads planned with
         pieces to read; every other one ended."""
-        salts = [self._ends.salt(o.key) for o in opening]
+        salts: list[bytes | None] = [None] * len(opening)
         try:
+            salts = [self._ends.salt(o.key) for o in opening]
             got = self._reader.open([(o.key, salt) for o, salt in zip(opening, salts, strict=True)])
-        except Exception as e:  # the binding raised: no header of the call was read
+        except Exception as e:  # the binding raised, or a bug: no header of the call was read
             got = [e] * len(opening)
         planned: list[MooncakeLoad] = []
         for o, salt, ext in zip(opening, salts, got, strict=True):
@@ -229,7 +240,10 @@ class Loads:
             return
         try:
             plan = plan_load(ext.header, want, o.group_layers)
-            load = MooncakeLoad(o.ticket, o.key, ext, o.dest, want, plan, ext.chunk_names(self._reader.names))
+            merged = self._merge and not o.group_order
+            load = MooncakeLoad(
+                o.ticket, o.key, ext, o.dest, want, plan, ext.chunk_names(self._reader.names), merged
+            )
         except Exception as e:
             self._fail(o.ticket, o.key, ext, e)
             return
@@ -241,18 +255,45 @@ class Loads:
             self._end(load)
 
     def _read_group(self, b: _Batch, group: int) -> None:
+        """`group`'s pieces of the loads pending for it, a run a call. A bug raising here fails
+        the pieces it was to read (each load then reads nothing more): it strands no load."""
         with self._lock:
             loads = b.groups.pop(group, [])
-        for run in _runs(loads, group):
-            self._read_run(run)
+        try:
+            runs = list(_runs(loads, group))
+        except Exception as e:
+            self._record([(load, load.groups[group]) for load in loads], [e] * len(loads))
+            return
+        for run in runs:
+            self._record(run, self._read_run(run))
 
-    def _read_run(self, run: list[Part]) -> None:
-        """One batch read of `run`'s pieces, each load's recorded (and ended if that was its last)."""
-        failed = [load.error for load, _ in run]  # once a load failed, nothing more is read
-        errors = iter(self._read([part for part, error in zip(run, failed, strict=True) if error is None]))
-        for (load, indices), error in zip(run, failed, strict=True):
-            if load.done(indices, error if error is not None else next(errors)):
-                self._end(load)
+    def _read_run(self, run: list[Part]) -> list[Exception | None]:
+        """One batch read of `run`'s pieces; per part its outcome: its load's earlier error (then
+        nothing of it is read), else the first error of its pieces, or None."""
+        try:
+            failed = [load.error for load, _ in run]
+            errors = iter(
+                self._read([part for part, error in zip(run, failed, strict=True) if error is None])
+            )
+            return [error if error is not None else next(errors) for error in failed]
+        except Exception as e:  # a bug (the store's errors are outcomes): every part fails with it
+            return [e] * len(run)
+
+    def _record(self, parts: list[Part], errors: list[Exception | None]) -> None:
+        """Each part's outcome recorded under its load's guard, and the loads it was the last of
+        ended: the OK parts first (a failure's classification may call the store)."""
+        outcomes = sorted(zip(parts, errors, strict=True), key=lambda outcome: outcome[1] is not None)
+        for (load, indices), error in outcomes:
+            self._guarded(load.ticket, load.key, partial(self._done, load, indices, error))
+
+    def _done(self, load: MooncakeLoad, indices: list[int], error: Exception | None) -> None:
+        try:
+            last = load.done(indices, error)
+        except Exception as e:  # a bug: the guard ends the load (IO_ERROR) and it reads nothing more
+            load.fail(e)
+            raise
+        if last:
+            self._end(load)
 
     def _read(self, parts: list[Part]) -> list[Exception | None]:
         """The pieces of `parts` in one batch read; per part the first error of its pieces, or None."""

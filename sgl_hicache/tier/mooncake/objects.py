@@ -21,10 +21,10 @@ the caller's payload: an uncompressed chunk is never copied by us), the header, 
 the aliases; a present extent costs a batch existence check of its chunks instead of the writes.
 Loads (load.py) are read a batch at a time: the headers of the batch's loads in one batch read
 (`open_headers`: `get_many_into`; a header larger than `HEADER_READ_BYTES` is read again alone at
-its size), then the chunks each layer group needs across the loads in one more (`read_pieces`, up
-to `LOAD_BATCH_BYTES` a call): two calls for a batch of page-major extents, one more for each
-further group, whatever the number of extents. Each reply is checked and each object verified on
-its own, so one object's failure is its extent's only. Whole chunks go straight into the caller's
+its size), then their chunks (`read_pieces`, up to `LOAD_BATCH_BYTES` a call): in one more call
+for a batch that needs no layer-group order (a restore that is not layer-wise) or of page-major
+extents, in one a layer group for a layer-wise restore's, whatever the number of extents. Each reply is checked and each object verified on its own, so
+one object's failure is its extent's only. Whole chunks go straight into the caller's
 destination and are verified in place; only a compressed chunk, or the part of a chunk a prefix
 load needs, passes through a per-thread scratch buffer (registered with the store, as RDMA needs),
 as do the headers.
@@ -97,19 +97,28 @@ def _checked(reply: Reply, what: str) -> Reply:
 
 
 class Scratch:
-    """Per-thread byte buffers, each registered with the store once (`register`) when made."""
+    """Per-thread byte buffers, each registered with the store (`register`) when made. A thread's
+    buffer grows by at least doubling, up to `LOAD_BATCH_BYTES` (what one batch read reads into;
+    past it, what a request needs), so requests growing in small steps cost a few registrations;
+    the buffer it replaces is unregistered (`unregister`) once its successor is registered."""
 
-    def __init__(self, register: Callable[[memoryview], object]) -> None:
+    def __init__(
+        self, register: Callable[[memoryview], object], unregister: Callable[[memoryview], object]
+    ) -> None:
         self._local = threading.local()
-        self._register = register
+        self._register, self._unregister = register, unregister
 
     def get(self, nbytes: int) -> memoryview:
         from sgl_hicache.tier.directio import alloc_aligned
 
-        buf: memoryview | None = getattr(self._local, "buf", None)
-        if buf is None or buf.nbytes < nbytes:
-            buf = self._local.buf = alloc_aligned(align_up(max(nbytes, 1)))
-            self._register(buf)
+        old: memoryview | None = getattr(self._local, "buf", None)
+        if old is not None and old.nbytes >= nbytes:
+            return old[:nbytes]
+        grown = max(nbytes, min(2 * old.nbytes, LOAD_BATCH_BYTES)) if old is not None else nbytes
+        buf = self._local.buf = alloc_aligned(align_up(max(grown, 1)))
+        self._register(buf)
+        if old is not None:
+            self._unregister(old)
         return buf[:nbytes]
 
 

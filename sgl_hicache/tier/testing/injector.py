@@ -185,14 +185,17 @@ class FaultyTier(IndexedTier):
         return ticket
 
     def submit_load(self, key: ExtentKey, dest: Buffer, nbytes: int | None = None,
-                    group_layers: int | None = None, batch: Ticket | None = None) -> Ticket:  # fmt: skip
+                    group_layers: int | None = None, batch: Ticket | None = None,
+                    group_order: bool = True) -> Ticket:  # fmt: skip
         ticket, release_at, fail, corrupt, silent = self._draw()
         if fail:
             return self._inject_failure(ticket, Op.LOAD, key, release_at)
         late = self._draw_late() and not (corrupt or silent)
         view = as_view(dest, writable=True)
         with self._lock:
-            inner = self._inner.submit_load(key, view, nbytes, group_layers, self._inner_ticket(batch))
+            inner = self._inner.submit_load(
+                key, view, nbytes, group_layers, self._inner_ticket(batch), group_order
+            )
             self._plans[inner] = _Plan(ticket, release_at, view if corrupt or silent else None, silent,
                                        view if late else None)  # fmt: skip
             if not (corrupt or silent):  # a load bound to be corrupted never shows verified bytes
