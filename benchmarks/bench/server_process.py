@@ -74,6 +74,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+PORT_TRIES = 3
+
+
 class ServerStartError(RuntimeError):
     """The server exited or did not become healthy in time; the message ends with its log's tail."""
 
@@ -117,6 +120,19 @@ class ServerProcess:
         ]  # fmt: skip
 
     def start(self, timeout_s: float = 180.0) -> ServerProcess:
+        """Start it and wait until healthy; on another free port, up to `PORT_TRIES` times in all,
+        while it exits because its port was taken since it was picked (a process started beside it,
+        a Mooncake client's transfer port, may bind it first)."""
+        for attempt in range(1, PORT_TRIES + 1):
+            try:
+                return self._start(timeout_s)
+            except ServerStartError as e:
+                if attempt == PORT_TRIES or "address already in use" not in str(e).lower():
+                    raise
+                self.port = free_port()
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout_s: float) -> ServerProcess:
         # a process stop_group gave up on may still write there: its removal then never raises out of stop()
         self.scratch = tempfile.TemporaryDirectory(prefix="sgl_hicache_server_", ignore_cleanup_errors=True)
         env = {**NO_CRASH_DIAGNOSTICS, **registry_env(self.model_path), **os.environ, **scratch_env(self.scratch.name),

@@ -50,3 +50,30 @@ def test_a_tmpdir_the_caller_gives_wins(tmp_path: Path) -> None:
     env = {"PYTHONPATH": str(tmp_path), "TMPDIR": str(given)}
     with ServerProcess(Path("unused"), 1, module="standin_server", env=env):
         assert len(os.listdir(given)) == 2
+
+
+def test_a_server_whose_port_was_taken_since_it_was_picked_starts_on_another(tmp_path: Path) -> None:
+    """The bench picks a server's port before starting it; a process started beside it may bind it
+    first (a Mooncake client's transfer port did, and a `--servers 2` run ended): the server is
+    started again on a fresh port."""
+    import socket
+    import urllib.request
+
+    (tmp_path / "standin_server.py").write_text(standin_source(""))
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        log = tmp_path / "server.log"
+        server = ServerProcess(
+            Path("unused"),
+            1,
+            module="standin_server",
+            log_path=log,
+            env={"PYTHONPATH": str(tmp_path)},
+            port=port,
+        )
+        with server:
+            assert server.port != port
+            with urllib.request.urlopen(server.base_url + "/health", timeout=5) as r:
+                assert r.status == 200
