@@ -33,8 +33,8 @@ _MOONCAKE_DEFAULTS: dict[str, Any] = {
 @dataclass(frozen=True)
 class MooncakeConfig:
     """How this server joins a Mooncake Store as a client (`--hicache-spill-mooncake-config`, one JSON
-    object with these keys; `""` / 0 mean unset). `with_env` fills what is unset from Mooncake's own
-    variables, then from the defaults above."""
+    object with these keys; `""` / 0 mean unset, but for `load_calls`, ours, which has its default).
+    `with_env` fills what is unset from Mooncake's own variables, then from the defaults above."""
 
     master: str = ""  # host:port of mooncake_master's RPC
     metadata_server: str = ""  # "http://host:port/metadata" (the master's HTTP one), etcd, or P2PHANDSHAKE

@@ -132,6 +132,15 @@ class Batch:
         """Load extents 0..n-1 as one batch (extent i's first wants[i] bytes; None: all), every
         load queued before an I/O thread takes one; their statuses and destinations (each load
         completed within `timeout_s`, once)."""
+        posted: Counter[int] = Counter()  # every post of a completion, even one the queue drops
+        queue = self.tier._completions
+        post = queue.post
+
+        def counted_post(c: Any, *args: Any) -> bool:
+            posted[c.ticket] += 1
+            return bool(post(c, *args))
+
+        queue.post = counted_post
         gate = threading.Event()
         for _ in range(self.threads):  # ranked ahead of every load: each holds a thread
             self.tier._io.submit_read(gate.wait, ())
@@ -141,7 +150,9 @@ class Batch:
                     for i in range(1, len(wants))]  # fmt: skip
         gate.set()
         done = [self.tier.wait(t, timeout_s) for t in tickets]
+        del queue.post
         assert not self.tier.get_finished(), "one completion a load"
+        assert all(posted[t] == 1 for t in tickets), f"a load's completion posted twice: {posted}"
         for c, want in zip(done, wants, strict=True):
             if c.ok:
                 assert c.nbytes == (GROUPS * SECTION if want is None else want)
@@ -318,8 +329,16 @@ def plant_bug(b: Batch, where: str, monkeypatch: pytest.MonkeyPatch) -> None:
     in extent 3's header's salt lookup, its pieces' reads, its recording, or the runs of group 2."""
     bad = b.keys[DAMAGED]
 
+    kind = ValueError if where.endswith("-value") else RuntimeError
+    where = where.removesuffix("-value")
+
     def boom(*args: Any) -> Any:
-        raise RuntimeError(f"a bug in {where}")
+        raise kind(f"a bug in {where}")
+
+    if where == "headers":  # a header batch answering for fewer loads than it was asked for
+        opens = mooncake_load.Reader.open
+        monkeypatch.setattr(mooncake_load.Reader, "open", lambda reader, wanted: opens(reader, wanted)[:-1])
+        return
 
     if where == "salt":
         ends = b.tier._loads._ends
@@ -337,7 +356,7 @@ def plant_bug(b: Batch, where: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize(
     ("where", "oks"),
-    [("salt", 0), ("read", 0), ("runs", 0), ("done", EXTENTS - 1)],
+    [("salt", 0), ("read", 0), ("runs", 0), ("done", EXTENTS - 1), ("runs-value", 0), ("headers", 0)],
 )
 def test_a_bug_on_an_io_thread_ends_every_load_it_touched_once(
     batch: Callable[..., Batch], monkeypatch: pytest.MonkeyPatch, where: str, oks: int
@@ -346,7 +365,8 @@ def test_a_bug_on_an_io_thread_ends_every_load_it_touched_once(
     every load of the batch completes once. Raised where the batch's loads are read together (their
     headers' planning, a call's pieces, a group's runs) it fails every load of that step (IO_ERROR,
     counted once each), which then reads nothing more; raised recording one load's pieces, it fails
-    that load alone, and the other seven are OK and exact."""
+    that load alone, and the other seven are OK and exact. A bug that raises ValueError is still
+    the loads' IO_ERROR, never taken for the request's own error (REJECTED)."""
     b = batch(1)
     plant_bug(b, where, monkeypatch)
     statuses, dests = b.load([None] * EXTENTS, timeout_s=10)
@@ -360,7 +380,7 @@ def test_a_bug_on_an_io_thread_ends_every_load_it_touched_once(
     stats = b.tier.stats()
     assert (stats.loads, stats.io_errors) == (oks, EXTENTS - oks)
     read = {name for names in b.client.reads for name in names}
-    failed_at = {"salt": 0, "read": 0, "runs": 2, "done": 1}[where]  # the first group nothing reads
+    failed_at = {"salt": 0, "read": 0, "runs": 2, "done": 1, "runs-value": 2, "headers": 0}[where]
     for i, status in enumerate(statuses):
         if status is not Status.OK:
             later = {n for g, names in b.chunks(i).items() if g >= failed_at for n in names}

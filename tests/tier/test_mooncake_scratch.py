@@ -51,3 +51,20 @@ def test_a_buffer_large_enough_is_reused_and_each_thread_has_its_own() -> None:
     worker.join()
     assert other[0].obj is not first.obj
     assert len(r.registered) == 2 and not r.unregistered
+
+
+def test_a_registration_that_raises_leaves_the_thread_its_old_buffer_registered() -> None:
+    registered: list[memoryview] = []
+    unregistered: list[memoryview] = []
+
+    def register(buf: memoryview) -> None:
+        if registered:
+            raise RuntimeError("register_buffer failed")
+        registered.append(buf)
+
+    scratch = objects.Scratch(register, unregistered.append)
+    first = scratch.get(STEP)
+    with pytest.raises(RuntimeError):
+        scratch.get(4 * STEP)
+    assert not unregistered, "the registered buffer is kept"
+    assert scratch.get(STEP).obj is first.obj, "and still used"

@@ -89,6 +89,7 @@ class MooncakeLoad(LoadProgress):
                  plan: Plan, chunk_names: list[str], merged: bool = False) -> None:  # fmt: skip
         super().__init__(plan, want)
         self.ticket, self.key, self.ext, self.dest, self.chunk_names = ticket, key, ext, dest, chunk_names
+        self.ended = False  # its completion posted by a guard (a bug raised recording it)
         self.groups: dict[int, list[int]] = {}
         offsets = [p.raw_off for p in plan.pieces]
         for i, g in enumerate([0] * len(offsets) if merged else section_of(ext.header.sections, offsets)):
@@ -102,6 +103,19 @@ class MooncakeLoad(LoadProgress):
 
 Part = tuple[MooncakeLoad, list[int]]
 """A load and some of its pieces (indices into its `pieces`)."""
+
+
+class LoadBug(RuntimeError):
+    """A bug raised where loads are handled together, each load's error: IO_ERROR (counted, logged),
+    never taken for the request's own error (a plain ValueError is REJECTED: `Loads._fail`)."""
+
+
+def bug(e: Exception) -> LoadBug:
+    if isinstance(e, LoadBug):
+        return e
+    out = LoadBug(f"{type(e).__name__}: {e}")
+    out.__cause__ = e
+    return out
 
 
 class _Opening(NamedTuple):
@@ -221,6 +235,8 @@ class Loads:
         try:
             salts = [self._ends.salt(o.key) for o in opening]
             got = self._reader.open([(o.key, salt) for o, salt in zip(opening, salts, strict=True)])
+            if len(got) != len(opening):
+                raise LoadBug(f"{len(got)} headers read for {len(opening)} loads")
         except Exception as e:  # the binding raised, or a bug: no header of the call was read
             got = [e] * len(opening)
         planned: list[MooncakeLoad] = []
@@ -262,7 +278,7 @@ class Loads:
         try:
             runs = list(_runs(loads, group))
         except Exception as e:
-            self._record([(load, load.groups[group]) for load in loads], [e] * len(loads))
+            self._record([(load, load.groups.get(group, [])) for load in loads], [bug(e)] * len(loads))
             return
         for run in runs:
             self._record(run, self._read_run(run))
@@ -277,7 +293,7 @@ class Loads:
             )
             return [error if error is not None else next(errors) for error in failed]
         except Exception as e:  # a bug (the store's errors are outcomes): every part fails with it
-            return [e] * len(run)
+            return [bug(e)] * len(run)
 
     def _record(self, parts: list[Part], errors: list[Exception | None]) -> None:
         """Each part's outcome recorded under its load's guard, and the loads it was the last of
@@ -287,10 +303,13 @@ class Loads:
             self._guarded(load.ticket, load.key, partial(self._done, load, indices, error))
 
     def _done(self, load: MooncakeLoad, indices: list[int], error: Exception | None) -> None:
+        if load.ended:  # a bug recording it ended it: its later parts have nothing to record
+            return
         try:
             last = load.done(indices, error)
         except Exception as e:  # a bug: the guard ends the load (IO_ERROR) and it reads nothing more
             load.fail(e)
+            load.ended = True
             raise
         if last:
             self._end(load)

@@ -115,8 +115,9 @@ class Scratch:
         if old is not None and old.nbytes >= nbytes:
             return old[:nbytes]
         grown = max(nbytes, min(2 * old.nbytes, LOAD_BATCH_BYTES)) if old is not None else nbytes
-        buf = self._local.buf = alloc_aligned(align_up(max(grown, 1)))
-        self._register(buf)
+        buf = alloc_aligned(align_up(max(grown, 1)))
+        self._register(buf)  # first: if it raises, the thread keeps its old buffer, still registered
+        self._local.buf = buf
         if old is not None:
             self._unregister(old)
         return buf[:nbytes]
