@@ -1,10 +1,12 @@
 """A restore's loads on the file tier and on a Mooncake Store, side by side (issue 40).
 
-    python -m benchmarks.tier_loads [--quick] [--dir DIR] [--tokens 256] [--repeats R]
+    python -m benchmarks.tier_loads [--quick] [--group-order] [--dir DIR] [--tokens 256] [--repeats R]
 
 A restore reads its extents as one batch: the first load's ticket is every later load's `batch`
-(`Tier.submit_load`; the cache's layer-wise restores, `cache/reads.py`), so the tier reads them
-layer group by layer group. Here N extents of SmolLM2-135M's KV (30 layers, 3 KV heads of 64
+(`Tier.submit_load`, `cache/reads.py`). A layer-wise restore's loads ask for group order
+(`--group-order`: the tier reads them layer group by layer group); a whole restore's do not (the
+default here, as the default server: Mooncake then reads every group of the batch in one call,
+`load_calls` merged). Here N extents of SmolLM2-135M's KV (30 layers, 3 KV heads of 64
 dims, bf16, pages of 16 tokens; `--tokens` tokens each, in the cache's layer groups) are stored
 once by a writer tier; a reader tier of 1 or 4 I/O threads (another server, its destinations in
 memory registered with it) then submits all N loads at once as one batch and is timed until every
@@ -87,13 +89,14 @@ def store_all(tier: Tier, ext: Extents) -> None:
     assert not bad, f"stores failed: {bad[:3]}"
 
 
-def load_batch(tier: Tier, keys: list[ExtentKey], dests: list[memoryview]) -> float:
+def load_batch(tier: Tier, keys: list[ExtentKey], dests: list[memoryview], group_order: bool) -> float:
     """Seconds from submitting the loads of `keys` as one batch (the first load's ticket, as a
-    restore's) until every one completed; each must be OK and whole."""
+    restore's; in layer-group order if `group_order`) until every one completed; each must be OK
+    and whole."""
     t0 = time.perf_counter()
-    first = tier.submit_load(keys[0], dests[0], group_layers=GROUP_LAYERS)
+    first = tier.submit_load(keys[0], dests[0], group_layers=GROUP_LAYERS, group_order=group_order)
     tickets = [first] + [
-        tier.submit_load(k, d, group_layers=GROUP_LAYERS, batch=first)
+        tier.submit_load(k, d, group_layers=GROUP_LAYERS, batch=first, group_order=group_order)
         for k, d in zip(keys[1:], dests[1:], strict=True)
     ]
     done = [tier.wait(t, WAIT_S) for t in tickets]
@@ -107,17 +110,17 @@ class Reader:
     """One backend's reader tier of `threads` I/O threads, with destinations for every extent in
     one arena registered with it (as the cache registers its staging)."""
 
-    def __init__(self, name: str, tier: Tier, ext: Extents) -> None:
-        self.name, self.tier, self.ext = name, tier, ext
+    def __init__(self, name: str, tier: Tier, ext: Extents, group_order: bool) -> None:
+        self.name, self.tier, self.ext, self.group_order = name, tier, ext, group_order
         self._arena = alloc_aligned(len(ext.keys) * ext.nbytes)
         tier.register_host_memory(self._arena)
         self.dests = [self._arena[i * ext.nbytes : (i + 1) * ext.nbytes] for i in range(len(ext.keys))]
-        load_batch(tier, ext.keys[:1], self.dests[:1])  # warm-up: first-use buffers, connections
+        load_batch(tier, ext.keys[:1], self.dests[:1], group_order)  # warm-up: first-use buffers, connections
 
     def run(self, n: int, check: bool) -> float:
         """One batch of the first `n` extents into zeroed destinations; every byte checked if `check`."""
         np.frombuffer(self._arena, np.uint8)[: n * self.ext.nbytes] = 0
-        seconds = load_batch(self.tier, self.ext.keys[:n], self.dests[:n])
+        seconds = load_batch(self.tier, self.ext.keys[:n], self.dests[:n], self.group_order)
         if check:
             for i in range(n):
                 assert np.array_equal(np.frombuffer(self.dests[i], np.uint8), self.ext.payloads[i]), (
@@ -147,13 +150,16 @@ def mooncake_missing() -> str | None:
 Times = dict[tuple[str, int, int], list[float]]
 
 
-def measure(openers: dict[str, Callable[[int], Tier]], ext: Extents, repeats: int) -> Times:
+def measure(
+    openers: dict[str, Callable[[int], Tier]], ext: Extents, repeats: int, group_order: bool
+) -> Times:
     """Per (backend, N, threads): the seconds of each repetition; the backends take turns."""
     times: Times = {}
     for threads in THREADS:
         with contextlib.ExitStack() as stack:
             readers = [
-                Reader(name, stack.enter_context(opener(threads)), ext) for name, opener in openers.items()
+                Reader(name, stack.enter_context(opener(threads)), ext, group_order)
+                for name, opener in openers.items()
             ]
             for n in COUNTS:
                 for r in range(repeats):
@@ -209,6 +215,9 @@ def main() -> None:
         "--dir", type=Path, default=Path(__file__).resolve().parents[1] / "out" / "bench_tier_loads"
     )
     ap.add_argument("--quick", action="store_true", help="three repetitions (< 60 s)")
+    ap.add_argument(
+        "--group-order", action="store_true", help="a layer-wise restore's loads (read group by group)"
+    )
     ap.add_argument("--tokens", type=int, default=256, help="tokens per extent (a multiple of 16)")
     ap.add_argument("--repeats", type=int, default=0, help="repetitions (default: 3 quick, 9 otherwise)")
     args = ap.parse_args()
@@ -227,11 +236,11 @@ def main() -> None:
         f"a group) on {root}; {repeats} repetitions, median (min-max)")  # fmt: skip
     try:
         with backends(root, ext, skip_mooncake) as openers:
-            times = measure(openers, ext, repeats)
+            times = measure(openers, ext, repeats, args.group_order)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     figures = figures_of(times)
-    figures.update(tokens=args.tokens, extent_bytes=ext.nbytes, group_layers=GROUP_LAYERS, repeats=repeats,
+    figures.update(group_order=args.group_order, tokens=args.tokens, extent_bytes=ext.nbytes, group_layers=GROUP_LAYERS, repeats=repeats,
                    counts=list(COUNTS), threads=list(THREADS), mooncake=skip_mooncake or "measured")  # fmt: skip
     emit(figures)
 
