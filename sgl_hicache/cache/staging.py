@@ -111,7 +111,7 @@ class StagingPool:
             spans = [self._blocks[buf.data_ptr()] for buf in bufs]
             free = list(self._free)
             for n, span in enumerate(spans):
-                free = _merged(free, span)
+                _free_span(free, span)  # on a copy of the free list
                 run = next(((o, f) for o, f in free if f >= size), None)
                 if run is None:
                     continue
@@ -130,16 +130,7 @@ class StagingPool:
             self._used -= buf.numel()
             self._held -= size
             assert self._used >= 0, f"staging accounting went negative: {self._used}"
-            i = bisect.bisect(self._free, (offset, size))
-            self._free.insert(i, (offset, size))
-            self._coalesce(i)
-
-    def _coalesce(self, i: int) -> None:
-        """Merge free block i with its free neighbours."""
-        if i + 1 < len(self._free) and self._free[i][0] + self._free[i][1] == self._free[i + 1][0]:
-            self._free[i] = (self._free[i][0], self._free[i][1] + self._free.pop(i + 1)[1])
-        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == self._free[i][0]:
-            self._free[i - 1] = (self._free[i - 1][0], self._free[i - 1][1] + self._free.pop(i)[1])
+            _free_span(self._free, (offset, size))
 
     def check_integrity(self) -> None:
         """Free blocks and blocks in use tile the arena exactly; AssertionError with the numbers."""
@@ -154,15 +145,15 @@ class StagingPool:
             assert self._held == held, f"staging counts {self._held} B of blocks in use, they hold {held} B"
 
 
-def _merged(free: list[tuple[int, int]], span: tuple[int, int]) -> list[tuple[int, int]]:
-    """`free` (offset, size) sorted and coalesced, with `span` added."""
-    out: list[tuple[int, int]] = []
-    for offset, size in sorted([*free, span]):
-        if out and out[-1][0] + out[-1][1] == offset:
-            out[-1] = (out[-1][0], out[-1][1] + size)
-        else:
-            out.append((offset, size))
-    return out
+def _free_span(free: list[tuple[int, int]], span: tuple[int, int]) -> None:
+    """Add `span` (offset, size) to the free list `free` (sorted by offset), merged with its free
+    neighbours."""
+    i = bisect.bisect(free, span)
+    free.insert(i, span)
+    if i + 1 < len(free) and free[i][0] + free[i][1] == free[i + 1][0]:
+        free[i] = (free[i][0], free[i][1] + free.pop(i + 1)[1])
+    if i > 0 and free[i - 1][0] + free[i - 1][1] == free[i][0]:
+        free[i - 1] = (free[i - 1][0], free[i - 1][1] + free.pop(i)[1])
 
 
 def _round(nbytes: int) -> int:
