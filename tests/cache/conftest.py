@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -207,3 +208,63 @@ def make_stack(tmp_path: Path) -> Iterator[Callable[..., Stack]]:
     yield make
     for stack in opened:
         close_stack(stack)
+
+
+def run_ranks(group: Any, work: Callable[[int], Any], timeout_s: float = 300) -> None:
+    """`work(rank)` on two threads, one per rank; fails if a rank raised or hung (the barrier of a
+    rank that raised is aborted, so the other one cannot wait for it forever)."""
+    errors: list[BaseException] = []
+
+    def target(r: int) -> None:
+        try:
+            work(r)
+        except BaseException as e:
+            errors.append(e)
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout_s)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    assert not errors, errors
+
+
+@dataclass
+class TwoRanks:
+    """Two TP ranks' stacks, each driven on its own thread, whose evictions and restores agree
+    through a `ThreadedAgreement` (test_tp_agreement.py: the MIN collective between the threads)."""
+
+    stacks: list[Stack]
+
+    def run(self, work: Callable[[int, Stack], list[Any]], timeout_s: float = 120) -> list[Any]:
+        """`work(rank, its stack)` on each rank's thread, its agreement set, returning the rank's
+        record (what it saw, its tree digests). Asserts the two records are equal and, once each
+        rank's writes are done, each cache's integrity; returns the record."""
+        from tests.cache.test_tp_agreement import ThreadedAgreement
+
+        group = ThreadedAgreement.Group(2)
+        records: list[list[Any]] = [[], []]
+
+        def rank(r: int) -> None:
+            self.stacks[r].cache.agreement = ThreadedAgreement(group, r)
+            records[r] = work(r, self.stacks[r])
+
+        run_ranks(group, rank, timeout_s)
+        assert records[0] == records[1], "the ranks' trees diverged"
+        for stack in self.stacks:
+            stack.cache.controller.wait_writes()
+            stack.cache.check_integrity()
+        return records[0]
+
+
+@pytest.fixture
+def two_ranks(make_stack: Callable[..., Stack], tmp_path: Path) -> Callable[..., TwoRanks]:
+    """`TwoRanks` of two stacks built with `config` (in tier directories rank0, rank1), closed
+    with `make_stack`'s."""
+
+    def make(**config: Any) -> TwoRanks:
+        return TwoRanks([make_stack(tmp_path / f"rank{r}", **config) for r in range(2)])
+
+    return make

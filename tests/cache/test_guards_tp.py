@@ -5,11 +5,10 @@ run, so every rank still meets the agreement collectives and all take the same s
 from __future__ import annotations
 
 import itertools
-import threading
 from pathlib import Path
 from typing import Any
 
-from tests.cache.conftest import build_stack, close_stack
+from tests.cache.conftest import build_stack, close_stack, run_ranks
 from tests.cache.test_tp_agreement import ThreadedAgreement, conversation_steps, run_rank
 
 
@@ -23,27 +22,6 @@ def every(n: int, method: Any) -> Any:
         return method(*args, **kwargs)
 
     return call
-
-
-def run_ranks(group: Any, work: Any, timeout_s: float = 300) -> None:
-    """`work(rank)` on two threads, one per rank; fails if a rank raised or hung (the barrier of a
-    rank that raised is aborted, so the other one cannot wait for it forever)."""
-    errors: list[BaseException] = []
-
-    def target(r: int) -> None:
-        try:
-            work(r)
-        except BaseException as e:
-            errors.append(e)
-            group.barrier.abort()
-
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=timeout_s)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    assert not errors, errors
 
 
 def test_faults_contained_on_one_rank_keep_the_ranks_identical(tmp_path: Path) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,10 +22,8 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sgl_hicache.cache.metrics import DropReason, SpillMetrics
 from sgl_hicache.cache.staging import StagingPool
 from sgl_hicache.cache.staging_share import Refused, StagingShare
-from tests.cache.conftest import Stack, build_stack, close_stack, expected_kv, read_kv, shrink_staging
-from tests.cache.test_guards_tp import run_ranks
+from tests.cache.conftest import Stack, TwoRanks, expected_kv, read_kv, shrink_staging
 from tests.cache.test_streamed_restore import admission, admit_all, resident
-from tests.cache.test_tp_agreement import ThreadedAgreement
 
 TURN = 64
 STAGING = 20 << 10
@@ -183,26 +180,22 @@ def test_what_a_store_may_take_while_a_read_waits(
 
 
 def test_tp_ranks_whose_restore_waits_on_one_only_keep_equal_trees(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    two_ranks: Callable[..., TwoRanks], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Rank 0's restore waits for room (its writes held), rank 1's read starts: the same eviction
     is refused for the reservation on rank 0 and spilled on rank 1; the eviction's agreement drops
     it on both, so their trees stay equal, and the restore is exact on both once writes finish."""
     from sgl_hicache.cache.warm_start import tree_digest
 
-    group = ThreadedAgreement.Group(2)
-    stacks = [build_stack(tmp_path / f"rank{r}", size=1024, restore_reserve=True) for r in range(2)]
-    for s in stacks:  # HISTORY on both tiers (one rank each: nothing to agree yet)
+    ranks = two_ranks(size=1024, restore_reserve=True)
+    for s in ranks.stacks:  # HISTORY on both tiers (one rank each: nothing to agree yet)
         s.insert(HISTORY)
         s.evict_all()
-    shrink_staging(stacks[0], STAGING)
-    held = HeldWrites(monkeypatch, stacks[0].cache.controller.tier)
-    records: list[list[Any]] = [[], []]
+    shrink_staging(ranks.stacks[0], STAGING)
+    held = HeldWrites(monkeypatch, ranks.stacks[0].cache.controller.tier)
     evicted = turn(3000, 16)
 
-    def work(r: int) -> None:
-        s = stacks[r]
-        s.cache.agreement = ThreadedAgreement(group, r)
+    def work(r: int, s: Stack) -> list[Any]:
         for base in (1000, 2000):
             s.insert(turn(base))
         s.cache.evict(EvictParams(num_tokens=10**9))  # rank 0: its 16 KiB of writes held
@@ -212,26 +205,18 @@ def test_tp_ranks_whose_restore_waits_on_one_only_keep_equal_trees(
         assert s.cache.init_load_back(params) is None  # agreed: rank 0's read waits
         s.insert(evicted)
         s.cache.evict(EvictParams(num_tokens=10**9))  # the restore's slots, then `evicted`
-        records[r].append((s.match(evicted).host_hit_length, tree_digest(s.cache.root_node)))
+        spilled = (s.match(evicted).host_hit_length, tree_digest(s.cache.root_node))
         if r == 0:
             held.release()
         loaded, last = s.load_back(s.match(HISTORY), rid="r")
-        records[r].append((loaded, read_kv(s.pool, last.value), tree_digest(s.cache.root_node)))
+        return [spilled, (loaded, read_kv(s.pool, last.value), tree_digest(s.cache.root_node))]
 
-    try:
-        run_ranks(group, work, timeout_s=120)
-        assert records[0] == records[1], "the ranks' trees diverged"
-        assert records[0][0][0] == 0, "the evicted node was dropped on both ranks"
-        assert records[0][1][:2] == (TURN, expected_kv(HISTORY))
-        totals = [s.metrics.totals for s in stacks]
-        assert (totals[0]["spills_refused_reserved"], totals[1]["spills_refused_reserved"]) == (1, 0)
-        assert totals[1]["tp_disagreements"] >= 1, "rank 1 spilled it and had to drop it"
-        for s in stacks:
-            s.cache.controller.wait_writes()
-            s.cache.check_integrity()
-    finally:
-        for s in stacks:
-            close_stack(s)
+    record = ranks.run(work)  # equal on both ranks
+    assert record[0][0] == 0, "the evicted node was dropped on both ranks"
+    assert record[1][:2] == (TURN, expected_kv(HISTORY))
+    totals = [s.metrics.totals for s in ranks.stacks]
+    assert (totals[0]["spills_refused_reserved"], totals[1]["spills_refused_reserved"]) == (1, 0)
+    assert totals[1]["tp_disagreements"] >= 1, "rank 1 spilled it and had to drop it"
 
 
 def test_the_room_kept_is_counted_in_the_blocks_staging_hands_out(

@@ -11,18 +11,16 @@ The histories are 64-token turns (one extent each, 8 KiB of packed KV) under a 2
 from __future__ import annotations
 
 import threading
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
 from sgl_hicache.cache.metrics import DropReason
-from tests.cache.conftest import Stack, build_stack, close_stack, expected_kv, read_kv, shrink_staging
-from tests.cache.test_guards_tp import run_ranks
+from tests.cache.conftest import Stack, TwoRanks, expected_kv, read_kv, shrink_staging
 from tests.cache.test_restore_reserve import HISTORY, STAGING, TURN, HeldWrites, turn
 from tests.cache.test_streamed_restore import admission, admit_all, resident
-from tests.cache.test_tp_agreement import ThreadedAgreement
 
 
 def landed(s: Stack, n: int) -> None:
@@ -247,46 +245,35 @@ def test_a_short_prefetch_a_restore_asked_for_is_not_taken_back(make_stack: Any)
 
 
 def test_tp_ranks_where_only_one_can_take_back_keep_equal_trees(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    two_ranks: Callable[..., TwoRanks], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Take-back is each rank's own: rank 0 (20 KiB of staging) gives back its landed prefetch
     for a spill, rank 1 (12 KiB, no read landed) refuses it. The eviction's agreement drops the
     victim on both, so the trees stay equal; HISTORY is then restored exact on both."""
     from sgl_hicache.cache.warm_start import tree_digest
 
-    group = ThreadedAgreement.Group(2)
-    stacks = [build_stack(tmp_path / f"rank{r}", size=1024) for r in range(2)]
-    for r, s in enumerate(stacks):
+    ranks = two_ranks(size=1024)
+    for r, s in enumerate(ranks.stacks):
         on_tier(s, HISTORY, staging=STAGING if r == 0 else 12 << 10)
-    helds = [HeldWrites(monkeypatch, s.cache.controller.tier) for s in stacks]
+    helds = [HeldWrites(monkeypatch, s.cache.controller.tier) for s in ranks.stacks]
     victim = turn(2000)
-    records: list[list[Any]] = [[], []]
 
-    def work(r: int) -> None:
-        s, held = stacks[r], helds[r]
-        s.cache.agreement = ThreadedAgreement(group, r)
+    def work(r: int, s: Stack) -> list[Any]:
+        held = helds[r]
         evict(s, turn(1000))  # 8 KiB held on both
         held.wait(s, 1)
         s.cache.prefetch(HISTORY)  # starts on rank 0 only: rank 1 has 4 KiB free
         if r == 0:
             landed(s, 1)
         evict(s, victim)
-        records[r].append((s.match(victim).host_hit_length, tree_digest(s.cache.root_node)))
+        evicted = (s.match(victim).host_hit_length, tree_digest(s.cache.root_node))
         held.release()
         loaded, _ = s.load_back(s.match(HISTORY), rid="h")
-        records[r].append((loaded, resident(s, HISTORY), tree_digest(s.cache.root_node)))
+        return [evicted, (loaded, resident(s, HISTORY), tree_digest(s.cache.root_node))]
 
-    try:
-        run_ranks(group, work, timeout_s=120)
-        assert records[0] == records[1], "the ranks' trees diverged"
-        assert records[0][0][0] == 0, "the victim was dropped on both ranks"
-        assert records[0][1][:2] == (TURN, expected_kv(HISTORY))
-        totals = [s.metrics.totals for s in stacks]
-        assert (totals[0]["reads_taken_back"], totals[1]["reads_taken_back"]) == (1, 0)
-        assert totals[0]["tp_disagreements"] >= 1, "rank 0 spilled it and had to drop it"
-        for s in stacks:
-            s.cache.controller.wait_writes()
-            s.cache.check_integrity()
-    finally:
-        for s in stacks:
-            close_stack(s)
+    record = ranks.run(work)  # equal on both ranks
+    assert record[0][0] == 0, "the victim was dropped on both ranks"
+    assert record[1][:2] == (TURN, expected_kv(HISTORY))
+    totals = [s.metrics.totals for s in ranks.stacks]
+    assert (totals[0]["reads_taken_back"], totals[1]["reads_taken_back"]) == (1, 0)
+    assert totals[0]["tp_disagreements"] >= 1, "rank 0 spilled it and had to drop it"
