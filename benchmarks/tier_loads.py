@@ -17,8 +17,14 @@ repetition. Every loaded byte is checked once per configuration; each figure is 
 repeats (min-max logged and in `<figure>_range`). Mooncake is skipped, with the reason, where its
 client cannot be imported.
 
-Figures: `file_ms_n<N>_t<T>`, `mooncake_ms_n<N>_t<T>`, `mooncake_vs_file_n<N>_t<T>` (their ratio)
-and `mooncake_vs_file_n<N>` (the larger ratio of the two thread counts).
+A third reader, `mooncake-own`, stores the extents itself before it reads them (under a salt of its
+own, so it writes its own objects: with `placement` local, into its own segment), as a server
+restores what it spilled; the `mooncake` reader reads the writer's, as a server restores what
+another spilled.
+
+Figures: `file_ms_n<N>_t<T>`, `mooncake_ms_n<N>_t<T>`, `mooncake_own_ms_n<N>_t<T>`,
+`mooncake_vs_file_n<N>_t<T>` and `mooncake_own_vs_file_n<N>_t<T>` (their ratios to files) and
+`mooncake_vs_file_n<N>`, `mooncake_own_vs_file_n<N>` (the larger ratio of the two thread counts).
 """
 
 from __future__ import annotations
@@ -80,9 +86,9 @@ def make_extents(n: int, tokens: int) -> Extents:
     return Extents([chain_key(NS.id, ROOT_KEY, t) for t in toks], toks, payloads)
 
 
-def store_all(tier: Tier, ext: Extents) -> None:
+def store_all(tier: Tier, ext: Extents, cache_salt: str | None = None) -> None:
     tickets = [
-        tier.submit_store(k, p, t, ROOT_KEY, group_layers=GROUP_LAYERS)
+        tier.submit_store(k, p, t, ROOT_KEY, group_layers=GROUP_LAYERS, cache_salt=cache_salt)
         for k, t, p in zip(ext.keys, ext.tokens, ext.payloads, strict=True)
     ]
     bad = [c for c in (tier.wait(t, WAIT_S) for t in tickets) if not c.ok]
@@ -187,25 +193,41 @@ def backends(
         try:
             store_all(writer, ext)
             openers["mooncake"] = lambda t: open_tier(mooncake_config(root, master, t, 32 * MiB), NS)
+            openers["mooncake-own"] = lambda t: own_reader(mooncake_config(root, master, t, segment), ext)
             yield openers
         finally:
             writer.close(30)  # before its master goes
+
+
+def own_reader(cfg: TierConfig, ext: Extents) -> Tier:
+    """A reader that stored the extents itself first (a server restoring what it spilled): under a
+    salt of its own, so that it writes its own objects (placement local: into its own segment)
+    rather than finding the writer's."""
+    tier = open_tier(cfg, NS)
+    try:
+        store_all(tier, ext, cache_salt="own")
+    except BaseException:
+        tier.close(30)
+        raise
+    return tier
 
 
 def figures_of(times: Times) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for (name, n, threads), secs in sorted(times.items()):
         ms = [s * 1000 for s in secs]
-        fig = f"{name}_ms_n{n}_t{threads}"
+        fig = f"{name.replace('-', '_')}_ms_n{n}_t{threads}"
         out[fig], out[f"{fig}_range"] = statistics.median(ms), [round(min(ms), 2), round(max(ms), 2)]
         log(f"{name:8} N={n:2} threads={threads}: median {out[fig]:7.2f} ms ({min(ms):.2f}-{max(ms):.2f})")
-    for n in COUNTS:
-        ratios = {t: out[f"mooncake_ms_n{n}_t{t}"] / out[f"file_ms_n{n}_t{t}"] for t in THREADS
-                  if f"mooncake_ms_n{n}_t{t}" in out}  # fmt: skip
-        for t, ratio in ratios.items():
-            out[f"mooncake_vs_file_n{n}_t{t}"] = ratio
-        if ratios:
-            out[f"mooncake_vs_file_n{n}"] = max(ratios.values())
+    for name in ("mooncake", "mooncake-own"):
+        fig = name.replace("-", "_")
+        for n in COUNTS:
+            ratios = {t: out[f"{fig}_ms_n{n}_t{t}"] / out[f"file_ms_n{n}_t{t}"] for t in THREADS
+                      if f"{fig}_ms_n{n}_t{t}" in out}  # fmt: skip
+            for t, ratio in ratios.items():
+                out[f"{fig}_vs_file_n{n}_t{t}"] = ratio
+            if ratios:
+                out[f"{fig}_vs_file_n{n}"] = max(ratios.values())
     return out
 
 

@@ -63,6 +63,11 @@ def test_the_flag_beats_mooncakes_variables_which_beat_the_defaults() -> None:
             {},
             "load_calls must be merged or by_group, got 'both'",
         ),
+        (
+            [*MOONCAKE, "--hicache-spill-mooncake-config", '{"master": "h:1", "placement": "near"}'],
+            {},
+            "placement must be local or any, got 'near'",
+        ),
     ],
 )
 def test_bad_settings_are_one_line_naming_the_culprit(
@@ -80,4 +85,13 @@ def test_load_calls_are_merged_unless_asked_by_group_and_reach_the_scheduler() -
     assert config(MOONCAKE, env).tier.mooncake.load_calls == "merged"
     c = config([*MOONCAKE, "--hicache-spill-mooncake-config", '{"load_calls": "by_group"}'], env)
     assert (c.tier.mooncake.load_calls, c.tier.mooncake.master) == ("by_group", "10.0.0.1:50051")
+    assert SpillConfig.from_json(c.to_json()) == c
+
+
+def test_placement_is_local_unless_asked_any_and_reaches_the_scheduler() -> None:
+    """`placement` (tier/mooncake/client.py): the writer's own segment first, or the master's choice."""
+    env = {"MOONCAKE_MASTER": "10.0.0.1:50051"}
+    assert config(MOONCAKE, env).tier.mooncake.placement == "local"
+    c = config([*MOONCAKE, "--hicache-spill-mooncake-config", '{"placement": "any"}'], env)
+    assert c.tier.mooncake.placement == "any"
     assert SpillConfig.from_json(c.to_json()) == c

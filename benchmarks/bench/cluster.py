@@ -30,6 +30,10 @@ per-tier hit rates and the lookup counters show what was reused from where.
 - `ours-mooncake-by-group`: `ours-mooncake` reading a restore's chunks a call a layer group (the
   Mooncake config's `"load_calls": "by_group"`, as a layer-wise restore reads them) instead of in
   one call (`merged`, the default): the switch measured side by side (issue 40).
+- `ours-mooncake-any`: `ours-mooncake` leaving placement to the master (the Mooncake config's
+  `"placement": "any"`: its random choice over both servers' segments) instead of asking for the
+  writer's own segment first (`local`, the default): a server then reads part of what it spilled
+  back from the other's segment over TCP instead of by a memory copy (issue 40).
 - `hicache-mooncake`: `hicache-shared` with sglang's own `mooncake` L3 backend on such a store (the
   peer a Mooncake user would compare with): its own master, started the same way, each server a
   client contributing the same `MOONCAKE_SEGMENT`, over TCP on loopback. sglang gives that backend
@@ -177,6 +181,8 @@ CONFIGS = (
     ClusterConfig("ours-mooncake", "ours", shared=True, flags=WRITE_THROUGH, store=Store.MOONCAKE),
     ClusterConfig("ours-mooncake-by-group", "ours", shared=True, flags=WRITE_THROUGH, store=Store.MOONCAKE,
                   mooncake=(("load_calls", "by_group"),)),
+    ClusterConfig("ours-mooncake-any", "ours", shared=True, flags=WRITE_THROUGH, store=Store.MOONCAKE,
+                  mooncake=(("placement", "any"),)),
     ClusterConfig("hicache-mooncake", STRONGEST_HICACHE, shared=True, store=Store.MOONCAKE),
     ClusterConfig("lmcache-shared", STRONGEST_LMCACHE, shared=True, store=Store.LMCACHE),
     ClusterConfig("route-round-robin", "ours", shared=False, dispatch=SHUFFLED),

@@ -24,6 +24,7 @@ RATIOS = (
     ("mooncake_vs_hicache", "ours-mooncake", "hicache-shared"),
     ("mooncake_vs_hicache_mooncake", "ours-mooncake", "hicache-mooncake"),
     ("mooncake_merged_vs_by_group", "ours-mooncake", "ours-mooncake-by-group"),
+    ("mooncake_local_vs_any", "ours-mooncake", "ours-mooncake-any"),
     ("events_vs_round_robin", "route-kv-events", "route-round-robin"),
     ("events_vs_approx_tree", "route-kv-events", "route-approx-tree"),
     ("events_vs_round_robin_grpc", "route-kv-events", "route-round-robin-grpc"),

@@ -24,6 +24,12 @@ LOAD_CALLS = ("merged", "by_group")
 """How the tier reads the chunks of a batch of loads that need no layer-group order (a restore that
 is not layer-wise): all its groups in one call (up to `LOAD_BATCH_BYTES`), or a call a group as a
 layer-wise restore's (tier/mooncake/load.py); kept to compare the two side by side."""
+PLACEMENTS = ("local", "any")
+"""Where the tier's objects are stored: "local" asks the master for this client's own segment first
+(it falls back to another segment when that one is full; the objects then leave the store with this
+client, as those in its segment always did), "any" leaves the choice to the master's allocation
+strategy. A server restores mostly what it spilled itself: from its own segment that is a memory
+copy, from another client's a transfer (tier/mooncake/client.py)."""
 _MOONCAKE_DEFAULTS: dict[str, Any] = {
     "metadata_server": "P2PHANDSHAKE", "protocol": "tcp", "local_hostname": "localhost",
     "global_segment_size": 4 * GiB, "local_buffer_size": 64 * MiB,
@@ -33,7 +39,8 @@ _MOONCAKE_DEFAULTS: dict[str, Any] = {
 @dataclass(frozen=True)
 class MooncakeConfig:
     """How this server joins a Mooncake Store as a client (`--hicache-spill-mooncake-config`, one JSON
-    object with these keys; `""` / 0 mean unset, but for `load_calls`, ours, which has its default).
+    object with these keys; `""` / 0 mean unset, but for `load_calls` and `placement`, ours, which
+    have their defaults).
     `with_env` fills what is unset from Mooncake's own variables, then from the defaults above."""
 
     master: str = ""  # host:port of mooncake_master's RPC
@@ -47,6 +54,7 @@ class MooncakeConfig:
     load_calls: str = (
         "merged"  # a restore's chunks not needed group by group: "merged" (one call), "by_group"
     )
+    placement: str = "local"  # where stores go: "local" (this client's segment first) or "any" (PLACEMENTS)
 
     @classmethod
     def from_user(cls, data: object) -> MooncakeConfig:
@@ -77,6 +85,8 @@ class MooncakeConfig:
                  f"master must be host:port, got {self.master!r}")  # fmt: skip
         require(self.load_calls in LOAD_CALLS, None,
                 f"load_calls must be {' or '.join(LOAD_CALLS)}, got {self.load_calls!r}")  # fmt: skip
+        require(self.placement in PLACEMENTS, None,
+                f"placement must be {' or '.join(PLACEMENTS)}, got {self.placement!r}")  # fmt: skip
         for name in ("global_segment_size", "local_buffer_size"):
             size = getattr(self, name)
             require(

@@ -35,7 +35,7 @@ class TierConfig:
     mooncake: MooncakeConfig = option(
         MooncakeConfig(),
         'with the mooncake backend, one JSON object: master ("host:port"), metadata_server, protocol, '
-        "device_name, local_hostname, global_segment_size, local_buffer_size, ssd_offload_path, load_calls; unset "
+        "device_name, local_hostname, global_segment_size, local_buffer_size, ssd_offload_path, load_calls, placement; unset "
         "keys from MOONCAKE_* as sglang reads them",
         "--hicache-spill-mooncake-config",
     )

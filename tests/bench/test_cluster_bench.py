@@ -65,6 +65,7 @@ def test_the_configurations(tmp_path: Path) -> None:
         ("ours-shared", "ours", True, dir_, rr, alt), ("ours-shared-write-back", "ours", True, dir_, rr, alt),
         ("ours-separate", "ours", False, dir_, rr, alt), ("hicache-shared", "hicache-wait-r2", True, dir_, rr, alt),
         ("ours-mooncake", "ours", True, mooncake, rr, alt), ("ours-mooncake-by-group", "ours", True, mooncake, rr, alt),
+        ("ours-mooncake-any", "ours", True, mooncake, rr, alt),
         ("hicache-mooncake", "hicache-wait-r2", True, mooncake, rr, alt),
         ("lmcache-shared", "lmcache-disk", True, lmcache, rr, alt),
         ("route-round-robin", "ours", False, dir_, rr, shuf), ("route-approx-tree", "ours", False, dir_, approx, shuf),
@@ -78,6 +79,7 @@ def test_the_configurations(tmp_path: Path) -> None:
         == policies["ours-separate"]
         == policies["ours-mooncake"]
         == policies["ours-mooncake-by-group"]
+        == policies["ours-mooncake-any"]
         == cluster.WRITE_THROUGH
     )
     assert (
@@ -425,6 +427,23 @@ def test_ours_mooncake_by_group_is_ours_mooncake_reading_a_call_a_layer_group(
     assert seen["ours-mooncake-by-group"] == [{**c, "load_calls": "by_group"} for c in merged]
 
 
+def test_ours_mooncake_any_is_ours_mooncake_leaving_placement_to_the_master(
+    tmp_path: Path, fake_cluster: FakeCluster
+) -> None:
+    """Issue 40's placement side by side: the same store settings, but `placement` any (local, the
+    default, is not written out)."""
+    spec = spec_from(parser().parse_args(["--servers", "2", "--concurrency", "2", "--out", str(tmp_path)]))
+    seen = {}
+    for name in ("ours-mooncake", "ours-mooncake-any"):
+        fake_cluster.clear()
+        cluster.run_config(cluster.BY_NAME[name], spec, tmp_path, tmp_path, 0, ((0,), (1,)))
+        seen[name] = [json.loads(flag_value(s[3], "--hicache-spill-mooncake-config") or "{}")
+                      for s in fake_cluster.servers]  # fmt: skip
+    local = seen["ours-mooncake"]
+    assert local[0]["master"] == "127.0.0.1:1" and "placement" not in local[0]
+    assert seen["ours-mooncake-any"] == [{**c, "placement": "any"} for c in local]
+
+
 def test_two_servers_share_a_single_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cluster.os, "sched_getaffinity", lambda pid: {5})
     assert cluster.server_cpus() == ((5,), (5,))
@@ -495,7 +514,7 @@ def test_final_line_names_each_configuration_and_the_ratios() -> None:
                                    {"ours-shared": []})  # fmt: skip
     json.dumps(line, allow_nan=False)
     pairs = ("shared_vs_separate", "shared_vs_write_back", "shared_vs_hicache", "shared_vs_lmcache", "mooncake_vs_shared",
-             "mooncake_vs_hicache", "mooncake_vs_hicache_mooncake", "mooncake_merged_vs_by_group", "events_vs_round_robin", "events_vs_approx_tree",
+             "mooncake_vs_hicache", "mooncake_vs_hicache_mooncake", "mooncake_merged_vs_by_group", "mooncake_local_vs_any", "events_vs_round_robin", "events_vs_approx_tree",
              "events_vs_round_robin_grpc", "events_vs_approx_tree_protected")  # fmt: skip
     assert set(cluster_line.RATIO_KEYS) == {f"{fig}_{p}" for p in pairs for fig in ("ttft", "throughput")}
     assert line["ttft_mooncake_vs_shared"] == 1.5 and line["throughput_mooncake_vs_hicache"] == 5.0

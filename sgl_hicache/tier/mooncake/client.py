@@ -22,6 +22,11 @@ of a salt in every namespace (`salt_pattern`):
     sglhc2/<ns hex>/m/<n>, sglhc2/<ns hex>/m/head    the manifest (manifest.py): which extents the
                                                      namespace's writers stored, for a warm start
 
+Placement (`MooncakeConfig.placement`): every single-copy write asks the master for this client's
+own segment first (`ReplicateConfig.preferred_segment`; it falls back to another when that one is
+full), so a server reads what it spilled by a memory copy, not over the transfer engine; "any"
+leaves it to the master. Writes of several copies (the manifest's records) are spread by the master.
+
 Chunk names are unique per publish: a re-publish of a key writes new chunks, and a load that read
 the header before it reads the chunks that header names (or misses them, if removed since), never a
 mix. Every write of an extent's object replaces it (`upsert`: a `put` of a name that exists keeps
@@ -123,40 +128,65 @@ def salt_pattern(salt: bytes) -> str:
 
 class StoreClient:
     """Typed calls on one `MooncakeDistributedStore`; thread-safe as the store is. Never raises for
-    what the store answers (codes come back in `Reply`). Each method is one call of the store."""
+    what the store answers (codes come back in `Reply`). Each method is one call of the store.
 
-    def __init__(self, store: Any) -> None:
-        self._store = store
+    `segment`: this client's own segment (its `get_hostname()`), where every single-copy write asks
+    the master to place its object first (`ReplicateConfig.preferred_segment`; the master falls back
+    to another segment when that one has no room), or "" to leave placement to the master's
+    strategy (`MooncakeConfig.placement`). An object in the reader's own segment is read by a
+    memory copy, one in another client's over the transfer engine (loopback TCP here: several
+    times slower, docs/RESULTS.md)."""
+
+    def __init__(self, store: Any, segment: str = "") -> None:
+        self._store, self.segment = store, segment
+        self._one = _replicas(1, segment) if segment else None  # None: the binding's default config
+
+    def _placed(self, copies: int) -> tuple[Any, ...]:
+        """The trailing config argument of a write of `copies` copies (none: the binding's default).
+        More than one copy is spread by the master (that is what the copies are for)."""
+        if copies > 1:
+            return (_replicas(copies),)
+        return () if self._one is None else (self._one,)
 
     def write_from(self, name: str, data: memoryview) -> Reply:
         """Store `data` as `name` (replacing it) straight from its memory: no copy of ours, and
         registered memory is read by the transfer engine directly."""
-        return _reply(self._store.upsert_from(name, address(data), data.nbytes))
+        return _reply(self._store.upsert_from(name, address(data), data.nbytes, *self._placed(1)))
 
     def write_many_from(self, names: list[str], data: list[memoryview]) -> list[Reply]:
         """`write_from` of each (name, bytes) pair, in one call."""
         if not names:
             return []
-        codes = self._store.batch_upsert_from(names, [address(d) for d in data], [d.nbytes for d in data])
+        codes = self._store.batch_upsert_from(
+            names, [address(d) for d in data], [d.nbytes for d in data], *self._placed(1)
+        )
         return _replies(codes, len(names))
 
     def write(self, name: str, data: bytes, copies: int = 1) -> Reply:
         """Store `data` as `name`, replacing it; in `copies` segments where the store has that many
         (one per client: an object leaves the store with the client whose segment holds it)."""
-        if copies == 1:
-            return _reply(self._store.upsert(name, data))
-        return _reply(self._store.upsert(name, data, _replicas(copies)))
+        return _reply(self._store.upsert(name, data, *self._placed(copies)))
 
     def write_many(self, names: list[str], data: list[bytes]) -> Reply:
         """`write` of each (name, bytes) pair, in one call; one code for all."""
-        return _reply(self._store.upsert_batch(names, data)) if names else Reply()
+        return _reply(self._store.upsert_batch(names, data, *self._placed(1))) if names else Reply()
 
     def put(self, name: str, data: bytes, copies: int = 1) -> Reply:
         """Store `data` as `name` (in `copies` segments, as `write`) unless there is an object of
         that name (then it is kept, and the reply says nothing of which: read it back)."""
-        if copies == 1:
-            return _reply(self._store.put(name, data))
-        return _reply(self._store.put(name, data, _replicas(copies)))
+        return _reply(self._store.put(name, data, *self._placed(copies)))
+
+    def segments_of(self, names: list[str]) -> list[list[str]]:
+        """Per name, the segments holding a memory copy of it ([] if none); for diagnostics and
+        tests (`placement`), one call."""
+        if not names:
+            return []
+        got = self._store.batch_get_replica_desc(names)
+        return [
+            [r.get_memory_descriptor().buffer_descriptor.transport_endpoint for r in got.get(n, [])
+             if r.is_memory_replica()]
+            for n in names
+        ]  # fmt: skip
 
     def size(self, name: str) -> Reply:
         return _reply(self._store.get_size(name))
@@ -219,11 +249,13 @@ class StoreClient:
         self._store.close()
 
 
-def _replicas(copies: int) -> Any:
+def _replicas(copies: int, preferred: str = "") -> Any:
     from mooncake.store import ReplicateConfig
 
     config = ReplicateConfig()
     config.replica_num = copies
+    if preferred:
+        config.preferred_segment = preferred
     return config
 
 
@@ -251,7 +283,8 @@ def connect(cfg: MooncakeConfig) -> StoreClient:
     if rc != 0:
         raise MooncakeUnavailable(f"Mooncake client setup failed with code {rc} (master {cfg.master}, "
                                   f"metadata {cfg.metadata_server}, protocol {cfg.protocol})")  # fmt: skip
-    return StoreClient(store)
+    local = cfg.placement == "local" and cfg.global_segment_size > 0
+    return StoreClient(store, str(store.get_hostname()) if local else "")
 
 
 def _check_reachable(address: str, timeout_s: float = 3.0) -> None:
