@@ -206,13 +206,14 @@ class CallRecorder:
     count per call, however many objects the call names."""
 
     def __init__(self, store: Any) -> None:
-        self._store, self.calls = store, Counter[str]()
+        self._store, self.calls, self.order = store, Counter[str](), list[str]()
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self._store, name)
 
         def call(*args: Any, **kwargs: Any) -> Any:
             self.calls[name] += 1
+            self.order.append(name)
             return method(*args, **kwargs)
 
         return call
@@ -264,6 +265,23 @@ def test_a_store_and_a_load_of_many_chunks_are_a_few_store_calls(
     calls.clear()
     store(tier, 1, 10)  # another extent: the calls do not grow with its size
     assert per_operation(calls) <= 4, +calls
+
+
+def test_close_unregisters_every_scratch_buffer_before_the_client_closes(
+    make_tier: MakeTier, recorded: list[CallRecorder]
+) -> None:
+    """The I/O threads' scratch buffers (each registered with the store as it was made: headers, a
+    prefix's chunk) are all unregistered at close, after the threads stopped and before the client
+    closes: no registered memory outlives the tier."""
+    tier = make_tier(fresh_ns("scratch"))
+    key = store(tier, 1, 6 * CHUNK)
+    for want in (None, 2 * CHUNK + 100):  # a prefix passes through the scratch buffer
+        assert load(tier, key, 6 * CHUNK, want)[0] is Status.OK
+    tier.close()
+    calls, order = recorded[0].calls, recorded[0].order
+    assert calls["register_buffer"] > 0
+    assert calls["unregister_buffer"] == calls["register_buffer"], +calls
+    assert order.index("close") > max(i for i, name in enumerate(order) if name == "unregister_buffer")
 
 
 @pytest.fixture

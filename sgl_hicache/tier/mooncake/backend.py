@@ -401,6 +401,7 @@ class MooncakeTier(ReturnedCompletions, IndexedTier):
     def _close(self) -> None:
         self._io.close()
         self._flush_manifest()  # what is waiting: a restart on this store finds it
+        self._scratch.close()  # the I/O threads stopped: no read goes into their buffers
         self._client.close()  # may wait long for an absent master: bounded by close's timeout
 
 

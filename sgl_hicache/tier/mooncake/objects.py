@@ -26,15 +26,17 @@ for a batch that needs no layer-group order (a restore that is not layer-wise) o
 extents, in one a layer group for a layer-wise restore's, whatever the number of extents. Each reply is checked and each object verified on its own, so
 one object's failure is its extent's only. Whole chunks go straight into the caller's
 destination and are verified in place; only a compressed chunk, or the part of a chunk a prefix
-load needs, passes through a per-thread scratch buffer (registered with the store, as RDMA needs),
-as do the headers.
+load needs, passes through a per-thread scratch buffer (`Scratch`: registered with the store, as
+RDMA needs), as do the headers; a thread keeps its buffer between calls up to SCRATCH_KEEP_BYTES
+(a larger one goes as its call ends), and every one is unregistered at the tier's close.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, NamedTuple, TypeVar
 
 import xxhash
@@ -48,6 +50,7 @@ from sgl_hicache.tier.codec import (
     sealed_header,
     verify_chunk,
 )
+from sgl_hicache.tier.faults import logger
 from sgl_hicache.tier.format import (
     Alias,
     Chunk,
@@ -69,6 +72,11 @@ from sgl_hicache.tier.mooncake.client import INVALID_PARAMS, Names, Reply, Store
 HEADER_READ_BYTES = 64 << 10
 """A header is read into a buffer this large in one call (most headers fit); a larger one is
 refused by the store and read again at its size."""
+SCRATCH_KEEP_BYTES = 4 << 20
+"""A thread's scratch buffer is kept between uses up to this size (a batch of 64 headers, the
+compressed chunks of most calls); a larger one (up to LOAD_BATCH_BYTES of a batch read's compressed
+chunks or headers) is unregistered and dropped as the use that needed it ends: none stays that big,
+outside any memory budget."""
 LOAD_BATCH_BYTES = 64 << 20
 """One batch read reads into at most this many bytes (at least one object): a layer group's chunks
 across a batch's loads go in one call up to it (load.py), a larger group in several, each verified
@@ -96,31 +104,92 @@ def _checked(reply: Reply, what: str) -> Reply:
     return reply
 
 
+class _Held:
+    """One thread's scratch: its buffer (None: none now) and whether a use of it is open."""
+
+    def __init__(self) -> None:
+        self.buf: memoryview | None = None
+        self.busy = False
+
+
 class Scratch:
-    """Per-thread byte buffers, each registered with the store (`register`) when made. A thread's
-    buffer grows by at least doubling, up to `LOAD_BATCH_BYTES` (what one batch read reads into;
-    past it, what a request needs), so requests growing in small steps cost a few registrations;
-    the buffer it replaces is unregistered (`unregister`) once its successor is registered."""
+    """Byte buffers, one per thread, each registered with the store (`register`) when made and
+    unregistered (`unregister`) before it is dropped, all owned here whatever the thread (thread-safe).
+
+    A thread uses its buffer in a block, one at a time (`use`; a nested one raises RuntimeError);
+    it grows by at least doubling, up to SCRATCH_KEEP_BYTES (past it, what a use needs), so uses
+    growing in small steps cost a few registrations. No buffer is unregistered while a use of it is
+    open; then each goes: the one a thread's grown buffer replaces (once its successor is
+    registered), one over SCRATCH_KEEP_BYTES as its use ends, a thread's that exited when another
+    thread's grows or at `close`, and every other at `close` (after it, a use's buffer goes as the
+    use ends). `held_bytes`: what is held now."""
 
     def __init__(
         self, register: Callable[[memoryview], object], unregister: Callable[[memoryview], object]
     ) -> None:
-        self._local = threading.local()
         self._register, self._unregister = register, unregister
+        self._lock = threading.Lock()
+        self._held: dict[threading.Thread, _Held] = {}  # by the thread using it
+        self._closed = False
 
-    def get(self, nbytes: int) -> memoryview:
+    @property
+    def held_bytes(self) -> int:
+        """The bytes of the buffers held now (registered with the store)."""
+        with self._lock:
+            return sum(h.buf.nbytes for h in self._held.values() if h.buf is not None)
+
+    @contextmanager
+    def use(self, nbytes: int) -> Iterator[memoryview]:
+        """The calling thread's buffer, `nbytes` of it, for the block (the view is not valid after:
+        the buffer may be reused, or unregistered)."""
+        with self._lock:
+            held = self._held.setdefault(threading.current_thread(), _Held())
+            if held.busy:
+                raise RuntimeError("this thread's scratch buffer is in use")
+            held.busy = True
+        try:
+            yield self._grown(held, nbytes)[:nbytes]
+        finally:
+            self._end(held)
+
+    def _grown(self, held: _Held, nbytes: int) -> memoryview:
         from sgl_hicache.tier.directio import alloc_aligned
 
-        old: memoryview | None = getattr(self._local, "buf", None)
+        old = held.buf
         if old is not None and old.nbytes >= nbytes:
-            return old[:nbytes]
-        grown = max(nbytes, min(2 * old.nbytes, LOAD_BATCH_BYTES)) if old is not None else nbytes
+            return old
+        grown = max(nbytes, min(2 * old.nbytes, SCRATCH_KEEP_BYTES)) if old is not None else nbytes
         buf = alloc_aligned(align_up(max(grown, 1)))
         self._register(buf)  # first: if it raises, the thread keeps its old buffer, still registered
-        self._local.buf = buf
-        if old is not None:
-            self._unregister(old)
-        return buf[:nbytes]
+        with self._lock:
+            held.buf = buf
+            dead = self._take(lambda t, h: not t.is_alive() and not h.busy)
+        for gone in [old, *dead] if old is not None else dead:
+            self._unregister(gone)
+        return buf
+
+    def _end(self, held: _Held) -> None:
+        with self._lock:
+            held.busy, buf = False, held.buf
+            if buf is None or (buf.nbytes <= SCRATCH_KEEP_BYTES and not self._closed):
+                return
+            held.buf = None
+        self._unregister(buf)
+
+    def _take(self, which: Callable[[threading.Thread, _Held], bool]) -> list[memoryview]:
+        """The buffers of the threads `which` picks, their entries dropped; holding the lock."""
+        picked = [t for t, h in self._held.items() if which(t, h)]
+        return [buf for t in picked if (buf := self._held.pop(t).buf) is not None]
+
+    def close(self) -> None:
+        """Unregister every buffer not in use (each one in use goes as its use ends)."""
+        with self._lock:
+            self._closed = True
+            idle = self._take(lambda t, h: not h.busy)
+        failed = [e for buf in idle if isinstance(e := _attempt(self._unregister, buf), Exception)]
+        if failed:
+            logger.warning("sgl_hicache: Mooncake could not unregister %d scratch buffers at close: %s",
+                           len(failed), failed[0])  # fmt: skip
 
 
 class _PublishClock:
@@ -182,11 +251,11 @@ def open_header(client: StoreClient, names: Names, ns: NamespaceId, key: ExtentK
     """Read and verify `key`'s header object in the directory of `salt`. Raises Gone, StoreFailed,
     FormatError (Mismatch; NewerFormat)."""
     name = names.header(key, salt)
-    buf = scratch.get(HEADER_READ_BYTES)
-    reply = client.get_into(name, buf)
-    if reply.code == INVALID_PARAMS:
-        return _open_large(client, name, ns, key, salt, seal, scratch)
-    return _verified(buf, reply, ns, key, salt, seal)
+    with scratch.use(HEADER_READ_BYTES) as buf:
+        reply = client.get_into(name, buf)
+        if reply.code != INVALID_PARAMS:
+            return _verified(buf, reply, ns, key, salt, seal)
+    return _open_large(client, name, ns, key, salt, seal, scratch)
 
 
 def open_headers(client: StoreClient, names: Names, ns: NamespaceId, wanted: Sequence[tuple[ExtentKey, bytes | None]],
@@ -205,15 +274,15 @@ def open_headers(client: StoreClient, names: Names, ns: NamespaceId, wanted: Seq
 def _open_some(client: StoreClient, names: Names, ns: NamespaceId, wanted: Sequence[tuple[ExtentKey, bytes | None]],
                seal: DirectoryMac, scratch: Scratch) -> list[Opened | Exception]:  # fmt: skip
     """A header larger than HEADER_READ_BYTES is read again on its own once the others were
-    verified (it reuses the scratch buffer that holds them)."""
+    verified (the scratch buffer's use that holds them ended)."""
     header_names = [names.header(key, salt) for key, salt in wanted]
-    buf = scratch.get(len(wanted) * HEADER_READ_BYTES)
-    slots = [buf[i * HEADER_READ_BYTES : (i + 1) * HEADER_READ_BYTES] for i in range(len(wanted))]
-    replies = client.get_many_into(header_names, slots)
-    out = [
-        None if reply.code == INVALID_PARAMS else _attempt(_verified, slot, reply, ns, key, salt, seal)
-        for (key, salt), slot, reply in zip(wanted, slots, replies, strict=True)
-    ]
+    with scratch.use(len(wanted) * HEADER_READ_BYTES) as buf:
+        slots = [buf[i * HEADER_READ_BYTES : (i + 1) * HEADER_READ_BYTES] for i in range(len(wanted))]
+        replies = client.get_many_into(header_names, slots)
+        out = [
+            None if reply.code == INVALID_PARAMS else _attempt(_verified, slot, reply, ns, key, salt, seal)
+            for (key, salt), slot, reply in zip(wanted, slots, replies, strict=True)
+        ]
     return [
         _attempt(_open_large, client, name, ns, key, salt, seal, scratch) if got is None else got
         for (key, salt), name, got in zip(wanted, header_names, out, strict=True)
@@ -223,8 +292,8 @@ def _open_some(client: StoreClient, names: Names, ns: NamespaceId, wanted: Seque
 def _open_large(client: StoreClient, name: str, ns: NamespaceId, key: ExtentKey, salt: bytes | None,
                 seal: DirectoryMac, scratch: Scratch) -> Opened:  # fmt: skip
     """A header larger than HEADER_READ_BYTES (the store refused that buffer): read at its size."""
-    buf = scratch.get(_checked(client.size(name), "header size").n)
-    return _verified(buf, client.get_into(name, buf), ns, key, salt, seal)
+    with scratch.use(_checked(client.size(name), "header size").n) as buf:
+        return _verified(buf, client.get_into(name, buf), ns, key, salt, seal)
 
 
 def _verified(buf: memoryview, reply: Reply, ns: NamespaceId, key: ExtentKey, salt: bytes | None,
@@ -310,19 +379,20 @@ def read_pieces(client: StoreClient, reads: Sequence[PieceRead], scratch: Scratc
     on its own before its decoded bytes are placed: per piece None (verified and in place) or what
     failed it (Gone, StoreFailed, FormatError; one piece's failure leaves the others as they are). A
     piece is read whole into its `dest` where it lands there as stored, else into its own part of
-    the scratch buffer and decoded from there."""
-    spare = scratch.get(sum(r.length for r in reads if not r.whole))
-    targets, at = [], 0
-    for r in reads:
-        if r.whole:
-            targets.append(r.dest[r.piece.dest_off : r.piece.dest_off + r.length])
-        else:
-            targets.append(spare[at : at + r.length])
-            at += r.length
-    replies = client.get_many_into([r.name for r in reads], targets)
-    return [
-        _attempt(_place, r, target, reply) for r, target, reply in zip(reads, targets, replies, strict=True)
-    ]
+    the scratch buffer and decoded from there (the buffer's use ends once every piece is placed)."""
+    with scratch.use(sum(r.length for r in reads if not r.whole)) as spare:
+        targets, at = [], 0
+        for r in reads:
+            if r.whole:
+                targets.append(r.dest[r.piece.dest_off : r.piece.dest_off + r.length])
+            else:
+                targets.append(spare[at : at + r.length])
+                at += r.length
+        replies = client.get_many_into([r.name for r in reads], targets)
+        return [
+            _attempt(_place, r, target, reply)
+            for r, target, reply in zip(reads, targets, replies, strict=True)
+        ]
 
 
 def _place(r: PieceRead, target: memoryview, reply: Reply) -> None:
