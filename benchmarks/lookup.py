@@ -26,10 +26,11 @@ import numpy as np
 from benchmarks.harness import emit, log
 from sgl_hicache.config import MiB, TierConfig
 from sgl_hicache.tier import KVDtype, KVLayout, Namespace, open_tier
-from sgl_hicache.tier.base import LookupRequest, LookupResult, Tier
+from sgl_hicache.tier.base import Tier
 from sgl_hicache.tier.file.load import open_extent
 from sgl_hicache.tier.keys import ExtentKey, PathHasher, chain_key
 from sgl_hicache.tier.path_lookup import alias_marks
+from sgl_hicache.tier.results import LookupRequest, LookupResult
 
 NS = Namespace("bench-lookup", KVLayout(2, 2, 64, KVDtype.BF16, 16))
 PAGE = NS.layout.page_size

@@ -60,7 +60,7 @@ from sgl_hicache.cache.staging_holders import HeldTime, held
 from sgl_hicache.cache.staging_share import Refused, StagingShare
 from sgl_hicache.cache.take_back import TakeBack
 from sgl_hicache.tier import Completion, ExtentKey, Ticket, Tier
-from sgl_hicache.tier.base import LookupResult
+from sgl_hicache.tier.results import LookupResult
 
 logger = logging.getLogger(__name__)
 

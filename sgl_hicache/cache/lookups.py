@@ -26,8 +26,8 @@ from typing import NamedTuple, cast
 import numpy as np
 
 from sgl_hicache.tier import Tier
-from sgl_hicache.tier.base import LookupRequest, LookupResult, Segment
 from sgl_hicache.tier.keys import tokens_to_bytes
+from sgl_hicache.tier.results import LookupRequest, LookupResult, Segment
 
 
 class FoundSegments(NamedTuple):

@@ -46,8 +46,9 @@ from sgl_hicache.cache.pins import Pin, Pins, tier_bytes
 from sgl_hicache.cache.spill_state import Extent, ExtentState, SpillRef
 from sgl_hicache.cache.tree import SpillTree
 from sgl_hicache.config import SpillConfig
-from sgl_hicache.tier.base import Ticket, Tier
+from sgl_hicache.tier.base import Tier
 from sgl_hicache.tier.keys import ExtentKey, tenant_of
+from sgl_hicache.tier.results import Ticket
 
 logger = logging.getLogger(__name__)
 

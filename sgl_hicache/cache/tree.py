@@ -30,8 +30,8 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 from sgl_hicache.cache.events import TreeEvents
 from sgl_hicache.cache.spill_state import Extent, ExtentState, SpillRef
 from sgl_hicache.config import KvEventsMedium
-from sgl_hicache.tier.base import Segment
 from sgl_hicache.tier.keys import ExtentKey
+from sgl_hicache.tier.results import Segment
 
 
 class SpillTree:

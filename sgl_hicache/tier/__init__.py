@@ -3,7 +3,8 @@
 The top holds the contract and what every backend shares; each backend is a wing, found through
 `registry.py`:
 
-base.py         Tier contract, Completion/Status/TierStats result types
+base.py         the Tier contract (abstract classes; their docstrings are the promises)
+results.py      the values it takes and gives: Ticket, Buffer, Op, Status, Completion, lookups, TierStats
 keys.py         Namespace, KVLayout, chained ExtentKeys, path keys
 format.py       extent header encode/decode, DirectoryMac (docs/FORMAT.md)
 groups.py       layer groups: sections, chunk spans, regrouping a payload
@@ -23,10 +24,11 @@ testing/        FaultyTier: latency/failure/corruption injection for other compo
 from __future__ import annotations
 
 from sgl_hicache.config import TierConfig
-from sgl_hicache.tier.base import Completion, ExtentInfo, IndexedTier, Op, Status, Ticket, Tier, TierStats
+from sgl_hicache.tier.base import IndexedTier, Tier
 from sgl_hicache.tier.directio import alloc_aligned
 from sgl_hicache.tier.keys import ROOT_KEY, ExtentKey, KVDtype, KVLayout, Namespace, NamespaceId, chain_key
 from sgl_hicache.tier.registry import backend_class
+from sgl_hicache.tier.results import Completion, ExtentInfo, Op, Status, Ticket, TierStats
 from sgl_hicache.tier.trust import UntrustedDirectory
 
 

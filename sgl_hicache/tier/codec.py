@@ -18,7 +18,6 @@ import xxhash
 import zstandard
 
 from sgl_hicache.config import Compression, TierConfig
-from sgl_hicache.tier.base import Buffer
 from sgl_hicache.tier.directio import as_view
 from sgl_hicache.tier.format import (
     Alias,
@@ -45,6 +44,7 @@ from sgl_hicache.tier.keys import (
     token_digest,
     tokens_to_bytes,
 )
+from sgl_hicache.tier.results import Buffer
 
 _local = threading.local()
 

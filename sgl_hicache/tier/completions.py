@@ -12,9 +12,9 @@ from dataclasses import replace
 from functools import partial
 from typing import Any, Generic, TypeVar
 
-from sgl_hicache.tier.base import Completion, Op, Status, Ticket
 from sgl_hicache.tier.faults import Counters, FaultLog
 from sgl_hicache.tier.keys import ExtentKey
+from sgl_hicache.tier.results import Completion, Op, Status, Ticket
 
 
 class CompletionQueue:

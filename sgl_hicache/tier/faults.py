@@ -8,9 +8,9 @@ import threading
 import time
 from collections import Counter
 
-from sgl_hicache.tier.base import Op, Status
 from sgl_hicache.tier.directio import ShortIO
 from sgl_hicache.tier.format import FormatError, Mismatch
+from sgl_hicache.tier.results import Op, Status
 
 logger = logging.getLogger("sgl_hicache.tier")
 

@@ -40,9 +40,9 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from sgl_hicache.tier.base import LookupRequest, LookupResult, Segment
 from sgl_hicache.tier.format import Alias, FormatError, NewerFormat
 from sgl_hicache.tier.keys import ExtentKey, NamespaceId, PathHasher
+from sgl_hicache.tier.results import LookupRequest, LookupResult, Segment
 
 BLOCK_TOKENS = 64
 """Writers record a path key every `block_tokens(page_size)` tokens of the sequence (from its

@@ -7,7 +7,7 @@ from typing import Any
 
 from sgl_hicache.cache.metrics import SpillMetrics
 from sgl_hicache.config import SpillConfig
-from sgl_hicache.tier.base import TierStats
+from sgl_hicache.tier.results import TierStats
 
 
 def value(child: Any) -> float:

@@ -39,7 +39,7 @@ class HeldWrites:
     disk) until `release`d."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, tier: Any) -> None:
-        from sgl_hicache.tier.base import Op
+        from sgl_hicache.tier.results import Op
 
         self.held: list[Any] = []
         self._out: list[Any] = []

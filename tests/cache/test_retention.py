@@ -18,8 +18,8 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sgl_hicache.cache.hint_source import HintRefused, RetentionHint
 from sgl_hicache.cache.spill_state import ExtentState
 from sgl_hicache.cli import main as cli_main
-from sgl_hicache.tier.base import LookupRequest
 from sgl_hicache.tier.keys import tenant_of
+from sgl_hicache.tier.results import LookupRequest
 from tests.cache.conftest import Stack, read_kv
 
 SYS = list(range(2000, 2032))

@@ -18,7 +18,7 @@ from sgl_hicache_kernels import packed_nbytes
 
 from sgl_hicache.cache.metrics import SpillMetrics
 from sgl_hicache.config import SpillConfig
-from sgl_hicache.tier.base import TierStats
+from sgl_hicache.tier.results import TierStats
 from tests.cache.conftest import expected_kv, read_kv
 
 A = list(range(100, 140))  # 40 tokens

@@ -153,7 +153,7 @@ def test_a_write_refused_midway_writes_nothing_below_it(
 def _hold_store_completions(monkeypatch: pytest.MonkeyPatch, tier: Any) -> Callable[[], None]:
     """Keep the tier's finished stores from the cache (their staging stays held, as behind a slow
     disk) until the returned function is called."""
-    from sgl_hicache.tier.base import Op
+    from sgl_hicache.tier.results import Op
 
     held: list[Any] = []
     released = False

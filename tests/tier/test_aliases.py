@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 from sgl_hicache.tier import ExtentKey, Tier, chain_key
-from sgl_hicache.tier.base import LookupRequest, LookupResult
 from sgl_hicache.tier.file import aliases
 from sgl_hicache.tier.file.aliases import alias_path
 from sgl_hicache.tier.file.budget.shared import SharedBudget
 from sgl_hicache.tier.file.paths import ExtentPaths
 from sgl_hicache.tier.keys import PathHasher
 from sgl_hicache.tier.path_lookup import alias_marks
+from sgl_hicache.tier.results import LookupRequest, LookupResult
 from tests.tier import share_proc
 from tests.tier.common import NS, payload_for
 from tests.tier.share_proc import SPAWN, start

@@ -19,9 +19,9 @@ import pytest
 
 from sgl_hicache.config import Compression, SpillBackend, TierConfig
 from sgl_hicache.tier import ROOT_KEY, ExtentKey, IndexedTier, Namespace, Status, chain_key, open_tier
-from sgl_hicache.tier.base import LookupRequest, LookupResult
 from sgl_hicache.tier.keys import PathHasher
 from sgl_hicache.tier.path_lookup import alias_marks
+from sgl_hicache.tier.results import LookupRequest, LookupResult
 from tests.tier.common import CHUNK, NS, payload_for
 
 MakeTier = Callable[..., IndexedTier]

@@ -24,12 +24,12 @@ import pytest
 import sgl_hicache.tier.file.backend as file_backend
 import sgl_hicache.tier.mooncake.backend as mc
 from sgl_hicache.tier import ROOT_KEY, ExtentKey, Status
-from sgl_hicache.tier.base import Completion, Op
 from sgl_hicache.tier.completions import Returned
 from sgl_hicache.tier.faults import Counters, FaultLog
 from sgl_hicache.tier.format import Mismatch
 from sgl_hicache.tier.mooncake import objects
 from sgl_hicache.tier.mooncake.client import Names
+from sgl_hicache.tier.results import Completion, Op
 from tests.tier.common import CHUNK, NS, key_for, payload_for, tokens_for
 from tests.tier.test_integrity import covered
 from tests.tier.test_mooncake_races import FakeStore, on_fake_store

@@ -415,9 +415,9 @@ def test_a_lookup_is_two_store_calls_the_aliases_and_their_headers(
     positions in one call and the headers they name in another; the binary search and the walk back
     run on them, each header verified as a load's."""
     from sgl_hicache.tier import path_lookup as lookup_mod
-    from sgl_hicache.tier.base import LookupRequest
     from sgl_hicache.tier.keys import PathHasher
     from sgl_hicache.tier.path_lookup import alias_marks
+    from sgl_hicache.tier.results import LookupRequest
 
     monkeypatch.setattr(lookup_mod, "BLOCK_TOKENS", 16)
     monkeypatch.setattr(mooncake_backend, "MANIFEST_FLUSH_S", 3600.0)  # no manifest write while counting

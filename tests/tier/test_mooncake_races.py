@@ -25,10 +25,10 @@ import pytest
 import sgl_hicache.tier.mooncake.backend as mc
 from sgl_hicache.config import MooncakeConfig, SpillBackend, TierConfig
 from sgl_hicache.tier import ROOT_KEY, ExtentKey, Status
-from sgl_hicache.tier.base import Ticket
 from sgl_hicache.tier.codec import prepare, store_request
 from sgl_hicache.tier.mooncake import objects
 from sgl_hicache.tier.mooncake.client import Names, Reply
+from sgl_hicache.tier.results import Ticket
 from tests.tier.common import CHUNK, NS, key_for, payload_for, tokens_for
 
 NBYTES = 4 * CHUNK

@@ -28,10 +28,10 @@ import pytest
 
 from sgl_hicache.config import SpillBackend, TierConfig
 from sgl_hicache.tier import ROOT_KEY, ExtentKey, Namespace, Status, Ticket, chain_key, open_tier
-from sgl_hicache.tier.base import Completion, LookupRequest
 from sgl_hicache.tier.groups import chunk_spans, section_of
 from sgl_hicache.tier.mooncake import backend as mooncake_backend
 from sgl_hicache.tier.mooncake import objects
+from sgl_hicache.tier.results import Completion, LookupRequest
 from tests.mooncake_master import MooncakeMaster, skip_without_mooncake
 from tests.tier.common import CHUNK, NS
 

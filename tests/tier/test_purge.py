@@ -15,10 +15,10 @@ import pytest
 from sgl_hicache.cli import main as cli_main
 from sgl_hicache.tier import ROOT_KEY, KVDtype, KVLayout, Namespace, Tier
 from sgl_hicache.tier import format as fmt
-from sgl_hicache.tier.base import Op, Status
 from sgl_hicache.tier.file import paths as paths_mod
 from sgl_hicache.tier.file.purge import salt_extents
 from sgl_hicache.tier.file.retain import Removed
+from sgl_hicache.tier.results import Op, Status
 from tests.tier.common import NS, key_for, payload_for, tokens_for
 from tests.tier.test_store_faults import FailingOs
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sgl_hicache.tier import ROOT_KEY, KVDtype, KVLayout, Namespace, Tier
-from sgl_hicache.tier.base import Op
+from sgl_hicache.tier.results import Op
 from tests.tier.common import key_for, payload_for, tokens_for
 
 LAYOUT = KVLayout(2, 2, 64, KVDtype.BF16, 4)

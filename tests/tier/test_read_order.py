@@ -93,8 +93,8 @@ def test_loads_without_a_batch_are_read_one_after_another(recorded: Any) -> None
 def test_a_lookup_runs_after_the_loads_before_it_and_before_the_loads_after_it(
     recorded: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from sgl_hicache.tier.base import LookupRequest
     from sgl_hicache.tier.file import backend
+    from sgl_hicache.tier.results import LookupRequest
 
     tier, reads, gate = recorded
     real = backend.run_lookup

@@ -37,18 +37,7 @@ from functools import partial
 import numpy as np
 
 from sgl_hicache.config import TierConfig
-from sgl_hicache.tier.base import (
-    Buffer,
-    Completion,
-    ExtentInfo,
-    IndexedTier,
-    LookupRequest,
-    LookupResult,
-    Op,
-    Status,
-    Ticket,
-    TierStats,
-)
+from sgl_hicache.tier.base import IndexedTier
 from sgl_hicache.tier.codec import StoreRequest, plan_load, prepare, store_request
 from sgl_hicache.tier.completions import Returned, ReturnedCompletions
 from sgl_hicache.tier.directio import as_view, probe_direct_io
@@ -69,6 +58,17 @@ from sgl_hicache.tier.format import DirectoryMac, FormatError, Mismatch, NewerFo
 from sgl_hicache.tier.groups import section_of
 from sgl_hicache.tier.keys import ROOT_KEY, ExtentKey, Namespace, check_key
 from sgl_hicache.tier.path_lookup import LookupQueue
+from sgl_hicache.tier.results import (
+    Buffer,
+    Completion,
+    ExtentInfo,
+    LookupRequest,
+    LookupResult,
+    Op,
+    Status,
+    Ticket,
+    TierStats,
+)
 from sgl_hicache.tier.scheduler import IoScheduler
 
 

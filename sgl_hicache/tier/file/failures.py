@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import errno
 
-from sgl_hicache.tier.base import Completion, Op, Status, Ticket
 from sgl_hicache.tier.faults import classify, logger
 from sgl_hicache.tier.file.budget.index import Entry
 from sgl_hicache.tier.file.budget.process import ProcessBudget
 from sgl_hicache.tier.format import FormatError, NewerFormat
 from sgl_hicache.tier.keys import ExtentKey
+from sgl_hicache.tier.results import Completion, Op, Status, Ticket
 
 COUNTER_OF = {
     Status.MISS: "misses", Status.CORRUPT: "checksum_failures", Status.MISMATCH: "mismatches",

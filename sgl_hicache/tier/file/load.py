@@ -15,7 +15,6 @@ import threading
 from dataclasses import dataclass
 
 from sgl_hicache.config import Compression
-from sgl_hicache.tier.base import Ticket
 from sgl_hicache.tier.codec import Plan, check_identity, decode_chunk, verify_chunk
 from sgl_hicache.tier.directio import O_DIRECT, alloc_aligned, is_aligned, pread_exact
 from sgl_hicache.tier.file.budget.index import Entry
@@ -34,6 +33,7 @@ from sgl_hicache.tier.format import (
 )
 from sgl_hicache.tier.keys import ExtentKey, NamespaceId
 from sgl_hicache.tier.progress import LoadProgress
+from sgl_hicache.tier.results import Ticket
 
 _local = threading.local()
 

@@ -32,11 +32,11 @@ from collections.abc import Container, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from sgl_hicache.tier.base import Op
 from sgl_hicache.tier.file.budget.process import ProcessBudget
 from sgl_hicache.tier.file.purge import belongs, marked_extents, purged_namespaces
 from sgl_hicache.tier.format import DirectoryMac
 from sgl_hicache.tier.keys import ExtentKey, Namespace
+from sgl_hicache.tier.results import Op
 
 
 class Removed(NamedTuple):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 
-from sgl_hicache.tier.base import LookupRequest, LookupResult
 from sgl_hicache.tier.file.aliases import read_alias, remove_dangling
 from sgl_hicache.tier.file.load import open_extent
 from sgl_hicache.tier.file.paths import ExtentPaths
 from sgl_hicache.tier.format import DirectoryMac
 from sgl_hicache.tier.keys import ExtentKey, NamespaceId
 from sgl_hicache.tier.path_lookup import Claimed, run_lookup_in
+from sgl_hicache.tier.results import LookupRequest, LookupResult
 
 
 class FileSource:

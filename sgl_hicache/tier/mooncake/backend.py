@@ -51,18 +51,7 @@ from functools import partial
 import numpy as np
 
 from sgl_hicache.config import TierConfig
-from sgl_hicache.tier.base import (
-    Buffer,
-    Completion,
-    ExtentInfo,
-    IndexedTier,
-    LookupRequest,
-    LookupResult,
-    Op,
-    Status,
-    Ticket,
-    TierStats,
-)
+from sgl_hicache.tier.base import IndexedTier
 from sgl_hicache.tier.codec import StoreRequest, prepare, store_request
 from sgl_hicache.tier.completions import Returned, ReturnedCompletions
 from sgl_hicache.tier.directio import as_view
@@ -80,6 +69,17 @@ from sgl_hicache.tier.mooncake.source import StoreSource
 from sgl_hicache.tier.mooncake.warm_start import warm_start
 from sgl_hicache.tier.path_lookup import LookupQueue, run_lookup_in
 from sgl_hicache.tier.progress import LoadProgress
+from sgl_hicache.tier.results import (
+    Buffer,
+    Completion,
+    ExtentInfo,
+    LookupRequest,
+    LookupResult,
+    Op,
+    Status,
+    Ticket,
+    TierStats,
+)
 from sgl_hicache.tier.scheduler import IoScheduler
 from sgl_hicache.tier.trust import open_trusted
 

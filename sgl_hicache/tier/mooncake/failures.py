@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import threading
 
-from sgl_hicache.tier.base import Op, Status
 from sgl_hicache.tier.faults import Counters, FaultLog, logger
 from sgl_hicache.tier.format import FormatError, Mismatch, NewerFormat
 from sgl_hicache.tier.keys import ExtentKey
 from sgl_hicache.tier.mooncake import objects
 from sgl_hicache.tier.mooncake.client import Names, StoreClient
 from sgl_hicache.tier.mooncake.recent import RecentExtents
+from sgl_hicache.tier.results import Op, Status
 
 COUNTER_OF = {Status.MISS: "misses", Status.CORRUPT: "checksum_failures", Status.MISMATCH: "mismatches",
               Status.NO_SPACE: "no_space", Status.IO_ERROR: "io_errors"}  # fmt: skip

@@ -42,7 +42,6 @@ from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import NamedTuple
 
-from sgl_hicache.tier.base import Op, Ticket
 from sgl_hicache.tier.codec import Plan, plan_load
 from sgl_hicache.tier.completions import Returned
 from sgl_hicache.tier.format import DirectoryMac, FormatError
@@ -51,6 +50,7 @@ from sgl_hicache.tier.keys import ExtentKey, NamespaceId
 from sgl_hicache.tier.mooncake import objects
 from sgl_hicache.tier.mooncake.client import Names, StoreClient
 from sgl_hicache.tier.progress import LoadProgress
+from sgl_hicache.tier.results import Op, Ticket
 from sgl_hicache.tier.scheduler import IoScheduler
 
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
-from sgl_hicache.tier.base import Op
 from sgl_hicache.tier.faults import Counters, FaultLog
 from sgl_hicache.tier.keys import ExtentKey
 from sgl_hicache.tier.mooncake.client import StoreClient, salt_pattern
 from sgl_hicache.tier.mooncake.objects import StoreFailed
+from sgl_hicache.tier.results import Op
 
 
 class Purges:

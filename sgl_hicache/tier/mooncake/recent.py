@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from sgl_hicache.tier.base import ExtentInfo
 from sgl_hicache.tier.keys import ExtentKey
+from sgl_hicache.tier.results import ExtentInfo
 
 DEFAULT_LIMIT = 1 << 20  # ~250 MB of entries at most
 

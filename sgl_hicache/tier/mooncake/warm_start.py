@@ -26,13 +26,13 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sgl_hicache.tier.base import Op
 from sgl_hicache.tier.faults import Counters, logger
 from sgl_hicache.tier.format import DirectoryMac, FormatError, NewerFormat
 from sgl_hicache.tier.keys import ExtentKey, NamespaceId
 from sgl_hicache.tier.mooncake.client import Names, StoreClient
 from sgl_hicache.tier.mooncake.manifest import Compaction, Entry, Manifest
 from sgl_hicache.tier.mooncake.objects import Opened, verify_header
+from sgl_hicache.tier.results import Op
 
 FIND_BATCH = 256  # entries sorted per round of calls
 

@@ -33,11 +33,13 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from sgl_hicache.tier.base import (
+from sgl_hicache.tier.base import IndexedTier
+from sgl_hicache.tier.directio import as_view
+from sgl_hicache.tier.keys import ExtentKey, Namespace
+from sgl_hicache.tier.results import (
     Buffer,
     Completion,
     ExtentInfo,
-    IndexedTier,
     LookupRequest,
     LookupResult,
     Op,
@@ -45,8 +47,6 @@ from sgl_hicache.tier.base import (
     Ticket,
     TierStats,
 )
-from sgl_hicache.tier.directio import as_view
-from sgl_hicache.tier.keys import ExtentKey, Namespace
 
 POLL_S = 0.001
 

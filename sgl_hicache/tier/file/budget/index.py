@@ -18,8 +18,8 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 
-from sgl_hicache.tier.base import ExtentInfo
 from sgl_hicache.tier.keys import ExtentKey
+from sgl_hicache.tier.results import ExtentInfo
 
 EVICTED_KEPT = 1 << 16  # evicted keys kept for `Tier.take_evicted` between two calls
 

@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass
 
 from sgl_hicache.config import TierConfig
-from sgl_hicache.tier.base import Op
 from sgl_hicache.tier.faults import Counters, FaultLog
 from sgl_hicache.tier.file.budget.index import Entry, Index, OverBudget
 from sgl_hicache.tier.file.budget.ledger import Ledger
@@ -29,6 +28,7 @@ from sgl_hicache.tier.file.integrity import check_files
 from sgl_hicache.tier.file.paths import ExtentPaths, free_bytes
 from sgl_hicache.tier.file.volume import FreeSpace
 from sgl_hicache.tier.keys import ExtentKey
+from sgl_hicache.tier.results import Op
 
 ROOM_WAIT_S = 30.0
 

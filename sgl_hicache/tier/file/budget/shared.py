@@ -32,7 +32,6 @@ from functools import partial
 from pathlib import Path
 from typing import Protocol
 
-from sgl_hicache.tier.base import Op
 from sgl_hicache.tier.faults import Counters, FaultLog, logger
 from sgl_hicache.tier.file.aliases import recorded, unlink_aliases
 from sgl_hicache.tier.file.budget.filelock import NoLocks
@@ -42,6 +41,7 @@ from sgl_hicache.tier.file.owner import me
 from sgl_hicache.tier.file.paths import ExtentPaths, temp_writer
 from sgl_hicache.tier.file.sweep import FOREIGN_RETRY_S, FileStat, Foreign, unlink_sized, walk_root
 from sgl_hicache.tier.keys import ExtentKey
+from sgl_hicache.tier.results import Op
 
 PRIVATE_RELIST_S = 30.0
 REFRESH_S = 1.0  # how often an I/O thread looks for other processes (`refresh`)
