@@ -34,6 +34,10 @@ per-tier hit rates and the lookup counters show what was reused from where.
   `"placement": "any"`: its random choice over both servers' segments) instead of asking for the
   writer's own segment first (`local`, the default): a server then reads part of what it spilled
   back from the other's segment over TCP instead of by a memory copy (issue 40).
+- `ours-shared-sticky`, `ours-mooncake-sticky`, `ours-mooncake-any-sticky`: those three with each
+  conversation kept on one server (`Dispatch.STICKY`: every round's turns sent in the same order, so
+  the round robin gives each conversation the server of its previous turns, as a cache-aware router
+  aims to): a server restores what it spilled itself, the case `placement` local is for.
 - `hicache-mooncake`: `hicache-shared` with sglang's own `mooncake` L3 backend on such a store (the
   peer a Mooncake user would compare with): its own master, started the same way, each server a
   client contributing the same `MOONCAKE_SEGMENT`, over TCP on loopback. sglang gives that backend
@@ -183,6 +187,11 @@ CONFIGS = (
                   mooncake=(("load_calls", "by_group"),)),
     ClusterConfig("ours-mooncake-any", "ours", shared=True, flags=WRITE_THROUGH, store=Store.MOONCAKE,
                   mooncake=(("placement", "any"),)),
+    ClusterConfig("ours-shared-sticky", "ours", shared=True, flags=WRITE_THROUGH, dispatch=Dispatch.STICKY),
+    ClusterConfig("ours-mooncake-sticky", "ours", shared=True, flags=WRITE_THROUGH, store=Store.MOONCAKE,
+                  dispatch=Dispatch.STICKY),
+    ClusterConfig("ours-mooncake-any-sticky", "ours", shared=True, flags=WRITE_THROUGH, store=Store.MOONCAKE,
+                  mooncake=(("placement", "any"),), dispatch=Dispatch.STICKY),
     ClusterConfig("hicache-mooncake", STRONGEST_HICACHE, shared=True, store=Store.MOONCAKE),
     ClusterConfig("lmcache-shared", STRONGEST_LMCACHE, shared=True, store=Store.LMCACHE),
     ClusterConfig("route-round-robin", "ours", shared=False, dispatch=SHUFFLED),

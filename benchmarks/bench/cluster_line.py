@@ -25,6 +25,8 @@ RATIOS = (
     ("mooncake_vs_hicache_mooncake", "ours-mooncake", "hicache-mooncake"),
     ("mooncake_merged_vs_by_group", "ours-mooncake", "ours-mooncake-by-group"),
     ("mooncake_local_vs_any", "ours-mooncake", "ours-mooncake-any"),
+    ("mooncake_vs_shared_sticky", "ours-mooncake-sticky", "ours-shared-sticky"),
+    ("mooncake_local_vs_any_sticky", "ours-mooncake-sticky", "ours-mooncake-any-sticky"),
     ("events_vs_round_robin", "route-kv-events", "route-round-robin"),
     ("events_vs_approx_tree", "route-kv-events", "route-approx-tree"),
     ("events_vs_round_robin_grpc", "route-kv-events", "route-round-robin-grpc"),

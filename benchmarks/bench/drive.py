@@ -35,6 +35,8 @@ class Dispatch(Enum):
     TOGETHER = "together"  # all at once (one server: the order does not matter)
     ALTERNATE = "alternate"  # one after another, so that a round robin over two servers moves each turn
     SHUFFLED = "shuffled"  # one after another in a seeded random order (the same for every system)
+    STICKY = "sticky"  # one after another in index order every round: a round robin over two servers
+    # keeps each conversation on one server (for an even number), as a cache-aware router aims to
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,7 @@ def send_order(n: int, round_: int, dispatch: Dispatch, seed: int = 0) -> list[i
     (each round shifts the router's parity by one), rotated by the round for even `n` (where it
     would not). SHUFFLED: a random order drawn from `seed` and the round, as clients' turns arrive
     (sent in index order every round, a round robin would keep each conversation on one server
-    for even `n`). TOGETHER: index order."""
+    for even `n`). STICKY and TOGETHER: index order (STICKY: one after another)."""
     if dispatch is Dispatch.SHUFFLED:
         order = list(range(n))
         random.Random(seed * 1_000_003 + round_).shuffle(order)

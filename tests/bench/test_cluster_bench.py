@@ -60,12 +60,14 @@ def test_servers_1_is_the_default_run() -> None:
 def test_the_configurations(tmp_path: Path) -> None:
     rr, approx, events = cluster.Router.ROUND_ROBIN, cluster.Router.APPROX_TREE, cluster.Router.KV_EVENTS
     dir_, mooncake, lmcache = cluster.Store.DIRECTORY, cluster.Store.MOONCAKE, cluster.Store.LMCACHE
-    alt, shuf = drive.Dispatch.ALTERNATE, drive.Dispatch.SHUFFLED
+    alt, shuf, sticky = drive.Dispatch.ALTERNATE, drive.Dispatch.SHUFFLED, drive.Dispatch.STICKY
     assert [(c.name, c.system, c.shared, c.store, c.router, c.dispatch) for c in cluster.CONFIGS] == [
         ("ours-shared", "ours", True, dir_, rr, alt), ("ours-shared-write-back", "ours", True, dir_, rr, alt),
         ("ours-separate", "ours", False, dir_, rr, alt), ("hicache-shared", "hicache-wait-r2", True, dir_, rr, alt),
         ("ours-mooncake", "ours", True, mooncake, rr, alt), ("ours-mooncake-by-group", "ours", True, mooncake, rr, alt),
         ("ours-mooncake-any", "ours", True, mooncake, rr, alt),
+        ("ours-shared-sticky", "ours", True, dir_, rr, sticky), ("ours-mooncake-sticky", "ours", True, mooncake, rr, sticky),
+        ("ours-mooncake-any-sticky", "ours", True, mooncake, rr, sticky),
         ("hicache-mooncake", "hicache-wait-r2", True, mooncake, rr, alt),
         ("lmcache-shared", "lmcache-disk", True, lmcache, rr, alt),
         ("route-round-robin", "ours", False, dir_, rr, shuf), ("route-approx-tree", "ours", False, dir_, approx, shuf),
@@ -80,6 +82,9 @@ def test_the_configurations(tmp_path: Path) -> None:
         == policies["ours-mooncake"]
         == policies["ours-mooncake-by-group"]
         == policies["ours-mooncake-any"]
+        == policies["ours-shared-sticky"]
+        == policies["ours-mooncake-sticky"]
+        == policies["ours-mooncake-any-sticky"]
         == cluster.WRITE_THROUGH
     )
     assert (
@@ -277,10 +282,12 @@ def test_each_configuration_has_its_router_store_and_dispatch(
             assert fake_cluster.events[-1] == "stop master"
         else:
             assert fake_cluster.masters == [] and mooncake == [None, None]
-    alt, shuf = drive.Dispatch.ALTERNATE, drive.Dispatch.SHUFFLED
+    alt, shuf, sticky = drive.Dispatch.ALTERNATE, drive.Dispatch.SHUFFLED, drive.Dispatch.STICKY
     http, grpc_urls = ["http://s1", "http://s2"], ["grpc://s1", "grpc://s2"]
     assert seen["ours-shared"] == ("round_robin", http, {False}, 0, [(alt, None)])
     assert seen["ours-mooncake"] == ("round_robin", http, {False}, 1, [(alt, None)])
+    assert seen["ours-mooncake-sticky"] == ("round_robin", http, {False}, 1, [(sticky, None)])
+    assert seen["ours-shared-sticky"] == ("round_robin", http, {False}, 0, [(sticky, None)])
     assert seen["route-round-robin"] == ("round_robin", http, {False}, 0, [(shuf, None)])
     assert seen["route-approx-tree"] == ("cache_aware", http, {False}, 0, [(shuf, None)])
     assert seen["route-approx-tree-protected"] == ("cache_aware", http, {False}, 0, [(shuf, None)])
@@ -462,6 +469,19 @@ def test_send_order_moves_every_turn_to_the_other_server(n: int) -> None:
     assert drive.send_order(n, 3, drive.Dispatch.TOGETHER) == list(range(n))  # --servers 1: as today
 
 
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_sticky_turns_stay_on_their_server_under_round_robin(n: int) -> None:
+    """STICKY: every round the same order, one after another: a round robin over two servers gives
+    each conversation the server of its previous turns (an even count of them)."""
+    counter, first = 0, {}
+    for round_ in range(5):
+        order = drive.send_order(n, round_, drive.Dispatch.STICKY)
+        assert order == list(range(n))
+        for conv in order:
+            server, counter = counter % 2, counter + 1
+            assert first.setdefault(conv, server) == server
+
+
 def test_shuffled_turns_move_about_half_of_them_under_round_robin() -> None:
     """SHUFFLED: a permutation per round, the same for the same seed (every routing configuration
     gets the same orders), different across rounds; a round robin taking them moves about half of
@@ -514,7 +534,7 @@ def test_final_line_names_each_configuration_and_the_ratios() -> None:
                                    {"ours-shared": []})  # fmt: skip
     json.dumps(line, allow_nan=False)
     pairs = ("shared_vs_separate", "shared_vs_write_back", "shared_vs_hicache", "shared_vs_lmcache", "mooncake_vs_shared",
-             "mooncake_vs_hicache", "mooncake_vs_hicache_mooncake", "mooncake_merged_vs_by_group", "mooncake_local_vs_any", "events_vs_round_robin", "events_vs_approx_tree",
+             "mooncake_vs_hicache", "mooncake_vs_hicache_mooncake", "mooncake_merged_vs_by_group", "mooncake_local_vs_any", "mooncake_vs_shared_sticky", "mooncake_local_vs_any_sticky", "events_vs_round_robin", "events_vs_approx_tree",
              "events_vs_round_robin_grpc", "events_vs_approx_tree_protected")  # fmt: skip
     assert set(cluster_line.RATIO_KEYS) == {f"{fig}_{p}" for p in pairs for fig in ("ttft", "throughput")}
     assert line["ttft_mooncake_vs_shared"] == 1.5 and line["throughput_mooncake_vs_hicache"] == 5.0

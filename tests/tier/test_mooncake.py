@@ -336,8 +336,8 @@ def test_a_restart_loses_what_its_own_segment_held_but_no_manifest_record(
     """A tier whose client gives the store memory takes what its segment held when it closes (a
     Mooncake object lives in one client's segment; `placement` local, the default, put every
     object there: it had room); the manifest's records are kept in two segments, so the next tier
-    still reads every entry, and indexes none of them (what is still whole when the segment was
-    full: test_mooncake_placement.py)."""
+    still reads every entry, and indexes none of them (a warm start indexing, and loading exactly,
+    what outlived its writer: the test above)."""
     ns = fresh_ns("own-segment")
     first = make_tier(ns, segment_bytes=64 << 20)
     keys = [store(first, i, CHUNK + i) for i in range(12)]
@@ -348,6 +348,17 @@ def test_a_restart_loses_what_its_own_segment_held_but_no_manifest_record(
     assert again.extents() == []
     assert again.stats().scanned_extents == 0
     close_all([again])
+
+
+def test_a_closed_tier_reads_no_tokens_and_discards_nothing(make_tier: MakeTier) -> None:
+    """Once closed, its client is closing or gone: the calls a scheduler may still make answer
+    without touching it (no token ids, nothing discarded), never raising."""
+    tier = make_tier(fresh_ns("closed"))
+    key = store(tier, 0, CHUNK)
+    assert tier.read_tokens(key) is not None
+    tier.close(5)
+    assert tier.read_tokens(key) is None
+    assert tier.discard(key) is False
 
 
 def salted_store(tier: IndexedTier, i: int, salt: str | None) -> tuple[ExtentKey, list[str]]:

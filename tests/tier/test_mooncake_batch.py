@@ -34,6 +34,7 @@ from sgl_hicache.tier.groups import chunk_spans, section_of
 from sgl_hicache.tier.mooncake import backend as mooncake_backend
 from sgl_hicache.tier.mooncake import load as mooncake_load
 from sgl_hicache.tier.mooncake import objects
+from sgl_hicache.tier.mooncake import scratch as scratch_mod
 from sgl_hicache.tier.mooncake.client import StoreClient, connect
 from tests.mooncake_master import MooncakeMaster, skip_without_mooncake
 from tests.tier.common import CHUNK
@@ -265,6 +266,30 @@ def test_every_byte_of_a_batch_of_whole_loads_and_prefixes_is_exact(
         assert np.array_equal(dest[:n], prefix(i, p)), f"extent {i} ({p} pages) loaded other bytes"
         assert not dest[n:].any(), f"extent {i}: bytes written past its {p} pages"
     assert b.client.per_operation == Counter(get_many_into=calls), b.client.calls
+
+
+def test_a_compressed_batch_is_cut_into_calls_whose_scratch_fits_the_keep_size(
+    batch: Callable[..., Batch], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every compressed chunk passes through the scratch buffer: a merged batch's calls are cut so
+    that none needs more of it than a thread keeps (`SCRATCH_KEEP_BYTES`, here 3 chunks' worth or
+    3 headers), so no buffer is made, registered and dropped for one call; every byte exact."""
+    b = batch(1, Compression.ZSTD, "merged")
+    keep = 3 * objects.HEADER_READ_BYTES
+    assert keep >= 3 * CHUNK
+    for module in (scratch_mod, objects, mooncake_load):
+        monkeypatch.setattr(module, "SCRATCH_KEEP_BYTES", keep)
+    sizes: list[int] = []
+    scratch = b.tier._scratch
+    register = scratch._register
+    monkeypatch.setattr(scratch, "_register", lambda buf: (sizes.append(buf.nbytes), register(buf))[1])
+    statuses, dests = b.load([None] * EXTENTS, group_order=False)
+    assert statuses == [Status.OK] * EXTENTS
+    for i, dest in enumerate(dests):
+        assert np.array_equal(dest, payload(i)), f"extent {i} loaded other bytes"
+    assert sizes and max(sizes) <= keep, sizes
+    assert b.client.per_operation["get_many_into"] > 2 + 2, b.client.calls  # headers in 3, chunks in more
+    assert scratch.held_bytes <= keep
 
 
 def test_headers_larger_than_the_guess_are_read_again_alone_and_verified(

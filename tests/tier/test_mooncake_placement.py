@@ -45,7 +45,7 @@ def test_local_placement_puts_every_object_in_the_writers_own_segment(
     keys = [store(tier, i, 3 * CHUNK + 1 + i) for i in range(12)]
     names = all_objects(tier, keys)
     assert len(names) == 12 * 5
-    assert holder.segments_of(names) == [[client.segment]] * len(names)
+    assert holder.endpoints_of(names) == [[client.segment]] * len(names)
     for i, key in enumerate(keys):
         status, got = load(tier, key, 3 * CHUNK + 1 + i)
         assert status is Status.OK and np.array_equal(got, payload_for(i, 3 * CHUNK + 1 + i))
@@ -58,7 +58,7 @@ def test_a_full_own_segment_falls_back_to_another(make_tier: MakeTier, holder: S
     own: str = tier._client.segment  # type: ignore[attr-defined]
     nbytes = 32 * CHUNK  # 2 MiB: 12 of them overflow 16 MiB
     keys = [store(tier, i, nbytes) for i in range(12)]
-    where = [holder.segments_of(extent_objects(tier, k)[1]) for k in keys]
+    where = [holder.endpoints_of(extent_objects(tier, k)[1]) for k in keys]
     assert where[0] == [[own]] * 32  # the first went to its own segment
     assert all(s and s != [own] for s in where[-1]), where  # the last found no room there
     for i, key in enumerate(keys):

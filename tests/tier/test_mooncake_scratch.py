@@ -1,4 +1,4 @@
-"""A Mooncake I/O thread's scratch buffer (`objects.Scratch`): every buffer it makes is registered
+"""A Mooncake I/O thread's scratch buffer (`Scratch`): every buffer it makes is registered
 with the store (RDMA reads into it), so it grows by at least doubling, up to what a thread keeps
 (`SCRATCH_KEEP_BYTES`), and unregisters the buffer it replaces: requests that grow in small steps
 (a batch's header reads, n x `HEADER_READ_BYTES`) cost a few registrations, not one a step. Every
@@ -15,10 +15,18 @@ import pytest
 
 from sgl_hicache.tier.format import DirectoryMac
 from sgl_hicache.tier.mooncake import objects
+from sgl_hicache.tier.mooncake import scratch as scratch_mod
 from sgl_hicache.tier.mooncake.client import INVALID_PARAMS, OBJECT_NOT_FOUND, Names, Reply
+from sgl_hicache.tier.mooncake.scratch import Scratch
 from tests.tier.common import NS, key_for
 
 STEP = 64 << 10
+
+
+def keep(monkeypatch: pytest.MonkeyPatch, nbytes: int) -> None:
+    """`SCRATCH_KEEP_BYTES` for the test: what a thread keeps, and what the calls are cut to."""
+    monkeypatch.setattr(scratch_mod, "SCRATCH_KEEP_BYTES", nbytes)
+    monkeypatch.setattr(objects, "SCRATCH_KEEP_BYTES", nbytes)
 
 
 class Recorded:
@@ -27,7 +35,7 @@ class Recorded:
         self.unregistered: list[memoryview] = []
         self.in_use: set[int] = set()  # id of each buffer a use holds now (`used`)
         self.while_in_use: list[memoryview] = []  # unregistered while a use of it was open
-        self.scratch = objects.Scratch(self.registered.append, self._unregister)
+        self.scratch = Scratch(self.registered.append, self._unregister)
 
     def _unregister(self, buf: memoryview) -> None:
         if id(buf) in self.in_use:
@@ -75,7 +83,7 @@ def in_thread(fn: Callable[[], object]) -> None:
 def test_growing_requests_register_a_doubling_buffer_and_unregister_the_one_replaced(
     monkeypatch: pytest.MonkeyPatch, recorded: Recorded
 ) -> None:
-    monkeypatch.setattr(objects, "SCRATCH_KEEP_BYTES", 16 * STEP)
+    keep(monkeypatch, 16 * STEP)
     r = recorded
     for n in range(1, 17):  # 64 KiB .. 1 MiB in steps of 64 KiB
 
@@ -108,7 +116,7 @@ def test_a_registration_that_raises_leaves_the_thread_its_old_buffer_registered(
             raise RuntimeError("register_buffer failed")
         registered.append(buf)
 
-    scratch = objects.Scratch(register, unregistered.append)
+    scratch = Scratch(register, unregistered.append)
     with scratch.use(STEP) as first:
         pass
     with pytest.raises(RuntimeError), scratch.use(4 * STEP):
@@ -156,7 +164,7 @@ def test_a_dead_threads_buffer_is_unregistered_when_another_thread_grows(recorde
 def test_a_buffer_over_the_keep_size_goes_as_its_use_ends(
     monkeypatch: pytest.MonkeyPatch, recorded: Recorded
 ) -> None:
-    monkeypatch.setattr(objects, "SCRATCH_KEEP_BYTES", 4 * STEP)
+    keep(monkeypatch, 4 * STEP)
     r = recorded
     kept = r.used(4 * STEP)
     assert r.scratch.held_bytes == 4 * STEP, "up to the keep size: kept"
@@ -171,7 +179,7 @@ def test_no_buffer_is_unregistered_while_a_use_of_it_is_open(
 ) -> None:
     """`Recorded` fails an unregistration of a buffer in use: close while another thread holds its
     buffer, and a large one, leaves it to that use's end."""
-    monkeypatch.setattr(objects, "SCRATCH_KEEP_BYTES", 4 * STEP)
+    keep(monkeypatch, 4 * STEP)
     r = recorded
     inside, closed = threading.Event(), threading.Event()
     errors: list[BaseException] = []
@@ -190,15 +198,104 @@ def test_no_buffer_is_unregistered_while_a_use_of_it_is_open(
     t = threading.Thread(target=worker)
     t.start()
     assert inside.wait(10)
-    r.scratch.close()
+    closer = threading.Thread(target=r.scratch.close)
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive(), "close waits for the use open to end"
     assert not r.unregistered, "in use: not yet"
     closed.set()
     t.join()
-    assert not errors and not r.while_in_use
-    r.each_unregistered_once()
-    r.used(STEP)  # after close: each use's buffer goes as it ends
+    closer.join(10)
+    assert not closer.is_alive() and not errors and not r.while_in_use
     r.each_unregistered_once()
     assert r.scratch.held_bytes == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        r.used(STEP)  # after close: the client is about to go
+    r.each_unregistered_once()
+
+
+def test_close_waits_a_bounded_time_and_a_use_still_open_lets_its_buffer_go_at_its_end(
+    recorded: Recorded,
+) -> None:
+    r = recorded
+    inside, done = threading.Event(), threading.Event()
+    t = threading.Thread(target=lambda: r.used(STEP, lambda view: (inside.set(), done.wait(10))))
+    t.start()
+    assert inside.wait(10)
+    r.scratch.close(wait_s=0.05)
+    assert not r.unregistered
+    done.set()
+    t.join()
+    r.each_unregistered_once()
+    assert not r.while_in_use
+
+
+def test_a_spoiled_buffer_is_never_reused_nor_unregistered(recorded: Recorded) -> None:
+    """A transfer the store gave up on may still write its buffer: set aside for good; the thread's
+    next use gets a new one; close leaves it registered (its memory mapped)."""
+    r = recorded
+    first = r.used(STEP, lambda view: r.scratch.spoil())
+    assert r.scratch.spoiled_bytes == STEP and r.scratch.held_bytes == 0
+    second = r.used(STEP)
+    assert second is not first
+    r.scratch.close()
+    assert [id(b) for b in r.unregistered] == [id(second)]
+
+
+def test_a_refused_registration_raises_and_the_thread_keeps_its_buffer() -> None:
+    answers = iter([Reply(), Reply(code=-1)])
+    unregistered: list[memoryview] = []
+    scratch = Scratch(lambda buf: next(answers), unregistered.append)
+    with scratch.use(STEP) as view:
+        kept = view.obj
+    with pytest.raises(OSError, match="could not register"), scratch.use(4 * STEP):
+        pass
+    with scratch.use(STEP) as view:
+        assert view.obj is kept
+    assert not unregistered
+
+
+class FailingStore:
+    """Answers every object of a batch read with `code` (TRANSFER_FAIL-like: it may still write)."""
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+    def get_many_into(self, names: Sequence[str], dests: Sequence[memoryview]) -> list[Reply]:
+        return [Reply(self.code)] * len(names)
+
+    def get_into(self, name: str, dest: memoryview) -> Reply:
+        return Reply(self.code)
+
+
+@pytest.mark.parametrize(("code", "spoiled"), [(-800, True), (-1, True), (OBJECT_NOT_FOUND, False),
+                                               (INVALID_PARAMS, False)])  # fmt: skip
+def test_a_header_read_the_store_gave_up_on_spoils_its_buffer(
+    recorded: Recorded, code: int, spoiled: bool
+) -> None:
+    names, wanted = Names(NS.id), [(key_for(i), None) for i in range(3)]
+    store = FailingStore(code)
+    if code == INVALID_PARAMS:  # read again alone at its size, which the store does not know
+        store.size = lambda name: Reply(OBJECT_NOT_FOUND)  # type: ignore[attr-defined]
+    got = objects.open_headers(store, names, NS.id, wanted, DirectoryMac(b"s" * 32), recorded.scratch)  # type: ignore[arg-type]
+    assert all(isinstance(e, Exception) for e in got)
+    assert (recorded.scratch.spoiled_bytes > 0) == spoiled
+
+
+def test_headers_are_read_64_a_call_at_most(recorded: Recorded) -> None:
+    """A batch of headers is cut to fit the keep size: no call needs a buffer made for it alone."""
+    calls: list[int] = []
+
+    class Store(FailingStore):
+        def get_many_into(self, names: Sequence[str], dests: Sequence[memoryview]) -> list[Reply]:
+            calls.append(len(names))
+            return super().get_many_into(names, dests)
+
+    wanted = [(key_for(i), None) for i in range(130)]
+    objects.open_headers(Store(OBJECT_NOT_FOUND), Names(NS.id), NS.id, wanted, DirectoryMac(b"s" * 32),  # type: ignore[arg-type]
+                         recorded.scratch)  # fmt: skip
+    assert calls == [64, 64, 2]
+    assert max(recorded.sizes) <= scratch_mod.SCRATCH_KEEP_BYTES
 
 
 def test_a_nested_use_on_one_thread_raises(recorded: Recorded) -> None:
@@ -232,7 +329,7 @@ def test_headers_are_read_into_registered_buffers_and_a_large_one_does_not_stay(
 ) -> None:
     """A batch of headers and one read again at its size (over the keep size): each store call reads
     into a registered buffer, and after the call the thread holds no more than the keep size."""
-    monkeypatch.setattr(objects, "SCRATCH_KEEP_BYTES", 4 * objects.HEADER_READ_BYTES)
+    keep(monkeypatch, 4 * objects.HEADER_READ_BYTES)
     names, wanted = Names(NS.id), [(key_for(i), None) for i in range(3)]
     store = HeaderStore(recorded, names.header(key_for(1)), 6 * objects.HEADER_READ_BYTES)
     got = objects.open_headers(store, names, NS.id, wanted, DirectoryMac(b"s" * 32), recorded.scratch)  # type: ignore[arg-type]

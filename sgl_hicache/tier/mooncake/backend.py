@@ -65,6 +65,7 @@ from sgl_hicache.tier.mooncake.load import Ends, Loads, Reader
 from sgl_hicache.tier.mooncake.manifest import Manifest
 from sgl_hicache.tier.mooncake.purge import Purges
 from sgl_hicache.tier.mooncake.recent import RecentExtents
+from sgl_hicache.tier.mooncake.scratch import Scratch
 from sgl_hicache.tier.mooncake.source import StoreSource
 from sgl_hicache.tier.mooncake.warm_start import warm_start
 from sgl_hicache.tier.path_lookup import LookupQueue, run_lookup_in
@@ -94,7 +95,7 @@ class MooncakeTier(ReturnedCompletions, IndexedTier):
         self._seal = DirectoryMac(open_trusted(cfg.directory, namespace.id.hex()))
         self._client = connect(cfg.mooncake)
         self._names = Names(namespace.id)
-        self._scratch = objects.Scratch(self._client.register, self._client.unregister)
+        self._scratch = Scratch(self._client.register, self._client.unregister)
         self._counters, self._faults = Counters(), FaultLog()
         self._where = f"the Mooncake Store ({cfg.mooncake.master})"
         self._lock = threading.Lock()
@@ -338,6 +339,8 @@ class MooncakeTier(ReturnedCompletions, IndexedTier):
 
     def read_tokens(self, key: ExtentKey) -> np.ndarray | None:
         key = check_key(key)
+        if self._closed:  # its client is closing or closed
+            return None
         try:
             return self._read_tokens(key)
         except Exception as e:  # the binding raising (a header's read, a bad one's removal): a miss
@@ -362,7 +365,10 @@ class MooncakeTier(ReturnedCompletions, IndexedTier):
         return None if ext.tokens is None else np.frombuffer(ext.tokens, dtype="<u4").astype(np.uint32)
 
     def discard(self, key: ExtentKey) -> bool:
-        """Whether its header was there (a load reading it meanwhile misses a chunk: a clean MISS)."""
+        """Whether its header was there (a load reading it meanwhile misses a chunk: a clean MISS);
+        False once the tier is closed (its client is closing or closed)."""
+        if self._closed:
+            return False
         removed = self._remove(key, self._salt(key))
         with self._lock:
             self._index.forget(key)

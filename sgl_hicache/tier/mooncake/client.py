@@ -176,9 +176,10 @@ class StoreClient:
         that name (then it is kept, and the reply says nothing of which: read it back)."""
         return _reply(self._store.put(name, data, *self._placed(copies)))
 
-    def segments_of(self, names: list[str]) -> list[list[str]]:
-        """Per name, the segments holding a memory copy of it ([] if none); for diagnostics and
-        tests (`placement`), one call."""
+    def endpoints_of(self, names: list[str]) -> list[list[str]]:
+        """Per name, the transport endpoints of the segments holding a memory copy of it ([] if
+        none), one call; for diagnostics and tests (`placement`). With a metadata server (HTTP,
+        etcd) a segment's endpoint is its name, `segment`; with P2PHANDSHAKE it may not be."""
         if not names:
             return []
         got = self._store.batch_get_replica_desc(names)

@@ -49,6 +49,7 @@ from sgl_hicache.tier.groups import section_of
 from sgl_hicache.tier.keys import ExtentKey, NamespaceId
 from sgl_hicache.tier.mooncake import objects
 from sgl_hicache.tier.mooncake.client import Names, StoreClient
+from sgl_hicache.tier.mooncake.scratch import SCRATCH_KEEP_BYTES, Scratch
 from sgl_hicache.tier.progress import LoadProgress
 from sgl_hicache.tier.results import Op, Ticket
 from sgl_hicache.tier.scheduler import IoScheduler
@@ -61,7 +62,7 @@ class Reader(NamedTuple):
     names: Names
     ns: NamespaceId
     seal: DirectoryMac
-    scratch: objects.Scratch
+    scratch: Scratch
 
     def open(self, wanted: Sequence[tuple[ExtentKey, bytes | None]]) -> list[objects.Opened | Exception]:
         return objects.open_headers(self.client, self.names, self.ns, wanted, self.seal, self.scratch)
@@ -147,18 +148,20 @@ class _Batch:
 
 def _runs(loads: list[MooncakeLoad], group: int) -> Iterator[list[Part]]:
     """The pieces of layer group `group` of `loads`, in order, in runs of at most `LOAD_BATCH_BYTES`
-    of chunks (at least one piece)."""
+    of chunks, of which at most `SCRATCH_KEEP_BYTES` pass through the scratch buffer (compressed,
+    or a prefix's part of a chunk), at least one piece a run."""
     run: list[Part] = []
-    nbytes = 0
+    nbytes = spare = 0
     for load in loads:
         part: list[int] = []
         for i in load.groups[group]:
             n = load.ext.chunks[load.pieces[i].chunk].length
-            if nbytes and nbytes + n > objects.LOAD_BATCH_BYTES:
+            s = 0 if load.read(i).whole else n
+            if nbytes and (nbytes + n > objects.LOAD_BATCH_BYTES or spare + s > SCRATCH_KEEP_BYTES):
                 yield [*run, (load, part)] if part else run
-                run, part, nbytes = [], [], 0
+                run, part, nbytes, spare = [], [], 0, 0
             part.append(i)
-            nbytes += n
+            nbytes, spare = nbytes + n, spare + s
         run.append((load, part))
     if run:
         yield run

@@ -35,8 +35,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import xxhash
@@ -50,7 +49,6 @@ from sgl_hicache.tier.codec import (
     sealed_header,
     verify_chunk,
 )
-from sgl_hicache.tier.faults import logger
 from sgl_hicache.tier.format import (
     Alias,
     Chunk,
@@ -59,7 +57,6 @@ from sgl_hicache.tier.format import (
     Header,
     NewerFormat,
     Piece,
-    align_up,
     decode_aliases,
     decode_fixed,
     decode_meta,
@@ -68,15 +65,11 @@ from sgl_hicache.tier.format import (
 )
 from sgl_hicache.tier.keys import ExtentKey, Namespace, NamespaceId
 from sgl_hicache.tier.mooncake.client import INVALID_PARAMS, Names, Reply, StoreClient
+from sgl_hicache.tier.mooncake.scratch import SCRATCH_KEEP_BYTES, Scratch, late_writes
 
 HEADER_READ_BYTES = 64 << 10
 """A header is read into a buffer this large in one call (most headers fit); a larger one is
 refused by the store and read again at its size."""
-SCRATCH_KEEP_BYTES = 4 << 20
-"""A thread's scratch buffer is kept between uses up to this size (a batch of 64 headers, the
-compressed chunks of most calls); a larger one (up to LOAD_BATCH_BYTES of a batch read's compressed
-chunks or headers) is unregistered and dropped as the use that needed it ends: none stays that big,
-outside any memory budget."""
 LOAD_BATCH_BYTES = 64 << 20
 """One batch read reads into at most this many bytes (at least one object): a layer group's chunks
 across a batch's loads go in one call up to it (load.py), a larger group in several, each verified
@@ -102,94 +95,6 @@ def _checked(reply: Reply, what: str) -> Reply:
     if not reply.ok:
         raise StoreFailed(what, reply)
     return reply
-
-
-class _Held:
-    """One thread's scratch: its buffer (None: none now) and whether a use of it is open."""
-
-    def __init__(self) -> None:
-        self.buf: memoryview | None = None
-        self.busy = False
-
-
-class Scratch:
-    """Byte buffers, one per thread, each registered with the store (`register`) when made and
-    unregistered (`unregister`) before it is dropped, all owned here whatever the thread (thread-safe).
-
-    A thread uses its buffer in a block, one at a time (`use`; a nested one raises RuntimeError);
-    it grows by at least doubling, up to SCRATCH_KEEP_BYTES (past it, what a use needs), so uses
-    growing in small steps cost a few registrations. No buffer is unregistered while a use of it is
-    open; then each goes: the one a thread's grown buffer replaces (once its successor is
-    registered), one over SCRATCH_KEEP_BYTES as its use ends, a thread's that exited when another
-    thread's grows or at `close`, and every other at `close` (after it, a use's buffer goes as the
-    use ends). `held_bytes`: what is held now."""
-
-    def __init__(
-        self, register: Callable[[memoryview], object], unregister: Callable[[memoryview], object]
-    ) -> None:
-        self._register, self._unregister = register, unregister
-        self._lock = threading.Lock()
-        self._held: dict[threading.Thread, _Held] = {}  # by the thread using it
-        self._closed = False
-
-    @property
-    def held_bytes(self) -> int:
-        """The bytes of the buffers held now (registered with the store)."""
-        with self._lock:
-            return sum(h.buf.nbytes for h in self._held.values() if h.buf is not None)
-
-    @contextmanager
-    def use(self, nbytes: int) -> Iterator[memoryview]:
-        """The calling thread's buffer, `nbytes` of it, for the block (the view is not valid after:
-        the buffer may be reused, or unregistered)."""
-        with self._lock:
-            held = self._held.setdefault(threading.current_thread(), _Held())
-            if held.busy:
-                raise RuntimeError("this thread's scratch buffer is in use")
-            held.busy = True
-        try:
-            yield self._grown(held, nbytes)[:nbytes]
-        finally:
-            self._end(held)
-
-    def _grown(self, held: _Held, nbytes: int) -> memoryview:
-        from sgl_hicache.tier.directio import alloc_aligned
-
-        old = held.buf
-        if old is not None and old.nbytes >= nbytes:
-            return old
-        grown = max(nbytes, min(2 * old.nbytes, SCRATCH_KEEP_BYTES)) if old is not None else nbytes
-        buf = alloc_aligned(align_up(max(grown, 1)))
-        self._register(buf)  # first: if it raises, the thread keeps its old buffer, still registered
-        with self._lock:
-            held.buf = buf
-            dead = self._take(lambda t, h: not t.is_alive() and not h.busy)
-        for gone in [old, *dead] if old is not None else dead:
-            self._unregister(gone)
-        return buf
-
-    def _end(self, held: _Held) -> None:
-        with self._lock:
-            held.busy, buf = False, held.buf
-            if buf is None or (buf.nbytes <= SCRATCH_KEEP_BYTES and not self._closed):
-                return
-            held.buf = None
-        self._unregister(buf)
-
-    def _take(self, which: Callable[[threading.Thread, _Held], bool]) -> list[memoryview]:
-        """The buffers of the threads `which` picks, their entries dropped; holding the lock."""
-        picked = [t for t, h in self._held.items() if which(t, h)]
-        return [buf for t in picked if (buf := self._held.pop(t).buf) is not None]
-
-    def close(self) -> None:
-        """Unregister every buffer not in use (each one in use goes as its use ends)."""
-        with self._lock:
-            self._closed = True
-            idle = self._take(lambda t, h: not h.busy)
-        failed = [e for buf in idle if isinstance(e := _attempt(self._unregister, buf), Exception)]
-        if failed:
-            logger.warning("sgl_hicache: Mooncake could not unregister %d scratch buffers at close: %s",
-                           len(failed), failed[0])  # fmt: skip
 
 
 class _PublishClock:
@@ -253,6 +158,8 @@ def open_header(client: StoreClient, names: Names, ns: NamespaceId, key: ExtentK
     name = names.header(key, salt)
     with scratch.use(HEADER_READ_BYTES) as buf:
         reply = client.get_into(name, buf)
+        if late_writes([reply]):
+            scratch.spoil()
         if reply.code != INVALID_PARAMS:
             return _verified(buf, reply, ns, key, salt, seal)
     return _open_large(client, name, ns, key, salt, seal, scratch)
@@ -260,11 +167,11 @@ def open_header(client: StoreClient, names: Names, ns: NamespaceId, key: ExtentK
 
 def open_headers(client: StoreClient, names: Names, ns: NamespaceId, wanted: Sequence[tuple[ExtentKey, bytes | None]],
                  seal: DirectoryMac, scratch: Scratch) -> list[Opened | Exception]:  # fmt: skip
-    """`open_header` of each (key, salt) of `wanted` in one batch read (of up to `LOAD_BATCH_BYTES`:
-    more headers take more), each reply checked and verified on its own: per pair its header or
+    """`open_header` of each (key, salt) of `wanted` in one batch read (of up to SCRATCH_KEEP_BYTES
+    and LOAD_BATCH_BYTES: 64 headers; more take more), each reply checked and verified on its own: per pair its header or
     what `open_header` would have raised for it (one extent's missing or bad header leaves the
     others as they are)."""
-    per_call = max(1, LOAD_BATCH_BYTES // HEADER_READ_BYTES)
+    per_call = max(1, min(LOAD_BATCH_BYTES, SCRATCH_KEEP_BYTES) // HEADER_READ_BYTES)
     out: list[Opened | Exception] = []
     for at in range(0, len(wanted), per_call):
         out += _open_some(client, names, ns, wanted[at : at + per_call], seal, scratch)
@@ -279,6 +186,8 @@ def _open_some(client: StoreClient, names: Names, ns: NamespaceId, wanted: Seque
     with scratch.use(len(wanted) * HEADER_READ_BYTES) as buf:
         slots = [buf[i * HEADER_READ_BYTES : (i + 1) * HEADER_READ_BYTES] for i in range(len(wanted))]
         replies = client.get_many_into(header_names, slots)
+        if late_writes(replies):
+            scratch.spoil()
         out = [
             None if reply.code == INVALID_PARAMS else _attempt(_verified, slot, reply, ns, key, salt, seal)
             for (key, salt), slot, reply in zip(wanted, slots, replies, strict=True)
@@ -293,7 +202,10 @@ def _open_large(client: StoreClient, name: str, ns: NamespaceId, key: ExtentKey,
                 seal: DirectoryMac, scratch: Scratch) -> Opened:  # fmt: skip
     """A header larger than HEADER_READ_BYTES (the store refused that buffer): read at its size."""
     with scratch.use(_checked(client.size(name), "header size").n) as buf:
-        return _verified(buf, client.get_into(name, buf), ns, key, salt, seal)
+        reply = client.get_into(name, buf)
+        if late_writes([reply]):
+            scratch.spoil()
+        return _verified(buf, reply, ns, key, salt, seal)
 
 
 def _verified(buf: memoryview, reply: Reply, ns: NamespaceId, key: ExtentKey, salt: bytes | None,
@@ -389,6 +301,8 @@ def read_pieces(client: StoreClient, reads: Sequence[PieceRead], scratch: Scratc
                 targets.append(spare[at : at + r.length])
                 at += r.length
         replies = client.get_many_into([r.name for r in reads], targets)
+        if late_writes(replies):
+            scratch.spoil()
         return [
             _attempt(_place, r, target, reply)
             for r, target, reply in zip(reads, targets, replies, strict=True)

@@ -18,7 +18,8 @@ from collections.abc import Callable
 from sgl_hicache.tier.format import DirectoryMac
 from sgl_hicache.tier.keys import ExtentKey, NamespaceId
 from sgl_hicache.tier.mooncake.client import Names, StoreClient
-from sgl_hicache.tier.mooncake.objects import Gone, Opened, Scratch, open_header, verify_header
+from sgl_hicache.tier.mooncake.objects import Gone, Opened, open_header, verify_header
+from sgl_hicache.tier.mooncake.scratch import Scratch
 from sgl_hicache.tier.path_lookup import Claimed, parse_claim
 
 READ_AHEAD_HEADERS = 64
