@@ -18,7 +18,7 @@ repeats (min-max logged and in `<figure>_range`). Mooncake is skipped, with the 
 client cannot be imported.
 
 A third reader, `mooncake-own`, stores the extents itself before it reads them (under a salt of its
-own, so it writes its own objects: with `placement` local, into its own segment), as a server
+own, so it writes its own objects, with `placement` local: into its own segment), as a server
 restores what it spilled; the `mooncake` reader reads the writer's, as a server restores what
 another spilled.
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import shutil
 import statistics
 import time
@@ -139,8 +140,10 @@ def file_config(root: Path, threads: int) -> TierConfig:
     return TierConfig(directory=root / "files", capacity_bytes=1 << 42, min_free_bytes=0, io_threads=threads)
 
 
-def mooncake_config(root: Path, master: MooncakeMaster, threads: int, segment: int) -> TierConfig:
-    return TierConfig(backend=SpillBackend.MOONCAKE, mooncake=master.config(segment_bytes=segment),
+def mooncake_config(root: Path, master: MooncakeMaster, threads: int, segment: int,
+                    placement: str = "any") -> TierConfig:  # fmt: skip
+    mooncake = dataclasses.replace(master.config(segment_bytes=segment), placement=placement)
+    return TierConfig(backend=SpillBackend.MOONCAKE, mooncake=mooncake,
                       directory=root / "mooncake", io_threads=threads)  # fmt: skip
 
 
@@ -193,7 +196,9 @@ def backends(
         try:
             store_all(writer, ext)
             openers["mooncake"] = lambda t: open_tier(mooncake_config(root, master, t, 32 * MiB), NS)
-            openers["mooncake-own"] = lambda t: own_reader(mooncake_config(root, master, t, segment), ext)
+            openers["mooncake-own"] = lambda t: own_reader(
+                mooncake_config(root, master, t, segment, "local"), ext
+            )
             yield openers
         finally:
             writer.close(30)  # before its master goes

@@ -66,7 +66,7 @@ def test_the_flag_beats_mooncakes_variables_which_beat_the_defaults() -> None:
         (
             [*MOONCAKE, "--hicache-spill-mooncake-config", '{"master": "h:1", "placement": "near"}'],
             {},
-            "placement must be local or any, got 'near'",
+            "placement must be any or local, got 'near'",
         ),
     ],
 )
@@ -88,10 +88,10 @@ def test_load_calls_are_merged_unless_asked_by_group_and_reach_the_scheduler() -
     assert SpillConfig.from_json(c.to_json()) == c
 
 
-def test_placement_is_local_unless_asked_any_and_reaches_the_scheduler() -> None:
-    """`placement` (tier/mooncake/client.py): the writer's own segment first, or the master's choice."""
+def test_placement_is_the_masters_unless_asked_local_and_reaches_the_scheduler() -> None:
+    """`placement` (tier/mooncake/client.py): the master's choice, or the writer's own segment first."""
     env = {"MOONCAKE_MASTER": "10.0.0.1:50051"}
-    assert config(MOONCAKE, env).tier.mooncake.placement == "local"
-    c = config([*MOONCAKE, "--hicache-spill-mooncake-config", '{"placement": "any"}'], env)
-    assert c.tier.mooncake.placement == "any"
+    assert config(MOONCAKE, env).tier.mooncake.placement == "any"
+    c = config([*MOONCAKE, "--hicache-spill-mooncake-config", '{"placement": "local"}'], env)
+    assert c.tier.mooncake.placement == "local"
     assert SpillConfig.from_json(c.to_json()) == c

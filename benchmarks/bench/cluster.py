@@ -30,11 +30,11 @@ per-tier hit rates and the lookup counters show what was reused from where.
 - `ours-mooncake-by-group`: `ours-mooncake` reading a restore's chunks a call a layer group (the
   Mooncake config's `"load_calls": "by_group"`, as a layer-wise restore reads them) instead of in
   one call (`merged`, the default): the switch measured side by side (issue 40).
-- `ours-mooncake-any`: `ours-mooncake` leaving placement to the master (the Mooncake config's
-  `"placement": "any"`: its random choice over both servers' segments) instead of asking for the
-  writer's own segment first (`local`, the default): a server then reads part of what it spilled
-  back from the other's segment over TCP instead of by a memory copy (issue 40).
-- `ours-shared-sticky`, `ours-mooncake-sticky`, `ours-mooncake-any-sticky`: those three with each
+- `ours-mooncake-local`: `ours-mooncake` asking the master for the writer's own segment first (the
+  Mooncake config's `"placement": "local"`) instead of leaving placement to it (`any`, the default:
+  its random choice over both servers' segments): a server reads what it spilled itself by a memory
+  copy, and what the other spilled always over TCP (issue 40).
+- `ours-shared-sticky`, `ours-mooncake-sticky`, `ours-mooncake-local-sticky`: those three with each
   conversation kept on one server (`Dispatch.STICKY`: every round's turns sent in the same order, so
   the round robin gives each conversation the server of its previous turns, as a cache-aware router
   aims to): a server restores what it spilled itself, the case `placement` local is for.
@@ -185,13 +185,13 @@ CONFIGS = (
     ClusterConfig("ours-mooncake", "ours", shared=True, flags=WRITE_THROUGH, store=Store.MOONCAKE),
     ClusterConfig("ours-mooncake-by-group", "ours", shared=True, flags=WRITE_THROUGH, store=Store.MOONCAKE,
                   mooncake=(("load_calls", "by_group"),)),
-    ClusterConfig("ours-mooncake-any", "ours", shared=True, flags=WRITE_THROUGH, store=Store.MOONCAKE,
-                  mooncake=(("placement", "any"),)),
+    ClusterConfig("ours-mooncake-local", "ours", shared=True, flags=WRITE_THROUGH, store=Store.MOONCAKE,
+                  mooncake=(("placement", "local"),)),
     ClusterConfig("ours-shared-sticky", "ours", shared=True, flags=WRITE_THROUGH, dispatch=Dispatch.STICKY),
     ClusterConfig("ours-mooncake-sticky", "ours", shared=True, flags=WRITE_THROUGH, store=Store.MOONCAKE,
                   dispatch=Dispatch.STICKY),
-    ClusterConfig("ours-mooncake-any-sticky", "ours", shared=True, flags=WRITE_THROUGH, store=Store.MOONCAKE,
-                  mooncake=(("placement", "any"),), dispatch=Dispatch.STICKY),
+    ClusterConfig("ours-mooncake-local-sticky", "ours", shared=True, flags=WRITE_THROUGH, store=Store.MOONCAKE,
+                  mooncake=(("placement", "local"),), dispatch=Dispatch.STICKY),
     ClusterConfig("hicache-mooncake", STRONGEST_HICACHE, shared=True, store=Store.MOONCAKE),
     ClusterConfig("lmcache-shared", STRONGEST_LMCACHE, shared=True, store=Store.LMCACHE),
     ClusterConfig("route-round-robin", "ours", shared=False, dispatch=SHUFFLED),

@@ -24,12 +24,14 @@ LOAD_CALLS = ("merged", "by_group")
 """How the tier reads the chunks of a batch of loads that need no layer-group order (a restore that
 is not layer-wise): all its groups in one call (up to `LOAD_BATCH_BYTES`), or a call a group as a
 layer-wise restore's (tier/mooncake/load.py); kept to compare the two side by side."""
-PLACEMENTS = ("local", "any")
-"""Where the tier's objects are stored: "local" asks the master for this client's own segment first
-(it falls back to another segment when that one is full; the objects then leave the store with this
-client, as those in its segment always did), "any" leaves the choice to the master's allocation
-strategy. A server restores mostly what it spilled itself: from its own segment that is a memory
-copy, from another client's a transfer (tier/mooncake/client.py)."""
+PLACEMENTS = ("any", "local")
+"""Where the tier's objects are stored: "any" (the default) leaves the choice to the master's
+allocation strategy, as Mooncake's own clients do; "local" asks it for this client's own segment
+first (it falls back to another segment when that one is full). A load from the reader's own
+segment is a memory copy, from another client's a transfer (tier/mooncake/client.py): "local" makes
+a server's loads of what it spilled itself 3x faster at the tier, but on the benchmarks here it did
+not shorten a resumed turn, and loads of what another server spilled always cross the network, and
+every object a server wrote leaves the store with it (docs/RESULTS.md, docs/OPERATIONS.md)."""
 _MOONCAKE_DEFAULTS: dict[str, Any] = {
     "metadata_server": "P2PHANDSHAKE", "protocol": "tcp", "local_hostname": "localhost",
     "global_segment_size": 4 * GiB, "local_buffer_size": 64 * MiB,
@@ -54,7 +56,7 @@ class MooncakeConfig:
     load_calls: str = (
         "merged"  # a restore's chunks not needed group by group: "merged" (one call), "by_group"
     )
-    placement: str = "local"  # where stores go: "local" (this client's segment first) or "any" (PLACEMENTS)
+    placement: str = "any"  # where stores go: "any" (the master's choice) or "local" (PLACEMENTS)
 
     @classmethod
     def from_user(cls, data: object) -> MooncakeConfig:

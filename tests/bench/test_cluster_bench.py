@@ -65,9 +65,9 @@ def test_the_configurations(tmp_path: Path) -> None:
         ("ours-shared", "ours", True, dir_, rr, alt), ("ours-shared-write-back", "ours", True, dir_, rr, alt),
         ("ours-separate", "ours", False, dir_, rr, alt), ("hicache-shared", "hicache-wait-r2", True, dir_, rr, alt),
         ("ours-mooncake", "ours", True, mooncake, rr, alt), ("ours-mooncake-by-group", "ours", True, mooncake, rr, alt),
-        ("ours-mooncake-any", "ours", True, mooncake, rr, alt),
+        ("ours-mooncake-local", "ours", True, mooncake, rr, alt),
         ("ours-shared-sticky", "ours", True, dir_, rr, sticky), ("ours-mooncake-sticky", "ours", True, mooncake, rr, sticky),
-        ("ours-mooncake-any-sticky", "ours", True, mooncake, rr, sticky),
+        ("ours-mooncake-local-sticky", "ours", True, mooncake, rr, sticky),
         ("hicache-mooncake", "hicache-wait-r2", True, mooncake, rr, alt),
         ("lmcache-shared", "lmcache-disk", True, lmcache, rr, alt),
         ("route-round-robin", "ours", False, dir_, rr, shuf), ("route-approx-tree", "ours", False, dir_, approx, shuf),
@@ -81,10 +81,10 @@ def test_the_configurations(tmp_path: Path) -> None:
         == policies["ours-separate"]
         == policies["ours-mooncake"]
         == policies["ours-mooncake-by-group"]
-        == policies["ours-mooncake-any"]
+        == policies["ours-mooncake-local"]
         == policies["ours-shared-sticky"]
         == policies["ours-mooncake-sticky"]
-        == policies["ours-mooncake-any-sticky"]
+        == policies["ours-mooncake-local-sticky"]
         == cluster.WRITE_THROUGH
     )
     assert (
@@ -434,21 +434,21 @@ def test_ours_mooncake_by_group_is_ours_mooncake_reading_a_call_a_layer_group(
     assert seen["ours-mooncake-by-group"] == [{**c, "load_calls": "by_group"} for c in merged]
 
 
-def test_ours_mooncake_any_is_ours_mooncake_leaving_placement_to_the_master(
+def test_ours_mooncake_local_is_ours_mooncake_asking_for_its_own_segment(
     tmp_path: Path, fake_cluster: FakeCluster
 ) -> None:
-    """Issue 40's placement side by side: the same store settings, but `placement` any (local, the
+    """Issue 40's placement side by side: the same store settings, but `placement` local (any, the
     default, is not written out)."""
     spec = spec_from(parser().parse_args(["--servers", "2", "--concurrency", "2", "--out", str(tmp_path)]))
     seen = {}
-    for name in ("ours-mooncake", "ours-mooncake-any"):
+    for name in ("ours-mooncake", "ours-mooncake-local"):
         fake_cluster.clear()
         cluster.run_config(cluster.BY_NAME[name], spec, tmp_path, tmp_path, 0, ((0,), (1,)))
         seen[name] = [json.loads(flag_value(s[3], "--hicache-spill-mooncake-config") or "{}")
                       for s in fake_cluster.servers]  # fmt: skip
-    local = seen["ours-mooncake"]
-    assert local[0]["master"] == "127.0.0.1:1" and "placement" not in local[0]
-    assert seen["ours-mooncake-any"] == [{**c, "placement": "any"} for c in local]
+    default = seen["ours-mooncake"]
+    assert default[0]["master"] == "127.0.0.1:1" and "placement" not in default[0]
+    assert seen["ours-mooncake-local"] == [{**c, "placement": "local"} for c in default]
 
 
 def test_two_servers_share_a_single_cpu(monkeypatch: pytest.MonkeyPatch) -> None:

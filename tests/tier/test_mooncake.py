@@ -48,7 +48,7 @@ def make_tier(master: MooncakeMaster, tmp_path: Path) -> Iterator[MakeTier]:
     opened: list[IndexedTier] = []
 
     def make(ns: Namespace = NS, segment_bytes: int = 64 << 20, master_: MooncakeMaster | None = None,
-             placement: str = "local", **kw: Any) -> IndexedTier:  # fmt: skip
+             placement: str = "any", **kw: Any) -> IndexedTier:  # fmt: skip
         kw.setdefault("directory", tmp_path / "tier")
         kw.setdefault("chunk_bytes", CHUNK)
         kw.setdefault("io_threads", 4)
@@ -334,12 +334,12 @@ def test_a_restart_loses_what_its_own_segment_held_but_no_manifest_record(
     make_tier: MakeTier, holder: StoreClient
 ) -> None:
     """A tier whose client gives the store memory takes what its segment held when it closes (a
-    Mooncake object lives in one client's segment; `placement` local, the default, put every
-    object there: it had room); the manifest's records are kept in two segments, so the next tier
+    Mooncake object lives in one client's segment; `placement` local put every object there: it
+    had room); the manifest's records are kept in two segments, so the next tier
     still reads every entry, and indexes none of them (a warm start indexing, and loading exactly,
     what outlived its writer: the test above)."""
     ns = fresh_ns("own-segment")
-    first = make_tier(ns, segment_bytes=64 << 20)
+    first = make_tier(ns, segment_bytes=64 << 20, placement="local")
     keys = [store(first, i, CHUNK + i) for i in range(12)]
     seal = first._seal  # type: ignore[attr-defined]
     first.close(5)

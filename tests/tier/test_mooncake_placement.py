@@ -1,11 +1,10 @@
 """Where the Mooncake tier's objects live (`MooncakeConfig.placement`, issue 40), on a real master.
 
-A server restores mostly what it spilled itself; an object in its own segment is read by a memory
-copy, one in another client's over the transfer engine (several times slower on one host,
-docs/RESULTS.md). `local` (the default) asks the master for the writer's own segment first and falls
-back to another segment when it is full; `any` leaves placement to the master. Each test has a
-`holder` beside the tier: a client with a larger segment, where the master's own choice would put
-many objects.
+An object in the reader's own segment is read by a memory copy, one in another client's over the
+transfer engine (several times slower on one host, docs/RESULTS.md). `any` (the default) leaves
+placement to the master; `local` asks it for the writer's own segment first and falls back to
+another segment when that one is full. Each test has a `holder` beside the tier: a client with a
+larger segment, where the master's own choice would put many objects.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ def test_local_placement_puts_every_object_in_the_writers_own_segment(
 ) -> None:
     """The headers and chunks of a tier with room in its segment are all there (the master alone
     spread objects over both segments, measured: 6 of 16 in the other's), and load exactly."""
-    tier = make_tier(fresh_ns("local"), segment_bytes=64 << 20)
+    tier = make_tier(fresh_ns("local"), segment_bytes=64 << 20, placement="local")
     client: StoreClient = tier._client  # type: ignore[attr-defined]
     assert client.segment  # its own segment's name, as the master knows it
     keys = [store(tier, i, 3 * CHUNK + 1 + i) for i in range(12)]
@@ -54,7 +53,7 @@ def test_local_placement_puts_every_object_in_the_writers_own_segment(
 def test_a_full_own_segment_falls_back_to_another(make_tier: MakeTier, holder: StoreClient) -> None:
     """Stores go on when the writer's segment is full (the master places them elsewhere): every
     store succeeds and loads exactly, wherever its objects went."""
-    tier = make_tier(fresh_ns("fallback"), segment_bytes=16 << 20)  # Mooncake's least
+    tier = make_tier(fresh_ns("fallback"), segment_bytes=16 << 20, placement="local")  # 16M: Mooncake's least
     own: str = tier._client.segment  # type: ignore[attr-defined]
     nbytes = 32 * CHUNK  # 2 MiB: 12 of them overflow 16 MiB
     keys = [store(tier, i, nbytes) for i in range(12)]
@@ -118,5 +117,5 @@ def test_placement_is_what_each_write_asks_the_master_for(
 
 def test_a_client_without_a_segment_prefers_none(make_tier: MakeTier) -> None:
     """A client that gives the store no memory has no segment to prefer: placement is the master's."""
-    tier = make_tier(fresh_ns("no-segment"), segment_bytes=0)
+    tier = make_tier(fresh_ns("no-segment"), segment_bytes=0, placement="local")
     assert tier._client.segment == ""  # type: ignore[attr-defined]
