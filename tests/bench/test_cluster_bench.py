@@ -417,38 +417,26 @@ def test_hicache_mooncake_is_sglangs_mooncake_l3_on_a_master_of_its_own_like_our
     assert extra["global_segment_size"] == cluster.MOONCAKE_SEGMENT
 
 
-def test_ours_mooncake_by_group_is_ours_mooncake_reading_a_call_a_layer_group(
-    tmp_path: Path, fake_cluster: FakeCluster
+@pytest.mark.parametrize(
+    ("variant", "setting"),
+    [("ours-mooncake-by-group", ("load_calls", "by_group")), ("ours-mooncake-local", ("placement", "local")),
+     ("ours-mooncake-local-sticky", ("placement", "local"))],
+)  # fmt: skip
+def test_an_ours_mooncake_variant_is_ours_mooncake_with_one_setting_more(
+    tmp_path: Path, fake_cluster: FakeCluster, variant: str, setting: tuple[str, str]
 ) -> None:
-    """Issue 40's switch side by side: the same store settings, but `load_calls` by_group (merged,
-    the default, is not written out)."""
+    """Issue 40's switches side by side: the same store settings, but one (`load_calls` by_group;
+    `placement` local); the defaults (merged, any) are not written out."""
     spec = spec_from(parser().parse_args(["--servers", "2", "--concurrency", "2", "--out", str(tmp_path)]))
     seen = {}
-    for name in ("ours-mooncake", "ours-mooncake-by-group"):
+    for name in ("ours-mooncake", variant):
         fake_cluster.clear()
         cluster.run_config(cluster.BY_NAME[name], spec, tmp_path, tmp_path, 0, ((0,), (1,)))
         seen[name] = [json.loads(flag_value(s[3], "--hicache-spill-mooncake-config") or "{}")
                       for s in fake_cluster.servers]  # fmt: skip
-    merged = seen["ours-mooncake"]
-    assert merged[0]["master"] == "127.0.0.1:1" and "load_calls" not in merged[0]
-    assert seen["ours-mooncake-by-group"] == [{**c, "load_calls": "by_group"} for c in merged]
-
-
-def test_ours_mooncake_local_is_ours_mooncake_asking_for_its_own_segment(
-    tmp_path: Path, fake_cluster: FakeCluster
-) -> None:
-    """Issue 40's placement side by side: the same store settings, but `placement` local (any, the
-    default, is not written out)."""
-    spec = spec_from(parser().parse_args(["--servers", "2", "--concurrency", "2", "--out", str(tmp_path)]))
-    seen = {}
-    for name in ("ours-mooncake", "ours-mooncake-local"):
-        fake_cluster.clear()
-        cluster.run_config(cluster.BY_NAME[name], spec, tmp_path, tmp_path, 0, ((0,), (1,)))
-        seen[name] = [json.loads(flag_value(s[3], "--hicache-spill-mooncake-config") or "{}")
-                      for s in fake_cluster.servers]  # fmt: skip
-    default = seen["ours-mooncake"]
-    assert default[0]["master"] == "127.0.0.1:1" and "placement" not in default[0]
-    assert seen["ours-mooncake-local"] == [{**c, "placement": "local"} for c in default]
+    default, (key, value) = seen["ours-mooncake"], setting
+    assert default[0]["master"] == "127.0.0.1:1" and key not in default[0]
+    assert seen[variant] == [{**c, key: value} for c in default]
 
 
 def test_two_servers_share_a_single_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
