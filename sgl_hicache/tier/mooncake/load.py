@@ -25,7 +25,9 @@ batch of such loads costs two calls (the headers; every group's chunks, load by 
 Per load nothing is shared: each reply is checked and each chunk verified on its own before
 `landed` counts its bytes (the verified byte prefix, `progress.LoadProgress`; nothing before the
 end for a load that rearranges its bytes); a missing or bad object fails its own load only (with
-that load's other pieces of the call); a load failed earlier reads nothing more. The job that
+that load's other pieces of the call); a load failed earlier reads nothing more. A load one of
+whose chunks read straight into its destination got a reply that the store gave up on the transfer
+(`objects.written_late`) completes `dest_unsafe`, however it ends. The job that
 records a load's last piece ends it: an OK completion, or the first error, classified by the tier
 (`Ends`). The store's and the checks' errors are the loads' outcomes, never raised, so only a bug
 raises, and it strands no load: one raising where loads are handled together (planning a call's
@@ -326,6 +328,10 @@ class Loads:
             per_piece = objects.read_pieces(self._reader.client, reads, self._reader.scratch)
         except Exception as e:  # the binding raised: no piece of the call was read
             per_piece = [e] * len(reads)
+        loads = [load for load, indices in parts for _ in indices]
+        for load, r, error in zip(loads, reads, per_piece, strict=True):
+            if objects.written_late(r, error):  # before its end is posted
+                self._returned.dest_unsafe(load.ticket)
         out, at = [], 0
         for _, indices in parts:
             out.append(next((e for e in per_piece[at : at + len(indices)] if e is not None), None))
