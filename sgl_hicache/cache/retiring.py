@@ -26,7 +26,7 @@ class Retiring:
     def __init__(self, staging: StagingPool, metrics: SpillMetrics) -> None:
         self.staging = staging
         self.metrics = metrics
-        self._spoil_logged = False
+        self._spoil_logged = self._spoil_share_logged = False
         self._readers: dict[int, Copy] = {}  # staging block (data_ptr) -> the last unpack reading it
         self._waiting: list[
             tuple[torch.Tensor, list[Copy]]
@@ -60,6 +60,12 @@ class Retiring:
             self._readers.pop(buf.data_ptr(), None)
         nbytes = self.staging.spoil(buf)
         self.metrics.inc("staging_spoiled_bytes", nbytes)
+        gone = self.staging.spoiled_bytes
+        if nbytes and not self._spoil_share_logged and gone * 4 > gone + self.staging.capacity_bytes:
+            self._spoil_share_logged = True
+            logger.error("sgl_hicache: over a quarter of staging (%d B) is set aside for reads whose "
+                         "transfers the tier gave up on; restores and spills now have %d B (restart "
+                         "the server to get it back; see the tier's I/O errors)", gone, self.staging.capacity_bytes)  # fmt: skip
         if nbytes and not self._spoil_logged:
             self._spoil_logged = True
             logger.warning("sgl_hicache: a tier read failed with its transfer maybe still writing its staging "

@@ -167,3 +167,27 @@ def test_tp_ranks_where_one_sets_a_block_aside_keep_equal_trees_and_exact_kv(
     assert record[1][:2] == (len(B), expected_kv(B))
     spoiled = [s.metrics.totals["staging_spoiled_bytes"] for s in ranks.stacks]
     assert spoiled[0] > 0 and spoiled[1] == 0
+
+
+def test_an_error_is_logged_once_when_a_quarter_of_staging_is_set_aside(caplog: Any) -> None:
+    """Blocks set aside never come back while the server lives: past a quarter of staging an error
+    says so (once), beside the first warning (once); what is left is staging's capacity."""
+    import logging
+
+    from sgl_hicache.cache.metrics import SpillMetrics
+    from sgl_hicache.cache.retiring import Retiring
+
+    page = StagingPool.block_bytes(1)
+    staging = StagingPool(8 * page)
+    retiring = Retiring(staging, SpillMetrics())
+    blocks = [staging.acquire(page) for _ in range(4)]
+    with caplog.at_level(logging.WARNING, logger="sgl_hicache"):
+        for i, buf in enumerate(blocks):
+            assert buf is not None
+            retiring.spoil(buf)
+            errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+            assert len(errors) == (1 if i >= 2 else 0), (i, errors)  # 3 of 8 pages: past a quarter
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert staging.capacity_bytes == 4 * page and staging.spoiled_bytes == 4 * page
+    staging.check_integrity()

@@ -39,6 +39,7 @@ from sgl_hicache.tier.mooncake.client import (
     INVALID_PARAMS,
     NO_ANSWER,
     OBJECT_NOT_FOUND,
+    RPC_FAIL,
     Reply,
     StoreClient,
     connect,
@@ -385,9 +386,10 @@ GAVE_UP = -800  # TRANSFER_FAIL: Mooncake's answer when its transfer timed out, 
         (NO_ANSWER, None, Status.IO_ERROR, True),
         (OBJECT_NOT_FOUND, None, Status.MISS, False),
         (INVALID_PARAMS, None, Status.CORRUPT, False),
+        (RPC_FAIL, None, Status.IO_ERROR, False),
         (GAVE_UP, 10, Status.IO_ERROR, False),
     ],
-    ids=["gave-up", "no-answer", "gone", "refused", "gave-up-into-scratch"],
+    ids=["gave-up", "no-answer", "gone", "refused", "no-master", "gave-up-into-scratch"],
 )
 @pytest.mark.parametrize("reads", ["layer-wise", "merged"])
 def test_a_load_whose_transfer_the_store_gave_up_on_says_its_destination_may_still_be_written(
@@ -396,7 +398,7 @@ def test_a_load_whose_transfer_the_store_gave_up_on_says_its_destination_may_sti
     """The store answers a failure for the first chunk of extent 3's group 2 while its transfer may
     still run: read straight into the destination, that load (only) completes `dest_unsafe`, so
     its caller never reuses the memory. Not for an object gone, nor one refused before any transfer
-    (INVALID_PARAMS: larger than its slot), nor a chunk read through the scratch buffer (a page
+    (INVALID_PARAMS: larger than its slot; RPC_FAIL: no master, an outage must not eat staging), nor a chunk read through the scratch buffer (a page
     prefix's part of it: that buffer is spoiled instead, scratch.py)."""
     load_calls, group_order, _ = READS[reads]
     b = batch(1, load_calls=load_calls)

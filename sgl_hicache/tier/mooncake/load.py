@@ -34,7 +34,8 @@ raises, and it strands no load: one raising where loads are handled together (pl
 headers, a group's runs, a call's pieces) is the error of each load of that step (IO_ERROR; each
 then reads nothing more), and each load's planning, recording and end run under its own ticket's
 `Returned.guard` (a raise there fails that load alone, IO_ERROR, counted); every job, too, as a
-last resort. No completion is posted while another job may still write the load's destination.
+last resort. No completion is posted while another job may still write the load's destination
+(a transfer the store gave up on may: that completion says `dest_unsafe`).
 """
 
 from __future__ import annotations
