@@ -123,6 +123,7 @@ def test_every_metric_of_ours_the_dashboard_reads_is_exported(exported: Callable
             "restore_staging_waits",
             "restores_too_large",
             "spills_refused_reserved",
+            "staging_spoiled_bytes",
         )
     } | {
         f"{OURS}{STAGING_HELD[0]}",

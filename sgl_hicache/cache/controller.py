@@ -89,14 +89,14 @@ class SpillController:
         # every extent this controller writes and reads is laid out in these layer groups (format v6)
         self.layout = view.groups(default_group_layers(len(view.layers), layer_groups))
         self.engine = CopyEngine(view, streams or streams_for(view.device), self.layout)
+        self.retiring = Retiring(staging, metrics)  # blocks given back once their copies are done
         # group_major: layer-wise restores start once group 0 of every extent landed: read that first
-        self.reads = ExtentReads(tier, view, staging, metrics, prefetch_ttl_s, self.retire, self.layout,
-                                 group_major, restore_wait_s)  # fmt: skip
+        self.reads = ExtentReads(tier, view, staging, metrics, prefetch_ttl_s, self.retire,
+                                 self.retiring.spoil, self.layout, group_major, restore_wait_s)  # fmt: skip
         self.restores = Restores(allocator, self.engine, prefetch_ttl_s)
         self.lookups = Lookups()
         self._packing: list[_Store] = []  # stores whose pack is not done yet (submitted by `poll`)
         self._writing: dict[Ticket, Extent] = {}
-        self.retiring = Retiring(staging)  # blocks given back once their copies are done
         # what a store may take of staging (not the room a waiting restore's read needs), its refusals
         wanted = (lambda: self.reads.room_wanted_bytes) if restore_reserve else None
         self.take_back = TakeBack(

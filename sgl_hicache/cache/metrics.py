@@ -74,7 +74,7 @@ TIER_COUNTERS = {  # TierStats running totals: (metric name, help), exported as 
 STAGING_GAUGES = {
     "staging_used_bytes": "host staging in use (extents on their way to the tier, reads on their way back)",
     "staging_peak_bytes": "the most host staging in use at once since start (size --hicache-spill-staging by it)",
-    "staging_capacity_bytes": "host staging there is (--hicache-spill-staging)",
+    "staging_capacity_bytes": "host staging there is (--hicache-spill-staging, less staging_spoiled_bytes)",
 }
 STAGING_REFUSALS = (
     "staging_refusals",
@@ -192,6 +192,8 @@ COUNTERS = {
     "(other reads and writes held it): it waited for room, then streamed (prefetches yield meanwhile)",
     "restores_too_large": "restores recomputed because one extent's read is larger than all of staging "
     "(raise --hicache-spill-staging)",
+    "staging_spoiled_bytes": "host staging set aside for good: blocks of failed reads whose transfer the "
+    "tier gave up on and may still write them (a Mooncake transfer timeout); staging is that much smaller",
     # Layer-wise restores (--hicache-spill-layerwise, cache/layerwise.py):
     "layerwise_restores": "restores admitted layer-wise (the prefill starting once their first layer group landed)",
     "layerwise_overlapped_restores": "layer-wise restores admitted before their last layer group landed: "

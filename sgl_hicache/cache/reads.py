@@ -14,7 +14,8 @@ Contract (every method runs on the scheduler thread and never blocks on I/O):
   in flight: a grouped payload lands group 0 first); nothing else may be read from a buffer before
   its read completed OK;
 - a read's buffer goes back through `release` (the controller's: it waits for any unpack still
-  copying from it), never straight to staging;
+  copying from it), never straight to staging; one whose transfer may still write it
+  (`Completion.dest_unsafe`) never goes back (`spoil`);
 - a restore's reads start in its refs' order (the prefix first) as long as staging has room; the
   first that finds none stops it (`Readiness.STREAMING`: the caller unpacks what lands and gives
   those reads back, `finish_extent`, then asks again), and prefetches start no new read while a
@@ -121,7 +122,7 @@ def needs(refs: Sequence[SpillRef]) -> dict[int, tuple[Extent, int]]:
 class ExtentReads:
     def __init__(self, tier: Tier, view: KVPoolView, staging: StagingPool, metrics: SpillMetrics,
                  ttl_s: float, release: Callable[[torch.Tensor], None],
-                 layout: LayerGroups | None = None, group_major: bool = False,
+                 spoil: Callable[[torch.Tensor], None], layout: LayerGroups | None = None, group_major: bool = False,
                  wait_s: float | None = None) -> None:  # fmt: skip
         """`wait_s`: the longest a restore waits for its reads (`RestorePolicy.restore_wait_s`; None:
         `ttl_s`): a read that waited longer for room is wanted by no restore that is still waiting."""
@@ -129,7 +130,7 @@ class ExtentReads:
         self.view = view
         self.layout = layout or view.groups(0)  # the layer groups every buffer is laid out in
         self.staging = staging
-        self.release = release
+        self.release, self.spoil = release, spoil
         self.metrics = metrics
         self.ttl_s = ttl_s
         self.wait_ttl_s = ttl_s if wait_s is None else min(ttl_s, wait_s)  # of `_waiting`'s entries
@@ -158,7 +159,7 @@ class ExtentReads:
         if self._spans:
             self._count_spans()
         if not read.usable:
-            self.release(read.buf)
+            self._give_back(read)
         return True
 
     def holding(self) -> list[PendingRead]:
@@ -408,9 +409,13 @@ class ExtentReads:
         """Release a read's staging now if it finished, else when its completion arrives."""
         read.usable = False
         if read.done is not None or read.ticket not in self._tickets:
-            self.release(read.buf)
+            self._give_back(read)
         if self._reads.get(id(read.extent)) is read:
             del self._reads[id(read.extent)]
+
+    def _give_back(self, read: PendingRead) -> None:
+        """`release` a read's buffer; `spoil` it where a transfer may still write it."""
+        (self.spoil if read.done is not None and read.done.dest_unsafe else self.release)(read.buf)
 
     def clear(self) -> None:
         """Give up every read (a flush): staging comes back as their completions arrive."""

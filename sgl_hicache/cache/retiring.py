@@ -1,21 +1,32 @@
 """Staging blocks on their way back: a block goes back to staging only once every copy using it is
 done (the pack that filled it, the last unpack that read it), so no device copy ever reads or writes
 a block another store or read has taken since. The controller owns one; the copies are
-`CopyEngine`'s (on CPU they are done when enqueued)."""
+`CopyEngine`'s (on CPU they are done when enqueued).
+
+A read's block that a transfer the tier gave up on may still write (`Completion.dest_unsafe`) never
+goes back (`spoil`): no later read or pack could then find bytes changed after they were verified
+or packed. Each rank of a TP group sets aside its own; nothing agreed depends on staging's size
+(a read or a spill it refuses is a local verdict, agreed as any other)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import torch
 
 from sgl_hicache.cache.device import Copy
+from sgl_hicache.cache.metrics import SpillMetrics
 from sgl_hicache.cache.staging import StagingPool
+
+logger = logging.getLogger(__name__)
 
 
 class Retiring:
-    def __init__(self, staging: StagingPool) -> None:
+    def __init__(self, staging: StagingPool, metrics: SpillMetrics) -> None:
         self.staging = staging
+        self.metrics = metrics
+        self._spoil_logged = self._spoil_share_logged = False
         self._readers: dict[int, Copy] = {}  # staging block (data_ptr) -> the last unpack reading it
         self._waiting: list[
             tuple[torch.Tensor, list[Copy]]
@@ -40,6 +51,26 @@ class Retiring:
             self._waiting.append((buf, pending))
         else:
             self.staging.release(buf)
+
+    def spoil(self, buf: torch.Tensor) -> None:
+        """Never give a read's staging block back: a transfer may still write it. Set aside for good
+        (`StagingPool.spoil`; an unpack still reading its verified part needs nothing more: nobody
+        else will take it), counted in `staging_spoiled_bytes`, logged once."""
+        if buf.numel():
+            self._readers.pop(buf.data_ptr(), None)
+        nbytes = self.staging.spoil(buf)
+        self.metrics.inc("staging_spoiled_bytes", nbytes)
+        gone = self.staging.spoiled_bytes
+        if nbytes and not self._spoil_share_logged and gone * 4 > gone + self.staging.capacity_bytes:
+            self._spoil_share_logged = True
+            logger.error("sgl_hicache: over a quarter of staging (%d B) is set aside for reads whose "
+                         "transfers the tier gave up on; restores and spills now have %d B (restart "
+                         "the server to get it back; see the tier's I/O errors)", gone, self.staging.capacity_bytes)  # fmt: skip
+        if nbytes and not self._spoil_logged:
+            self._spoil_logged = True
+            logger.warning("sgl_hicache: a tier read failed with its transfer maybe still writing its staging "
+                           "block: %d B of staging set aside for good (%d B left; later ones are only "
+                           "counted in staging_spoiled_bytes)", nbytes, self.staging.capacity_bytes)  # fmt: skip
 
     def release_done(self) -> None:
         """Give back the blocks whose copies are done now."""

@@ -11,6 +11,9 @@ HiCache host pool is one pinned allocation for the same reason.
 
 Blocks are first-fit over a free list kept sorted and coalesced, so fragmentation can refuse a
 block while as many bytes are free in pieces; `refused` counts those refusals with the others.
+
+A block that a transfer the tier gave up on may still write (`Completion.dest_unsafe`) is never
+given back: `spoil` sets it aside for good, and staging shrinks by it (`capacity_bytes`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class StagingPool:
         self._arena = torch.frombuffer(alloc_aligned(max(self._size, ALIGN)), dtype=torch.uint8)
         self._free: list[tuple[int, int]] = [(0, self._size)]  # (offset, size), by offset
         self._blocks: dict[int, tuple[int, int]] = {}  # data_ptr -> (offset, size) of blocks in use
+        self._spoiled: list[tuple[int, int]] = []  # (offset, size) of blocks set aside for good
         self._used = 0
         self._held = 0  # bytes of the blocks in use (whole pages)
         self.peak_bytes = 0  # high-water mark since start (to size the budget from measurement)
@@ -51,7 +55,12 @@ class StagingPool:
     def free_block_bytes(self) -> int:
         """The arena's bytes in no block: what blocks (whole pages, `block_bytes`) may still take,
         in pieces if it is fragmented."""
-        return self._size - self._held
+        return self._size - self._held - self.spoiled_bytes
+
+    @property
+    def spoiled_bytes(self) -> int:
+        """The bytes of the blocks set aside for good (`spoil`): no longer staging."""
+        return sum(size for _, size in self._spoiled)
 
     @staticmethod
     def block_bytes(nbytes: int) -> int:
@@ -132,10 +141,25 @@ class StagingPool:
             assert self._used >= 0, f"staging accounting went negative: {self._used}"
             _free_span(self._free, (offset, size))
 
-    def check_integrity(self) -> None:
-        """Free blocks and blocks in use tile the arena exactly; AssertionError with the numbers."""
+    def spoil(self, buf: torch.Tensor) -> int:
+        """Set block `buf` (in use) aside for good instead of releasing it: a transfer may still
+        write it. It is never handed out again; its bytes leave `used_bytes` and `capacity_bytes`
+        (staging is that much smaller from now). Returns them (whole pages)."""
+        if buf.numel() == 0:
+            return 0
         with self._lock:
-            spans = sorted([*self._free, *self._blocks.values()])
+            offset, size = self._blocks.pop(buf.data_ptr())
+            self._used -= buf.numel()
+            self._held -= size
+            self._spoiled.append((offset, size))
+            self.capacity_bytes = max(0, self.capacity_bytes - size)
+        return size
+
+    def check_integrity(self) -> None:
+        """Free blocks, blocks in use and blocks set aside tile the arena exactly; AssertionError
+        with the numbers."""
+        with self._lock:
+            spans = sorted([*self._free, *self._blocks.values(), *self._spoiled])
             end = 0
             for offset, size in spans:
                 assert offset == end, f"staging block at {offset} where {end} was expected"

@@ -152,7 +152,8 @@ class Tier(abc.ABC):
         mismatch, drops the extent and reports CORRUPT; a file whose recorded parent, token count
         and token digest do not hash to `key`, or whose payload is shorter than `nbytes`, is
         dropped and reported MISMATCH. Both checks precede the first payload byte read. The content of `dest`
-        is then undefined. An extent evicted meanwhile (here or by another
+        is then undefined, and where the completion says `dest_unsafe` it may still change after
+        the completion: that memory must never be reused (results.py). An extent evicted meanwhile (here or by another
         process sharing the directory), or whose store has not completed yet, is a clean MISS. Loads are served before stores, but a
         waiting store is never passed over indefinitely. A load refreshes the extent's LRU age.
         """

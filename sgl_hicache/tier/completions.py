@@ -1,7 +1,8 @@
 """Tickets and completions: issued on submit, posted by I/O threads, drained by the caller; and the
 bookkeeping every backend keeps beside them (`Returned`: the loads whose completion the caller has
 not taken yet, which `Tier.landed` asks; `Returned.guard`: the jobs that end an operation, which end
-it even when they raise)."""
+it even when they raise; `Returned.dest_unsafe`: the loads whose destination a transfer may still
+write, whatever ends them)."""
 
 from __future__ import annotations
 
@@ -91,12 +92,14 @@ class Returned(Generic[L]):
     loads in flight (`loading`: ticket -> the backend's record of it, guarded by the backend's
     `lock`), each forgotten once its completion is returned; `landed` reads a record's verified
     prefix with `progress`. Faults `guard` catches are counted in `counters` and logged by `faults`
-    (once per kind a minute, with the traceback), as failures on `where`."""
+    (once per kind a minute, with the traceback), as failures on `where`. A load marked
+    `dest_unsafe` is returned with `Completion.dest_unsafe` set, whoever posted it."""
 
     def __init__(self, lock: threading.Lock, progress: Callable[[L], int], counters: Counters,
                  faults: FaultLog, where: str) -> None:  # fmt: skip
         self.queue = CompletionQueue()
         self.loading: dict[Ticket, L] = {}
+        self._unsafe: set[Ticket] = set()  # loads whose destination a transfer may still write
         self._lock, self._progress = lock, progress
         self._counters, self._faults, self._where = counters, faults, where
 
@@ -133,11 +136,19 @@ class Returned(Generic[L]):
     def wait(self, ticket: Ticket, timeout: float | None = None) -> Completion:
         return self._returned([self.queue.wait(ticket, timeout)])[0]
 
+    def dest_unsafe(self, ticket: Ticket) -> None:
+        """A transfer of load `ticket` that the store gave up on may still write its destination:
+        its completion says so (`Completion.dest_unsafe`). Call before the load's end is posted."""
+        with self._lock:
+            self._unsafe.add(ticket)
+
     def _returned(self, done: list[Completion]) -> list[Completion]:
         with self._lock:
             for c in done:
                 self.loading.pop(c.ticket, None)
-        return done
+            unsafe = {c.ticket for c in done if c.ticket in self._unsafe}
+            self._unsafe -= unsafe
+        return [replace(c, dest_unsafe=True) if c.ticket in unsafe else c for c in done]
 
     def landed(self, ticket: Ticket) -> int:
         with self._lock:

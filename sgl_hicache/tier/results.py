@@ -53,7 +53,13 @@ class Status(enum.Enum):
 @dataclass(frozen=True)
 class Completion:
     """Result of one operation. `nbytes`: payload bytes stored, or loaded into the destination;
-    `at`: when the tier posted it (`time.monotonic()`, on the thread that ended the operation)."""
+    `at`: when the tier posted it (`time.monotonic()`, on the thread that ended the operation).
+
+    `dest_unsafe` (a failed load only): the load's destination may still be written after this
+    completion, by a transfer the tier gave up on that may yet land (a Mooncake transfer timed out).
+    The caller must never hand that memory to anyone again (another load, a payload being packed):
+    bytes written into it later would change them. Never set where every transfer ended with its
+    call (the file tier's reads are synchronous)."""
 
     ticket: Ticket
     op: Op
@@ -62,6 +68,7 @@ class Completion:
     nbytes: int = 0
     detail: str = ""
     at: float = field(default_factory=time.monotonic, compare=False)
+    dest_unsafe: bool = False
 
     @property
     def ok(self) -> bool:

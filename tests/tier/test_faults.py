@@ -147,6 +147,30 @@ def test_eio_is_a_result_and_keeps_the_extent(make_tier, monkeypatch):
     tier.check_integrity()  # no temp file, no reservation left behind
 
 
+def test_a_file_tiers_loads_never_say_their_destination_may_still_be_written(make_tier, monkeypatch):
+    """Its reads end with their call: whatever a load's outcome, nothing writes its destination
+    after its completion (`Completion.dest_unsafe` False), unlike a Mooncake transfer given up on."""
+    import errno
+
+    from sgl_hicache.tier.file import load as load_module
+
+    tier = make_tier()
+    assert store(tier, 1) is Status.OK
+
+    def loaded(i: int):
+        return tier.wait(tier.submit_load(key_for(i), bytearray(5000)), timeout=30)
+
+    def eio(*_args):
+        raise OSError(errno.EIO, "Input/output error")
+
+    done = [loaded(1), loaded(2)]
+    with monkeypatch.context() as m:
+        m.setattr(load_module, "pread_exact", eio)
+        done.append(loaded(1))
+    assert [c.status for c in done] == [Status.OK, Status.MISS, Status.IO_ERROR]
+    assert [c.dest_unsafe for c in done] == [False] * 3
+
+
 def test_a_bug_in_a_job_is_logged_and_completed(make_tier, monkeypatch, caplog):
     from sgl_hicache.tier.file import backend as nvme_module
 

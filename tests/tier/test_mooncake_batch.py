@@ -35,7 +35,15 @@ from sgl_hicache.tier.mooncake import backend as mooncake_backend
 from sgl_hicache.tier.mooncake import load as mooncake_load
 from sgl_hicache.tier.mooncake import objects
 from sgl_hicache.tier.mooncake import scratch as scratch_mod
-from sgl_hicache.tier.mooncake.client import StoreClient, connect
+from sgl_hicache.tier.mooncake.client import (
+    INVALID_PARAMS,
+    NO_ANSWER,
+    OBJECT_NOT_FOUND,
+    RPC_FAIL,
+    Reply,
+    StoreClient,
+    connect,
+)
 from tests.mooncake_master import MooncakeMaster, skip_without_mooncake
 from tests.tier.common import CHUNK
 
@@ -65,11 +73,13 @@ def prefix(i: int, pages: int) -> np.ndarray:
 class Counted:
     """A `StoreClient` whose every call is counted by method name; `reads`: the object names of
     each `get_many_into`, in order; `most`: the most of them that ran at once (each takes at least
-    `slow_s`, so that calls that could overlap do)."""
+    `slow_s`, so that calls that could overlap do); `answers`: object name -> the code its read
+    answers (its bytes read all the same: a transfer the store gave up on that landed)."""
 
     def __init__(self, client: StoreClient) -> None:
         self.client, self.calls, self.reads = client, Counter[str](), list[list[str]]()
         self.slow_s, self._lock, self._now, self.most = 0.0, threading.Lock(), 0, 0
+        self.answers: dict[str, int] = {}
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self.client, name)
@@ -91,7 +101,11 @@ class Counted:
                 self.most = max(self.most, self._now)
             try:
                 time.sleep(self.slow_s)
-                return method(names, dests)
+                replies = method(names, dests)
+                return [
+                    Reply(self.answers[n]) if n in self.answers else r
+                    for n, r in zip(names, replies, strict=True)
+                ]
             finally:
                 with self._lock:
                     self._now -= 1
@@ -135,6 +149,7 @@ class Batch:
     client: Counted
     threads: int
     keys: list[ExtentKey] = field(default_factory=list)
+    done: list[Completion] = field(default_factory=list)  # the last `load`'s completions
 
     def chunks(self, i: int) -> dict[int, list[str]]:
         """Extent i's chunk object names by layer group."""
@@ -163,7 +178,7 @@ class Batch:
             tickets += [self.tier.submit_load(self.keys[i], dests[i], wants[i], batch=tickets[0],
                                               group_order=group_order) for i in range(1, len(wants))]  # fmt: skip
             gate.set()
-            done = [self.tier.wait(t, timeout_s) for t in tickets]
+            done = self.done = [self.tier.wait(t, timeout_s) for t in tickets]
         assert not self.tier.get_finished(), "one completion a load"
         assert all(posted[t] == 1 for t in tickets), f"a load's completion posted twice: {posted}"
         for c, want in zip(done, wants, strict=True):
@@ -359,6 +374,53 @@ def test_one_extents_missing_or_damaged_object_fails_its_load_alone(
         assert not read & {n for names in chunks.values() for n in names}, (
             "a load without a header read chunks"
         )
+
+
+GAVE_UP = -800  # TRANSFER_FAIL: Mooncake's answer when its transfer timed out, which may still land
+
+
+@pytest.mark.parametrize(
+    ("code", "pages", "status", "unsafe"),
+    [
+        (GAVE_UP, None, Status.IO_ERROR, True),
+        (NO_ANSWER, None, Status.IO_ERROR, True),
+        (OBJECT_NOT_FOUND, None, Status.MISS, False),
+        (INVALID_PARAMS, None, Status.CORRUPT, False),
+        (RPC_FAIL, None, Status.IO_ERROR, False),
+        (GAVE_UP, 10, Status.IO_ERROR, False),
+    ],
+    ids=["gave-up", "no-answer", "gone", "refused", "no-master", "gave-up-into-scratch"],
+)
+@pytest.mark.parametrize("reads", ["layer-wise", "merged"])
+def test_a_load_whose_transfer_the_store_gave_up_on_says_its_destination_may_still_be_written(
+    batch: Callable[..., Batch], code: int, pages: int | None, status: Status, unsafe: bool, reads: str
+) -> None:
+    """The store answers a failure for the first chunk of extent 3's group 2 while its transfer may
+    still run: read straight into the destination, that load (only) completes `dest_unsafe`, so
+    its caller never reuses the memory. Not for an object gone, nor one refused before any transfer
+    (INVALID_PARAMS: larger than its slot; RPC_FAIL: no master, an outage must not eat staging), nor a chunk read through the scratch buffer (a page
+    prefix's part of it: that buffer is spoiled instead, scratch.py)."""
+    load_calls, group_order, _ = READS[reads]
+    b = batch(1, load_calls=load_calls)
+    b.client.answers[b.chunks(DAMAGED)[2][0]] = code
+    want = None if pages is None else pages * LAYER_PAGE * GROUPS
+    statuses, _ = b.load([want] * EXTENTS, group_order=group_order)
+    assert statuses == [status if i == DAMAGED else Status.OK for i in range(EXTENTS)]
+    assert [c.dest_unsafe for c in b.done] == [unsafe and i == DAMAGED for i in range(EXTENTS)]
+    assert (b.tier._scratch.spoiled_bytes > 0) == (pages is not None)
+
+
+def test_a_load_a_bug_ends_after_such_an_answer_still_says_its_destination_may_be_written(
+    batch: Callable[..., Batch], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whoever posts the load's end (here the guard of a bug raising as its pieces are recorded),
+    its completion says `dest_unsafe`."""
+    b = batch(1)
+    b.client.answers[b.chunks(DAMAGED)[0][0]] = GAVE_UP
+    plant_bug(b, "done", monkeypatch)
+    statuses, _ = b.load([None] * EXTENTS, timeout_s=10)
+    assert statuses == [Status.IO_ERROR if i == DAMAGED else Status.OK for i in range(EXTENTS)]
+    assert [c.dest_unsafe for c in b.done] == [i == DAMAGED for i in range(EXTENTS)]
 
 
 def plant_bug(b: Batch, where: str, monkeypatch: pytest.MonkeyPatch) -> None:

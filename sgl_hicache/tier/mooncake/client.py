@@ -59,7 +59,12 @@ OBJECT_ALREADY_EXISTS = -705  # a put of a name that is taken (this version answ
 OBJECT_HAS_LEASE = -706  # being read by someone: removed later by the master's eviction
 NO_ANSWER = -1  # ours: a batch call that did not answer for every object
 INVALID_PARAMS = -600  # e.g. an object larger than the buffer given to read it into
+RPC_FAIL = -900  # the master (or a peer's RPC) did not answer: before any transfer
+TRANSFER_FAIL = -800  # the transfer engine gave up: the transfer may still be writing
 _GONE = {OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY}
+BEFORE_TRANSFER = frozenset({*_GONE, INVALID_PARAMS, NO_AVAILABLE_HANDLE, RPC_FAIL})
+"""Failures answered before any transfer started (nothing can write a buffer after them); every
+other failure, TRANSFER_FAIL, ours NO_ANSWER and codes not known here, may leave one in flight."""
 
 
 class MooncakeUnavailable(OSError):

@@ -25,14 +25,17 @@ batch of such loads costs two calls (the headers; every group's chunks, load by 
 Per load nothing is shared: each reply is checked and each chunk verified on its own before
 `landed` counts its bytes (the verified byte prefix, `progress.LoadProgress`; nothing before the
 end for a load that rearranges its bytes); a missing or bad object fails its own load only (with
-that load's other pieces of the call); a load failed earlier reads nothing more. The job that
+that load's other pieces of the call); a load failed earlier reads nothing more. A load one of
+whose chunks read straight into its destination got a reply that the store gave up on the transfer
+(`objects.written_late`) completes `dest_unsafe`, however it ends. The job that
 records a load's last piece ends it: an OK completion, or the first error, classified by the tier
 (`Ends`). The store's and the checks' errors are the loads' outcomes, never raised, so only a bug
 raises, and it strands no load: one raising where loads are handled together (planning a call's
 headers, a group's runs, a call's pieces) is the error of each load of that step (IO_ERROR; each
 then reads nothing more), and each load's planning, recording and end run under its own ticket's
 `Returned.guard` (a raise there fails that load alone, IO_ERROR, counted); every job, too, as a
-last resort. No completion is posted while another job may still write the load's destination.
+last resort. No completion is posted while another job may still write the load's destination
+(a transfer the store gave up on may: that completion says `dest_unsafe`).
 """
 
 from __future__ import annotations
@@ -326,6 +329,10 @@ class Loads:
             per_piece = objects.read_pieces(self._reader.client, reads, self._reader.scratch)
         except Exception as e:  # the binding raised: no piece of the call was read
             per_piece = [e] * len(reads)
+        loads = [load for load, indices in parts for _ in indices]
+        for load, r, error in zip(loads, reads, per_piece, strict=True):
+            if objects.written_late(r, error):  # before its end is posted
+                self._returned.dest_unsafe(load.ticket)
         out, at = [], 0
         for _, indices in parts:
             out.append(next((e for e in per_piece[at : at + len(indices)] if e is not None), None))

@@ -25,9 +25,10 @@ its size), then their chunks (`read_pieces`, up to `LOAD_BATCH_BYTES` a call): i
 for a batch that needs no layer-group order (a restore that is not layer-wise) or of page-major
 extents, in one a layer group for a layer-wise restore's, whatever the number of extents. Each reply is checked and each object verified on its own, so
 one object's failure is its extent's only. Whole chunks go straight into the caller's
-destination and are verified in place; only a compressed chunk, or the part of a chunk a prefix
-load needs, passes through a per-thread scratch buffer (`Scratch`: registered with the store, as
-RDMA needs), as do the headers; a thread keeps its buffer between calls up to SCRATCH_KEEP_BYTES
+destination and are verified in place (a transfer the store gave up on may still write there:
+`written_late`; its load's completion then says `dest_unsafe`); only a compressed chunk, or the
+part of a chunk a prefix load needs, passes through a per-thread scratch buffer (`Scratch`:
+registered with the store, as RDMA needs; spoiled where such a transfer may write it), as do the headers; a thread keeps its buffer between calls up to SCRATCH_KEEP_BYTES
 (a larger one goes as its call ends), and every one is unregistered at the tier's close.
 """
 
@@ -301,12 +302,18 @@ def read_pieces(client: StoreClient, reads: Sequence[PieceRead], scratch: Scratc
                 targets.append(spare[at : at + r.length])
                 at += r.length
         replies = client.get_many_into([r.name for r in reads], targets)
-        if late_writes(replies):
-            scratch.spoil()
+        if late_writes([reply for r, reply in zip(reads, replies, strict=True) if not r.whole]):
+            scratch.spoil()  # a whole chunk's transfer writes its `dest` only: `written_late`
         return [
             _attempt(_place, r, target, reply)
             for r, target, reply in zip(reads, targets, replies, strict=True)
         ]
+
+
+def written_late(r: PieceRead, error: Exception | None) -> bool:
+    """Whether `read_pieces`' outcome `error` for `r` leaves `r.dest` open to a late write: its
+    chunk was read straight there (whole) by a transfer the store gave up on (`late_writes`)."""
+    return r.whole and isinstance(error, StoreFailed) and late_writes([error.reply])
 
 
 def _place(r: PieceRead, target: memoryview, reply: Reply) -> None:

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from sgl_hicache.tier.directio import alloc_aligned
 from sgl_hicache.tier.faults import logger
 from sgl_hicache.tier.format import align_up
-from sgl_hicache.tier.mooncake.client import INVALID_PARAMS, Reply
+from sgl_hicache.tier.mooncake.client import BEFORE_TRANSFER, Reply
 
 SCRATCH_KEEP_BYTES = 4 << 20
 """A thread's scratch buffer is kept between uses up to this size; a larger one is unregistered and
@@ -33,8 +33,9 @@ class _Held:
 
 def late_writes(replies: Sequence[Reply]) -> bool:
     """Whether a transfer of these replies may still write its buffer: one the store gave up on (a
-    failure other than a missing object or a buffer refused before any transfer)."""
-    return any(not r.ok and not r.gone and r.code != INVALID_PARAMS for r in replies)
+    failure not known to come before any transfer, `client.BEFORE_TRANSFER`: a missing object, a
+    buffer refused, no master; an outage of the master spoils nothing)."""
+    return any(not r.ok and r.code not in BEFORE_TRANSFER for r in replies)
 
 
 class Scratch:
