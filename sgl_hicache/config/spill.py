@@ -35,8 +35,8 @@ class TierConfig:
     mooncake: MooncakeConfig = option(
         MooncakeConfig(),
         'with the mooncake backend, one JSON object: master ("host:port"), metadata_server, protocol, '
-        "device_name, local_hostname, global_segment_size, local_buffer_size, ssd_offload_path, load_calls, placement; unset "
-        "keys from MOONCAKE_* as sglang reads them",
+        "device_name, local_hostname, global_segment_size, local_buffer_size, ssd_offload_path, "
+        "load_calls, placement; unset ones from MOONCAKE_*",
         "--hicache-spill-mooncake-config",
     )
     directory: Path = option(
