@@ -225,17 +225,18 @@ class ExtentReads:
 
     def _fits(self, extent: Extent, need: int) -> bool:
         """Whether a read of `need` tokens of `extent` could ever start: no larger than all of
-        staging (counted and logged once otherwise: the restore recomputes)."""
+        staging, or its longest run once blocks were set aside (`StagingPool.largest_bytes`;
+        counted and logged once otherwise: the restore recomputes)."""
         nbytes = packed_nbytes(self.view, need)
-        if nbytes <= self.staging.capacity_bytes:
+        if nbytes <= self.staging.largest_bytes:
             return True
         self.metrics.inc("restores_too_large")
         if not self._too_large_logged:
             self._too_large_logged = True
-            logger.warning("sgl_hicache: extent %s needs a read of %d B, more than all of staging (%d B): "
+            logger.warning("sgl_hicache: extent %s needs a read of %d B, more than staging's largest block (%d B): "
                            "its restores recompute (logged once; counted in restores_too_large); raise "
                            "--hicache-spill-staging", extent.key.hex(), nbytes,
-                           self.staging.capacity_bytes)  # fmt: skip
+                           self.staging.largest_bytes)  # fmt: skip
         return False
 
     @property

@@ -19,6 +19,7 @@ given back: `spoil` sets it aside for good, and staging shrinks by it (`capacity
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import threading
 from collections.abc import Sequence
@@ -61,6 +62,18 @@ class StagingPool:
     def spoiled_bytes(self) -> int:
         """The bytes of the blocks set aside for good (`spoil`): no longer staging."""
         return sum(size for _, size in self._spoiled)
+
+    @property
+    def largest_bytes(self) -> int:
+        """The most one block could ever take: all of staging, or, once blocks were set aside
+        (`spoil`), the longest run of the arena between them (a read or spill larger than this can
+        never start: it is too large, not waiting for room)."""
+        with self._lock:
+            if not self._spoiled:
+                return self.capacity_bytes
+            edges = [(0, 0), *sorted(self._spoiled), (self._size, 0)]
+        gaps = (start - (at + size) for (at, size), (start, _) in itertools.pairwise(edges))
+        return min(self.capacity_bytes, max(gaps))
 
     @staticmethod
     def block_bytes(nbytes: int) -> int:

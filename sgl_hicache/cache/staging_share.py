@@ -117,7 +117,7 @@ class StagingShare:
         return (
             self.take_back is not None
             and limit is None
-            and nbytes <= staging.capacity_bytes
+            and nbytes <= staging.largest_bytes
             and (not yields or not self.reserved(staging))
         )
 
@@ -156,15 +156,15 @@ class StagingShare:
                 tokens, nbytes, limit, _size_flag(int(nbytes / BACKGROUND_SHARE) + 1),
             )  # fmt: skip
             return Refused.TOO_LARGE_FOR_SHARE
-        if nbytes <= staging.capacity_bytes:
+        if nbytes <= staging.largest_bytes:  # all of staging, less what was set aside (`spoil`)
             self.metrics.inc("spills_refused_staging_full")
             return Refused.STAGING_FULL
         self._count_once(
             "spills_refused_too_large",
-            "sgl_hicache: a node of %d tokens (%d B of KV) can never spill: staging holds %d B in all; "
+            "sgl_hicache: a node of %d tokens (%d B of KV) can never spill: staging's largest block is %d B; "
             "it and any like it are dropped (logged once; counted in spills_refused_too_large): raise "
             "--hicache-spill-staging to at least %s",
-            tokens, nbytes, staging.capacity_bytes, _size_flag(nbytes),
+            tokens, nbytes, staging.largest_bytes, _size_flag(nbytes),
         )  # fmt: skip
         return Refused.TOO_LARGE
 

@@ -152,7 +152,7 @@ def test_a_node_larger_than_all_of_staging_is_refused_and_logged_once(make_stack
     assert s.metrics.totals["spills_refused_staging_full"] == 0
     (record,) = caplog.records
     message = record.getMessage()
-    assert all(x in message for x in ("of 40 tokens", f"({a} B of KV)", f"holds {a - 1} B in all"))
+    assert all(x in message for x in ("of 40 tokens", f"({a} B of KV)", f"largest block is {a - 1} B"))
     assert f"raise --hicache-spill-staging to at least {-(-a // 2**20)}M" in message
     s.cache.check_integrity()
 
