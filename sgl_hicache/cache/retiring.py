@@ -64,8 +64,9 @@ class Retiring:
         if nbytes and not self._spoil_share_logged and gone * 4 > gone + self.staging.capacity_bytes:
             self._spoil_share_logged = True
             logger.error("sgl_hicache: over a quarter of staging (%d B) is set aside for reads whose "
-                         "transfers the tier gave up on; restores and spills now have %d B (restart "
-                         "the server to get it back; see the tier's I/O errors)", gone, self.staging.capacity_bytes)  # fmt: skip
+                         "transfers the tier gave up on; restores and spills now have %d B, at most %d B "
+                         "in one block (restart the server to get it back; see the tier's I/O errors)",
+                         gone, self.staging.capacity_bytes, self.staging.largest_bytes)  # fmt: skip
         if nbytes and not self._spoil_logged:
             self._spoil_logged = True
             logger.warning("sgl_hicache: a tier read failed with its transfer maybe still writing its staging "

@@ -85,7 +85,7 @@ class StagingShare:
         or DEFERRED (not now: writes in flight hold it, or a waiting read's room is in it) or
         TOO_LARGE_FOR_SHARE (never); counts nothing (`take` counts a store's refusals)."""
         nbytes, limit = packed_nbytes(self.view, tokens), self.background_limit(staging)
-        if nbytes > limit:
+        if nbytes > min(limit, staging.largest_bytes):  # never: its share, or the longest run left
             return Refused.TOO_LARGE_FOR_SHARE
         if staging.used_bytes + nbytes > limit or not self._leaves_room(staging, nbytes):
             return Refused.DEFERRED
@@ -143,7 +143,7 @@ class StagingShare:
     def _refused(self, staging: StagingPool, tokens: int, nbytes: int, limit: int | None) -> Refused:
         """Why a store of `tokens` tokens (`nbytes` packed) found no block of staging within `limit`
         (None: all of it; else a background store's share); counted, and logged once if lasting."""
-        if limit is not None and nbytes <= limit:
+        if limit is not None and nbytes <= min(limit, staging.largest_bytes):
             self.metrics.inc("writes_through_deferred")
             return Refused.DEFERRED
         if limit is not None:

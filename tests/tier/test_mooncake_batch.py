@@ -40,6 +40,7 @@ from sgl_hicache.tier.mooncake.client import (
     NO_ANSWER,
     OBJECT_NOT_FOUND,
     RPC_FAIL,
+    RPC_TIMEOUT,
     Reply,
     StoreClient,
     connect,
@@ -387,9 +388,10 @@ GAVE_UP = -800  # TRANSFER_FAIL: Mooncake's answer when its transfer timed out, 
         (OBJECT_NOT_FOUND, None, Status.MISS, False),
         (INVALID_PARAMS, None, Status.CORRUPT, False),
         (RPC_FAIL, None, Status.IO_ERROR, False),
+        (RPC_TIMEOUT, None, Status.IO_ERROR, False),
         (GAVE_UP, 10, Status.IO_ERROR, False),
     ],
-    ids=["gave-up", "no-answer", "gone", "refused", "no-master", "gave-up-into-scratch"],
+    ids=["gave-up", "no-answer", "gone", "refused", "no-master", "master-timed-out", "gave-up-into-scratch"],
 )
 @pytest.mark.parametrize("reads", ["layer-wise", "merged"])
 def test_a_load_whose_transfer_the_store_gave_up_on_says_its_destination_may_still_be_written(

@@ -268,7 +268,7 @@ class FailingStore:
         return Reply(self.code)
 
 
-@pytest.mark.parametrize(("code", "spoiled"), [(-800, True), (-1, True), (-900, False), (OBJECT_NOT_FOUND, False),
+@pytest.mark.parametrize(("code", "spoiled"), [(-800, True), (-1, True), (-900, False), (-901, False), (OBJECT_NOT_FOUND, False),
                                                (INVALID_PARAMS, False)])  # fmt: skip
 def test_a_header_read_the_store_gave_up_on_spoils_its_buffer(
     recorded: Recorded, code: int, spoiled: bool

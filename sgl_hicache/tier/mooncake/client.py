@@ -60,11 +60,17 @@ OBJECT_HAS_LEASE = -706  # being read by someone: removed later by the master's 
 NO_ANSWER = -1  # ours: a batch call that did not answer for every object
 INVALID_PARAMS = -600  # e.g. an object larger than the buffer given to read it into
 RPC_FAIL = -900  # the master (or a peer's RPC) did not answer: before any transfer
+RPC_TIMEOUT = -901  # a master request timed out (Mooncake 0.3.12 on): before any transfer
+INVALID_REPLICA = -702  # no complete replica to read: before any transfer
+LEASE_EXPIRED = -707  # the read's lease ran out: answered after its transfer ended
 TRANSFER_FAIL = -800  # the transfer engine gave up: the transfer may still be writing
 _GONE = {OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY}
-BEFORE_TRANSFER = frozenset({*_GONE, INVALID_PARAMS, NO_AVAILABLE_HANDLE, RPC_FAIL})
-"""Failures answered before any transfer started (nothing can write a buffer after them); every
-other failure, TRANSFER_FAIL, ours NO_ANSWER and codes not known here, may leave one in flight."""
+BEFORE_TRANSFER = frozenset(
+    {*_GONE, INVALID_PARAMS, NO_AVAILABLE_HANDLE, RPC_FAIL, RPC_TIMEOUT, INVALID_REPLICA, LEASE_EXPIRED}
+)
+"""Failures after which no transfer can still write a buffer (none started, or it ended: Mooncake
+0.3.x types.h); every other failure, TRANSFER_FAIL, ours NO_ANSWER and codes not known here, may
+leave one in flight."""
 
 
 class MooncakeUnavailable(OSError):
