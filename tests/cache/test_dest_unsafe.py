@@ -261,6 +261,14 @@ def spilled_a(s: Stack, arrives: str, **gave_up: Any) -> tuple[GaveUp, int, list
     return tier, ctl.staging.capacity_bytes, blocks
 
 
+def completion_arrives_late(s: Stack, tier: GaveUp) -> None:
+    """The read was given up before its completion: the block stays the transfer's until the
+    completion, held back till now, arrives and is taken."""
+    assert_held_by_the_transfer(s, tier)
+    tier.release()
+    take_completions(s)
+
+
 def assert_held_by_the_transfer(s: Stack, tier: GaveUp, ctl: Any = None) -> None:
     """Given up, its completion due but held back (the scheduler polls meanwhile): the block stays
     the transfer's, neither back nor set aside."""
@@ -306,9 +314,7 @@ def test_a_prefetch_given_up_at_its_ttl_sets_its_block_aside(
     ttl_passes(s)
     assert s.metrics.totals["prefetch_abandoned"] == 1
     if arrives == "after":
-        assert_held_by_the_transfer(s, tier)
-        tier.release()
-        take_completions(s)
+        completion_arrives_late(s, tier)
     assert_set_aside(s, tier, capacity, blocks)
 
 
@@ -326,9 +332,7 @@ def test_a_read_given_up_by_a_flush_sets_its_block_aside(
     s.allocator.clear()  # what sglang does after a flush
     assert s.metrics.totals["flushes"] == 1
     if arrives == "after":
-        assert_held_by_the_transfer(s, tier)
-        tier.release()
-        take_completions(s)
+        completion_arrives_late(s, tier)
     assert s.match(A).host_hit_length == 0
     assert_set_aside(s, tier, capacity, blocks)
 
@@ -373,9 +377,7 @@ def test_a_shorter_read_replaced_by_a_restores_longer_one_sets_its_block_aside(
     assert loaded == len(A) and read_kv(s.pool, s.cache.path_device_indices(node)) == expected_kv(A)
     assert tier.dest is not None and tier.dest.nbytes < s.metrics.totals["restored_bytes"]
     if arrives == "after":
-        assert_held_by_the_transfer(s, tier)
-        tier.release()
-        take_completions(s)
+        completion_arrives_late(s, tier)
     s.evict_all()  # A back on the tier only, so that B's restore has the pool's room
     assert_set_aside(s, tier, capacity, blocks)
 
@@ -392,9 +394,7 @@ def test_a_read_finished_by_a_restore_that_gave_up_waiting_sets_its_block_aside(
     tier, capacity, blocks = spilled_a(s, "after")
     loaded, _ = s.load_back(s.match(A))
     assert loaded == 0 and s.metrics.totals["restores_too_late"] == 1
-    assert_held_by_the_transfer(s, tier)
-    tier.release()
-    take_completions(s)
+    completion_arrives_late(s, tier)
     assert_set_aside(s, tier, capacity, blocks)
 
 
@@ -425,7 +425,5 @@ def test_a_failed_layerwise_restore_sets_its_reads_block_aside(
     s.cache.dec_lock_ref(req.last_node)  # the retraction releases the request's lock
     s.cache.drop_failed_layerwise()
     if arrives == "after":
-        assert_held_by_the_transfer(s, tier)
-        tier.release()
-        take_completions(s)
+        completion_arrives_late(s, tier)
     assert_set_aside(s, tier, capacity, blocks)

@@ -25,7 +25,8 @@ of a salt in every namespace (`salt_pattern`):
 Placement (`MooncakeConfig.placement`): "any" (the default) leaves it to the master; with "local"
 every single-copy write asks the master for this client's own segment first
 (`ReplicateConfig.preferred_segment`; it falls back to another when that one is full), so a server
-reads what it spilled by a memory copy, not over the transfer engine. Writes of several copies (the manifest's records) are spread by the master.
+reads what it spilled by a memory copy, not over the transfer engine. Writes of several copies
+(the manifest's records) are spread by the master.
 
 Chunk names are unique per publish: a re-publish of a key writes new chunks, and a load that read
 the header before it reads the chunks that header names (or misses them, if removed since), never a

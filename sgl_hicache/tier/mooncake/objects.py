@@ -23,13 +23,13 @@ Loads (load.py) are read a batch at a time: the headers of the batch's loads in 
 (`open_headers`: `get_many_into`; a header larger than `HEADER_READ_BYTES` is read again alone at
 its size), then their chunks (`read_pieces`, up to `LOAD_BATCH_BYTES` a call): in one more call
 for a batch that needs no layer-group order (a restore that is not layer-wise) or of page-major
-extents, in one a layer group for a layer-wise restore's, whatever the number of extents. Each reply is checked and each object verified on its own, so
-one object's failure is its extent's only. Whole chunks go straight into the caller's
-destination and are verified in place (a transfer the store gave up on may still write there:
-`written_late`; its load's completion then says `dest_unsafe`); only a compressed chunk, or the
-part of a chunk a prefix load needs, passes through a per-thread scratch buffer (`Scratch`:
-registered with the store, as RDMA needs; spoiled where such a transfer may write it), as do the headers; a thread keeps its buffer between calls up to SCRATCH_KEEP_BYTES
-(a larger one goes as its call ends), and every one is unregistered at the tier's close.
+extents, in one a layer group for a layer-wise restore's, whatever the number of extents. Each
+reply is checked and each object verified on its own, so one object's failure is its extent's
+only. Whole chunks go straight into the caller's destination and are verified in place (a
+transfer the store gave up on may still write there: `written_late`; its load's completion then
+says `dest_unsafe`); only a compressed chunk, or the part of a chunk a prefix load needs, passes
+through a per-thread scratch buffer (scratch.py: registered with the store, as RDMA needs; spoiled
+where such a transfer may write it), as do the headers.
 """
 
 from __future__ import annotations
@@ -159,8 +159,7 @@ def open_header(client: StoreClient, names: Names, ns: NamespaceId, key: ExtentK
     name = names.header(key, salt)
     with scratch.use(HEADER_READ_BYTES) as buf:
         reply = client.get_into(name, buf)
-        if late_writes([reply]):
-            scratch.spoil()
+        scratch.spoil_if_late([reply])
         if reply.code != INVALID_PARAMS:
             return _verified(buf, reply, ns, key, salt, seal)
     return _open_large(client, name, ns, key, salt, seal, scratch)
@@ -169,9 +168,9 @@ def open_header(client: StoreClient, names: Names, ns: NamespaceId, key: ExtentK
 def open_headers(client: StoreClient, names: Names, ns: NamespaceId, wanted: Sequence[tuple[ExtentKey, bytes | None]],
                  seal: DirectoryMac, scratch: Scratch) -> list[Opened | Exception]:  # fmt: skip
     """`open_header` of each (key, salt) of `wanted` in one batch read (of up to SCRATCH_KEEP_BYTES
-    and LOAD_BATCH_BYTES: 64 headers; more take more), each reply checked and verified on its own: per pair its header or
-    what `open_header` would have raised for it (one extent's missing or bad header leaves the
-    others as they are)."""
+    and LOAD_BATCH_BYTES: 64 headers; more take more), each reply checked and verified on its own:
+    per pair its header or what `open_header` would have raised for it (one extent's missing or bad
+    header leaves the others as they are)."""
     per_call = max(1, min(LOAD_BATCH_BYTES, SCRATCH_KEEP_BYTES) // HEADER_READ_BYTES)
     out: list[Opened | Exception] = []
     for at in range(0, len(wanted), per_call):
@@ -187,8 +186,7 @@ def _open_some(client: StoreClient, names: Names, ns: NamespaceId, wanted: Seque
     with scratch.use(len(wanted) * HEADER_READ_BYTES) as buf:
         slots = [buf[i * HEADER_READ_BYTES : (i + 1) * HEADER_READ_BYTES] for i in range(len(wanted))]
         replies = client.get_many_into(header_names, slots)
-        if late_writes(replies):
-            scratch.spoil()
+        scratch.spoil_if_late(replies)
         out = [
             None if reply.code == INVALID_PARAMS else _attempt(_verified, slot, reply, ns, key, salt, seal)
             for (key, salt), slot, reply in zip(wanted, slots, replies, strict=True)
@@ -204,8 +202,7 @@ def _open_large(client: StoreClient, name: str, ns: NamespaceId, key: ExtentKey,
     """A header larger than HEADER_READ_BYTES (the store refused that buffer): read at its size."""
     with scratch.use(_checked(client.size(name), "header size").n) as buf:
         reply = client.get_into(name, buf)
-        if late_writes([reply]):
-            scratch.spoil()
+        scratch.spoil_if_late([reply])
         return _verified(buf, reply, ns, key, salt, seal)
 
 
@@ -302,8 +299,8 @@ def read_pieces(client: StoreClient, reads: Sequence[PieceRead], scratch: Scratc
                 targets.append(spare[at : at + r.length])
                 at += r.length
         replies = client.get_many_into([r.name for r in reads], targets)
-        if late_writes([reply for r, reply in zip(reads, replies, strict=True) if not r.whole]):
-            scratch.spoil()  # a whole chunk's transfer writes its `dest` only: `written_late`
+        # a whole chunk's transfer writes its `dest` only (`written_late`), not the scratch buffer
+        scratch.spoil_if_late([reply for r, reply in zip(reads, replies, strict=True) if not r.whole])
         return [
             _attempt(_place, r, target, reply)
             for r, target, reply in zip(reads, targets, replies, strict=True)

@@ -135,6 +135,12 @@ class Scratch:
         logger.warning("sgl_hicache: a Mooncake transfer failed and may still write its buffer: %d B of "
                        "scratch set aside for good (%d B so far)", self._spoiled[-1].nbytes, self.spoiled_bytes)  # fmt: skip
 
+    def spoil_if_late(self, replies: Sequence[Reply]) -> None:
+        """In a use: `spoil` the calling thread's buffer if a transfer of `replies` (those that
+        read into it) may still write it (`late_writes`)."""
+        if late_writes(replies):
+            self.spoil()
+
     @property
     def spoiled_bytes(self) -> int:
         return sum(b.nbytes for b in self._spoiled)
