@@ -50,6 +50,7 @@ import torch
 from sgl_hicache_kernels import KVPoolView, LayerGroups, packed_nbytes
 
 from sgl_hicache.cache.metrics import SpillMetrics
+from sgl_hicache.cache.room_waits import RoomWaits
 from sgl_hicache.cache.spill_state import Extent, ExtentState, SpillRef
 from sgl_hicache.cache.staging import StagingPool
 from sgl_hicache.tier import Completion, Status, Ticket, Tier
@@ -123,9 +124,10 @@ class ExtentReads:
     def __init__(self, tier: Tier, view: KVPoolView, staging: StagingPool, metrics: SpillMetrics,
                  ttl_s: float, release: Callable[[torch.Tensor], None],
                  spoil: Callable[[torch.Tensor], None], layout: LayerGroups | None = None, group_major: bool = False,
-                 wait_s: float | None = None) -> None:  # fmt: skip
+                 wait_s: float | None = None, in_order: bool = True) -> None:  # fmt: skip
         """`wait_s`: the longest a restore waits for its reads (`RestorePolicy.restore_wait_s`; None:
-        `ttl_s`): a read that waited longer for room is wanted by no restore that is still waiting."""
+        `ttl_s`): a read that waited longer for room is wanted by no restore that is still waiting;
+        `in_order`: restores take staging in the order they began waiting (room_waits.py)."""
         self.tier = tier
         self.view = view
         self.layout = layout or view.groups(0)  # the layer groups every buffer is laid out in
@@ -133,12 +135,11 @@ class ExtentReads:
         self.release, self.spoil = release, spoil
         self.metrics = metrics
         self.ttl_s = ttl_s
-        self.wait_ttl_s = ttl_s if wait_s is None else min(ttl_s, wait_s)  # of `_waiting`'s entries
         self._reads: dict[int, PendingRead] = {}  # by id(extent): loads started (prefetch or restore)
         self._tickets: dict[Ticket, PendingRead] = {}  # loads whose completion is still due
         self._spans: list[list[PendingRead]] = []  # read spans to count once their reads complete
-        # by id(extent): reads restores wait to start for room: (since when, bytes the read needs)
-        self._waiting: dict[int, tuple[float, int]] = {}
+        # the reads restores wait to start for room in staging (by extent), and their order
+        self.waits = RoomWaits(metrics, ttl_s if wait_s is None else min(ttl_s, wait_s), in_order)
         self._mismatch_logged = False
         self._too_large_logged = False
         self.group_major = group_major  # read the extents one call starts layer group by layer group
@@ -179,7 +180,7 @@ class ExtentReads:
         already started; starts none while a restore waits for room in staging (restores come
         first), and none after the first that finds no room (the prefix first). Returns the tokens
         now on their way."""
-        tokens, room, batch = 0, not self._waiting, _Batch(self.batched)
+        tokens, room, batch = 0, not self.waits.wanted, _Batch(self.batched)
         for extent, need in needs(refs).values():
             if extent.state is ExtentState.WRITING:
                 tokens += need
@@ -207,10 +208,10 @@ class ExtentReads:
                 if extent.state is not ExtentState.ON_TIER or not self._fits(extent, need):
                     return Readiness.FAILED, 0.0
                 if room:  # the read that found no room (none after it was tried)
-                    self._wait_for_room(eid, packed_nbytes(self.view, need))
+                    self.waits.wait(eid, packed_nbytes(self.view, need))
                 room, state = False, Readiness.STREAMING
                 continue
-            self._waiting.pop(eid, None)
+            self.waits.end(eid)
             batch.joined(read)
             if read.done is not None and not read.done.ok:
                 self._lose(read)
@@ -241,22 +242,14 @@ class ExtentReads:
 
     @property
     def room_wanted(self) -> bool:
-        """Whether a restore waits for room in staging to start a read."""
-        return bool(self._waiting)
+        """Whether a restore waits for room in staging to start a read (`RoomWaits.wanted`)."""
+        return self.waits.wanted
 
     @property
     def room_wanted_bytes(self) -> int:
         """The bytes of the largest read a restore waits to start for room (0: none waits): what
         staging keeps for it from stores (`StagingShare.reserved`)."""
-        return max((nbytes for _, nbytes in self._waiting.values()), default=0)
-
-    def _wait_for_room(self, eid: int, nbytes: int) -> None:
-        """A restore could not start this extent's read of `nbytes` for room: prefetches yield, and
-        stores leave it that room (`StagingShare`), until it starts."""
-        if eid not in self._waiting:
-            self.metrics.inc("restore_staging_waits")
-        since = self._waiting.get(eid, (time.monotonic(), 0))[0]
-        self._waiting[eid] = (since, nbytes)
+        return self.waits.wanted_bytes
 
     def landed(self, extent: Extent) -> Landing | None:
         """The buffer holding `extent`'s packed bytes and, per layer group, how many of its leading
@@ -400,7 +393,7 @@ class ExtentReads:
     def finish_extent(self, extent_id: int) -> bool:
         """Give up the read of one extent (by identity), if any: a restore unpacked it whole (its
         staging goes back once that unpack ran: `release`), or will not happen. Whether one was."""
-        self._waiting.pop(extent_id, None)
+        self.waits.end(extent_id)
         read = self._reads.pop(extent_id, None)
         if read is not None:
             self._abandon(read)
@@ -420,7 +413,7 @@ class ExtentReads:
 
     def clear(self) -> None:
         """Give up every read (a flush): staging comes back as their completions arrive."""
-        self._waiting.clear()
+        self.waits.clear()
         for read in list(self._reads.values()):
             self._abandon(read)
 
@@ -428,11 +421,9 @@ class ExtentReads:
         """Reads nobody consumed within `ttl_s` (an unused prefetch, or a restore whose request went
         away while waiting) give their staging back; but for the extents in `keep` (by identity:
         those a layer-wise restore in progress still lands from, which ends within its forward).
-        A read waiting for room is no longer waited for after `wait_ttl_s` (its restore gave up, or
-        went away: aborted, its chain dropped), so the room kept for it goes back to stores."""
+        A read waiting for room is no longer waited for after the restore wait (`RoomWaits.expire`)."""
+        self.waits.expire()
         now = time.monotonic()
-        for eid in [e for e, (since, _) in self._waiting.items() if now - since > self.wait_ttl_s]:
-            del self._waiting[eid]  # its restore went away: prefetches and stores may take the room
         for read in list(self._reads.values()):
             if now - read.started > self.ttl_s and id(read.extent) not in keep:
                 self.metrics.inc("prefetch_abandoned")
