@@ -82,7 +82,8 @@ class SpillController:
                  allocator: Any, prefetch_ttl_s: float = 30.0, streams: Streams | None = None,
                  layer_groups: int = DEFAULT_LAYER_GROUPS, group_major: bool = False,
                  restore_reserve: bool = False, restore_wait_s: float | None = None,
-                 take_back_reads: bool = True) -> None:  # fmt: skip
+                 take_back_reads: bool = True, restores_in_order: bool = True,
+                 restores_take_back: bool = True) -> None:  # fmt: skip
         self.view = view
         self.metrics = metrics
         self.timeout_s = timeout_s
@@ -92,16 +93,16 @@ class SpillController:
         self.retiring = Retiring(staging, metrics)  # blocks given back once their copies are done
         # group_major: layer-wise restores start once group 0 of every extent landed: read that first
         self.reads = ExtentReads(tier, view, staging, metrics, prefetch_ttl_s, self.retire,
-                                 self.retiring.spoil, self.layout, group_major, restore_wait_s)  # fmt: skip
+                                 self.retiring.spoil, self.layout, group_major, restore_wait_s,
+                                 restores_in_order)  # fmt: skip
         self.restores = Restores(allocator, self.engine, prefetch_ttl_s)
         self.lookups = Lookups()
         self._packing: list[_Store] = []  # stores whose pack is not done yet (submitted by `poll`)
         self._writing: dict[Ticket, Extent] = {}
         # what a store may take of staging (not the room a waiting restore's read needs), its refusals
         wanted = (lambda: self.reads.room_wanted_bytes) if restore_reserve else None
-        self.take_back = TakeBack(
-            self.reads, self.restores, self.retiring, metrics
-        )  # landed reads yield to spills
+        # landed reads yield to spills (`take_back_reads`) and to restores waiting for room
+        self.take_back = TakeBack(self.reads, self.restores, self.retiring, metrics, restores_take_back)
         self.share = StagingShare(view, metrics, wanted, self.take_back.block if take_back_reads else None)
         self.share.log_extent_bound(staging)
         self.held_time = HeldTime(metrics)  # staging held per holder over time, for /metrics

@@ -28,6 +28,8 @@ lost without them. Off (`take_back_reads` false): spills are refused as before.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from sgl_hicache.cache.metrics import SpillMetrics
@@ -38,13 +40,14 @@ from sgl_hicache.cache.staging import StagingPool
 
 
 class TakeBack:
-    def __init__(
-        self, reads: ExtentReads, restores: Restores, retiring: Retiring, metrics: SpillMetrics
-    ) -> None:
+    def __init__(self, reads: ExtentReads, restores: Restores, retiring: Retiring, metrics: SpillMetrics,
+                 for_restores: bool = True) -> None:  # fmt: skip
+        """`for_restores`: a restore waiting for room takes back too (`restores_take_back`)."""
         self.reads = reads
         self.restores = restores
         self.retiring = retiring
         self.metrics = metrics
+        self.for_restores = for_restores
 
     def candidates(self) -> list[PendingRead]:
         """The landed reads a spill may take back, in the order it takes them (the module doc)."""
@@ -54,15 +57,24 @@ class TakeBack:
         return sorted(free, key=lambda r: -r.started)
 
     def block(self, staging: StagingPool, nbytes: int) -> torch.Tensor | None:
-        """A block of `nbytes` for an eviction's spill, taken back from landed reads (the module doc):
-        only those whose blocks make the free block it takes (`StagingPool.freed_for`), none whose
-        block an unpack still reads; None, having given back nothing, when they would not make room."""
-        reads = [r for r in self.candidates() if r.buf.numel() and not self.retiring.busy(r.buf)]
+        """A block of `nbytes` for an eviction's spill, taken back from landed reads (`room`); None,
+        having given back nothing, when they would not make room."""
+        return staging.acquire(nbytes) if self.room(staging, nbytes) else None
+
+    def room(self, staging: StagingPool, nbytes: int, exclude: Collection[int] = ()) -> bool:
+        """Give back landed reads (the module doc; not those of the extents in `exclude`, by
+        identity) until `staging` has a free block of `nbytes`: only those whose blocks make it
+        (`StagingPool.freed_for`), none whose block an unpack still reads. False, having given back
+        nothing, when they would not make room."""
+        reads = [
+            r for r in self.candidates()
+            if r.buf.numel() and not self.retiring.busy(r.buf) and id(r.extent) not in exclude
+        ]  # fmt: skip
         chosen = staging.freed_for(nbytes, [r.buf for r in reads])
         if chosen is None:
-            return None
+            return False
         for read in (reads[i] for i in chosen):
             self.reads.finish_extent(id(read.extent))
             self.metrics.inc("reads_taken_back")
             self.metrics.inc("reads_taken_back_tokens", read.tokens)
-        return staging.acquire(nbytes)
+        return True
