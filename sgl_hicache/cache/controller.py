@@ -26,10 +26,12 @@ Contract:
 - A restore is all or nothing. The caller allocates its slots and registers them with
   `restores.open` (the table owns them from then on), may `unpack_landed` while reads are in flight
   (early unpack) and `release_unpacked` the reads of extents unpacked whole (streaming: the next
-  `readiness` needs no read of them and starts the reads that found no room), then `complete`s it: every read it needs completed and verified (never waited
-  for: see `ExtentReads.gather`), the rest unpacked; True leaves it in the table for the caller's
-  `restores.hand_over`, False frees its slots (the request recomputes). Any tier failure marks the
-  extent LOST; nothing read is used unverified.
+  `readiness` needs no read of them and starts the reads that found no room; restores take room in
+  the order they began waiting, `restores_in_order`, room_waits.py, and one whose read waits takes
+  back other requests' landed prefetches, `restores_take_back`), then `complete`s it: every read it
+  needs completed and verified (never waited for: see `ExtentReads.gather`), the rest unpacked;
+  True leaves it in the table for the caller's `restores.hand_over`, False frees its slots (the
+  request recomputes). Any tier failure marks the extent LOST; nothing read is used unverified.
 - A read shared by several restores in progress (open in `restores`, or handed over layer-wise
   and still landing: `Restores.hand_over(landing=True)` until `landed`) is given up only by the last
   that needs it (`finish_reads`, `release_unpacked`), and never expires while a layer-wise restore
@@ -260,10 +262,14 @@ class SpillController:
 
     def readiness(self, refs: Sequence[SpillRef], owner: object = None) -> tuple[Readiness, float]:
         """`ExtentReads.readiness` of `refs`, needing no read of the extents `owner`'s restore of
-        exactly `refs` has unpacked whole already (streamed: see `release_unpacked`)."""
+        exactly `refs` has unpacked whole already (streamed: see `release_unpacked`). A read of
+        theirs that waits for room takes landed prefetches back first (`TakeBack.for_restore`)."""
         progress = self.restores.get(owner) if owner is not None else None
         done = progress.done_extents() if progress is not None and progress.refs == tuple(refs) else set()
-        return self.reads.readiness(refs, done)
+        state, waited = self.reads.readiness(refs, done)
+        if state is Readiness.STREAMING and self.take_back.for_restore(refs, self.staging):
+            state, waited = self.reads.readiness(refs, done)  # its read has room now
+        return state, waited
 
     def release_unpacked(self, owner: object) -> int:
         """Give back the reads of the extents `owner`'s restore has unpacked whole (each block goes
@@ -286,17 +292,6 @@ class SpillController:
         for eid in needs(refs):
             if not self.restores.needs(eid, but=mine):
                 self.reads.finish_extent(eid)
-
-    def landed_tokens(self, refs: Sequence[SpillRef], group: int | None = None) -> int:
-        """Tokens of `refs` whose bytes are verified in host memory now (see `unpack_landed`): in
-        layer group `group`, or in the group that has most."""
-        total = 0
-        for ref in refs:
-            landing = self.reads.landed(ref.extent)
-            if landing is not None:
-                have = landing.groups if group is None else (landing.groups[group],)
-                total += max(0, min(ref.count, max(have) - ref.offset))
-        return total
 
     def unpack_landed(
         self, owner: object, progress: RestoreProgress | None = None, fence: list[Any] | None = None
@@ -441,7 +436,5 @@ class SpillController:
 
     def staging_held(self) -> dict[StagingHolder, int]:
         """Staging in use by what holds it (`staging_holders.held`); sums to `staging.used_bytes`."""
-        return held(self._extents_in_flight(), self.retiring.blocks(), self.reads, self.restores)
-
-    def _extents_in_flight(self) -> list[Extent]:
-        return [*self._writing.values(), *(request.extent for request in self._packing)]
+        writes = [*self._writing.values(), *(request.extent for request in self._packing)]
+        return held(writes, self.retiring.blocks(), self.reads, self.restores)

@@ -18,10 +18,11 @@ Contract (every method runs on the scheduler thread and never blocks on I/O):
   (`Completion.dest_unsafe`) never goes back (`spoil`);
 - a restore's reads start in its refs' order (the prefix first) as long as staging has room; the
   first that finds none stops it (`Readiness.STREAMING`: the caller unpacks what lands and gives
-  those reads back, `finish_extent`, then asks again), and prefetches start no new read while a
-  restore waits for room (`prefetch`), nor may a store take the room its read needs
-  (`room_wanted_bytes`: staging_share.py). Only a read larger than all of staging fails a restore
-  for room: it could never start;
+  those reads back, `finish_extent`, then asks again) and waits for room (`waits`, room_waits.py).
+  While one waits, prefetches start no new read (`prefetch`), nor, with `in_order`, does a restore
+  none of whose reads waits (it takes reads under way or landed: restores take staging in the
+  order they began waiting), nor may a store take the room its read needs (`room_wanted_bytes`:
+  staging_share.py). Only a read larger than all of staging fails a restore for room;
 - the tier reads a restore's (or a prefetch's) extents one after another, or, with `group_major`
   (layer-wise restores), layer group by layer group across them (`Tier.submit_load`'s `batch`: the
   reads one call starts join the first of them, never an earlier call's), so that group 0 of every extent
@@ -196,11 +197,14 @@ class ExtentReads:
         needs, in order, while staging has room (`done`: extents, by identity, the restore has
         unpacked whole already: it needs no read of them). Returns the verdict (STREAMING when a
         read could not start for room: none after it starts either) and how long the oldest
-        pending read has run."""
+        pending read has run. While another restore waits for room and none of this one's reads
+        does, it starts none (`RoomWaits.yields`; counted once in `restore_reads_yielded`)."""
         waited = 0.0
         state = Readiness.READY
-        room, batch = True, _Batch(self.batched)
-        for eid, (extent, need) in needs(refs).items():
+        wanted = needs(refs)
+        yields = self.waits.yields(wanted)  # the room goes to the restores that waited first
+        room, batch = not yields, _Batch(self.batched)
+        for eid, (extent, need) in wanted.items():
             if eid in done or (extent.state is ExtentState.WRITING and extent.staged is not None):
                 continue
             read = self.start(extent, need, prefetch=False, new=room, batch=batch.ticket)
@@ -222,6 +226,7 @@ class ExtentReads:
                 if not read.deferred:  # count each late read once, not each retry
                     read.deferred = True
                     self.metrics.inc("restore_deferrals")
+        self.metrics.inc("restore_reads_yielded", int(yields and state is Readiness.STREAMING))
         return state, waited
 
     def _fits(self, extent: Extent, need: int) -> bool:
@@ -264,6 +269,17 @@ class ExtentReads:
             return Landing(read.buf, read.tokens, (read.tokens,) * groups)
         nbytes = self.tier.landed(read.ticket)
         return Landing(read.buf, read.tokens, tuple(self.layout.landed(read.tokens, nbytes)))
+
+    def landed_tokens(self, refs: Sequence[SpillRef], group: int | None = None) -> int:
+        """Tokens of `refs` whose bytes are verified in host memory now (`landed`; the controller's
+        `unpack_landed` unpacks them): in layer group `group`, or in the group that has most."""
+        total = 0
+        for ref in refs:
+            landing = self.landed(ref.extent)
+            if landing is not None:
+                have = landing.groups if group is None else (landing.groups[group],)
+                total += max(0, min(ref.count, max(have) - ref.offset))
+        return total
 
     def failed(self, extent: Extent) -> bool:
         """Whether the read of `extent` completed and failed (or was given up): it will never land."""

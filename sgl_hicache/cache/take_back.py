@@ -1,5 +1,5 @@
-"""Landed reads an eviction's spill takes back: staging goes to evicted KV before reads that the tier
-can serve again.
+"""Landed reads an eviction's spill, or a restore waiting for room, takes back: staging goes to evicted
+KV and to restores before reads that the tier can serve again.
 
 An eviction's spill that finds no block of staging drops its victim (`Refused.STAGING_FULL`): that
 KV is gone, and its conversation recomputes it when it resumes. Staging is often held then by reads
@@ -24,18 +24,27 @@ its block fits (`block`):
 Each read given back counts `reads_taken_back`; its extent's next restore reads it again
 (`reads_on_demand`). Background stores (write-through, write-ahead) never take back: nothing is
 lost without them. Off (`take_back_reads` false): spills are refused as before.
+
+A restore whose read waits for room in staging takes back the same way (`for_restore`, asked by
+the controller's `readiness`; `restores_take_back`, on by default): by the same rule (`room`), for
+that read's bytes, never the reads of its own extents; then its reads are asked for again. Else
+the room it waits for stays with reads of requests further back in the queue until they are used,
+or `prefetch_ttl_s` or an eviction's spill takes them back. A restore that yields to a waiting one
+(room_waits.py) waits for no read, so it takes back nothing. Counted in `reads_taken_back` and,
+apart, `reads_taken_back_for_restores`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import torch
 
 from sgl_hicache.cache.metrics import SpillMetrics
-from sgl_hicache.cache.reads import ExtentReads, PendingRead
+from sgl_hicache.cache.reads import ExtentReads, PendingRead, needs
 from sgl_hicache.cache.restores import Restores
 from sgl_hicache.cache.retiring import Retiring
+from sgl_hicache.cache.spill_state import SpillRef
 from sgl_hicache.cache.staging import StagingPool
 
 
@@ -59,22 +68,33 @@ class TakeBack:
     def block(self, staging: StagingPool, nbytes: int) -> torch.Tensor | None:
         """A block of `nbytes` for an eviction's spill, taken back from landed reads (`room`); None,
         having given back nothing, when they would not make room."""
-        return staging.acquire(nbytes) if self.room(staging, nbytes) else None
+        return staging.acquire(nbytes) if self.room(staging, nbytes) is not None else None
 
-    def room(self, staging: StagingPool, nbytes: int, exclude: Collection[int] = ()) -> bool:
+    def for_restore(self, refs: Sequence[SpillRef], staging: StagingPool) -> bool:
+        """A restore of `refs` whose read waits for room (`ExtentReads.waits`) takes landed reads
+        back for that read's bytes (`room`), never those of its own extents; only `for_restores`.
+        Whether any was given back (its reads may start now). Counted in
+        `reads_taken_back_for_restores` too."""
+        mine = needs(refs)
+        nbytes = self.reads.waits.bytes_of(mine) if self.for_restores else 0
+        taken = (self.room(staging, nbytes, exclude=mine) if nbytes else None) or 0
+        self.metrics.inc("reads_taken_back_for_restores", taken)
+        return taken > 0
+
+    def room(self, staging: StagingPool, nbytes: int, exclude: Collection[int] = ()) -> int | None:
         """Give back landed reads (the module doc; not those of the extents in `exclude`, by
         identity) until `staging` has a free block of `nbytes`: only those whose blocks make it
-        (`StagingPool.freed_for`), none whose block an unpack still reads. False, having given back
-        nothing, when they would not make room."""
+        (`StagingPool.freed_for`), none whose block an unpack still reads. Returns how many were
+        given back; None, having given back nothing, when they would not make room."""
         reads = [
             r for r in self.candidates()
             if r.buf.numel() and not self.retiring.busy(r.buf) and id(r.extent) not in exclude
         ]  # fmt: skip
         chosen = staging.freed_for(nbytes, [r.buf for r in reads])
         if chosen is None:
-            return False
+            return None
         for read in (reads[i] for i in chosen):
             self.reads.finish_extent(id(read.extent))
             self.metrics.inc("reads_taken_back")
             self.metrics.inc("reads_taken_back_tokens", read.tokens)
-        return True
+        return len(chosen)

@@ -24,10 +24,11 @@ OTHER = turn(5000)
 
 
 def exact(s: Stack, answers: dict[str, Any], histories: dict[str, list[int]]) -> None:
-    """Each request got its whole history, its KV that which was evicted, and the tree is sound."""
+    """Each request got its whole history, its KV exactly what was evicted, and the tree is sound."""
     for rid, tokens in histories.items():
         loaded, last = answers[rid]
-        assert loaded == len(tokens) and read_kv(s.pool, last.value) == expected_kv(tokens)[-len(last.value) :]
+        assert loaded == len(tokens)
+        assert read_kv(s.pool, last.value) == expected_kv(tokens)[-len(last.value) :]
         assert resident(s, tokens) == expected_kv(tokens)
     s.cache.controller.wait_writes()
     s.cache.check_integrity()
@@ -35,6 +36,11 @@ def exact(s: Stack, answers: dict[str, Any], histories: dict[str, list[int]]) ->
 
 def extent_of(s: Stack, tokens: list[int]) -> Any:
     return s.match(tokens).best_match_node.spill.extent
+
+
+def reading(s: Stack, extent: Any) -> bool:
+    """Whether a read of `extent` has started (in flight or landed; `match` would take completions)."""
+    return s.cache.controller.reads.landed(extent) is not None
 
 
 @pytest.mark.parametrize("in_order", [True, False], ids=["in_order", "off"])
@@ -52,20 +58,22 @@ def test_a_restore_starts_no_read_while_another_waits_for_room(
     evict(s, turn(2000))
     held.wait(s, 2)
     a, b = admission(s, HISTORY, "a"), admission(s, OTHER, "b")
+    mine, theirs = extent_of(s, HISTORY), extent_of(s, OTHER)
     assert s.cache.init_load_back(a) is None and ctl.reads.room_wanted
     held.release(1)  # 8 KiB back: room for one read
     ctl.poll()
     assert s.cache.init_load_back(b) is None
     if in_order:
         assert totals["restore_reads_yielded"] == 1 and totals["reads_on_demand"] == 0
-        assert ctl.reads.running(extent_of(s, OTHER)) is None
+        assert not reading(s, theirs)
         assert s.cache.init_load_back(a) is None and not ctl.reads.room_wanted, "A's read started"
-        assert ctl.reads.running(extent_of(s, HISTORY)) is not None
+        assert reading(s, mine)
         held.release()
         ctl.poll()
         assert s.cache.init_load_back(b) is None and totals["reads_on_demand"] == 2, "B's read started"
     else:
         assert totals["restore_reads_yielded"] == 0 and totals["reads_on_demand"] == 1
+        assert reading(s, theirs)
         assert s.cache.init_load_back(a) is None and ctl.reads.room_wanted, "B took A's room"
         held.release()
     exact(s, admit_all(s, {"a": a, "b": b}), {"a": HISTORY, "b": OTHER})
@@ -104,6 +112,7 @@ def test_a_waiting_restore_takes_back_another_requests_landed_prefetch(
     s = make_stack(size=1024, restores_take_back=take_back)
     on_tier(s, HISTORY, OTHER)
     ctl, totals = s.cache.controller, s.metrics.totals
+    mine, theirs = extent_of(s, HISTORY), extent_of(s, OTHER)
     assert s.cache.prefetch(OTHER) == TURN
     landed(s, 1)
     held = HeldWrites(monkeypatch, ctl.tier)
@@ -112,12 +121,12 @@ def test_a_waiting_restore_takes_back_another_requests_landed_prefetch(
     a = admission(s, HISTORY, "a")
     assert s.cache.init_load_back(a) is None
     if take_back:
-        assert not ctl.reads.room_wanted and ctl.reads.running(extent_of(s, HISTORY)) is not None
+        assert not ctl.reads.room_wanted and reading(s, mine)
         assert (totals["reads_taken_back"], totals["reads_taken_back_for_restores"]) == (1, 1)
         assert totals["reads_taken_back_tokens"] == TURN and not ctl.reads.landed_reads()
     else:
         assert ctl.reads.room_wanted and totals["reads_taken_back"] == 0
-        assert [r.extent for r in ctl.reads.landed_reads()] == [extent_of(s, OTHER)]
+        assert [r.extent for r in ctl.reads.landed_reads()] == [theirs]
         held.release()
     answers = admit_all(s, {"a": a})
     held.release()
@@ -214,7 +223,14 @@ def test_tp_ranks_where_only_one_takes_back_for_a_restore_keep_equal_trees(
         helds[r].release()
         loaded, _ = s.load_back(s.match(HISTORY), rid="a")
         other, _ = s.load_back(s.match(OTHER), rid="o")
-        return [first, loaded, resident(s, HISTORY), other, resident(s, OTHER), tree_digest(s.cache.root_node)]
+        return [
+            first,
+            loaded,
+            resident(s, HISTORY),
+            other,
+            resident(s, OTHER),
+            tree_digest(s.cache.root_node),
+        ]
 
     record = ranks.run(work)
     assert record[:5] == [None, TURN, expected_kv(HISTORY), TURN, expected_kv(OTHER)]
