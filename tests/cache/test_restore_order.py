@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from sgl_hicache.config import PrefetchPolicy
 from tests.cache.conftest import Stack, TwoRanks, expected_kv, read_kv
 from tests.cache.test_restore_reserve import HISTORY, TURN, HeldWrites, turn
 from tests.cache.test_streamed_restore import admission, admit_all, resident
@@ -236,3 +237,31 @@ def test_tp_ranks_where_only_one_takes_back_for_a_restore_keep_equal_trees(
     assert record[:5] == [None, TURN, expected_kv(HISTORY), TURN, expected_kv(OTHER)]
     totals = [s.metrics.totals for s in ranks.stacks]
     assert (totals[0]["reads_taken_back_for_restores"], totals[1]["reads_taken_back_for_restores"]) == (1, 0)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own", "shared"])
+def test_a_restore_gives_back_its_shorter_read_that_holds_the_room_its_read_needs(
+    make_stack: Any, shared: bool
+) -> None:
+    """A prefetch read HISTORY's first 32 tokens (4 KiB) into an 8 KiB staging; HISTORY's restore
+    needs all 64 (8 KiB), which cannot start beside it. Before, the short read was the restore's
+    until a longer one started, which never could: it waited until it was too late and
+    recomputed. It gives the short read back and completes; not while another restore in
+    progress still needs it (`shared`), until that one is gone."""
+    from sgl_hicache.cache.spill_state import SpillRef
+
+    s = make_stack(size=1024, prefetch_policy=PrefetchPolicy.TIMEOUT, prefetch_timeout_s=2.0)
+    on_tier(s, HISTORY, staging=8 << 10)
+    ctl, totals = s.cache.controller, s.metrics.totals
+    assert s.cache.prefetch(HISTORY[:32]) == 32
+    landed(s, 1)
+    a = admission(s, HISTORY, "a")
+    if shared:
+        ref = s.match(HISTORY).best_match_node.spill
+        ctl.restores.open("o", (SpillRef(ref.extent, 0, 32),), s.allocator.alloc(32))
+        assert s.cache.init_load_back(a) is None and ctl.reads.room_wanted
+        assert len(ctl.reads.landed_reads()) == 1, "kept for the restore in progress"
+        ctl.restores.drop("o")
+    answers = admit_all(s, {"a": a})
+    assert (totals["restores_too_late"], totals["reads_on_demand"]) == (0, 1)
+    exact(s, answers, {"a": HISTORY})
