@@ -406,10 +406,12 @@ class ExtentReads:
             self.metrics.inc("lost_extents")
         read.extent.state = ExtentState.LOST
 
-    def finish_extent(self, extent_id: int) -> bool:
+    def finish_extent(self, extent_id: int, waits: bool = False) -> bool:
         """Give up the read of one extent (by identity), if any: a restore unpacked it whole (its
-        staging goes back once that unpack ran: `release`), or will not happen. Whether one was."""
-        self.waits.end(extent_id)
+        staging goes back once that unpack ran: `release`), or will not happen; or, `waits`, a
+        restore waits for room for a longer one (its wait stays). Whether one was."""
+        if not waits:
+            self.waits.end(extent_id)
         read = self._reads.pop(extent_id, None)
         if read is not None:
             self._abandon(read)

@@ -13,8 +13,8 @@ waits can want it then; its restore gave up or went away). While any entry is he
   lost). Restores that wait here start reads between them as before: whichever is tried first;
 - with `restore_reserve`, no store takes the bytes of the largest waiting read (`wanted_bytes`,
   staging_share.py);
-- with `restores_take_back`, a waiting restore takes back landed prefetches no restore asked for
-  (`bytes_of`: its waiting read's bytes; take_back.py).
+- a waiting restore takes back its own shorter read of that extent and, with `restores_take_back`,
+  landed prefetches no restore asked for (`first`: its waiting read; take_back.py).
 No deadlock: a waiting restore progresses as without the order (its reads land, it unpacks them
 and gives them back; writes in flight finish), nobody waits for a restore that yields, and every
 entry ends by the time its restore would have given up (`ttl_s`).
@@ -71,6 +71,6 @@ class RoomWaits:
         waits for room and none of these does (`in_order`)."""
         return self.in_order and bool(self._waiting) and self._waiting.keys().isdisjoint(extents)
 
-    def bytes_of(self, extents: Iterable[int]) -> int:
-        """The bytes of the first of `extents` (by identity) whose read waits for room; 0: none."""
-        return next((self._waiting[e][1] for e in extents if e in self._waiting), 0)
+    def first(self, extents: Iterable[int]) -> tuple[int, int] | None:
+        """The first of `extents` (by identity) whose read waits for room, and the bytes it needs."""
+        return next(((e, self._waiting[e][1]) for e in extents if e in self._waiting), None)

@@ -32,6 +32,11 @@ the room it waits for stays with reads of requests further back in the queue unt
 or `prefetch_ttl_s` or an eviction's spill takes them back. A restore that yields to a waiting one
 (room_waits.py) waits for no read, so it takes back nothing. Counted in `reads_taken_back` and,
 apart, `reads_taken_back_for_restores`.
+
+Whatever the key, a waiting restore first gives back its own read of the extent it waits for when
+that read is shorter than it needs (a prefetch of a shorter prefix; no other restore in progress
+needs it): the longer read replaces it, and where staging cannot hold both it could never start
+beside it (the restore waited until too late, every time; tests/cache/test_restore_order.py).
 """
 
 from __future__ import annotations
@@ -42,9 +47,9 @@ import torch
 
 from sgl_hicache.cache.metrics import SpillMetrics
 from sgl_hicache.cache.reads import ExtentReads, PendingRead, needs
-from sgl_hicache.cache.restores import Restores
+from sgl_hicache.cache.restores import RestoreProgress, Restores
 from sgl_hicache.cache.retiring import Retiring
-from sgl_hicache.cache.spill_state import SpillRef
+from sgl_hicache.cache.spill_state import Extent, SpillRef
 from sgl_hicache.cache.staging import StagingPool
 
 
@@ -70,16 +75,35 @@ class TakeBack:
         having given back nothing, when they would not make room."""
         return staging.acquire(nbytes) if self.room(staging, nbytes) is not None else None
 
-    def for_restore(self, refs: Sequence[SpillRef], staging: StagingPool) -> bool:
-        """A restore of `refs` whose read waits for room (`ExtentReads.waits`) takes landed reads
-        back for that read's bytes (`room`), never those of its own extents; only `for_restores`.
-        Whether any was given back (its reads may start now). Counted in
-        `reads_taken_back_for_restores` too."""
+    def for_restore(
+        self, refs: Sequence[SpillRef], staging: StagingPool, progress: RestoreProgress | None = None
+    ) -> bool:
+        """Room for a restore of `refs` (`progress`: its own in the table, if any) whose read waits
+        for it (`ExtentReads.waits`): its own read of that extent if shorter than it needs, which
+        it gives back (the longer read replaces it; no other restore in progress needs it), else,
+        with `for_restores`, landed reads of others taken back for that read's bytes (`room`),
+        never its own extents'. Whether any read was given back (its reads may start now)."""
         mine = needs(refs)
-        nbytes = self.reads.waits.bytes_of(mine) if self.for_restores else 0
-        taken = (self.room(staging, nbytes, exclude=mine) if nbytes else None) or 0
+        waiting = self.reads.waits.first(mine)
+        if waiting is None:
+            return False
+        eid, nbytes = waiting
+        if self._short(mine[eid], progress):
+            return self.reads.finish_extent(eid, waits=True)
+        taken = (self.room(staging, nbytes, exclude=mine) if self.for_restores else None) or 0
         self.metrics.inc("reads_taken_back_for_restores", taken)
         return taken > 0
+
+    def _short(self, wanted: tuple[Extent, int], progress: RestoreProgress | None) -> bool:
+        """Whether the read of `wanted`'s extent holds fewer tokens than wanted and no restore in
+        progress but `progress` needs it: it would hold the room its replacement needs (with
+        staging too small for both, for good: its restore then went too late, every time)."""
+        at_hand = self.reads.landed(wanted[0])
+        return (
+            at_hand is not None
+            and at_hand.tokens < wanted[1]
+            and not self.restores.needs(id(wanted[0]), but=progress)
+        )
 
     def room(self, staging: StagingPool, nbytes: int, exclude: Collection[int] = ()) -> int | None:
         """Give back landed reads (the module doc; not those of the extents in `exclude`, by
