@@ -172,7 +172,7 @@ class SpillConfig:
     )
     restores_in_order: bool = tuning(
         True,
-        "while a restore waits for room in staging, others start no new read: room goes in the order they waited",
+        "restores take staging in the order they began waiting for room",
     )
     restores_take_back: bool = tuning(
         True,

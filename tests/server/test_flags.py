@@ -265,7 +265,7 @@ def test_help_is_ours_only_short_and_does_not_import_sglang() -> None:
     assert "--hicache-spill-kv-events-medium {disk,cpu_pinned}" in out
     assert "--hicache-spill-dir DIR" in out and "--hicache-spill-prefetch-timeout SECONDS" in out
     assert "HICACHE_SPILL__" not in out and "--tp-size" not in out, "sglang's flags are not ours"
-    assert len(out.splitlines()) < 128  # about 3 lines a setting: short enough to read at once
+    assert len(out.splitlines()) < 134  # 3 or 4 lines a setting (30): short enough to read at once
 
 
 def parse_as(user: str, argv: list[str]) -> str:
