@@ -26,10 +26,12 @@ Contract:
 - A restore is all or nothing. The caller allocates its slots and registers them with
   `restores.open` (the table owns them from then on), may `unpack_landed` while reads are in flight
   (early unpack) and `release_unpacked` the reads of extents unpacked whole (streaming: the next
-  `readiness` needs no read of them and starts the reads that found no room), then `complete`s it: every read it needs completed and verified (never waited
-  for: see `ExtentReads.gather`), the rest unpacked; True leaves it in the table for the caller's
-  `restores.hand_over`, False frees its slots (the request recomputes). Any tier failure marks the
-  extent LOST; nothing read is used unverified.
+  `readiness` needs no read of them and starts the reads that found no room; restores take room in
+  the order they began waiting, `restores_in_order`, room_waits.py, and one whose read waits takes
+  back other requests' landed prefetches, `restores_take_back`), then `complete`s it: every read it
+  needs completed and verified (never waited for: see `ExtentReads.gather`), the rest unpacked;
+  True leaves it in the table for the caller's `restores.hand_over`, False frees its slots (the
+  request recomputes). Any tier failure marks the extent LOST; nothing read is used unverified.
 - A read shared by several restores in progress (open in `restores`, or handed over layer-wise
   and still landing: `Restores.hand_over(landing=True)` until `landed`) is given up only by the last
   that needs it (`finish_reads`, `release_unpacked`), and never expires while a layer-wise restore
@@ -82,7 +84,8 @@ class SpillController:
                  allocator: Any, prefetch_ttl_s: float = 30.0, streams: Streams | None = None,
                  layer_groups: int = DEFAULT_LAYER_GROUPS, group_major: bool = False,
                  restore_reserve: bool = False, restore_wait_s: float | None = None,
-                 take_back_reads: bool = True) -> None:  # fmt: skip
+                 take_back_reads: bool = True, restores_in_order: bool = True,
+                 restores_take_back: bool = True) -> None:  # fmt: skip
         self.view = view
         self.metrics = metrics
         self.timeout_s = timeout_s
@@ -92,16 +95,16 @@ class SpillController:
         self.retiring = Retiring(staging, metrics)  # blocks given back once their copies are done
         # group_major: layer-wise restores start once group 0 of every extent landed: read that first
         self.reads = ExtentReads(tier, view, staging, metrics, prefetch_ttl_s, self.retire,
-                                 self.retiring.spoil, self.layout, group_major, restore_wait_s)  # fmt: skip
+                                 self.retiring.spoil, self.layout, group_major, restore_wait_s,
+                                 restores_in_order)  # fmt: skip
         self.restores = Restores(allocator, self.engine, prefetch_ttl_s)
         self.lookups = Lookups()
         self._packing: list[_Store] = []  # stores whose pack is not done yet (submitted by `poll`)
         self._writing: dict[Ticket, Extent] = {}
         # what a store may take of staging (not the room a waiting restore's read needs), its refusals
         wanted = (lambda: self.reads.room_wanted_bytes) if restore_reserve else None
-        self.take_back = TakeBack(
-            self.reads, self.restores, self.retiring, metrics
-        )  # landed reads yield to spills
+        # landed reads yield to spills (`take_back_reads`) and to restores waiting for room
+        self.take_back = TakeBack(self.reads, self.restores, self.retiring, metrics, restores_take_back)
         self.share = StagingShare(view, metrics, wanted, self.take_back.block if take_back_reads else None)
         self.share.log_extent_bound(staging)
         self.held_time = HeldTime(metrics)  # staging held per holder over time, for /metrics
@@ -259,10 +262,14 @@ class SpillController:
 
     def readiness(self, refs: Sequence[SpillRef], owner: object = None) -> tuple[Readiness, float]:
         """`ExtentReads.readiness` of `refs`, needing no read of the extents `owner`'s restore of
-        exactly `refs` has unpacked whole already (streamed: see `release_unpacked`)."""
+        exactly `refs` has unpacked whole already (streamed: see `release_unpacked`). A read of
+        theirs that waits for room takes landed prefetches back first (`TakeBack.for_restore`)."""
         progress = self.restores.get(owner) if owner is not None else None
         done = progress.done_extents() if progress is not None and progress.refs == tuple(refs) else set()
-        return self.reads.readiness(refs, done)
+        state, waited = self.reads.readiness(refs, done)
+        if state is Readiness.STREAMING and self.take_back.for_restore(refs, self.staging, progress):
+            state, waited = self.reads.readiness(refs, done)  # its read has room now
+        return state, waited
 
     def release_unpacked(self, owner: object) -> int:
         """Give back the reads of the extents `owner`'s restore has unpacked whole (each block goes
@@ -285,17 +292,6 @@ class SpillController:
         for eid in needs(refs):
             if not self.restores.needs(eid, but=mine):
                 self.reads.finish_extent(eid)
-
-    def landed_tokens(self, refs: Sequence[SpillRef], group: int | None = None) -> int:
-        """Tokens of `refs` whose bytes are verified in host memory now (see `unpack_landed`): in
-        layer group `group`, or in the group that has most."""
-        total = 0
-        for ref in refs:
-            landing = self.reads.landed(ref.extent)
-            if landing is not None:
-                have = landing.groups if group is None else (landing.groups[group],)
-                total += max(0, min(ref.count, max(have) - ref.offset))
-        return total
 
     def unpack_landed(
         self, owner: object, progress: RestoreProgress | None = None, fence: list[Any] | None = None
@@ -440,7 +436,5 @@ class SpillController:
 
     def staging_held(self) -> dict[StagingHolder, int]:
         """Staging in use by what holds it (`staging_holders.held`); sums to `staging.used_bytes`."""
-        return held(self._extents_in_flight(), self.retiring.blocks(), self.reads, self.restores)
-
-    def _extents_in_flight(self) -> list[Extent]:
-        return [*self._writing.values(), *(request.extent for request in self._packing)]
+        writes = [*self._writing.values(), *(request.extent for request in self._packing)]
+        return held(writes, self.retiring.blocks(), self.reads, self.restores)

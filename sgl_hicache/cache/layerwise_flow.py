@@ -90,7 +90,7 @@ class LayerwiseFlow(GuardedPart[LayerwiseFlowCache]):
         if ready is not Readiness.PENDING or self.table is None or ctl is None:
             return ready
         refs = [node.spill for node in nodes]
-        if ctl.landed_tokens(refs, group=0) == sum(ref.count for ref in refs):
+        if ctl.reads.landed_tokens(refs, group=0) == sum(ref.count for ref in refs):
             return Readiness.LAYERWISE
         return ready
 

@@ -170,8 +170,11 @@ COUNTERS = {
     "prefetch_hits": "restores that found their read already started by a prefetch",
     "prefetch_abandoned": "prefetched reads released unused after their time to live",
     "reads_taken_back": "landed prefetched reads given back (read again when their restore comes) so that an "
-    "eviction's spill found room in staging instead of dropping its victim (take_back_reads)",
+    "eviction's spill found room in staging instead of dropping its victim (take_back_reads), or a restore "
+    "waiting for room could start its read (restores_take_back: those also in reads_taken_back_for_restores)",
     "reads_taken_back_tokens": "the tokens of the reads counted in reads_taken_back",
+    "reads_taken_back_for_restores": "of reads_taken_back, those given back for a restore waiting for room in "
+    "staging (restores_take_back), not for an eviction's spill",
     "reads_on_demand": "extent reads a restore had to start itself (no prefetch)",
     "restore_deferrals": "extent reads a restore found still in flight (its admission waited for them)",
     "restores_overtaken": "restores recomputed because the eviction that made room for them released "
@@ -190,6 +193,8 @@ COUNTERS = {
     "their last read landed: their history streamed through staging (it need not fit at once)",
     "restore_staging_waits": "extent reads a restore could not start at once for lack of room in staging "
     "(other reads and writes held it): it waited for room, then streamed (prefetches yield meanwhile)",
+    "restore_reads_yielded": "restore attempts that started no new read because another restore waited for "
+    "room in staging first (restores_in_order: room goes to restores in the order they began waiting)",
     "restores_too_large": "restores recomputed because one extent's read is larger than all of staging "
     "(raise --hicache-spill-staging)",
     "staging_spoiled_bytes": "host staging set aside for good: blocks of failed reads whose transfer the "

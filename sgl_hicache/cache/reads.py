@@ -18,10 +18,11 @@ Contract (every method runs on the scheduler thread and never blocks on I/O):
   (`Completion.dest_unsafe`) never goes back (`spoil`);
 - a restore's reads start in its refs' order (the prefix first) as long as staging has room; the
   first that finds none stops it (`Readiness.STREAMING`: the caller unpacks what lands and gives
-  those reads back, `finish_extent`, then asks again), and prefetches start no new read while a
-  restore waits for room (`prefetch`), nor may a store take the room its read needs
-  (`room_wanted_bytes`: staging_share.py). Only a read larger than all of staging fails a restore
-  for room: it could never start;
+  those reads back, `finish_extent`, then asks again) and waits for room (`waits`, room_waits.py).
+  While one waits, prefetches start no new read (`prefetch`), nor, with `in_order`, does a restore
+  none of whose reads waits (it takes reads under way or landed: restores take staging in the
+  order they began waiting), nor may a store take the room its read needs (`room_wanted_bytes`:
+  staging_share.py). Only a read larger than all of staging fails a restore for room;
 - the tier reads a restore's (or a prefetch's) extents one after another, or, with `group_major`
   (layer-wise restores), layer group by layer group across them (`Tier.submit_load`'s `batch`: the
   reads one call starts join the first of them, never an earlier call's), so that group 0 of every extent
@@ -50,6 +51,7 @@ import torch
 from sgl_hicache_kernels import KVPoolView, LayerGroups, packed_nbytes
 
 from sgl_hicache.cache.metrics import SpillMetrics
+from sgl_hicache.cache.room_waits import RoomWaits
 from sgl_hicache.cache.spill_state import Extent, ExtentState, SpillRef
 from sgl_hicache.cache.staging import StagingPool
 from sgl_hicache.tier import Completion, Status, Ticket, Tier
@@ -123,9 +125,10 @@ class ExtentReads:
     def __init__(self, tier: Tier, view: KVPoolView, staging: StagingPool, metrics: SpillMetrics,
                  ttl_s: float, release: Callable[[torch.Tensor], None],
                  spoil: Callable[[torch.Tensor], None], layout: LayerGroups | None = None, group_major: bool = False,
-                 wait_s: float | None = None) -> None:  # fmt: skip
+                 wait_s: float | None = None, in_order: bool = True) -> None:  # fmt: skip
         """`wait_s`: the longest a restore waits for its reads (`RestorePolicy.restore_wait_s`; None:
-        `ttl_s`): a read that waited longer for room is wanted by no restore that is still waiting."""
+        `ttl_s`): a read that waited longer for room is wanted by no restore that is still waiting;
+        `in_order`: restores take staging in the order they began waiting (room_waits.py)."""
         self.tier = tier
         self.view = view
         self.layout = layout or view.groups(0)  # the layer groups every buffer is laid out in
@@ -133,12 +136,11 @@ class ExtentReads:
         self.release, self.spoil = release, spoil
         self.metrics = metrics
         self.ttl_s = ttl_s
-        self.wait_ttl_s = ttl_s if wait_s is None else min(ttl_s, wait_s)  # of `_waiting`'s entries
         self._reads: dict[int, PendingRead] = {}  # by id(extent): loads started (prefetch or restore)
         self._tickets: dict[Ticket, PendingRead] = {}  # loads whose completion is still due
         self._spans: list[list[PendingRead]] = []  # read spans to count once their reads complete
-        # by id(extent): reads restores wait to start for room: (since when, bytes the read needs)
-        self._waiting: dict[int, tuple[float, int]] = {}
+        # the reads restores wait to start for room in staging (by extent), and their order
+        self.waits = RoomWaits(metrics, ttl_s if wait_s is None else min(ttl_s, wait_s), in_order)
         self._mismatch_logged = False
         self._too_large_logged = False
         self.group_major = group_major  # read the extents one call starts layer group by layer group
@@ -179,7 +181,7 @@ class ExtentReads:
         already started; starts none while a restore waits for room in staging (restores come
         first), and none after the first that finds no room (the prefix first). Returns the tokens
         now on their way."""
-        tokens, room, batch = 0, not self._waiting, _Batch(self.batched)
+        tokens, room, batch = 0, not self.waits.wanted, _Batch(self.batched)
         for extent, need in needs(refs).values():
             if extent.state is ExtentState.WRITING:
                 tokens += need
@@ -195,11 +197,14 @@ class ExtentReads:
         needs, in order, while staging has room (`done`: extents, by identity, the restore has
         unpacked whole already: it needs no read of them). Returns the verdict (STREAMING when a
         read could not start for room: none after it starts either) and how long the oldest
-        pending read has run."""
+        pending read has run. While another restore waits for room and none of this one's reads
+        does, it starts none (`RoomWaits.yields`; counted once in `restore_reads_yielded`)."""
         waited = 0.0
         state = Readiness.READY
-        room, batch = True, _Batch(self.batched)
-        for eid, (extent, need) in needs(refs).items():
+        wanted = needs(refs)
+        yields = self.waits.yields(wanted)  # the room goes to the restores that waited first
+        room, batch = not yields, _Batch(self.batched)
+        for eid, (extent, need) in wanted.items():
             if eid in done or (extent.state is ExtentState.WRITING and extent.staged is not None):
                 continue
             read = self.start(extent, need, prefetch=False, new=room, batch=batch.ticket)
@@ -207,10 +212,10 @@ class ExtentReads:
                 if extent.state is not ExtentState.ON_TIER or not self._fits(extent, need):
                     return Readiness.FAILED, 0.0
                 if room:  # the read that found no room (none after it was tried)
-                    self._wait_for_room(eid, packed_nbytes(self.view, need))
+                    self.waits.wait(eid, packed_nbytes(self.view, need))
                 room, state = False, Readiness.STREAMING
                 continue
-            self._waiting.pop(eid, None)
+            self.waits.end(eid)
             batch.joined(read)
             if read.done is not None and not read.done.ok:
                 self._lose(read)
@@ -221,6 +226,7 @@ class ExtentReads:
                 if not read.deferred:  # count each late read once, not each retry
                     read.deferred = True
                     self.metrics.inc("restore_deferrals")
+        self.metrics.inc("restore_reads_yielded", int(yields and state is Readiness.STREAMING))
         return state, waited
 
     def _fits(self, extent: Extent, need: int) -> bool:
@@ -241,22 +247,14 @@ class ExtentReads:
 
     @property
     def room_wanted(self) -> bool:
-        """Whether a restore waits for room in staging to start a read."""
-        return bool(self._waiting)
+        """Whether a restore waits for room in staging to start a read (`RoomWaits.wanted`)."""
+        return self.waits.wanted
 
     @property
     def room_wanted_bytes(self) -> int:
         """The bytes of the largest read a restore waits to start for room (0: none waits): what
         staging keeps for it from stores (`StagingShare.reserved`)."""
-        return max((nbytes for _, nbytes in self._waiting.values()), default=0)
-
-    def _wait_for_room(self, eid: int, nbytes: int) -> None:
-        """A restore could not start this extent's read of `nbytes` for room: prefetches yield, and
-        stores leave it that room (`StagingShare`), until it starts."""
-        if eid not in self._waiting:
-            self.metrics.inc("restore_staging_waits")
-        since = self._waiting.get(eid, (time.monotonic(), 0))[0]
-        self._waiting[eid] = (since, nbytes)
+        return self.waits.wanted_bytes
 
     def landed(self, extent: Extent) -> Landing | None:
         """The buffer holding `extent`'s packed bytes and, per layer group, how many of its leading
@@ -271,6 +269,17 @@ class ExtentReads:
             return Landing(read.buf, read.tokens, (read.tokens,) * groups)
         nbytes = self.tier.landed(read.ticket)
         return Landing(read.buf, read.tokens, tuple(self.layout.landed(read.tokens, nbytes)))
+
+    def landed_tokens(self, refs: Sequence[SpillRef], group: int | None = None) -> int:
+        """Tokens of `refs` whose bytes are verified in host memory now (`landed`; the controller's
+        `unpack_landed` unpacks them): in layer group `group`, or in the group that has most."""
+        total = 0
+        for ref in refs:
+            landing = self.landed(ref.extent)
+            if landing is not None:
+                have = landing.groups if group is None else (landing.groups[group],)
+                total += max(0, min(ref.count, max(have) - ref.offset))
+        return total
 
     def failed(self, extent: Extent) -> bool:
         """Whether the read of `extent` completed and failed (or was given up): it will never land."""
@@ -397,10 +406,12 @@ class ExtentReads:
             self.metrics.inc("lost_extents")
         read.extent.state = ExtentState.LOST
 
-    def finish_extent(self, extent_id: int) -> bool:
+    def finish_extent(self, extent_id: int, waits: bool = False) -> bool:
         """Give up the read of one extent (by identity), if any: a restore unpacked it whole (its
-        staging goes back once that unpack ran: `release`), or will not happen. Whether one was."""
-        self._waiting.pop(extent_id, None)
+        staging goes back once that unpack ran: `release`), or will not happen; or, `waits`, a
+        restore waits for room for a longer one (its wait stays). Whether one was."""
+        if not waits:
+            self.waits.end(extent_id)
         read = self._reads.pop(extent_id, None)
         if read is not None:
             self._abandon(read)
@@ -420,7 +431,7 @@ class ExtentReads:
 
     def clear(self) -> None:
         """Give up every read (a flush): staging comes back as their completions arrive."""
-        self._waiting.clear()
+        self.waits.clear()
         for read in list(self._reads.values()):
             self._abandon(read)
 
@@ -428,11 +439,9 @@ class ExtentReads:
         """Reads nobody consumed within `ttl_s` (an unused prefetch, or a restore whose request went
         away while waiting) give their staging back; but for the extents in `keep` (by identity:
         those a layer-wise restore in progress still lands from, which ends within its forward).
-        A read waiting for room is no longer waited for after `wait_ttl_s` (its restore gave up, or
-        went away: aborted, its chain dropped), so the room kept for it goes back to stores."""
+        A read waiting for room is no longer waited for after the restore wait (`RoomWaits.expire`)."""
+        self.waits.expire()
         now = time.monotonic()
-        for eid in [e for e, (since, _) in self._waiting.items() if now - since > self.wait_ttl_s]:
-            del self._waiting[eid]  # its restore went away: prefetches and stores may take the room
         for read in list(self._reads.values()):
             if now - read.started > self.ttl_s and id(read.extent) not in keep:
                 self.metrics.inc("prefetch_abandoned")

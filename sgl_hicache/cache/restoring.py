@@ -153,7 +153,7 @@ class Restoring(GuardedPart[RestoringCache]):
         assert ctl is not None
         refs = tuple(node.spill for node in nodes)
         opened = ctl.restores.current(rid, refs) is not None
-        if not opened and not (ctl.landed_tokens(refs) and self.open_restore(rid, nodes, refs, anchor)):
+        if not opened and not (ctl.reads.landed_tokens(refs) and self.open_restore(rid, nodes, refs, anchor)):
             return
         ctl.unpack_landed(rid)
         self._give_back(rid, ready)

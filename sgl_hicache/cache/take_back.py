@@ -1,5 +1,5 @@
-"""Landed reads an eviction's spill takes back: staging goes to evicted KV before reads that the tier
-can serve again.
+"""Landed reads an eviction's spill, or a restore waiting for room, takes back: staging goes to evicted
+KV and to restores before reads that the tier can serve again.
 
 An eviction's spill that finds no block of staging drops its victim (`Refused.STAGING_FULL`): that
 KV is gone, and its conversation recomputes it when it resumes. Staging is often held then by reads
@@ -24,27 +24,44 @@ its block fits (`block`):
 Each read given back counts `reads_taken_back`; its extent's next restore reads it again
 (`reads_on_demand`). Background stores (write-through, write-ahead) never take back: nothing is
 lost without them. Off (`take_back_reads` false): spills are refused as before.
+
+A restore whose read waits for room in staging takes back the same way (`for_restore`, asked by
+the controller's `readiness`; `restores_take_back`, on by default): by the same rule (`room`), for
+that read's bytes, never the reads of its own extents; then its reads are asked for again. Else
+the room it waits for stays with reads of requests further back in the queue until they are used,
+or `prefetch_ttl_s` or an eviction's spill takes them back. A restore that yields to a waiting one
+(room_waits.py) waits for no read, so it takes back nothing. Counted in `reads_taken_back` and,
+apart, `reads_taken_back_for_restores`.
+
+Whatever the key, a waiting restore first gives back its own read of the extent it waits for when
+that read is shorter than it needs (a prefetch of a shorter prefix; no other restore in progress
+needs it): the longer read replaces it, and where staging cannot hold both it could never start
+beside it (the restore waited until too late, every time; tests/cache/test_restore_order.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
+
 import torch
 
 from sgl_hicache.cache.metrics import SpillMetrics
-from sgl_hicache.cache.reads import ExtentReads, PendingRead
-from sgl_hicache.cache.restores import Restores
+from sgl_hicache.cache.reads import ExtentReads, PendingRead, needs
+from sgl_hicache.cache.restores import RestoreProgress, Restores
 from sgl_hicache.cache.retiring import Retiring
+from sgl_hicache.cache.spill_state import Extent, SpillRef
 from sgl_hicache.cache.staging import StagingPool
 
 
 class TakeBack:
-    def __init__(
-        self, reads: ExtentReads, restores: Restores, retiring: Retiring, metrics: SpillMetrics
-    ) -> None:
+    def __init__(self, reads: ExtentReads, restores: Restores, retiring: Retiring, metrics: SpillMetrics,
+                 for_restores: bool = True) -> None:  # fmt: skip
+        """`for_restores`: a restore waiting for room takes back too (`restores_take_back`)."""
         self.reads = reads
         self.restores = restores
         self.retiring = retiring
         self.metrics = metrics
+        self.for_restores = for_restores
 
     def candidates(self) -> list[PendingRead]:
         """The landed reads a spill may take back, in the order it takes them (the module doc)."""
@@ -54,10 +71,49 @@ class TakeBack:
         return sorted(free, key=lambda r: -r.started)
 
     def block(self, staging: StagingPool, nbytes: int) -> torch.Tensor | None:
-        """A block of `nbytes` for an eviction's spill, taken back from landed reads (the module doc):
-        only those whose blocks make the free block it takes (`StagingPool.freed_for`), none whose
-        block an unpack still reads; None, having given back nothing, when they would not make room."""
-        reads = [r for r in self.candidates() if r.buf.numel() and not self.retiring.busy(r.buf)]
+        """A block of `nbytes` for an eviction's spill, taken back from landed reads (`room`); None,
+        having given back nothing, when they would not make room."""
+        return staging.acquire(nbytes) if self.room(staging, nbytes) is not None else None
+
+    def for_restore(
+        self, refs: Sequence[SpillRef], staging: StagingPool, progress: RestoreProgress | None = None
+    ) -> bool:
+        """Room for a restore of `refs` (`progress`: its own in the table, if any) whose read waits
+        for it (`ExtentReads.waits`): its own read of that extent if shorter than it needs, which
+        it gives back (the longer read replaces it; no other restore in progress needs it), else,
+        with `for_restores`, landed reads of others taken back for that read's bytes (`room`),
+        never its own extents'. Whether any read was given back (its reads may start now)."""
+        mine = needs(refs)
+        waiting = self.reads.waits.first(mine)
+        if waiting is None:
+            return False
+        eid, nbytes = waiting
+        if self._short(mine[eid], progress):
+            return self.reads.finish_extent(eid, waits=True)
+        taken = (self.room(staging, nbytes, exclude=mine) if self.for_restores else None) or 0
+        self.metrics.inc("reads_taken_back_for_restores", taken)
+        return taken > 0
+
+    def _short(self, wanted: tuple[Extent, int], progress: RestoreProgress | None) -> bool:
+        """Whether the read of `wanted`'s extent holds fewer tokens than wanted and no restore in
+        progress but `progress` needs it: it would hold the room its replacement needs (with
+        staging too small for both, for good: its restore then went too late, every time)."""
+        at_hand = self.reads.landed(wanted[0])
+        return (
+            at_hand is not None
+            and at_hand.tokens < wanted[1]
+            and not self.restores.needs(id(wanted[0]), but=progress)
+        )
+
+    def room(self, staging: StagingPool, nbytes: int, exclude: Collection[int] = ()) -> int | None:
+        """Give back landed reads (the module doc; not those of the extents in `exclude`, by
+        identity) until `staging` has a free block of `nbytes`: only those whose blocks make it
+        (`StagingPool.freed_for`), none whose block an unpack still reads. Returns how many were
+        given back; None, having given back nothing, when they would not make room."""
+        reads = [
+            r for r in self.candidates()
+            if r.buf.numel() and not self.retiring.busy(r.buf) and id(r.extent) not in exclude
+        ]  # fmt: skip
         chosen = staging.freed_for(nbytes, [r.buf for r in reads])
         if chosen is None:
             return None
@@ -65,4 +121,4 @@ class TakeBack:
             self.reads.finish_extent(id(read.extent))
             self.metrics.inc("reads_taken_back")
             self.metrics.inc("reads_taken_back_tokens", read.tokens)
-        return staging.acquire(nbytes)
+        return len(chosen)

@@ -170,6 +170,14 @@ class SpillConfig:
         True,
         "a spill finding staging full takes back landed prefetches before dropping its victim",
     )
+    restores_in_order: bool = tuning(
+        True,
+        "restores take staging in the order they began waiting for room",
+    )
+    restores_take_back: bool = tuning(
+        True,
+        "a restore waiting for room in staging takes back landed prefetches no restore asked for",
+    )
     layerwise_restore: bool = option(
         False,
         "a resume's prefill starts once its first layer group landed; each layer waits for its own",

@@ -153,4 +153,6 @@ def open_controller(
         restore_reserve=config.restore_reserve,
         restore_wait_s=RestorePolicy.of(config).restore_wait_s,
         take_back_reads=config.take_back_reads,
+        restores_in_order=config.restores_in_order,
+        restores_take_back=config.restores_take_back,
     )

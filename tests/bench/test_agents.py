@@ -149,6 +149,10 @@ def test_a_shape_that_keeps_the_contexts_in_memory_is_refused(model: Path) -> No
         ("ours-nohold", ("--hicache-spill-extra-config", '{"admission_hold": 0}')),
         ("ours-reserve", ("--hicache-spill-extra-config", '{"restore_reserve": true}')),
         ("ours-keepreads", ("--hicache-spill-extra-config", '{"take_back_reads": false}')),
+        (
+            "ours-unordered",
+            ("--hicache-spill-extra-config", '{"restores_in_order": false, "restores_take_back": false}'),
+        ),
     ],
 )
 def test_ours_variants_are_ours_with_their_flag_and_its_memory(

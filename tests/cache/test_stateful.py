@@ -12,7 +12,8 @@ disk again), and another process deleting, corrupting or rewriting extent files.
 Runs at page size 1 and 16, and with two caches sharing one tier directory (writing back on
 eviction, and writing through when they cache); under either write admission rule (issue 37: a
 node the rule does not admit is dropped at eviction and recomputed when needed again, never a
-wrong answer), drawn at the start and changed between steps. Steps per run: the
+wrong answer), drawn at the start and changed between steps; with restores taking staging in
+order and taking back landed prefetches, or not (drawn at the start). Steps per run: the
 `SGL_HICACHE_FUZZ_EXAMPLES` environment variable (default: CI size; `make fuzz` runs more).
 """
 
@@ -122,20 +123,27 @@ class SpillCacheMachine(RuleBasedStateMachine):
 
     # ---- requests -------------------------------------------------------------------------
 
-    @initialize(seed=st.integers(0, 2**16), rule=RULES, min_tokens=BOUNDS, staging=STAGING)
-    def first_conversation(self, seed: int, rule: SpillAdmission, min_tokens: int, staging: int) -> None:
+    @initialize(seed=st.integers(0, 2**16), rule=RULES, min_tokens=BOUNDS, staging=STAGING,
+                restore_rules=st.tuples(st.booleans(), st.booleans()))  # fmt: skip
+    def first_conversation(self, seed: int, rule: SpillAdmission, min_tokens: int, staging: int,
+                           restore_rules: tuple[bool, bool]) -> None:  # fmt: skip
         self.rng = random.Random(seed)
         self.admission = (rule, min_tokens)  # restarts keep it
         self.staging = staging  # restarts keep it
+        self.restore_rules = restore_rules  # restarts keep it
         for server in self.servers:
             _admit_by(server.stack.cache, rule, min_tokens)
             self._size_staging(server.stack)
 
     def _size_staging(self, stack: Stack) -> None:
         """The staging drawn: small ones hold a few extents, so restores of longer histories stream
-        through it (and evictions drop what it cannot hold)."""
+        through it (and evictions drop what it cannot hold); and how restores share it, drawn too
+        (`restores_in_order`, `restores_take_back`: each on or off)."""
         if getattr(self, "staging", 0):
             shrink_staging(stack, self.staging)
+        in_order, take_back = getattr(self, "restore_rules", (True, True))
+        stack.cache.controller.reads.waits.in_order = in_order
+        stack.cache.controller.take_back.for_restores = take_back
 
     def _new_tokens(
         self, data: Any, convs: list[tuple[list[int], str | None]] | None = None
