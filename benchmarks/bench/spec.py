@@ -150,10 +150,11 @@ OURS_FLAGS = {
     "ours-nohold": ("--hicache-spill-extra-config", '{"admission_hold": 0}'),
     "ours-reserve": ("--hicache-spill-extra-config", '{"restore_reserve": true}'),
     "ours-keepreads": ("--hicache-spill-extra-config", '{"take_back_reads": false}'),
-    "ours-unordered": (
+    "ours-ordered": (
         "--hicache-spill-extra-config",
-        '{"restores_in_order": false, "restores_take_back": false}',
+        '{"restores_in_order": true, "restores_take_back": true}',
     ),
+    "ours-restore-takeback": ("--hicache-spill-extra-config", '{"restores_take_back": true}'),
 }
 """Ours and its variants, by the flags they add to ours' defaults: `ours-reused` writes only reused,
 hinted, pinned or long nodes to the tier (issue 37's admission rule, measured against the default on
@@ -165,10 +166,10 @@ hold), the control for measuring the hold; `ours-reserve` keeps eviction spills 
 staging a restore waiting for it needs (`restore_reserve` true; off by default, measured no
 better: docs/RESULTS.md); `ours-keepreads` drops an eviction's victim when staging is full rather
 than take back prefetched reads landed for queued requests (`take_back_reads` false: the control for
-measuring it); `ours-unordered` lets every queued restore start reads while another waits for room in
-staging, and a waiting restore take back no prefetched read (`restores_in_order` and
-`restores_take_back` false: the restores split staging between them as before, the control for
-measuring both rules)."""
+measuring it); `ours-ordered` lets no queued restore start a read while another waits for room in
+staging, and a waiting restore take back prefetched reads (`restores_in_order` and
+`restores_take_back` true; both off by default, measured worse on `agents`: docs/RESULTS.md);
+`ours-restore-takeback` has the take-back alone (`restores_take_back` true)."""
 
 SYSTEMS = ("recompute", *HICACHE, *LMCACHE, *OURS_FLAGS, "resident")
 """Every system that can be named: (a) sglang's default cache, evicted KV is recomputed; (b) sglang

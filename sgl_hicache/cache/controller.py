@@ -84,8 +84,8 @@ class SpillController:
                  allocator: Any, prefetch_ttl_s: float = 30.0, streams: Streams | None = None,
                  layer_groups: int = DEFAULT_LAYER_GROUPS, group_major: bool = False,
                  restore_reserve: bool = False, restore_wait_s: float | None = None,
-                 take_back_reads: bool = True, restores_in_order: bool = True,
-                 restores_take_back: bool = True) -> None:  # fmt: skip
+                 take_back_reads: bool = True, restores_in_order: bool = False,
+                 restores_take_back: bool = False) -> None:  # fmt: skip
         self.view = view
         self.metrics = metrics
         self.timeout_s = timeout_s

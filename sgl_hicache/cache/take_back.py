@@ -26,7 +26,7 @@ Each read given back counts `reads_taken_back`; its extent's next restore reads 
 lost without them. Off (`take_back_reads` false): spills are refused as before.
 
 A restore whose read waits for room in staging takes back the same way (`for_restore`, asked by
-the controller's `readiness`; `restores_take_back`, on by default): by the same rule (`room`), for
+the controller's `readiness`; `restores_take_back`, off by default): by the same rule (`room`), for
 that read's bytes, never the reads of its own extents; then its reads are asked for again. Else
 the room it waits for stays with reads of requests further back in the queue until they are used,
 or `prefetch_ttl_s` or an eviction's spill takes them back. A restore that yields to a waiting one

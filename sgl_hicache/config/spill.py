@@ -171,11 +171,11 @@ class SpillConfig:
         "a spill finding staging full takes back landed prefetches before dropping its victim",
     )
     restores_in_order: bool = tuning(
-        True,
+        False,
         "restores take staging in the order they began waiting for room",
     )
     restores_take_back: bool = tuning(
-        True,
+        False,
         "a restore waiting for room in staging takes back landed prefetches no restore asked for",
     )
     layerwise_restore: bool = option(

@@ -150,9 +150,10 @@ def test_a_shape_that_keeps_the_contexts_in_memory_is_refused(model: Path) -> No
         ("ours-reserve", ("--hicache-spill-extra-config", '{"restore_reserve": true}')),
         ("ours-keepreads", ("--hicache-spill-extra-config", '{"take_back_reads": false}')),
         (
-            "ours-unordered",
-            ("--hicache-spill-extra-config", '{"restores_in_order": false, "restores_take_back": false}'),
+            "ours-ordered",
+            ("--hicache-spill-extra-config", '{"restores_in_order": true, "restores_take_back": true}'),
         ),
+        ("ours-restore-takeback", ("--hicache-spill-extra-config", '{"restores_take_back": true}')),
     ],
 )
 def test_ours_variants_are_ours_with_their_flag_and_its_memory(

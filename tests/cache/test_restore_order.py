@@ -86,7 +86,7 @@ def test_a_restore_whose_reads_all_started_completes_while_another_waits(
 ) -> None:
     """B's read started before A waited for room: B takes it once landed and is restored (the order
     holds back new reads only), its staging then goes to A."""
-    s = make_stack(size=1024, restores_in_order=in_order)
+    s = make_stack(size=1024, restores_in_order=in_order, restores_take_back=True)
     on_tier(s, HISTORY, OTHER)
     ctl, totals = s.cache.controller, s.metrics.totals
     held = HeldWrites(monkeypatch, ctl.tier)
@@ -110,7 +110,7 @@ def test_a_waiting_restore_takes_back_another_requests_landed_prefetch(
 ) -> None:
     """OTHER's prefetch landed (no restore asked for it) and a write holds 8 KiB: HISTORY's read
     finds 4 KiB free, takes OTHER's read back and starts at once. Off, it waits."""
-    s = make_stack(size=1024, restores_take_back=take_back)
+    s = make_stack(size=1024, restores_in_order=True, restores_take_back=take_back)
     on_tier(s, HISTORY, OTHER)
     ctl, totals = s.cache.controller, s.metrics.totals
     mine, theirs = extent_of(s, HISTORY), extent_of(s, OTHER)
@@ -139,7 +139,7 @@ def test_a_waiting_restore_takes_back_another_requests_landed_prefetch(
 def test_a_waiting_restore_never_takes_back_a_read_a_restore_in_progress_needs(
     make_stack: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    s = make_stack(size=1024)
+    s = make_stack(size=1024, restores_in_order=True, restores_take_back=True)
     on_tier(s, HISTORY, OTHER)
     ctl, totals = s.cache.controller, s.metrics.totals
     s.cache.prefetch(OTHER)
@@ -166,7 +166,7 @@ def test_a_waiting_restore_gives_back_nothing_when_it_would_not_make_room(
     """A 128-token history (one 16 KiB read): OTHER's landed prefetch [0, 8K) and the free
     [16K, 20K) lie either side of a held write, so giving it back would not make 16 KiB: it is
     kept. Once the write finishes, giving it back does make room, and the read starts."""
-    s = make_stack(size=1024)
+    s = make_stack(size=1024, restores_in_order=True, restores_take_back=True)
     long = turn(7000, 2 * TURN)
     on_tier(s, long, OTHER)
     ctl, totals = s.cache.controller, s.metrics.totals
@@ -190,7 +190,7 @@ def test_a_waiting_restore_gives_back_nothing_when_it_would_not_make_room(
 def test_a_restore_never_takes_back_its_own_extents(make_stack: Any) -> None:
     """`TakeBack.room` passes over the reads of the extents it is told to keep (a waiting
     restore's own), even when they alone would make room."""
-    s = make_stack(size=1024)
+    s = make_stack(size=1024, restores_in_order=True, restores_take_back=True)
     on_tier(s, OTHER, staging=8 << 10)
     ctl = s.cache.controller
     s.cache.prefetch(OTHER)
@@ -209,7 +209,7 @@ def test_tp_ranks_where_only_one_takes_back_for_a_restore_keep_equal_trees(
     tree: the ranks agree, restore HISTORY and OTHER exact, and their trees stay equal."""
     from sgl_hicache.cache.warm_start import tree_digest
 
-    ranks = two_ranks(size=1024)
+    ranks = two_ranks(size=1024, restores_in_order=True, restores_take_back=True)
     for r, s in enumerate(ranks.stacks):
         on_tier(s, HISTORY, OTHER, staging=(20 if r == 0 else 12) << 10)
     helds = [HeldWrites(monkeypatch, s.cache.controller.tier) for s in ranks.stacks]
