@@ -61,9 +61,7 @@ logger = logging.getLogger(__name__)
 
 class Readiness(enum.Enum):
     READY = "ready"  # every byte is in staging or read and verified
-    LAYERWISE = (
-        "layerwise"  # reads in flight, the first layer group of each landed (a layer-wise restore may start)
-    )
+    LAYERWISE = "layerwise"  # reads in flight, each one's first layer group landed (layer-wise may start)
     PENDING = "pending"  # reads in flight
     STREAMING = "streaming"  # reads in flight or not: not every read could start (staging is full)
     FAILED = "failed"  # a read failed or can never start: recompute
@@ -84,6 +82,7 @@ class PendingRead:
     finished: float = 0.0  # when the tier posted its completion (monotonic; 0: not taken yet)
     usable: bool = True
     deferred: bool = False  # a restore already found it pending
+    by_prefetch: bool = False  # a prefetch started it (`prefetched` ends once a restore asks)
 
 
 @dataclass(frozen=True)
@@ -293,10 +292,13 @@ class ExtentReads:
             return True
         return False
 
+    def read_of(self, extent: Extent) -> PendingRead | None:
+        """The read of `extent` kept for a restore (in flight or landed), if any."""
+        return r if (r := self._reads.get(id(extent))) is not None and r.usable else None
+
     def running(self, extent: Extent) -> PendingRead | None:
         """The read of `extent` still running (its completion not taken yet), if any."""
-        read = self._reads.get(id(extent))
-        return read if read is not None and read.usable and read.done is None else None
+        return r if (r := self.read_of(extent)) is not None and r.done is None else None
 
     def gather(self, wanted: dict[int, tuple[Extent, int]]) -> dict[int, Landing] | None:
         """The packed bytes of every wanted extent, from staging or a read completed and verified;
@@ -376,7 +378,7 @@ class ExtentReads:
             raise
         if read is not None:
             self._abandon(read)
-        read = PendingRead(extent, ticket, buf, tokens, started, prefetched=prefetch)
+        read = PendingRead(extent, ticket, buf, tokens, started, prefetched=prefetch, by_prefetch=prefetch)
         self._reads[id(extent)] = read
         self._tickets[ticket] = read
         self.metrics.inc("prefetch_issued" if prefetch else "reads_on_demand")

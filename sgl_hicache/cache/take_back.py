@@ -95,13 +95,17 @@ class TakeBack:
         return taken > 0
 
     def _short(self, wanted: tuple[Extent, int], progress: RestoreProgress | None) -> bool:
-        """Whether the read of `wanted`'s extent holds fewer tokens than wanted and no restore in
-        progress but `progress` needs it: it would hold the room its replacement needs (with
-        staging too small for both, for good: its restore then went too late, every time)."""
-        at_hand = self.reads.landed(wanted[0])
+        """Whether the read of `wanted`'s extent holds fewer tokens than wanted, a prefetch started
+        it and no restore in progress but `progress` needs it: it would hold the room its
+        replacement needs (with staging too small for both, for good: its restore then went too
+        late, every time). Not one a restore started on demand: that restore (a shorter prefix of
+        the same history) completes with it, then the room is the waiting one's; given back, it
+        was started again every round and neither completed."""
+        read = self.reads.read_of(wanted[0])
         return (
-            at_hand is not None
-            and at_hand.tokens < wanted[1]
+            read is not None
+            and read.by_prefetch
+            and read.tokens < wanted[1]
             and not self.restores.needs(id(wanted[0]), but=progress)
         )
 

@@ -265,3 +265,21 @@ def test_a_restore_gives_back_its_shorter_read_that_holds_the_room_its_read_need
     answers = admit_all(s, {"a": a})
     assert (totals["restores_too_late"], totals["reads_on_demand"]) == (0, 1)
     exact(s, answers, {"a": HISTORY})
+
+
+def test_a_waiting_restore_leaves_a_shorter_read_another_restore_started_on_demand(make_stack: Any) -> None:
+    """C needs HISTORY's first 32 tokens and started their read itself (on demand); A needs all 64,
+    which cannot start beside it in an 8 KiB staging. A gives back only a short read a prefetch
+    started: C's is C's. Before, A gave C's read back every round and C started it again (a read
+    on demand each round, neither restored until too late); now C completes, then A's read
+    starts, and both are exact (reviewer's finding)."""
+    s = make_stack(size=1024, prefetch_policy=PrefetchPolicy.TIMEOUT, prefetch_timeout_s=2.0)
+    on_tier(s, HISTORY, staging=8 << 10)
+    totals = s.metrics.totals
+    c, a = admission(s, HISTORY[:32], "c"), admission(s, HISTORY, "a")
+    answers = admit_all(s, {"c": c, "a": a})
+    assert totals["restores_too_late"] == 0
+    assert totals["reads_on_demand"] == 2, "C's read once, then A's: none started again"
+    assert answers["c"][0] == 32
+    exact(s, answers, {"a": HISTORY})
+    assert read_kv(s.pool, answers["c"][1].value) == expected_kv(HISTORY[:32])[-len(answers["c"][1].value) :]
