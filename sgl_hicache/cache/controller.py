@@ -267,7 +267,7 @@ class SpillController:
         progress = self.restores.get(owner) if owner is not None else None
         done = progress.done_extents() if progress is not None and progress.refs == tuple(refs) else set()
         state, waited = self.reads.readiness(refs, done)
-        if state is Readiness.STREAMING and self.take_back.for_restore(refs, self.staging, progress):
+        if state is Readiness.STREAMING and self.take_back.for_restore(refs, self.staging, progress, done):
             state, waited = self.reads.readiness(refs, done)  # its read has room now
         return state, waited
 

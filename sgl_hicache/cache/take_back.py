@@ -76,15 +76,20 @@ class TakeBack:
         return staging.acquire(nbytes) if self.room(staging, nbytes) is not None else None
 
     def for_restore(
-        self, refs: Sequence[SpillRef], staging: StagingPool, progress: RestoreProgress | None = None
+        self,
+        refs: Sequence[SpillRef],
+        staging: StagingPool,
+        progress: RestoreProgress | None = None,
+        done: Collection[int] = (),
     ) -> bool:
         """Room for a restore of `refs` (`progress`: its own in the table, if any) whose read waits
         for it (`ExtentReads.waits`): its own read of that extent if shorter than it needs, which
         it gives back (the longer read replaces it; no other restore in progress needs it), else,
         with `for_restores`, landed reads of others taken back for that read's bytes (`room`),
-        never its own extents'. Whether any read was given back (its reads may start now)."""
+        never its own extents'. `done`: extents it unpacked whole (another restore's wait on one of
+        them is not its own). Whether any read was given back (its reads may start now)."""
         mine = needs(refs)
-        waiting = self.reads.waits.first(mine)
+        waiting = self.reads.waits.first(e for e in mine if e not in done)
         if waiting is None:
             return False
         eid, nbytes = waiting
