@@ -26,9 +26,9 @@ Contract:
 - A restore is all or nothing. The caller allocates its slots and registers them with
   `restores.open` (the table owns them from then on), may `unpack_landed` while reads are in flight
   (early unpack) and `release_unpacked` the reads of extents unpacked whole (streaming: the next
-  `readiness` needs no read of them and starts the reads that found no room; restores take room in
-  the order they began waiting, `restores_in_order`, room_waits.py, and one whose read waits takes
-  back other requests' landed prefetches, `restores_take_back`), then `complete`s it: every read it
+  `readiness` needs no read of them and starts the reads that found no room; with keys off by
+  default, restores take room in the order they began waiting, `restores_in_order`, room_waits.py,
+  and one whose read waits takes back others' landed prefetches, `restores_take_back`), then `complete`s it: every read it
   needs completed and verified (never waited for: see `ExtentReads.gather`), the rest unpacked;
   True leaves it in the table for the caller's `restores.hand_over`, False frees its slots (the
   request recomputes). Any tier failure marks the extent LOST; nothing read is used unverified.
@@ -267,6 +267,8 @@ class SpillController:
         progress = self.restores.get(owner) if owner is not None else None
         done = progress.done_extents() if progress is not None and progress.refs == tuple(refs) else set()
         state, waited = self.reads.readiness(refs, done)
+        if owner is not None:
+            self._serve(refs, owner)
         if state is Readiness.STREAMING and self.take_back.for_restore(refs, self.staging, progress, done):
             state, waited = self.reads.readiness(refs, done)  # its read has room now
         return state, waited
@@ -289,9 +291,17 @@ class SpillController:
         happen), but for those a restore in progress other than `owner`'s still needs
         (`Restores.needs`): a read shared by several restores goes with the last that needs it."""
         mine = self.restores.get(owner) if owner is not None else None
-        for eid in needs(refs):
+        for eid, (extent, _) in needs(refs).items():
+            if (read := self.reads.read_of(extent)) is not None:
+                read.users.discard(owner)
             if not self.restores.needs(eid, but=mine):
                 self.reads.finish_extent(eid)
+
+    def _serve(self, refs: Sequence[SpillRef], owner: object) -> None:
+        """`owner`'s restore uses the reads long enough for it, until `finish_reads` (`TakeBack._short`)."""
+        for extent, need in needs(refs).values():
+            if (read := self.reads.read_of(extent)) is not None and read.tokens >= need:
+                read.users.add(owner)
 
     def unpack_landed(
         self, owner: object, progress: RestoreProgress | None = None, fence: list[Any] | None = None

@@ -33,10 +33,8 @@ Contract (every method runs on the scheduler thread and never blocks on I/O):
 - `restore_read_seconds` (`count_read_span`): the first read a restore used starting to the last
   one completing (when the tier posted its completion, `Completion.at`, not when the scheduler
   took it); counted by the controller once per restore that got all its bytes, whole (at
-  `complete`, the reads of extents unpacked early included) or layer-wise (when it settled; a
-  read whose completion was not taken yet is counted when it is). The
-  reads of a restore streamed through staging that were given back before it completed are not
-  in its window.
+  `complete`, the reads of extents unpacked early included) or layer-wise (when it settled; a read
+  whose completion was not taken yet is counted when it is), without streamed reads given back.
 """
 
 from __future__ import annotations
@@ -45,7 +43,7 @@ import enum
 import logging
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from sgl_hicache_kernels import KVPoolView, LayerGroups, packed_nbytes
@@ -82,7 +80,7 @@ class PendingRead:
     finished: float = 0.0  # when the tier posted its completion (monotonic; 0: not taken yet)
     usable: bool = True
     deferred: bool = False  # a restore already found it pending
-    by_prefetch: bool = False  # a prefetch started it (`prefetched` ends once a restore asks)
+    users: set[object] = field(default_factory=set)  # restores it serves, until they finish (controller)
 
 
 @dataclass(frozen=True)
@@ -124,7 +122,7 @@ class ExtentReads:
     def __init__(self, tier: Tier, view: KVPoolView, staging: StagingPool, metrics: SpillMetrics,
                  ttl_s: float, release: Callable[[torch.Tensor], None],
                  spoil: Callable[[torch.Tensor], None], layout: LayerGroups | None = None, group_major: bool = False,
-                 wait_s: float | None = None, in_order: bool = True) -> None:  # fmt: skip
+                 wait_s: float | None = None, in_order: bool = False) -> None:  # fmt: skip
         """`wait_s`: the longest a restore waits for its reads (`RestorePolicy.restore_wait_s`; None:
         `ttl_s`): a read that waited longer for room is wanted by no restore that is still waiting;
         `in_order`: restores take staging in the order they began waiting (room_waits.py)."""
@@ -357,7 +355,8 @@ class ExtentReads:
         if read is not None and read.tokens >= tokens and read.usable:
             if prefetch:
                 self.metrics.inc("prefetch_coalesced")
-            elif read.prefetched:  # the first restore attempt that finds a prefetch's read
+                return read
+            if read.prefetched:  # the first restore attempt that finds a prefetch's read
                 self.metrics.inc("prefetch_hits")
                 read.prefetched = False
             return read
@@ -378,7 +377,7 @@ class ExtentReads:
             raise
         if read is not None:
             self._abandon(read)
-        read = PendingRead(extent, ticket, buf, tokens, started, prefetched=prefetch, by_prefetch=prefetch)
+        read = PendingRead(extent, ticket, buf, tokens, started, prefetched=prefetch)
         self._reads[id(extent)] = read
         self._tickets[ticket] = read
         self.metrics.inc("prefetch_issued" if prefetch else "reads_on_demand")

@@ -29,7 +29,7 @@ from sgl_hicache.cache.metrics import SpillMetrics
 
 
 class RoomWaits:
-    def __init__(self, metrics: SpillMetrics, ttl_s: float, in_order: bool = True) -> None:
+    def __init__(self, metrics: SpillMetrics, ttl_s: float, in_order: bool = False) -> None:
         self.metrics = metrics
         self.ttl_s = ttl_s
         self.in_order = in_order

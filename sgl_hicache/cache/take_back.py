@@ -55,7 +55,7 @@ from sgl_hicache.cache.staging import StagingPool
 
 class TakeBack:
     def __init__(self, reads: ExtentReads, restores: Restores, retiring: Retiring, metrics: SpillMetrics,
-                 for_restores: bool = True) -> None:  # fmt: skip
+                 for_restores: bool = False) -> None:  # fmt: skip
         """`for_restores`: a restore waiting for room takes back too (`restores_take_back`)."""
         self.reads = reads
         self.restores = restores
@@ -100,17 +100,17 @@ class TakeBack:
         return taken > 0
 
     def _short(self, wanted: tuple[Extent, int], progress: RestoreProgress | None) -> bool:
-        """Whether the read of `wanted`'s extent holds fewer tokens than wanted, a prefetch started
-        it and no restore in progress but `progress` needs it: it would hold the room its
+        """Whether the read of `wanted`'s extent holds fewer tokens than wanted, no restore uses it
+        (`PendingRead.users`: a shorter prefix of the same history, deferred for it or started it
+        on demand) and no restore in progress but `progress` needs it: it would hold the room its
         replacement needs (with staging too small for both, for good: its restore then went too
-        late, every time). Not one a restore started on demand: that restore (a shorter prefix of
-        the same history) completes with it, then the room is the waiting one's; given back, it
-        was started again every round and neither completed."""
+        late, every time). A read another restore uses completes that restore, then is given back
+        (given back at once, it was started again every round and neither completed)."""
         read = self.reads.read_of(wanted[0])
         return (
             read is not None
-            and read.by_prefetch
             and read.tokens < wanted[1]
+            and not read.users
             and not self.restores.needs(id(wanted[0]), but=progress)
         )
 

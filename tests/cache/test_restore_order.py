@@ -273,7 +273,7 @@ def test_a_waiting_restore_leaves_a_shorter_read_another_restore_started_on_dema
     started: C's is C's. Before, A gave C's read back every round and C started it again (a read
     on demand each round, neither restored until too late); now C completes, then A's read
     starts, and both are exact (reviewer's finding)."""
-    s = make_stack(size=1024, prefetch_policy=PrefetchPolicy.TIMEOUT, prefetch_timeout_s=2.0)
+    s = make_stack(size=1024, prefetch_policy=PrefetchPolicy.TIMEOUT, prefetch_timeout_s=10.0)
     on_tier(s, HISTORY, staging=8 << 10)
     totals = s.metrics.totals
     c, a = admission(s, HISTORY[:32], "c"), admission(s, HISTORY, "a")
@@ -283,3 +283,28 @@ def test_a_waiting_restore_leaves_a_shorter_read_another_restore_started_on_dema
     assert answers["c"][0] == 32
     exact(s, answers, {"a": HISTORY})
     assert read_kv(s.pool, answers["c"][1].value) == expected_kv(HISTORY[:32])[-len(answers["c"][1].value) :]
+
+
+@pytest.mark.parametrize("c_first", [True, False], ids=["c_first", "a_first"])
+def test_a_waiting_restore_leaves_a_prefetched_read_another_restore_uses(
+    make_stack: Any, c_first: bool
+) -> None:
+    """A prefetch reads HISTORY's first 32 tokens (slowly); C needs exactly those, A all 64, which
+    cannot start beside them in an 8 KiB staging. Once C asked for the read it is C's to use: A
+    leaves it, C completes, then (no one using it) A gives it back and reads. Tried first, A finds
+    the prefetch nobody uses yet and gives it back: C reads it again, once, and keeps it. Either
+    way nothing waits until too late, and both are exact. Before: A gave C's read back every time,
+    or, keeping it, A (opened on its landed prefix) held it after C finished until too late."""
+    from tests.cache.test_streamed_restore import slow
+
+    s = make_stack(size=1024, prefetch_policy=PrefetchPolicy.TIMEOUT, prefetch_timeout_s=10.0)
+    on_tier(s, HISTORY, staging=8 << 10)
+    totals = s.metrics.totals
+    slow(s, 0.3)
+    assert s.cache.prefetch(HISTORY[:32]) == 32
+    c, a = admission(s, HISTORY[:32], "c"), admission(s, HISTORY, "a")
+    answers = admit_all(s, {"c": c, "a": a} if c_first else {"a": a, "c": c})
+    assert totals["restores_too_late"] == 0
+    assert totals["reads_on_demand"] == (1 if c_first else 2), "A's read, and C's again only if A came first"
+    assert answers["c"][0] == 32
+    exact(s, answers, {"a": HISTORY})

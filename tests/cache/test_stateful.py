@@ -141,7 +141,7 @@ class SpillCacheMachine(RuleBasedStateMachine):
         (`restores_in_order`, `restores_take_back`: each on or off)."""
         if getattr(self, "staging", 0):
             shrink_staging(stack, self.staging)
-        in_order, take_back = getattr(self, "restore_rules", (True, True))
+        in_order, take_back = getattr(self, "restore_rules", (False, False))
         stack.cache.controller.reads.waits.in_order = in_order
         stack.cache.controller.take_back.for_restores = take_back
 
