@@ -267,8 +267,7 @@ class SpillController:
         progress = self.restores.get(owner) if owner is not None else None
         done = progress.done_extents() if progress is not None and progress.refs == tuple(refs) else set()
         state, waited = self.reads.readiness(refs, done)
-        if owner is not None:
-            self._serve(refs, owner)
+        self.take_back.serve(refs, owner, done)
         if state is Readiness.STREAMING and self.take_back.for_restore(refs, self.staging, progress, done):
             state, waited = self.reads.readiness(refs, done)  # its read has room now
         return state, waited
@@ -281,6 +280,7 @@ class SpillController:
         progress = self.restores.get(owner)
         if progress is None:
             return 0
+        self.take_back.unserve([r for r in progress.refs if id(r.extent) in progress.done_extents()], owner)
         done = [eid for eid in progress.done_extents() if not self.restores.needs(eid, but=progress)]
         released = sum(self.reads.finish_extent(eid) for eid in done)
         progress.released += released
@@ -291,17 +291,10 @@ class SpillController:
         happen), but for those a restore in progress other than `owner`'s still needs
         (`Restores.needs`): a read shared by several restores goes with the last that needs it."""
         mine = self.restores.get(owner) if owner is not None else None
-        for eid, (extent, _) in needs(refs).items():
-            if (read := self.reads.read_of(extent)) is not None:
-                read.users.discard(owner)
+        self.take_back.unserve(refs, owner)
+        for eid in needs(refs):
             if not self.restores.needs(eid, but=mine):
                 self.reads.finish_extent(eid)
-
-    def _serve(self, refs: Sequence[SpillRef], owner: object) -> None:
-        """`owner`'s restore uses the reads long enough for it, until `finish_reads` (`TakeBack._short`)."""
-        for extent, need in needs(refs).values():
-            if (read := self.reads.read_of(extent)) is not None and read.tokens >= need:
-                read.users.add(owner)
 
     def unpack_landed(
         self, owner: object, progress: RestoreProgress | None = None, fence: list[Any] | None = None

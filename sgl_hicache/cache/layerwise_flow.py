@@ -110,7 +110,7 @@ class LayerwiseFlow(GuardedPart[LayerwiseFlowCache]):
         if not cache.agreement.all_ok(ok):
             cache.spill_metrics.inc("restore_failures")
             ctl.restores.drop(owner)
-            ctl.finish_reads(refs)
+            ctl.finish_reads(refs, owner)
             cache.spill_metrics.inc("tp_disagreements", int(ok))
             return False
         progress = ctl.restores.get(owner)
@@ -161,7 +161,7 @@ class LayerwiseFlow(GuardedPart[LayerwiseFlowCache]):
             ctl.engine.forward_waits(restore.progress.last_copy)
             ctl.restores.landed(restore.progress)
             ctl.reads.count_read_span({id(ref.extent) for ref in restore.progress.refs})
-            ctl.finish_reads(restore.progress.refs)
+            ctl.finish_reads(restore.progress.refs, restore.owner)
         self.cache.spill_metrics.observe_restore(time.monotonic() - restore.progress.started)
         self._unlock(restore)
 
@@ -173,7 +173,7 @@ class LayerwiseFlow(GuardedPart[LayerwiseFlowCache]):
         if ctl is not None:
             ctl.engine.forward_waits(ctl.engine.load_barrier())
             ctl.restores.landed(restore.progress)
-            ctl.finish_reads(restore.progress.refs)
+            ctl.finish_reads(restore.progress.refs, restore.owner)
         self.cache.spill_metrics.inc("restore_failures")
         self.cache.spill_metrics.inc("layerwise_failed_restores")
         self._poison(restore)

@@ -99,10 +99,23 @@ class TakeBack:
         self.metrics.inc("reads_taken_back_for_restores", taken)
         return taken > 0
 
+    def serve(self, refs: Sequence[SpillRef], owner: object, done: Collection[int] = ()) -> None:
+        """`owner`'s restore (None: none) uses the reads long enough for it, but of the extents in
+        `done` (unpacked whole), until `unserve`: `_short` gives none of them back."""
+        for eid, (extent, need) in needs(refs).items() if owner is not None else ():
+            if eid not in done and (read := self.reads.read_of(extent)) is not None and read.tokens >= need:
+                read.users.add(owner)
+
+    def unserve(self, refs: Sequence[SpillRef], owner: object) -> None:
+        """`owner`'s restore is done with the reads of `refs` (finished, gave up, unpacked them whole)."""
+        for extent, _ in needs(refs).values():
+            if (read := self.reads.read_of(extent)) is not None:
+                read.users.discard(owner)
+
     def _short(self, wanted: tuple[Extent, int], progress: RestoreProgress | None) -> bool:
         """Whether the read of `wanted`'s extent holds fewer tokens than wanted, no restore uses it
-        (`PendingRead.users`: a shorter prefix of the same history, deferred for it or started it
-        on demand) and no restore in progress but `progress` needs it: it would hold the room its
+        (`PendingRead.users`, `serve`: a shorter prefix of the same history, deferred for it or
+        started it on demand) and no restore in progress but `progress` needs it: it would hold the room its
         replacement needs (with staging too small for both, for good: its restore then went too
         late, every time). A read another restore uses completes that restore, then is given back
         (given back at once, it was started again every round and neither completed)."""

@@ -307,4 +307,5 @@ def test_a_waiting_restore_leaves_a_prefetched_read_another_restore_uses(
     assert totals["restores_too_late"] == 0
     assert totals["reads_on_demand"] == (1 if c_first else 2), "A's read, and C's again only if A came first"
     assert answers["c"][0] == 32
+    assert read_kv(s.pool, answers["c"][1].value) == expected_kv(HISTORY[:32])[-len(answers["c"][1].value) :]
     exact(s, answers, {"a": HISTORY})
