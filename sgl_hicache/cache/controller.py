@@ -28,10 +28,10 @@ Contract:
   (early unpack) and `release_unpacked` the reads of extents unpacked whole (streaming: the next
   `readiness` needs no read of them and starts the reads that found no room; with keys off by
   default, restores take room in the order they began waiting, `restores_in_order`, room_waits.py,
-  and one whose read waits takes back others' landed prefetches, `restores_take_back`), then `complete`s it: every read it
-  needs completed and verified (never waited for: see `ExtentReads.gather`), the rest unpacked;
-  True leaves it in the table for the caller's `restores.hand_over`, False frees its slots (the
-  request recomputes). Any tier failure marks the extent LOST; nothing read is used unverified.
+  and one whose read waits takes back others' landed prefetches, `restores_take_back`), then
+  `complete`s it: every read it needs completed and verified (never waited for: see
+  `ExtentReads.gather`), the rest unpacked; True leaves it in the table for the caller's
+  `restores.hand_over`, False frees its slots (the request recomputes). Any tier failure marks the extent LOST; nothing read is used unverified.
 - A read shared by several restores in progress (open in `restores`, or handed over layer-wise
   and still landing: `Restores.hand_over(landing=True)` until `landed`) is given up only by the last
   that needs it (`finish_reads`, `release_unpacked`), and never expires while a layer-wise restore
