@@ -35,6 +35,21 @@ def exact(s: Stack, answers: dict[str, Any], histories: dict[str, list[int]]) ->
     s.cache.check_integrity()
 
 
+def other_landed_and_a_write_held(
+    s: Stack, monkeypatch: pytest.MonkeyPatch, history: list[int]
+) -> tuple[Any, Any, HeldWrites]:
+    """`history` and OTHER on the tier, OTHER's prefetch landed (no restore asked for it), and one
+    eviction's write held in staging: the controller, the counters and the held writes."""
+    on_tier(s, history, OTHER)
+    ctl = s.cache.controller
+    s.cache.prefetch(OTHER)
+    landed(s, 1)
+    held = HeldWrites(monkeypatch, ctl.tier)
+    evict(s, turn(1000))
+    held.wait(s, 1)
+    return ctl, s.metrics.totals, held
+
+
 def extent_of(s: Stack, tokens: list[int]) -> Any:
     return s.match(tokens).best_match_node.spill.extent
 
@@ -140,13 +155,7 @@ def test_a_waiting_restore_never_takes_back_a_read_a_restore_in_progress_needs(
     make_stack: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     s = make_stack(size=1024, restores_in_order=True, restores_take_back=True)
-    on_tier(s, HISTORY, OTHER)
-    ctl, totals = s.cache.controller, s.metrics.totals
-    s.cache.prefetch(OTHER)
-    landed(s, 1)
-    held = HeldWrites(monkeypatch, ctl.tier)
-    evict(s, turn(1000))
-    held.wait(s, 1)
+    ctl, totals, held = other_landed_and_a_write_held(s, monkeypatch, HISTORY)
     ctl.restores.open("o", (s.match(OTHER).best_match_node.spill,), s.allocator.alloc(TURN))
     a = admission(s, HISTORY, "a")
     assert s.cache.init_load_back(a) is None and ctl.reads.room_wanted
@@ -168,13 +177,7 @@ def test_a_waiting_restore_gives_back_nothing_when_it_would_not_make_room(
     kept. Once the write finishes, giving it back does make room, and the read starts."""
     s = make_stack(size=1024, restores_in_order=True, restores_take_back=True)
     long = turn(7000, 2 * TURN)
-    on_tier(s, long, OTHER)
-    ctl, totals = s.cache.controller, s.metrics.totals
-    s.cache.prefetch(OTHER)
-    landed(s, 1)
-    held = HeldWrites(monkeypatch, ctl.tier)
-    evict(s, turn(1000))
-    held.wait(s, 1)
+    ctl, totals, held = other_landed_and_a_write_held(s, monkeypatch, long)
     a = admission(s, long, "a")
     assert s.cache.init_load_back(a) is None and ctl.reads.room_wanted
     assert totals["reads_taken_back"] == 0 and len(ctl.reads.landed_reads()) == 1
