@@ -31,7 +31,8 @@ Contract:
   and one whose read waits takes back others' landed prefetches, `restores_take_back`), then
   `complete`s it: every read it needs completed and verified (never waited for: see
   `ExtentReads.gather`), the rest unpacked; True leaves it in the table for the caller's
-  `restores.hand_over`, False frees its slots (the request recomputes). Any tier failure marks the extent LOST; nothing read is used unverified.
+  `restores.hand_over`, False frees its slots (the request recomputes). Any tier failure marks
+  the extent LOST; nothing read is used unverified.
 - A read shared by several restores in progress (open in `restores`, or handed over layer-wise
   and still landing: `Restores.hand_over(landing=True)` until `landed`) is given up only by the last
   that needs it (`finish_reads`, `release_unpacked`), and never expires while a layer-wise restore
@@ -280,8 +281,9 @@ class SpillController:
         progress = self.restores.get(owner)
         if progress is None:
             return 0
-        self.take_back.unserve([r for r in progress.refs if id(r.extent) in progress.done_extents()], owner)
-        done = [eid for eid in progress.done_extents() if not self.restores.needs(eid, but=progress)]
+        unpacked = progress.done_extents()
+        self.take_back.unserve([r for r in progress.refs if id(r.extent) in unpacked], owner)
+        done = [eid for eid in unpacked if not self.restores.needs(eid, but=progress)]
         released = sum(self.reads.finish_extent(eid) for eid in done)
         progress.released += released
         return released

@@ -80,7 +80,7 @@ class PendingRead:
     finished: float = 0.0  # when the tier posted its completion (monotonic; 0: not taken yet)
     usable: bool = True
     deferred: bool = False  # a restore already found it pending
-    users: set[object] = field(default_factory=set)  # restores it serves, until they finish (controller)
+    users: set[object] = field(default_factory=set)  # restores it serves (`TakeBack.serve`)
 
 
 @dataclass(frozen=True)

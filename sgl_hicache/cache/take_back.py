@@ -34,8 +34,9 @@ or `prefetch_ttl_s` or an eviction's spill takes them back. A restore that yield
 apart, `reads_taken_back_for_restores`.
 
 Whatever the key, a waiting restore first gives back its own read of the extent it waits for when
-that read is shorter than it needs (a prefetch of a shorter prefix; no other restore in progress
-needs it): the longer read replaces it, and where staging cannot hold both it could never start
+that read is shorter than it needs, no restore uses it (`serve`: one for a shorter prefix of the
+same history, deferred for it or having started it, until it is done with it) and no other restore
+in progress needs it (`_short`): the longer read replaces it, and where staging cannot hold both it could never start
 beside it (the restore waited until too late, every time; tests/cache/test_restore_order.py).
 """
 
