@@ -95,3 +95,27 @@ def test_placement_is_the_masters_unless_asked_local_and_reaches_the_scheduler()
     c = config([*MOONCAKE, "--hicache-spill-mooncake-config", '{"placement": "local"}'], env)
     assert c.tier.mooncake.placement == "local"
     assert SpillConfig.from_json(c.to_json()) == c
+
+
+def test_a_real_client_stands_for_the_master_and_reaches_the_scheduler() -> None:
+    """`real_client` (tier/mooncake/client.py): the server joins through a `mooncake_client` on its
+    host (Mooncake's standalone mode), which holds the segment and talks to the master."""
+    c = config([*MOONCAKE, "--hicache-spill-mooncake-config", '{"real_client": "127.0.0.1:50052"}'])
+    assert (c.tier.mooncake.real_client, c.tier.mooncake.master) == ("127.0.0.1:50052", "")
+    assert SpillConfig.from_json(c.to_json()) == c
+    assert config(MOONCAKE, {"MOONCAKE_CLIENT": "10.0.0.2:7"}).tier.mooncake.real_client == "10.0.0.2:7"
+
+
+@pytest.mark.parametrize(
+    ("given", "says"),
+    [
+        ('{"real_client": "h"}', "real_client must be host:port"),
+        ('{"real_client": "h:1", "placement": "local"}', "placement local needs a segment of this server"),
+        ('{"real_client": "h:1", "ssd_offload_path": "/x"}', "ssd_offload_path is the real client's"),
+        ("{}", 'needs the master\'s address ("master" or MOONCAKE_MASTER) or a real client\'s'),
+    ],
+)
+def test_real_client_settings_that_cannot_work_are_one_line(given: str, says: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        config([*MOONCAKE, "--hicache-spill-mooncake-config", given])
+    assert says in str(e.value) and "\n" not in str(e.value)

@@ -12,6 +12,7 @@ from sgl_hicache.config.units import GiB, MiB, parse_size
 
 _MOONCAKE_ENV = {  # field -> Mooncake's own variable (the names sglang's `mooncake` L3 backend reads)
     "master": "MOONCAKE_MASTER",
+    "real_client": "MOONCAKE_CLIENT",
     "metadata_server": "MOONCAKE_TE_META_DATA_SERVER",
     "protocol": "MOONCAKE_PROTOCOL",
     "device_name": "MOONCAKE_DEVICE",
@@ -32,6 +33,13 @@ segment is a memory copy, from another client's a transfer (tier/mooncake/client
 a server's loads of what it spilled itself 3x faster at the tier, but on the benchmarks here it did
 not shorten a resumed turn, and loads of what another server spilled always cross the network, and
 every object a server wrote leaves the store with it (docs/RESULTS.md, docs/OPERATIONS.md)."""
+REAL_CLIENT = """With `real_client` (Mooncake's standalone mode: `setup_dummy`) the server joins the store through
+a `mooncake_client` process on its own host: that process contributes the DRAM segment (its
+`--global_segment_size`), talks to the master and moves every object, and the server's staging is
+shared memory it maps, so a load is one local call and a memory copy by that process, whichever
+server wrote the object. `master`, `metadata_server`, `global_segment_size` and the transport
+settings are then the real client's (its flags), not this server's; `placement` local has no
+segment of its own to ask for."""
 _MOONCAKE_DEFAULTS: dict[str, Any] = {
     "metadata_server": "P2PHANDSHAKE", "protocol": "tcp", "local_hostname": "localhost",
     "global_segment_size": 4 * GiB, "local_buffer_size": 64 * MiB,
@@ -57,6 +65,7 @@ class MooncakeConfig:
         "merged"  # a restore's chunks not needed group by group: "merged" (one call), "by_group"
     )
     placement: str = "any"  # where stores go: "any" (the master's choice) or "local" (PLACEMENTS)
+    real_client: str = ""  # host:port of a `mooncake_client` on this host to join through (REAL_CLIENT)
 
     @classmethod
     def from_user(cls, data: object) -> MooncakeConfig:
@@ -85,6 +94,13 @@ class MooncakeConfig:
     def __post_init__(self) -> None:
         require(self.master == "" or ":" in self.master, None,
                  f"master must be host:port, got {self.master!r}")  # fmt: skip
+        require(self.real_client == "" or ":" in self.real_client, None,
+                f"real_client must be host:port, got {self.real_client!r}")  # fmt: skip
+        require(not self.real_client or self.placement == "any", None,
+                "placement local needs a segment of this server's own; with real_client every object "
+                "is in the real client's")  # fmt: skip
+        require(not self.real_client or not self.ssd_offload_path, None,
+                "ssd_offload_path is the real client's with real_client (mooncake_client --enable_offload)")  # fmt: skip
         require(self.load_calls in LOAD_CALLS, None,
                 f"load_calls must be {' or '.join(LOAD_CALLS)}, got {self.load_calls!r}")  # fmt: skip
         require(self.placement in PLACEMENTS, None,

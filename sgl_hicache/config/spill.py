@@ -88,9 +88,10 @@ class TierConfig:
             -7 <= self.zstd_level <= 22, "zstd_level", f"zstd level must be in -7..22, got {self.zstd_level}"
         )
         require(
-            self.backend is SpillBackend.FILE or bool(self.mooncake.master),
+            self.backend is SpillBackend.FILE or bool(self.mooncake.master or self.mooncake.real_client),
             "mooncake",
-            'the mooncake backend needs the master\'s address: a "master" key or MOONCAKE_MASTER',
+            'the mooncake backend needs the master\'s address ("master" or MOONCAKE_MASTER) or a real '
+            'client\'s ("real_client" or MOONCAKE_CLIENT)',
         )
 
 
