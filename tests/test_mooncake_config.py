@@ -112,7 +112,7 @@ def test_a_real_client_stands_for_the_master_and_reaches_the_scheduler() -> None
         ('{"real_client": "h"}', "real_client must be host:port"),
         ('{"real_client": "h:1", "placement": "local"}', "placement local needs a segment of this server"),
         ('{"real_client": "h:1", "ssd_offload_path": "/x"}', "ssd_offload_path is the real client's"),
-        ("{}", 'needs the master\'s address ("master" or MOONCAKE_MASTER) or a real client\'s'),
+        ("{}", "needs the master's address (\"master\" or MOONCAKE_MASTER) or a real client's"),
     ],
 )
 def test_real_client_settings_that_cannot_work_are_one_line(given: str, says: str) -> None:
