@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
+    from benchmarks.bench.mooncake_process import MooncakeRealClient
     from tests.mooncake_master import MooncakeMaster
 
 
@@ -63,3 +64,15 @@ def exported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callab
 
     yield scrape
     values.close_all_multiprocess_files()
+
+
+@pytest.fixture(scope="session")
+def mooncake_real_client(
+    mooncake_master: MooncakeMaster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[MooncakeRealClient]:
+    """A `mooncake_client` of the session's master (Mooncake's standalone mode: servers join the
+    store through it, `MooncakeConfig.real_client`), holding a 512 MiB segment; stopped by its group."""
+    from benchmarks.bench.mooncake_process import MooncakeRealClient
+
+    with MooncakeRealClient(mooncake_master, tmp_path_factory.mktemp("real-client"), 512 << 20) as client:
+        yield client

@@ -22,7 +22,7 @@ import bisect
 import itertools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -34,10 +34,12 @@ ALIGN = 4096  # direct I/O wants page-aligned buffers
 
 
 class StagingPool:
-    def __init__(self, capacity_bytes: int) -> None:
+    """`alloc` makes the arena (the tier's `host_memory`: memory it moves bytes through best)."""
+
+    def __init__(self, capacity_bytes: int, alloc: Callable[[int], memoryview] = alloc_aligned) -> None:
         self.capacity_bytes = capacity_bytes
         self._size = _round(capacity_bytes)  # the arena is whole pages: every block in it is too
-        self._arena = torch.frombuffer(alloc_aligned(max(self._size, ALIGN)), dtype=torch.uint8)
+        self._arena = torch.frombuffer(alloc(max(self._size, ALIGN)), dtype=torch.uint8)
         self._free: list[tuple[int, int]] = [(0, self._size)]  # (offset, size), by offset
         self._blocks: dict[int, tuple[int, int]] = {}  # data_ptr -> (offset, size) of blocks in use
         self._spoiled: list[tuple[int, int]] = []  # (offset, size) of blocks set aside for good

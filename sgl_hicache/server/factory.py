@@ -126,7 +126,7 @@ def open_controller(
     except OSError as e:
         logger.error(
             "sgl_hicache: cannot open the spill tier in %s (%s); serving without spill",
-            config.tier.mooncake.master
+            config.tier.mooncake.real_client or config.tier.mooncake.master
             if config.tier.backend is SpillBackend.MOONCAKE
             else config.tier.directory,
             e,
@@ -135,7 +135,12 @@ def open_controller(
     if config.tier.backend is SpillBackend.FILE:
         warn_if_too_small(config.tier)
     tier = with_test_faults(tier, tp_rank)
-    staging = StagingPool(config.staging_bytes)
+    try:
+        staging = StagingPool(config.staging_bytes, tier.host_memory)
+    except MemoryError as e:
+        logger.error("sgl_hicache: no staging memory for the spill tier (%s); serving without spill", e)
+        tier.close()
+        return None
     if view.device.type == "cuda":
         staging.pin()
     tier.register_host_memory(staging.arena)  # a Mooncake tier's transfers then go straight from it

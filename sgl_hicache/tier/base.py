@@ -7,8 +7,9 @@ Everything a caller (the cache) may rely on is written here, once; implementatio
   (`get_finished`, `wait`), cross-server lookups (`submit_lookup`, `lookups_finished`), the index
   (`contains`), `shared`, `stats`, `close`; and four capabilities with a safe default that a
   backend may lack: `landed` (early verified prefix: none), `extents` and `read_tokens` (a warm
-  start: nothing to attach), `check_integrity` (nothing to check), plus `register_host_memory`
-  (memory a backend may map once for zero-copy transfers: ignored); the retention hints' calls
+  start: nothing to attach), `check_integrity` (nothing to check), plus `host_memory` (memory
+  to make staging of: anonymous pages) and `register_host_memory` (memory a backend may map once
+  for zero-copy transfers: ignored); the retention hints' calls
   (`take_evicted`, `retain`: nothing; `submit_remove`, `submit_purge`: refused) likewise.
 - `IndexedTier`: adds what tools and tests use on a tier's own index: `lookup` and `discard`.
 
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from sgl_hicache.tier.directio import alloc_aligned
 from sgl_hicache.tier.keys import ExtentKey, Namespace
 from sgl_hicache.tier.results import (
     Buffer,
@@ -265,6 +267,13 @@ class Tier(abc.ABC):
         files) are reported as unindexed: check a shared directory from one process at a time.
         Default: nothing to check."""
         return None
+
+    def host_memory(self, nbytes: int) -> memoryview:
+        """`nbytes` of page-aligned memory to make the caller's staging arena of (then given to
+        `register_host_memory`): what this backend moves bytes into and out of best (a Mooncake
+        tier joined through a real client moves bytes only through memory that process maps).
+        Raises MemoryError when none can be had. Default: anonymous memory (`alloc_aligned`)."""
+        return alloc_aligned(nbytes)
 
     def register_host_memory(self, buf: memoryview) -> None:
         """`buf` (the caller's staging arena) will hold payloads and destinations for the tier's

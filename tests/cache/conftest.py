@@ -85,7 +85,8 @@ def shrink_staging(stack: Stack, nbytes: int) -> None:
 
     ctl = stack.cache.controller
     assert ctl.staging.used_bytes == 0, "staging is in use"
-    ctl.staging = StagingPool(nbytes)
+    ctl.staging = StagingPool(nbytes, ctl.tier.host_memory)  # made and registered as the server does
+    ctl.tier.register_host_memory(ctl.staging.arena)
 
 
 MARK_BITS = 14  # each bf16 element holds 14 bits of a marker: sign and top exponent bit stay 0 (finite)

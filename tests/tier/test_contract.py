@@ -1,5 +1,6 @@
 """The `Tier` contract the cache relies on, run against both backends (issue 26): a directory
-(`FileTier`) and a Mooncake Store (`MooncakeTier`, a real master on loopback).
+(`FileTier`) and a Mooncake Store (`MooncakeTier`, a real master on loopback, its tiers clients of
+the master or dummies of a real client: issue 40).
 
 Two tiers of one namespace stand for two servers: one writes, the other reads and looks up. Every
 load is bit-exact or a status; each completion is returned once; a closed tier rejects.
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sgl_hicache.config import Compression, SpillBackend, TierConfig
+from sgl_hicache.config import Compression, MiB, MooncakeConfig, SpillBackend, TierConfig
 from sgl_hicache.tier import ROOT_KEY, ExtentKey, IndexedTier, Namespace, Status, chain_key, open_tier
 from sgl_hicache.tier.keys import PathHasher
 from sgl_hicache.tier.path_lookup import alias_marks
@@ -27,13 +28,17 @@ from tests.tier.common import CHUNK, NS, payload_for
 MakeTier = Callable[..., IndexedTier]
 
 
-@pytest.fixture(params=[SpillBackend.FILE, SpillBackend.MOONCAKE])
+@pytest.fixture(params=["file", "mooncake", "mooncake-standalone"])
 def make_tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[MakeTier]:
-    """Tiers of one backend on one store (a directory, or the session's Mooncake master)."""
-    backend: SpillBackend = request.param
+    """Tiers of one backend on one store: a directory, the session's Mooncake master (each tier a
+    client of it), or its real client (each tier a dummy of it: Mooncake's standalone mode)."""
+    backend = SpillBackend.FILE if request.param == "file" else SpillBackend.MOONCAKE
     extra = {}
-    if backend is SpillBackend.MOONCAKE:
+    if request.param == "mooncake":
         extra["mooncake"] = request.getfixturevalue("mooncake_master").config()
+    elif request.param == "mooncake-standalone":
+        real_client = request.getfixturevalue("mooncake_real_client").address
+        extra["mooncake"] = MooncakeConfig(real_client=real_client, local_buffer_size=16 * MiB)
     ns = Namespace(f"contract-{time.monotonic_ns()}", NS.layout)  # the master is the session's
     opened: list[IndexedTier] = []
 

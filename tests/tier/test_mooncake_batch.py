@@ -120,8 +120,10 @@ class Counted:
 
     @property
     def per_operation(self) -> Counter[str]:
-        """The calls but the I/O threads' registrations of their scratch buffers (as they grow)."""
-        return Counter({name: n for name, n in self.calls.items() if name not in ("register", "unregister")})
+        """The calls of the store, but the I/O threads' registrations of their scratch buffers (as
+        they grow); not the client's own answers (`addressable`, `host_memory`: no call)."""
+        ours = ("register", "unregister", "addressable", "host_memory")
+        return Counter({name: n for name, n in self.calls.items() if name not in ours})
 
 
 @contextmanager

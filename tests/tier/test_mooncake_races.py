@@ -26,6 +26,7 @@ import sgl_hicache.tier.mooncake.backend as mc
 from sgl_hicache.config import MooncakeConfig, SpillBackend, TierConfig
 from sgl_hicache.tier import ROOT_KEY, ExtentKey, Status
 from sgl_hicache.tier.codec import prepare, store_request
+from sgl_hicache.tier.directio import alloc_aligned
 from sgl_hicache.tier.mooncake import objects
 from sgl_hicache.tier.mooncake.client import Names, Reply
 from sgl_hicache.tier.results import Ticket
@@ -43,6 +44,12 @@ class FakeStore:
         self.objs: dict[str, bytes] = {}
         self.lock = threading.Lock()
         self.before_get: Callable[[str], None] | None = None
+
+    def host_memory(self, nbytes: int) -> memoryview:
+        return alloc_aligned(nbytes)
+
+    def addressable(self, view: memoryview) -> bool:
+        return True
 
     def write_from(self, name: str, data: memoryview) -> Reply:
         return self.write(name, bytes(data))

@@ -95,9 +95,13 @@ class MooncakeTier(ReturnedCompletions, IndexedTier):
         self._seal = DirectoryMac(open_trusted(cfg.directory, namespace.id.hex()))
         self._client = connect(cfg.mooncake)
         self._names = Names(namespace.id)
-        self._scratch = Scratch(self._client.register, self._client.unregister)
+        self._scratch = Scratch(self._client.register, self._client.unregister, self._client.host_memory)
+        self._registered: list[memoryview] = []  # staging (`register_host_memory`)
         self._counters, self._faults = Counters(), FaultLog()
-        self._where = f"the Mooncake Store ({cfg.mooncake.master})"
+        joined = (
+            f"real client {cfg.mooncake.real_client}" if cfg.mooncake.real_client else cfg.mooncake.master
+        )
+        self._where = f"the Mooncake Store ({joined})"
         self._lock = threading.Lock()
         self._index = RecentExtents()  # what this process found at open, stored, loaded or looked up lately
         self._storing: dict[ExtentKey, tuple[Ticket, bytes | None]] = {}  # key -> its store's ticket, salt
@@ -119,7 +123,7 @@ class MooncakeTier(ReturnedCompletions, IndexedTier):
         self._loads = Loads(
             reader, self._io, self._lock, self._returned, ends, cfg.mooncake.load_calls == "merged"
         )
-        logger.info("sgl_hicache: spill tier on the Mooncake Store of master %s", cfg.mooncake.master)
+        logger.info("sgl_hicache: spill tier on %s", self._where)
 
     def _warm_start(self) -> None:
         """Index every extent the manifest names that verifies and is whole (warm_start.py)."""
@@ -380,9 +384,14 @@ class MooncakeTier(ReturnedCompletions, IndexedTier):
             self._client, self._names, self._ns.id, key, salt, self._seal, self._scratch
         )
 
+    def host_memory(self, nbytes: int) -> memoryview:
+        return self._client.host_memory(nbytes)
+
     def register_host_memory(self, buf: memoryview) -> None:
         reply = self._client.register(buf)
-        if not reply.ok:
+        if reply.ok:
+            self._registered.append(buf)  # unregistered at close: a real client then unmaps it
+        else:
             logger.warning("sgl_hicache: Mooncake could not register %d B of staging (code %d): transfers "
                            "go through its own buffer", buf.nbytes, reply.code)  # fmt: skip
 
@@ -408,6 +417,8 @@ class MooncakeTier(ReturnedCompletions, IndexedTier):
         self._io.close()
         self._flush_manifest()  # what is waiting: a restart on this store finds it
         self._scratch.close()  # the I/O threads stopped: no read goes into their buffers
+        for buf in self._registered:
+            self._client.unregister(buf)
         self._client.close()  # may wait long for an absent master: bounded by close's timeout
 
 

@@ -28,6 +28,13 @@ every single-copy write asks the master for this client's own segment first
 reads what it spilled by a memory copy, not over the transfer engine. Writes of several copies
 (the manifest's records) are spread by the master.
 
+With `real_client` (Mooncake's standalone mode, `MooncakeConfig.real_client`) the client is a
+"dummy" of a `mooncake_client` on this host: every object lives in that process's segment, it does
+every transfer, by a memory copy into or out of our shared memory (shm.py), and each call is one RPC
+to it. Memory it has not mapped (`StoreClient.addressable`) is written through the call itself
+(`upsert_batch`) and read through the tier's scratch buffer (objects.py); a read whose RPC failed
+may still be copying into its destination (`RPC_LOST`: the RPC broke, not the transfer).
+
 Chunk names are unique per publish: a re-publish of a key writes new chunks, and a load that read
 the header before it reads the chunks that header names (or misses them, if removed since), never a
 mix. Every write of an extent's object replaces it (`upsert`: a `put` of a name that exists keeps
@@ -39,12 +46,15 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from sgl_hicache.config import MooncakeConfig
+from sgl_hicache.tier.directio import alloc_aligned
+from sgl_hicache.tier.mooncake.shm import SharedMemory
 
 logger = logging.getLogger("sgl_hicache.tier")
 
@@ -62,6 +72,9 @@ NO_ANSWER = -1  # ours: a batch call that did not answer for every object
 INVALID_PARAMS = -600  # e.g. an object larger than the buffer given to read it into
 RPC_FAIL = -900  # the master (or a peer's RPC) did not answer: before any transfer
 RPC_TIMEOUT = -901  # a master request timed out (Mooncake 0.3.12 on): before any transfer
+RPC_LOST = (
+    -2
+)  # ours: a read through a real client did not answer (RPC_FAIL/RPC_TIMEOUT): its copy may still run
 INVALID_REPLICA = -702  # no complete replica to read: before any transfer
 LEASE_EXPIRED = -707  # the read's lease ran out: answered after its transfer ended
 TRANSFER_FAIL = -800  # the transfer engine gave up: the transfer may still be writing
@@ -149,9 +162,30 @@ class StoreClient:
     memory copy, one in another client's over the transfer engine (loopback TCP here: several
     times slower, docs/RESULTS.md)."""
 
-    def __init__(self, store: Any, segment: str = "") -> None:
-        self._store, self.segment = store, segment
+    def __init__(self, store: Any, segment: str = "", shared: SharedMemory | None = None) -> None:
+        self._store, self.segment, self._shared = store, segment, shared
         self._one = _replicas(1, segment) if segment else None  # None: the binding's default config
+        self._mapped: dict[int, int] = {}  # standalone: start -> end of each registered buffer
+        self._mapped_lock = threading.Lock()
+
+    @property
+    def standalone(self) -> bool:
+        """Joined through a real client (`setup_dummy`): bytes move only through its shared memory."""
+        return self._shared is not None
+
+    def host_memory(self, nbytes: int) -> memoryview:
+        """Page-aligned memory this client can move bytes into and out of, once registered: the
+        real client's shared memory in the standalone mode (shm.py), else anonymous memory."""
+        return self._shared.alloc(nbytes) if self._shared is not None else alloc_aligned(nbytes)
+
+    def addressable(self, view: memoryview) -> bool:
+        """Whether a transfer can go straight into or out of `view`: always, but in the standalone
+        mode, where only buffers registered here are (the real client maps nothing else)."""
+        if self._shared is None or not view.nbytes:
+            return True
+        start = address(view)
+        with self._mapped_lock:
+            return any(a <= start and start + view.nbytes <= b for a, b in self._mapped.items())
 
     def _placed(self, copies: int) -> tuple[Any, ...]:
         """The trailing config argument of a write of `copies` copies (none: the binding's default).
@@ -163,12 +197,16 @@ class StoreClient:
     def write_from(self, name: str, data: memoryview) -> Reply:
         """Store `data` as `name` (replacing it) straight from its memory: no copy of ours, and
         registered memory is read by the transfer engine directly."""
+        if not self.addressable(data):
+            return self.write(name, bytes(data))
         return _reply(self._store.upsert_from(name, address(data), data.nbytes, *self._placed(1)))
 
     def write_many_from(self, names: list[str], data: list[memoryview]) -> list[Reply]:
         """`write_from` of each (name, bytes) pair, in one call."""
         if not names:
             return []
+        if not all(self.addressable(d) for d in data):  # sent in the call (standalone mode only)
+            return [self.write_many(names, [bytes(d) for d in data])] * len(names)
         codes = self._store.batch_upsert_from(
             names, [address(d) for d in data], [d.nbytes for d in data], *self._placed(1)
         )
@@ -207,14 +245,19 @@ class StoreClient:
     def get_into(self, name: str, dest: memoryview) -> Reply:
         """Read the whole object into `dest` (writable); an object larger than `dest` is refused by
         the store (INVALID_PARAMS), a smaller one answers its size."""
-        return _reply(self._store.get_into(name, address(dest), dest.nbytes))
+        return self._read(_reply(self._store.get_into(name, address(dest), dest.nbytes)))
 
     def get_many_into(self, names: list[str], dest: list[memoryview]) -> list[Reply]:
         """`get_into` of each (name, destination) pair, in one call."""
         if not names:
             return []
         codes = self._store.batch_get_into(names, [address(d) for d in dest], [d.nbytes for d in dest])
-        return _replies(codes, len(names))
+        return [self._read(r) for r in _replies(codes, len(names))]
+
+    def _read(self, reply: Reply) -> Reply:
+        """A read's reply; through a real client, an RPC that broke is `RPC_LOST` (module doc)."""
+        lost = self._shared is not None and reply.code in (RPC_FAIL, RPC_TIMEOUT)
+        return Reply(code=RPC_LOST) if lost else reply
 
     def get(self, name: str) -> bytes | None:
         """A small object's bytes; None if it is missing or the store did not answer."""
@@ -249,10 +292,18 @@ class StoreClient:
         return _reply(self._store.remove_by_regex(pattern, True))
 
     def register(self, buf: memoryview) -> Reply:
-        return _reply(self._store.register_buffer(address(buf), buf.nbytes))
+        """Let transfers go straight into and out of `buf`; in the standalone mode `buf` must be a
+        whole `host_memory` allocation (the real client then maps it)."""
+        reply = _reply(self._store.register_buffer(address(buf), buf.nbytes))
+        if reply.ok and self._shared is not None:
+            with self._mapped_lock:
+                self._mapped[address(buf)] = address(buf) + buf.nbytes
+        return reply
 
     def unregister(self, buf: memoryview) -> Reply:
         """Undo `register` of `buf` (before it is freed: its pages may be mapped again)."""
+        with self._mapped_lock:
+            self._mapped.pop(address(buf), None)  # first: no transfer starts into it from here on
         return _reply(self._store.unregister_buffer(address(buf)))
 
     def healthy(self) -> bool:
@@ -280,13 +331,16 @@ def _replies(codes: Any, n: int) -> list[Reply]:
 
 def connect(cfg: MooncakeConfig) -> StoreClient:
     """Set up a client of the store `cfg` names (its segment of `global_segment_size` bytes joins
-    the store). Raises MooncakeUnavailable with one line."""
+    the store), or a dummy of the real client it names (`real_client`). Raises MooncakeUnavailable
+    with one line."""
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as e:
         raise MooncakeUnavailable(f"cannot import mooncake.store ({e}); pip install "
                                   "mooncake-transfer-engine-non-cuda (CPU) or mooncake-transfer-engine") from None  # fmt: skip
-    _check_reachable(cfg.master)  # setup itself retries an absent master for about 90 s
+    if cfg.real_client:
+        return _join_real_client(MooncakeDistributedStore(), cfg)
+    _check_reachable(cfg.master, "master")  # setup itself retries an absent master for about 90 s
     store = MooncakeDistributedStore()
     offload = (
         {"enable_ssd_offload": True, "ssd_offload_path": cfg.ssd_offload_path} if cfg.ssd_offload_path else {}
@@ -300,9 +354,22 @@ def connect(cfg: MooncakeConfig) -> StoreClient:
     return StoreClient(store, str(store.get_hostname()) if local else "")
 
 
-def _check_reachable(address: str, timeout_s: float = 3.0) -> None:
+def _join_real_client(store: Any, cfg: MooncakeConfig) -> StoreClient:
+    """A dummy of the real client at `cfg.real_client` (its first argument, a memory pool size, is
+    unused by Mooncake 0.3.13: the segment is the real client's)."""
+    _check_reachable(cfg.real_client, "real client (mooncake_client)")
+    shared = SharedMemory()
+    rc = store.setup_dummy(0, cfg.local_buffer_size, cfg.real_client)
+    if rc != 0:
+        raise MooncakeUnavailable(
+            f"joining the Mooncake real client at {cfg.real_client} failed with code {rc}"
+        )
+    return StoreClient(store, "", shared)
+
+
+def _check_reachable(address: str, what: str, timeout_s: float = 3.0) -> None:
     host, _, port = address.rpartition(":")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except (OSError, ValueError) as e:
-        raise MooncakeUnavailable(f"the Mooncake master at {address} does not answer ({e})") from None
+        raise MooncakeUnavailable(f"the Mooncake {what} at {address} does not answer ({e})") from None

@@ -90,9 +90,10 @@ class MooncakeLoad(LoadProgress):
     the salt tag `ext.salt`."""
 
     def __init__(self, ticket: Ticket, key: ExtentKey, ext: objects.Opened, dest: memoryview, want: int,
-                 plan: Plan, chunk_names: list[str], merged: bool = False) -> None:  # fmt: skip
+                 plan: Plan, chunk_names: list[str], merged: bool = False, direct: bool = True) -> None:  # fmt: skip
         super().__init__(plan, want)
         self.ticket, self.key, self.ext, self.dest, self.chunk_names = ticket, key, ext, dest, chunk_names
+        self.direct = direct  # the store copies into `dest` itself (`objects.PieceRead.direct`)
         self.ended = False  # its completion posted by a guard (a bug raised recording it)
         self.groups: dict[int, list[int]] = {}
         offsets = [p.raw_off for p in plan.pieces]
@@ -102,7 +103,7 @@ class MooncakeLoad(LoadProgress):
     def read(self, i: int) -> objects.PieceRead:
         """Piece `i` as one object of a batch read."""
         p = self.pieces[i]
-        return objects.PieceRead(self.chunk_names[p.chunk], self.ext, p, self.dest)
+        return objects.PieceRead(self.chunk_names[p.chunk], self.ext, p, self.dest, self.direct)
 
 
 Part = tuple[MooncakeLoad, list[int]]
@@ -263,9 +264,8 @@ class Loads:
         try:
             plan = plan_load(ext.header, want, o.group_layers)
             merged = self._merge and not o.group_order
-            load = MooncakeLoad(
-                o.ticket, o.key, ext, o.dest, want, plan, ext.chunk_names(self._reader.names), merged
-            )
+            names, direct = ext.chunk_names(self._reader.names), self._reader.client.addressable(o.dest)
+            load = MooncakeLoad(o.ticket, o.key, ext, o.dest, want, plan, names, merged, direct)
         except Exception as e:
             self._fail(o.ticket, o.key, ext, e)
             return

@@ -266,12 +266,14 @@ def remove_extent(client: StoreClient, names: Names, ns: NamespaceId, key: Exten
 
 class PieceRead(NamedTuple):
     """One piece of a load to read: its chunk object's `name`, the extent `ext` whose header
-    records the chunk, and the load's destination `dest` (the piece goes at its `dest_off`)."""
+    records the chunk, and the load's destination `dest` (the piece goes at its `dest_off`);
+    `direct`: whether the store can copy into `dest` itself (`StoreClient.addressable`)."""
 
     name: str
     ext: Opened
     piece: Piece
     dest: memoryview
+    direct: bool = True
 
     @property
     def length(self) -> int:
@@ -280,8 +282,10 @@ class PieceRead(NamedTuple):
 
     @property
     def whole(self) -> bool:
-        """Whether the chunk lands in `dest` as stored (read straight there)."""
-        return self.ext.header.compression is Compression.NONE and self.piece.need == self.piece.raw_len
+        """Whether the chunk is read straight into `dest`: it lands there as stored, and the store
+        can copy there."""
+        stored = self.ext.header.compression is Compression.NONE and self.piece.need == self.piece.raw_len
+        return stored and self.direct
 
 
 def read_pieces(client: StoreClient, reads: Sequence[PieceRead], scratch: Scratch) -> list[Exception | None]:

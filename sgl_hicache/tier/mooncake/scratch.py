@@ -51,12 +51,14 @@ class Scratch:
     uses open to end and refuses any later (RuntimeError: the client is about to close). A buffer
     a failed transfer may still write (`spoil`) is never used again nor unregistered: kept until
     this object is gone. `register` raises when the store refuses (the thread keeps its buffer); a
-    refused or raising `unregister` is logged once. `held_bytes`: what is held now."""
+    refused or raising `unregister` is logged once. `alloc` makes a buffer (the store's
+    `host_memory`). `held_bytes`: what is held now."""
 
     def __init__(
-        self, register: Callable[[memoryview], object], unregister: Callable[[memoryview], object]
-    ) -> None:
-        self._register, self._unregister = register, unregister
+        self, register: Callable[[memoryview], object], unregister: Callable[[memoryview], object],
+        alloc: Callable[[int], memoryview] = alloc_aligned,
+    ) -> None:  # fmt: skip
+        self._register, self._unregister, self._alloc = register, unregister, alloc
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified as a use ends
         self._held: dict[threading.Thread, _Held] = {}  # by the thread using it
@@ -90,7 +92,7 @@ class Scratch:
         if old is not None and old.nbytes >= nbytes:
             return old
         grown = max(nbytes, min(2 * old.nbytes, SCRATCH_KEEP_BYTES)) if old is not None else nbytes
-        buf = alloc_aligned(align_up(max(grown, 1)))
+        buf = self._alloc(align_up(max(grown, 1)))  # registered whole, as a real client wants
         got = self._register(buf)  # first: if it raises, the thread keeps its old buffer, still registered
         if isinstance(got, Reply) and not got.ok:
             raise OSError(f"mooncake could not register a {buf.nbytes} B scratch buffer: code {got.code}")

@@ -348,6 +348,9 @@ class FaultyTier(IndexedTier):
     def check_integrity(self) -> None:
         self._inner.check_integrity()
 
+    def host_memory(self, nbytes: int) -> memoryview:
+        return self._inner.host_memory(nbytes)
+
     def register_host_memory(self, buf: memoryview) -> None:
         self._inner.register_host_memory(buf)
 
