@@ -388,8 +388,11 @@ def test_the_final_line_names_each_servers_cpus_and_what_was_skipped(
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line["server_cpus"] == [[0, 1], [2, 3]]
     assert {s[1] for s in fake_cluster.servers} == {(0, 1), (2, 3)}
-    assert line["skipped"] == {}  # every configuration runs on CPU (hicache-mooncake on the profile's copies)
-    assert set(line["router"]) == set(cluster.BY_NAME)
+    # every configuration runs on CPU (hicache-mooncake on the profile's copies) but those that run nowhere
+    assert line["skipped"] == cluster.UNAVAILABLE and set(cluster.UNAVAILABLE) == {
+        "hicache-mooncake-standalone"
+    }
+    assert set(line["router"]) == set(cluster.BY_NAME) - set(cluster.UNAVAILABLE)
     assert line["router"]["route-kv-events"] == cluster.Router.KV_EVENTS.value
     # every configuration's directories (an LMCache daemon's disk tier too), not a Mooncake Store
     assert set(line["tier_mb"]) == {c.name for c in cluster.CONFIGS if c.store is not cluster.Store.MOONCAKE}
@@ -399,7 +402,7 @@ def test_the_final_line_names_each_servers_cpus_and_what_was_skipped(
     assert partial["final"] == {"runs_done": len(line["order"]), "runs": len(line["order"])}
     assert (run_dir / "partial" / "requests.csv").read_text() == (run_dir / "requests.csv").read_text()
     gpu = replace(spec_from(parser().parse_args(args)), shape=Shape(device="cuda"))
-    assert all(cluster.unavailable(c, gpu.shape) is None for c in cluster.CONFIGS)
+    assert all(cluster.unavailable(c, gpu.shape) == cluster.UNAVAILABLE.get(c.name) for c in cluster.CONFIGS)
 
 
 def test_a_configuration_that_cannot_run_here_is_named_in_skipped_and_not_run(

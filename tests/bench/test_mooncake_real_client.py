@@ -53,6 +53,25 @@ def test_a_standalone_client_stores_and_reads_an_object_through_the_real_client(
     assert dummy.get(key) == value
 
 
+def test_the_real_client_maps_only_whole_allocations(dummy: Any) -> None:
+    """Why `hicache-mooncake-standalone` cannot run (`cluster.UNAVAILABLE`): sglang registers an MHA
+    host pool's K and V halves apart, each refused, where the whole allocation would be taken and
+    serve a call on any part of it. When this fails, Mooncake has changed: try that configuration."""
+    from mooncake.store import MooncakeHostMemAllocator
+
+    half = 1 << 20
+    allocator = MooncakeHostMemAllocator()
+    ptr = allocator.alloc(2 * half)
+    try:
+        assert dummy.register_buffer(ptr, half) != 0 and dummy.register_buffer(ptr + half, half) != 0
+        assert dummy.register_buffer(ptr, 2 * half) == 0
+        key = f"real-client-{uuid.uuid4().hex}"
+        assert dummy.batch_put_from([key], [ptr + half], [4096]) == [0]
+        assert dummy.unregister_buffer(ptr) == 0
+    finally:
+        allocator.free(ptr)
+
+
 def test_stopping_the_real_client_leaves_no_process(real_client: MooncakeRealClient) -> None:
     assert real_client.proc is not None
     pgid = real_client.proc.pid
