@@ -44,6 +44,17 @@ per-tier hit rates and the lookup counters show what was reused from where.
   the `page_first_direct` host layout, whose copies are CUDA kernels; on CPU they are the CPU
   profile's torch versions (`sgl_hicache_cpu.page_first_direct`, installed with HiCache's other CPU
   patches). `mooncake_vs_hicache_mooncake` in the final line is ours on Mooncake against it.
+- `ours-mooncake-standalone`, `ours-mooncake-standalone-sticky`, `hicache-mooncake-standalone`:
+  `ours-mooncake`, `ours-mooncake-sticky` and `hicache-mooncake` in Mooncake's standalone mode: one
+  real client (`mooncake_client`, `MooncakeRealClient`) started after the master holds both
+  servers' `MOONCAKE_SEGMENT`s in one segment and talks to the master, and each server joins the
+  store through it (`setup_dummy`: ours' `"real_client"`, sglang's `standalone_storage` and
+  `client_server_address`), its staging (HiCache's host pool) shared memory the real client maps:
+  a load is one call on loopback and a memory copy by the real client, whichever server wrote the
+  object. The real client is not pinned to either server's CPUs, like the router: it does the copies
+  the transfer engine threads of both servers did before (`mooncake_standalone_vs_*` in the final
+  line). `hicache-mooncake-standalone` is skipped for now (`UNAVAILABLE`: sglang 0.5.23 registers
+  its host pool in halves, which Mooncake 0.3.13's standalone client refuses).
 - `lmcache-shared`: two sglang servers with `--enable-lmcache` on one LMCache daemon (LMCache's way
   to share: its multiprocess server is built to serve several engines), in the configuration
   `STRONGEST_LMCACHE` (`lmcache-disk`: L1 + an `fs` disk tier in one directory), its L1 both
@@ -85,7 +96,7 @@ server's CPUs (`server_cpus`; null where the CPU profile is not installed: a GPU
 
 Configurations (all, or those `--configs` names) run one after another, `repeats` times in
 interleaved order (`run.schedule`), each run on fresh servers, a fresh router, empty tier
-directories, a fresh Mooncake master and a fresh LMCache daemon.
+directories, a fresh Mooncake master (and real client) and a fresh LMCache daemon.
 """
 
 from __future__ import annotations
@@ -111,12 +122,12 @@ from benchmarks.bench.cluster_line import LOOKUP_COUNTERS, final_line, lookup_co
 from benchmarks.bench.drive import Dispatch
 from benchmarks.bench.grpc_server import GrpcServer
 from benchmarks.bench.lmcache_process import LMCacheDaemon, lmcache_flags
-from benchmarks.bench.mooncake_process import MooncakeMaster
+from benchmarks.bench.mooncake_process import MooncakeMaster, MooncakeRealClient
 from benchmarks.bench.probe import delta, dir_bytes, scrape
 from benchmarks.bench.router_process import RouterProcess
 from benchmarks.bench.server_process import ServerProcess, install_reaper
 from benchmarks.bench.spec import BenchSpec, Shape, SpecError
-from sgl_hicache.config import MiB
+from sgl_hicache.config import MiB, MooncakeConfig
 
 SERVERS = 2
 STRONGEST_HICACHE = "hicache-wait-r2"
@@ -161,6 +172,7 @@ class ClusterConfig:
     flags: tuple[str, ...] = ()  # added to the system's command line
     store: Store = Store.DIRECTORY
     mooncake: tuple[tuple[str, Any], ...] = ()  # on Mooncake: settings over the store's (`MooncakeConfig`)
+    standalone: bool = False  # on Mooncake: the servers join through one real client (`MooncakeRealClient`)
     router: Router = Router.ROUND_ROBIN
     dispatch: Dispatch = Dispatch.ALTERNATE  # how a round's turns are sent (`drive.send_order`)
 
@@ -193,6 +205,12 @@ CONFIGS = (
     ClusterConfig("ours-mooncake-local-sticky", "ours", shared=True, flags=WRITE_THROUGH, store=Store.MOONCAKE,
                   mooncake=(("placement", "local"),), dispatch=Dispatch.STICKY),
     ClusterConfig("hicache-mooncake", STRONGEST_HICACHE, shared=True, store=Store.MOONCAKE),
+    ClusterConfig("ours-mooncake-standalone", "ours", shared=True, flags=WRITE_THROUGH, store=Store.MOONCAKE,
+                  standalone=True),
+    ClusterConfig("ours-mooncake-standalone-sticky", "ours", shared=True, flags=WRITE_THROUGH,
+                  store=Store.MOONCAKE, standalone=True, dispatch=Dispatch.STICKY),
+    ClusterConfig("hicache-mooncake-standalone", STRONGEST_HICACHE, shared=True, store=Store.MOONCAKE,
+                  standalone=True),
     ClusterConfig("lmcache-shared", STRONGEST_LMCACHE, shared=True, store=Store.LMCACHE),
     ClusterConfig("route-round-robin", "ours", shared=False, dispatch=SHUFFLED),
     ClusterConfig("route-approx-tree", "ours", shared=False, router=Router.APPROX_TREE, dispatch=SHUFFLED),
@@ -210,8 +228,19 @@ UNAVAILABLE_ON_CPU: dict[str, str] = {}
 last, runs on the CPU profile's page_first_direct copies)."""
 
 
+UNAVAILABLE: dict[str, str] = {
+    "hicache-mooncake-standalone": "sglang 0.5.23's mooncake L3 registers an MHA host pool's K and V halves "
+    "apart, and Mooncake 0.3.13's standalone client registers only whole allocations (its servers fail "
+    "at start: register_buffer -1)",
+}
+"""Configurations that cannot run with the installed sglang and Mooncake on any device, and why
+(tests/bench/test_mooncake_real_client.py checks the Mooncake side of the reason)."""
+
+
 def unavailable(config: ClusterConfig, shape: Shape) -> str | None:
     """Why `config` cannot run in this shape, or None."""
+    if config.name in UNAVAILABLE:
+        return UNAVAILABLE[config.name]
     return UNAVAILABLE_ON_CPU.get(config.name) if shape.device == "cpu" else None
 
 
@@ -257,14 +286,7 @@ def run_config(config: ClusterConfig, spec: BenchSpec, model: Path, out: Path, r
     grpc = config.router.grpc
     n = sum(m.concurrency * m.rounds for m in spec.multiturn)
     with contextlib.ExitStack() as stack:
-        mooncake = None
-        if config.store is Store.MOONCAKE:
-            master = MooncakeMaster(
-                out / run.log_name(f"{config.name}-mooncake", repeat).removesuffix(".log")
-            )
-            master.log_dir.mkdir(parents=True, exist_ok=True)
-            mooncake = stack.enter_context(master).config(segment_bytes=MOONCAKE_SEGMENT)
-            mooncake = replace(mooncake, **dict(config.mooncake))
+        mooncake = _mooncake_store(stack, config, out, repeat) if config.store is Store.MOONCAKE else None
         servers = [systems.build(config.system, spec.shape, model, _root(out, config, k), mooncake=mooncake)
                    for k in range(SERVERS)]  # fmt: skip
         servers = [replace(s, flags=(*s.flags, *config.flags)) for s in servers]
@@ -298,6 +320,24 @@ def run_config(config: ClusterConfig, spec: BenchSpec, model: Path, out: Path, r
         for r in results:
             r.repeat = repeat
     return ClusterOutcome(outcome, tuple(by_server))
+
+
+def _mooncake_store(
+    stack: contextlib.ExitStack, config: ClusterConfig, out: Path, repeat: int
+) -> MooncakeConfig:
+    """Start the Mooncake Store of `config` (a master; `standalone`: and a real client holding every
+    server's `MOONCAKE_SEGMENT`, after it), stopped when `stack` closes (the real client first); the
+    settings its servers join it with."""
+    logs = out / run.log_name(f"{config.name}-mooncake", repeat).removesuffix(".log")
+    logs.mkdir(parents=True, exist_ok=True)
+    master = MooncakeMaster(logs)
+    store = stack.enter_context(master).config(segment_bytes=MOONCAKE_SEGMENT)
+    if config.standalone:  # the master, the segment and the transport are the real client's
+        client = stack.enter_context(
+            MooncakeRealClient(master, logs, segment_bytes=SERVERS * MOONCAKE_SEGMENT)
+        )
+        store = MooncakeConfig(real_client=client.address, local_buffer_size=store.local_buffer_size)
+    return replace(store, **dict(config.mooncake))
 
 
 def _on_one_daemon(stack: contextlib.ExitStack, config: ClusterConfig, servers: list[systems.System],

@@ -201,9 +201,15 @@ def _storage_flags(
     backend: str, mooncake: MooncakeConfig | None, timeouts: dict[str, float]
 ) -> tuple[str, ...]:
     """`--hicache-storage-backend` (`mooncake` on that store, else `backend`) and its extra config:
-    the store's settings and the prefetch timeouts, where there are any."""
+    the store's settings and the prefetch timeouts, where there are any. With `real_client`, sglang's
+    standalone mode: its `setup_dummy` reads only the real client's address (its host pool, made by
+    `MooncakeHostTensorAllocator` as for any `mooncake` L3, is the shared memory it registers); the
+    master, segment and transport are the real client's, so none is given."""
     extra: dict[str, Any] = dict(timeouts)
-    if mooncake is not None:
+    if mooncake is not None and mooncake.real_client:
+        backend = "mooncake"
+        extra |= {"standalone_storage": True, "client_server_address": mooncake.real_client}
+    elif mooncake is not None:
         backend, given = "mooncake", dataclasses.asdict(mooncake)
         extra |= {key: given[name] for name, key in MOONCAKE_EXTRA_CONFIG.items() if given[name]}
     flags = ("--hicache-storage-backend", backend)

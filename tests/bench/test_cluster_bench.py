@@ -10,6 +10,7 @@ import json
 import math
 import random
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -69,6 +70,9 @@ def test_the_configurations(tmp_path: Path) -> None:
         ("ours-shared-sticky", "ours", True, dir_, rr, sticky), ("ours-mooncake-sticky", "ours", True, mooncake, rr, sticky),
         ("ours-mooncake-local-sticky", "ours", True, mooncake, rr, sticky),
         ("hicache-mooncake", "hicache-wait-r2", True, mooncake, rr, alt),
+        ("ours-mooncake-standalone", "ours", True, mooncake, rr, alt),
+        ("ours-mooncake-standalone-sticky", "ours", True, mooncake, rr, sticky),
+        ("hicache-mooncake-standalone", "hicache-wait-r2", True, mooncake, rr, alt),
         ("lmcache-shared", "lmcache-disk", True, lmcache, rr, alt),
         ("route-round-robin", "ours", False, dir_, rr, shuf), ("route-approx-tree", "ours", False, dir_, approx, shuf),
         ("route-approx-tree-protected", "ours", False, dir_, cluster.Router.APPROX_TREE_PROTECTED, shuf),
@@ -85,11 +89,19 @@ def test_the_configurations(tmp_path: Path) -> None:
         == policies["ours-shared-sticky"]
         == policies["ours-mooncake-sticky"]
         == policies["ours-mooncake-local-sticky"]
+        == policies["ours-mooncake-standalone"]
+        == policies["ours-mooncake-standalone-sticky"]
         == cluster.WRITE_THROUGH
     )
+    assert [c.name for c in cluster.CONFIGS if c.standalone] == [
+        "ours-mooncake-standalone",
+        "ours-mooncake-standalone-sticky",
+        "hicache-mooncake-standalone",
+    ]
     assert (
         policies["ours-shared-write-back"]
         == policies["hicache-shared"]
+        == policies["hicache-mooncake-standalone"]
         == policies["route-round-robin"]
         == ()
     )
@@ -118,13 +130,15 @@ class FakeCluster:
     routers: list[tuple[list[str], str, tuple[str, ...]]] = field(default_factory=list)
     drives: list[tuple[drive.Dispatch, str | None]] = field(default_factory=list)  # (dispatch, model)
     masters: list[Path] = field(default_factory=list)
+    real_clients: list[tuple[object, int]] = field(default_factory=list)  # (master, segment bytes)
     daemons: list[DaemonSpec] = field(default_factory=list)  # LMCache daemons started
     events: list[str] = field(
         default_factory=list
-    )  # servers started and stopped, masters and daemons stopped
+    )  # servers started and stopped, masters, real clients and daemons stopped
 
     def clear(self) -> None:
-        for part in (self.servers, self.routers, self.drives, self.masters, self.daemons, self.events):
+        for part in (self.servers, self.routers, self.drives, self.masters, self.real_clients, self.daemons,
+                     self.events):  # fmt: skip
             part.clear()
 
 
@@ -136,10 +150,24 @@ class FakeMaster:
     def __enter__(self) -> Any:
         return SimpleNamespace(config=lambda segment_bytes: MooncakeConfig(
             master="127.0.0.1:1", metadata_server="http://127.0.0.1:2/metadata", protocol="tcp",
-            global_segment_size=segment_bytes))  # fmt: skip
+            global_segment_size=segment_bytes, local_buffer_size=16 * 2**20))  # fmt: skip
 
     def __exit__(self, *exc: object) -> None:
         self.fake.events.append("stop master")
+
+
+class FakeRealClient:
+    address = "127.0.0.1:3"
+
+    def __init__(self, master: object, log_dir: Path, segment_bytes: int, fake: FakeCluster) -> None:
+        self.fake = fake
+        fake.real_clients.append((master, segment_bytes))
+
+    def __enter__(self) -> FakeRealClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.fake.events.append("stop real client")
 
 
 class FakeDaemon:
@@ -221,6 +249,8 @@ def fake_cluster(monkeypatch: pytest.MonkeyPatch) -> FakeCluster:
     monkeypatch.setattr(systems.System, "server", server)
     monkeypatch.setattr(cluster, "RouterProcess", router)
     monkeypatch.setattr(cluster, "MooncakeMaster", lambda log_dir: FakeMaster(log_dir, fake))
+    monkeypatch.setattr(cluster, "MooncakeRealClient", lambda master, log_dir, segment_bytes: FakeRealClient(
+        master, log_dir, segment_bytes, fake))  # fmt: skip
     monkeypatch.setattr(cluster, "LMCacheDaemon", lambda spec, log_path: FakeDaemon(spec, log_path, fake))
     monkeypatch.setattr(cluster, "GrpcServer", GrpcStandIn)
     monkeypatch.setattr(cluster, "scrape", http_metrics)
@@ -278,10 +308,15 @@ def test_each_configuration_has_its_router_store_and_dispatch(
         assert answer.cached == (None if grpc == {True} else {"device": 1, "host": 0, "storage": 0})
         if config.store is cluster.Store.MOONCAKE:  # one master, both servers its clients, stopped last
             assert len(fake_cluster.masters) == 1 and mooncake[0] == mooncake[1] is not None
-            assert "127.0.0.1:1" in str(mooncake[0]) and str(1024 * 2**20) in str(mooncake[0])
             assert fake_cluster.events[-1] == "stop master"
+            if config.standalone:  # through one real client, stopped before the master
+                assert len(fake_cluster.real_clients) == 1 and "127.0.0.1:3" in str(mooncake[0])
+                assert fake_cluster.events[-2] == "stop real client"
+            else:
+                assert "127.0.0.1:1" in str(mooncake[0]) and str(1024 * 2**20) in str(mooncake[0])
+                assert fake_cluster.real_clients == []
         else:
-            assert fake_cluster.masters == [] and mooncake == [None, None]
+            assert fake_cluster.masters == fake_cluster.real_clients == [] and mooncake == [None, None]
     alt, shuf, sticky = drive.Dispatch.ALTERNATE, drive.Dispatch.SHUFFLED, drive.Dispatch.STICKY
     http, grpc_urls = ["http://s1", "http://s2"], ["grpc://s1", "grpc://s2"]
     assert seen["ours-shared"] == ("round_robin", http, {False}, 0, [(alt, None)])
@@ -353,8 +388,11 @@ def test_the_final_line_names_each_servers_cpus_and_what_was_skipped(
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line["server_cpus"] == [[0, 1], [2, 3]]
     assert {s[1] for s in fake_cluster.servers} == {(0, 1), (2, 3)}
-    assert line["skipped"] == {}  # every configuration runs on CPU (hicache-mooncake on the profile's copies)
-    assert set(line["router"]) == set(cluster.BY_NAME)
+    # every configuration runs on CPU (hicache-mooncake on the profile's copies) but those that run nowhere
+    assert line["skipped"] == cluster.UNAVAILABLE and set(cluster.UNAVAILABLE) == {
+        "hicache-mooncake-standalone"
+    }
+    assert set(line["router"]) == set(cluster.BY_NAME) - set(cluster.UNAVAILABLE)
     assert line["router"]["route-kv-events"] == cluster.Router.KV_EVENTS.value
     # every configuration's directories (an LMCache daemon's disk tier too), not a Mooncake Store
     assert set(line["tier_mb"]) == {c.name for c in cluster.CONFIGS if c.store is not cluster.Store.MOONCAKE}
@@ -364,7 +402,7 @@ def test_the_final_line_names_each_servers_cpus_and_what_was_skipped(
     assert partial["final"] == {"runs_done": len(line["order"]), "runs": len(line["order"])}
     assert (run_dir / "partial" / "requests.csv").read_text() == (run_dir / "requests.csv").read_text()
     gpu = replace(spec_from(parser().parse_args(args)), shape=Shape(device="cuda"))
-    assert all(cluster.unavailable(c, gpu.shape) is None for c in cluster.CONFIGS)
+    assert all(cluster.unavailable(c, gpu.shape) == cluster.UNAVAILABLE.get(c.name) for c in cluster.CONFIGS)
 
 
 def test_a_configuration_that_cannot_run_here_is_named_in_skipped_and_not_run(
@@ -415,6 +453,57 @@ def test_hicache_mooncake_is_sglangs_mooncake_l3_on_a_master_of_its_own_like_our
     assert extra == {systems.MOONCAKE_EXTRA_CONFIG[k]: v for k, v in ours.items()}
     assert extra["master_server_address"] == "127.0.0.1:1" and extra["protocol"] == "tcp"
     assert extra["global_segment_size"] == cluster.MOONCAKE_SEGMENT
+
+
+@pytest.mark.parametrize(
+    ("name", "like"),
+    [("ours-mooncake-standalone", "ours-mooncake"), ("ours-mooncake-standalone-sticky", "ours-mooncake-sticky"),
+     ("hicache-mooncake-standalone", "hicache-mooncake")],
+)  # fmt: skip
+def test_a_standalone_configuration_joins_through_one_real_client_holding_both_segments(
+    tmp_path: Path, fake_cluster: FakeCluster, name: str, like: str
+) -> None:
+    """Issue 40: the standalone configurations start one real client after the master, with both
+    servers' segments in its own, and stop it before the master; each server joins the store
+    through it and is otherwise its counterpart's: ours with `real_client` and its own staging
+    buffer only (no master, segment or transport: the real client's; placement left at "any"),
+    HiCache with sglang's `standalone_storage` and `client_server_address` only."""
+    spec = spec_from(parser().parse_args(["--servers", "2", "--concurrency", "2", "--out", str(tmp_path)]))
+    seen = {}
+    for config in (cluster.BY_NAME[like], cluster.BY_NAME[name]):  # the standalone one last
+        fake_cluster.clear()
+        cluster.run_config(config, spec, tmp_path, tmp_path, 0, ((0,), (1,)))
+        seen[config.name] = [(s[0], s[3], s[4]) for s in fake_cluster.servers]
+    [(master, segment)] = fake_cluster.real_clients
+    assert segment == cluster.SERVERS * cluster.MOONCAKE_SEGMENT and len(fake_cluster.masters) == 1
+    assert isinstance(master, FakeMaster) and fake_cluster.events[-2:] == ["stop real client", "stop master"]
+    standalone, counterpart = seen[name], seen[like]
+    assert standalone[0] == standalone[1]  # one store, one command line
+    given = {flag: flag_value(standalone[0][1], flag) for flag in (
+        "--hicache-spill-mooncake-config", "--hicache-storage-backend-extra-config")}  # fmt: skip
+    if cluster.BY_NAME[name].system == "ours":
+        settings = json.loads(given["--hicache-spill-mooncake-config"] or "{}")
+        own = json.loads(flag_value(counterpart[0][1], "--hicache-spill-mooncake-config") or "{}")
+        assert settings == {"real_client": "127.0.0.1:3", "local_buffer_size": own["local_buffer_size"]}
+        assert MooncakeConfig.from_user(settings).placement == "any"
+    else:
+        extra = json.loads(given["--hicache-storage-backend-extra-config"] or "{}")
+        assert extra == {"standalone_storage": True, "client_server_address": "127.0.0.1:3"}
+        assert flag_value(standalone[0][1], "--hicache-mem-layout") == "page_first_direct"
+    assert [s[0] for s in standalone] == [s[0] for s in counterpart] and standalone[0][2] == counterpart[0][2]
+    drop = {"--hicache-spill-mooncake-config", "--hicache-storage-backend-extra-config"}
+    renamed = [a.replace(f"/{name}/", f"/{like}/") for a in standalone[0][1]]  # its tier directory
+    assert without(renamed, drop) == without(counterpart[0][1], drop)
+
+
+def without(args: Sequence[str], flags: set[str]) -> list[str]:
+    """`args` less each of `flags` and its value."""
+    out, skip = [], False
+    for a in args:
+        if not skip and a not in flags:
+            out.append(a)
+        skip = a in flags
+    return out
 
 
 @pytest.mark.parametrize(
@@ -522,7 +611,10 @@ def test_final_line_names_each_configuration_and_the_ratios() -> None:
                                    {"ours-shared": []})  # fmt: skip
     json.dumps(line, allow_nan=False)
     pairs = ("shared_vs_separate", "shared_vs_write_back", "shared_vs_hicache", "shared_vs_lmcache", "mooncake_vs_shared",
-             "mooncake_vs_hicache", "mooncake_vs_hicache_mooncake", "mooncake_merged_vs_by_group", "mooncake_local_vs_any", "mooncake_vs_shared_sticky", "mooncake_local_vs_any_sticky", "events_vs_round_robin", "events_vs_approx_tree",
+             "mooncake_vs_hicache", "mooncake_vs_hicache_mooncake", "mooncake_merged_vs_by_group", "mooncake_local_vs_any", "mooncake_vs_shared_sticky", "mooncake_local_vs_any_sticky",
+             "mooncake_standalone_vs_shared", "mooncake_standalone_vs_mooncake",
+             "mooncake_standalone_vs_hicache_mooncake_standalone", "mooncake_standalone_vs_shared_sticky",
+             "events_vs_round_robin", "events_vs_approx_tree",
              "events_vs_round_robin_grpc", "events_vs_approx_tree_protected")  # fmt: skip
     assert set(cluster_line.RATIO_KEYS) == {f"{fig}_{p}" for p in pairs for fig in ("ttft", "throughput")}
     assert line["ttft_mooncake_vs_shared"] == 1.5 and line["throughput_mooncake_vs_hicache"] == 5.0
