@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.bench.mooncake_process import MooncakeRealClient
 from benchmarks.bench.server_process import ServerProcess
 from tests.mooncake_master import MooncakeMaster
 from tests.server.conftest import SPILL_FLAGS
@@ -81,3 +82,27 @@ def test_a_server_on_mooncake_matches_the_never_evicting_reference(
     # and the tier worked again after it (spills went on)
     assert after["restore_failures"] + after["spill_failures"] > 0, after
     assert after["spilled_tokens"] > counters["spilled_tokens"], after
+
+
+def test_a_server_through_a_real_client_matches_the_never_evicting_reference(
+    transcript: list[Sent], tiny_model: Path, tmp_path: Path, mooncake_real_client: MooncakeRealClient
+) -> None:
+    """Issue 40, Mooncake's standalone mode: the server joins the store through a `mooncake_client`
+    (`real_client`), its staging the real client's shared memory; every greedy output is the
+    reference's, and the spilled history really went through the store (restored from it)."""
+    settings = {"real_client": mooncake_real_client.address, "local_buffer_size": "16M"}
+    args = (*SPILL_FLAGS, "--page-size", "1", "--enable-hicache-spill", "--hicache-spill-dir", str(tmp_path / "tier"),
+            "--hicache-spill-backend", "mooncake", "--hicache-spill-mooncake-config", json.dumps(settings))  # fmt: skip
+    with ServerProcess(tiny_model, POOL, args, log_path=tmp_path / "server.log") as ours:
+        replies = replay(ours.base_url, transcript)
+        counters = {n: counter(ours.base_url, n) for n in ("spilled_tokens", "restored_tokens", "restore_failures",
+                                                          "mismatch_extents", "corrupt_extents")}  # fmt: skip
+    failures = differences(transcript, replies, page=1)
+    assert not failures, "\n".join(failures)
+    assert counters["spilled_tokens"] > 0 and counters["restored_tokens"] > 0, counters
+    assert counters["mismatch_extents"] == counters["corrupt_extents"] == counters["restore_failures"] == 0, (
+        counters
+    )
+    assert any(restored(r) for s, r in zip(transcript, replies, strict=True) if s.kind in ("fork", "revisit"))
+    assert not list((tmp_path / "tier").rglob("*.ext")), "extents went to files, not to the store"
+    assert "real client" in (tmp_path / "server.log").read_text()  # joined through it, not a master

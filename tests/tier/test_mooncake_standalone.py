@@ -65,7 +65,9 @@ class Recorder:
                     return [RPC_FAIL] * len(args[0])
                 got = method(*args)
                 with self.lock:  # the real client refuses memory it does not map
-                    self.refused += sum(c == INVALID_PARAMS for c in (got if name.startswith("batch") else [got]))
+                    self.refused += sum(
+                        c == INVALID_PARAMS for c in (got if name.startswith("batch") else [got])
+                    )
                 return got
             elif name in ("upsert_batch", "upsert"):
                 with self.lock:
@@ -192,7 +194,9 @@ class _Failing:
         return RPC_FAIL
 
 
-def test_what_a_tier_stored_outlives_it_in_the_real_clients_segment(make_tier: MakeTier, tmp_path: Path) -> None:
+def test_what_a_tier_stored_outlives_it_in_the_real_clients_segment(
+    make_tier: MakeTier, tmp_path: Path
+) -> None:
     """The segment is the real client's: a tier that closed leaves every extent there, and one
     opened again on the store finds them through the manifest, verified (loads bit-exact, token ids
     read back); one of another deployment's secret finds none."""
