@@ -20,11 +20,14 @@ client cannot be imported.
 A third reader, `mooncake-own`, stores the extents itself before it reads them (under a salt of its
 own, so it writes its own objects, with `placement` local: into its own segment), as a server
 restores what it spilled; the `mooncake` reader reads the writer's, as a server restores what
-another spilled.
+another spilled. A fourth, `mooncake-standalone`, joins a store of its own (a second master)
+through a real client (`mooncake_client`, Mooncake's standalone mode, `MooncakeConfig.real_client`)
+and reads what another tier stored through it: the real client holds every object and copies it
+into the reader's destinations, shared memory it maps (`Tier.host_memory`, as the server's staging).
 
-Figures: `file_ms_n<N>_t<T>`, `mooncake_ms_n<N>_t<T>`, `mooncake_own_ms_n<N>_t<T>`,
-`mooncake_vs_file_n<N>_t<T>` and `mooncake_own_vs_file_n<N>_t<T>` (their ratios to files) and
-`mooncake_vs_file_n<N>`, `mooncake_own_vs_file_n<N>` (the larger ratio of the two thread counts).
+Figures: `<reader>_ms_n<N>_t<T>` for file, mooncake, mooncake_own, mooncake_standalone; for each
+Mooncake reader `<reader>_vs_file_n<N>_t<T>` (its ratio to files) and `<reader>_vs_file_n<N>`
+(the larger ratio of the two thread counts).
 """
 
 from __future__ import annotations
@@ -43,10 +46,10 @@ from typing import Any
 import numpy as np
 from sgl_hicache_kernels.layout import default_group_layers
 
-from benchmarks.bench.mooncake_process import MooncakeMaster
+from benchmarks.bench.mooncake_process import MooncakeMaster, MooncakeRealClient
 from benchmarks.bench.server_process import install_reaper
 from benchmarks.harness import emit, log
-from sgl_hicache.config import MiB, SpillBackend, TierConfig
+from sgl_hicache.config import MiB, MooncakeConfig, SpillBackend, TierConfig
 from sgl_hicache.tier import (
     ROOT_KEY,
     ExtentKey,
@@ -54,7 +57,6 @@ from sgl_hicache.tier import (
     KVLayout,
     Namespace,
     Tier,
-    alloc_aligned,
     chain_key,
     open_tier,
 )
@@ -119,7 +121,7 @@ class Reader:
 
     def __init__(self, name: str, tier: Tier, ext: Extents, group_order: bool) -> None:
         self.name, self.tier, self.ext, self.group_order = name, tier, ext, group_order
-        self._arena = alloc_aligned(len(ext.keys) * ext.nbytes)
+        self._arena = tier.host_memory(len(ext.keys) * ext.nbytes)  # as the server makes its staging
         tier.register_host_memory(self._arena)
         self.dests = [self._arena[i * ext.nbytes : (i + 1) * ext.nbytes] for i in range(len(ext.keys))]
         load_batch(tier, ext.keys[:1], self.dests[:1], group_order)  # warm-up: first-use buffers, connections
@@ -143,6 +145,12 @@ def file_config(root: Path, threads: int) -> TierConfig:
 def mooncake_config(root: Path, master: MooncakeMaster, threads: int, segment: int,
                     placement: str = "any") -> TierConfig:  # fmt: skip
     mooncake = dataclasses.replace(master.config(segment_bytes=segment), placement=placement)
+    return TierConfig(backend=SpillBackend.MOONCAKE, mooncake=mooncake,
+                      directory=root / "mooncake", io_threads=threads)  # fmt: skip
+
+
+def standalone_config(root: Path, client: MooncakeRealClient, threads: int) -> TierConfig:
+    mooncake = MooncakeConfig(real_client=client.address, local_buffer_size=16 * MiB)
     return TierConfig(backend=SpillBackend.MOONCAKE, mooncake=mooncake,
                       directory=root / "mooncake", io_threads=threads)  # fmt: skip
 
@@ -191,7 +199,14 @@ def backends(
         return
     segment = max(256 * MiB, 2 * len(ext.keys) * ext.nbytes)
     (root / "mooncake-logs").mkdir()
-    with MooncakeMaster(root / "mooncake-logs") as master:
+    (root / "standalone-logs").mkdir()
+    with (
+        MooncakeMaster(root / "mooncake-logs") as master,
+        MooncakeMaster(root / "standalone-logs") as own_master,  # a store of its own: no shared names
+        MooncakeRealClient(own_master, root / "standalone-logs", 2 * segment) as real_client,
+    ):
+        with open_tier(standalone_config(root, real_client, 4), NS) as through:  # the objects outlive it
+            store_all(through, ext)
         writer = open_tier(mooncake_config(root, master, 4, segment), NS)
         try:
             store_all(writer, ext)
@@ -199,6 +214,7 @@ def backends(
             openers["mooncake-own"] = lambda t: own_reader(
                 mooncake_config(root, master, t, segment, "local"), ext
             )
+            openers["mooncake-standalone"] = lambda t: open_tier(standalone_config(root, real_client, t), NS)
             yield openers
         finally:
             writer.close(30)  # before its master goes
@@ -224,7 +240,7 @@ def figures_of(times: Times) -> dict[str, Any]:
         fig = f"{name.replace('-', '_')}_ms_n{n}_t{threads}"
         out[fig], out[f"{fig}_range"] = statistics.median(ms), [round(min(ms), 2), round(max(ms), 2)]
         log(f"{name:8} N={n:2} threads={threads}: median {out[fig]:7.2f} ms ({min(ms):.2f}-{max(ms):.2f})")
-    for name in ("mooncake", "mooncake-own"):
+    for name in ("mooncake", "mooncake-own", "mooncake-standalone"):
         fig = name.replace("-", "_")
         for n in COUNTS:
             ratios = {t: out[f"{fig}_ms_n{n}_t{t}"] / out[f"file_ms_n{n}_t{t}"] for t in THREADS

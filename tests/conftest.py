@@ -67,12 +67,15 @@ def exported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callab
 
 
 @pytest.fixture(scope="session")
-def mooncake_real_client(
-    mooncake_master: MooncakeMaster, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[MooncakeRealClient]:
-    """A `mooncake_client` of the session's master (Mooncake's standalone mode: servers join the
-    store through it, `MooncakeConfig.real_client`), holding a 512 MiB segment; stopped by its group."""
+def mooncake_real_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeRealClient]:
+    """A `mooncake_client` (Mooncake's standalone mode: servers join the store through it,
+    `MooncakeConfig.real_client`) holding a 512 MiB segment, on a master of its own: its segment is
+    the store's only one, so every object is in it (no other test's client holds any, nor leaves
+    with some); both stopped by their process groups."""
     from benchmarks.bench.mooncake_process import MooncakeRealClient
+    from tests.mooncake_master import MooncakeMaster, skip_without_mooncake
 
-    with MooncakeRealClient(mooncake_master, tmp_path_factory.mktemp("real-client"), 512 << 20) as client:
+    skip_without_mooncake()
+    logs = tmp_path_factory.mktemp("real-client")
+    with MooncakeMaster(logs) as master, MooncakeRealClient(master, logs, 512 << 20) as client:
         yield client

@@ -14,6 +14,7 @@ store through it (`MooncakeConfig.real_client`, `setup_dummy`), their staging sh
 from __future__ import annotations
 
 import importlib.util
+import os
 import signal
 import socket
 import subprocess
@@ -109,6 +110,15 @@ def real_client_binary() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "mooncake_client"
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds process `pid` used so far (Linux /proc), or None."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @dataclass
 class MooncakeRealClient:
     """The `mooncake_client` of Mooncake's standalone mode on 127.0.0.1, a client of `master` that
@@ -145,7 +155,11 @@ class MooncakeRealClient:
         return self
 
     def stop(self) -> None:
+        """Stopped; the CPU seconds it used are logged first (`cpu_seconds` in its log directory:
+        on a shared 2-CPU machine the copies it makes for the servers are their time too)."""
         if self.proc is not None:
+            if (used := cpu_seconds(self.proc.pid)) is not None:
+                (self.log_dir / "cpu_seconds").write_text(f"{used:.2f}\n")
             stop_group(self.proc, grace_s=2.0, kill_wait_s=10.0)
             self.proc = None
 

@@ -31,9 +31,11 @@ reads what it spilled by a memory copy, not over the transfer engine. Writes of 
 With `real_client` (Mooncake's standalone mode, `MooncakeConfig.real_client`) the client is a
 "dummy" of a `mooncake_client` on this host: every object lives in that process's segment, it does
 every transfer, by a memory copy into or out of our shared memory (shm.py), and each call is one RPC
-to it. Memory it has not mapped (`StoreClient.addressable`) is written through the call itself
-(`upsert_batch`) and read through the tier's scratch buffer (objects.py); a read whose RPC failed
-may still be copying into its destination (`RPC_LOST`: the RPC broke, not the transfer).
+to it. Memory it has not mapped (`StoreClient.addressable`) is written from a copy in shared memory
+registered for the call and read through the tier's scratch buffer (objects.py); a read whose RPC
+failed may still be copying into its destination (`RPC_LOST`: the RPC broke, not the transfer). The
+calls that carry bytes (`write`, `get`, ...) carry at most the client's `local_buffer_size` a call
+(INVALID_PARAMS past it): headers, aliases and manifest records only.
 
 Chunk names are unique per publish: a re-publish of a key writes new chunks, and a load that read
 the header before it reads the chunks that header names (or misses them, if removed since), never a
@@ -198,18 +200,40 @@ class StoreClient:
         """Store `data` as `name` (replacing it) straight from its memory: no copy of ours, and
         registered memory is read by the transfer engine directly."""
         if not self.addressable(data):
-            return self.write(name, bytes(data))
+            return self._bounced([name], [data])[0]
         return _reply(self._store.upsert_from(name, address(data), data.nbytes, *self._placed(1)))
 
     def write_many_from(self, names: list[str], data: list[memoryview]) -> list[Reply]:
         """`write_from` of each (name, bytes) pair, in one call."""
         if not names:
             return []
-        if not all(self.addressable(d) for d in data):  # sent in the call (standalone mode only)
-            return [self.write_many(names, [bytes(d) for d in data])] * len(names)
+        if not all(self.addressable(d) for d in data):  # standalone mode only
+            return self._bounced(names, data)
         codes = self._store.batch_upsert_from(
             names, [address(d) for d in data], [d.nbytes for d in data], *self._placed(1)
         )
+        return _replies(codes, len(names))
+
+    def _bounced(self, names: list[str], data: list[memoryview]) -> list[Reply]:
+        """`write_many_from` of memory the real client does not map: copied into shared memory of
+        its own, registered for the call (the bytes calls carry no more than the client's local
+        buffer, `local_buffer_size`: a chunk may be larger). Its memory is unmapped here after the
+        call; the real client's mapping, which a transfer that outlived a broken call may still
+        read, goes with the registration."""
+        assert self._shared is not None
+        buf = self._shared.alloc(sum(d.nbytes for d in data))
+        got = _reply(self._store.register_buffer(address(buf), buf.nbytes))
+        if not got.ok:
+            return [got] * len(names)
+        at, addrs = 0, []
+        for d in data:
+            buf[at : at + d.nbytes] = d.cast("B")
+            addrs.append(address(buf[at : at + d.nbytes]) if d.nbytes else 0)
+            at += d.nbytes
+        try:
+            codes = self._store.batch_upsert_from(names, addrs, [d.nbytes for d in data], *self._placed(1))
+        finally:
+            self._store.unregister_buffer(address(buf))
         return _replies(codes, len(names))
 
     def write(self, name: str, data: bytes, copies: int = 1) -> Reply:
