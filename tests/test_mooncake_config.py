@@ -103,7 +103,14 @@ def test_a_real_client_stands_for_the_master_and_reaches_the_scheduler() -> None
     c = config([*MOONCAKE, "--hicache-spill-mooncake-config", '{"real_client": "127.0.0.1:50052"}'])
     assert (c.tier.mooncake.real_client, c.tier.mooncake.master) == ("127.0.0.1:50052", "")
     assert SpillConfig.from_json(c.to_json()) == c
-    assert config(MOONCAKE, {"MOONCAKE_CLIENT": "10.0.0.2:7"}).tier.mooncake.real_client == "10.0.0.2:7"
+    env = {"MOONCAKE_CLIENT": "10.0.0.2:7", "MOONCAKE_MASTER": "10.0.0.1:50051"}
+    standalone = config(MOONCAKE, {**env, "MOONCAKE_STANDALONE_STORAGE": "1"}).tier.mooncake
+    assert (standalone.real_client, standalone.master) == ("10.0.0.2:7", "")  # as sglang reads them
+    plain = config(MOONCAKE, env).tier.mooncake  # MOONCAKE_CLIENT alone is not standalone mode
+    assert (plain.real_client, plain.master) == ("", "10.0.0.1:50051")
+    given = '{"master": "10.0.0.3:1"}'  # a master given beats the variables' standalone mode
+    assert config([*MOONCAKE, "--hicache-spill-mooncake-config", given], {**env, "MOONCAKE_STANDALONE_STORAGE": "1"}
+                  ).tier.mooncake.real_client == ""  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -112,6 +119,7 @@ def test_a_real_client_stands_for_the_master_and_reaches_the_scheduler() -> None
         ('{"real_client": "h"}', "real_client must be host:port"),
         ('{"real_client": "h:1", "placement": "local"}', "placement local needs a segment of this server"),
         ('{"real_client": "h:1", "ssd_offload_path": "/x"}', "ssd_offload_path is the real client's"),
+        ('{"real_client": "h:1", "master": "h:2"}', "give master or real_client, not both"),
         ("{}", "needs the master's address (\"master\" or MOONCAKE_MASTER) or a real client's"),
     ],
 )

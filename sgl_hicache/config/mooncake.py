@@ -12,7 +12,6 @@ from sgl_hicache.config.units import GiB, MiB, parse_size
 
 _MOONCAKE_ENV = {  # field -> Mooncake's own variable (the names sglang's `mooncake` L3 backend reads)
     "master": "MOONCAKE_MASTER",
-    "real_client": "MOONCAKE_CLIENT",
     "metadata_server": "MOONCAKE_TE_META_DATA_SERVER",
     "protocol": "MOONCAKE_PROTOCOL",
     "device_name": "MOONCAKE_DEVICE",
@@ -79,11 +78,18 @@ class MooncakeConfig:
         return cls(**given)
 
     def with_env(self, environ: Mapping[str, str]) -> MooncakeConfig:
-        """Unset fields from Mooncake's variables (`MOONCAKE_MASTER`, ...), then the defaults."""
-        out = {}
+        """Unset fields from Mooncake's variables (`MOONCAKE_MASTER`, ...), then the defaults.
+        `MOONCAKE_CLIENT` is the real client's only where `MOONCAKE_STANDALONE_STORAGE` is true
+        and no master was given (as sglang's `mooncake` backend reads them); with a real client
+        `MOONCAKE_MASTER` is not read (the real client has the master)."""
+        real_client = self.real_client
+        standalone = environ.get("MOONCAKE_STANDALONE_STORAGE", "").lower() in ("1", "true", "yes")
+        if not real_client and not self.master and standalone and environ.get("MOONCAKE_CLIENT"):
+            real_client = str(_mooncake_value("real_client", environ["MOONCAKE_CLIENT"]))
+        out: dict[str, Any] = {"real_client": real_client}
         for name, var in _MOONCAKE_ENV.items():
             value = getattr(self, name)
-            if not value and environ.get(var):
+            if not value and environ.get(var) and not (real_client and name == "master"):
                 try:
                     value = _mooncake_value(name, environ[var])
                 except ConfigError as e:
@@ -96,6 +102,8 @@ class MooncakeConfig:
                  f"master must be host:port, got {self.master!r}")  # fmt: skip
         require(self.real_client == "" or ":" in self.real_client, None,
                 f"real_client must be host:port, got {self.real_client!r}")  # fmt: skip
+        require(not (self.real_client and self.master), None,
+                "give master or real_client, not both (a real client talks to the master itself)")  # fmt: skip
         require(not self.real_client or self.placement == "any", None,
                 "placement local needs a segment of this server's own; with real_client every object "
                 "is in the real client's")  # fmt: skip

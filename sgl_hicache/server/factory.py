@@ -137,7 +137,7 @@ def open_controller(
     tier = with_test_faults(tier, tp_rank)
     try:
         staging = StagingPool(config.staging_bytes, tier.host_memory)
-    except MemoryError as e:
+    except (MemoryError, OSError) as e:
         logger.error("sgl_hicache: no staging memory for the spill tier (%s); serving without spill", e)
         tier.close()
         return None

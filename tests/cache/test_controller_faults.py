@@ -163,3 +163,25 @@ def test_a_close_whose_device_wait_fails_still_closes_the_tier_and_says_so(
         assert close_tier(io, "test") is False
     assert "closing the spill tier (test) failed" in caplog.text and "illegal memory access" in caplog.text
     assert tier.wait(tier.submit_load(key_for(1), bytearray(1))).status is Status.REJECTED  # closed
+
+
+@pytest.mark.parametrize("error", [MemoryError("no shared memory"), OSError(12, "Cannot allocate memory")])
+def test_no_staging_memory_means_serving_without_spill(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: Exception
+) -> None:
+    """The tier's host memory cannot be had (a real client's allocator refusing, mmap failing): the
+    server serves as sglang would, its evictions dropped, the tier it opened closed; it starts."""
+    from sgl_hicache.tier.file.backend import FileTier
+
+    closed: list[bool] = []
+
+    def refuse(self: FileTier, nbytes: int) -> memoryview:
+        raise error
+
+    real_close = FileTier.close
+    monkeypatch.setattr(FileTier, "host_memory", refuse)
+    monkeypatch.setattr(
+        FileTier, "close", lambda self, *a, **k: (closed.append(True), real_close(self, *a, **k))[1]
+    )
+    stack = build_stack(tmp_path / "tier")
+    assert stack.cache.controller is None and closed == [True]

@@ -25,11 +25,13 @@ from benchmarks.bench.mooncake_process import MooncakeRealClient
 from sgl_hicache.config import Compression, MiB, MooncakeConfig, SpillBackend, TierConfig
 from sgl_hicache.tier import ROOT_KEY, IndexedTier, Status
 from sgl_hicache.tier.mooncake import backend as mooncake_backend
+from sgl_hicache.tier.mooncake import client as client_mod
 from sgl_hicache.tier.mooncake.client import (
     INVALID_PARAMS,
     RPC_FAIL,
     RPC_LOST,
     MooncakeUnavailable,
+    Reply,
     StoreClient,
     connect,
 )
@@ -171,21 +173,28 @@ def test_memory_the_real_client_does_not_map_goes_through_shared_copies_exactly(
     assert r.named("batch_get_into") and not r.refused  # each read into memory the real client maps
 
 
-def test_a_read_whose_rpc_broke_may_still_be_copying(make_tier: MakeTier, recorders: list[Recorder]) -> None:
-    """Through a real client a broken RPC (RPC_FAIL) says nothing of its copy, which may still be
-    writing the destination: the load fails `dest_unsafe` (the cache then never reuses that
-    staging); a client of the master itself keeps RPC_FAIL as failed before any transfer."""
-    ns = fresh_ns("rpc-lost")
+@pytest.mark.parametrize("lost", [True, False])
+def test_a_read_whose_call_was_lost_may_still_be_copying(
+    make_tier: MakeTier, recorders: list[Recorder], monkeypatch: pytest.MonkeyPatch, lost: bool
+) -> None:
+    """Through a real client RPC_FAIL answers both a call the dummy lost (its request timed out: the
+    copy may still be writing the destination) and the real client's own failed master request
+    (nothing copied). A slow one (`LOST_AFTER_S`) fails its load `dest_unsafe` (the cache never
+    reuses that staging again); a quick one fails it cleanly (a master outage eats no staging). A
+    client of the master itself keeps RPC_FAIL as failed before any transfer."""
+    monkeypatch.setattr(client_mod, "LOST_AFTER_S", 0.0 if lost else 60.0)
+    ns = fresh_ns(f"rpc-lost-{lost}")
     writer, reader = make_tier(ns), make_tier(ns)
     nbytes = 2 * CHUNK
     key = store(writer, 3, nbytes)
     into = staging(reader, nbytes)
     recorders[1].fail_into = into  # the chunks' reads (the header is read into scratch)
     done = reader.wait(reader.submit_load(key, into), 30)
-    assert not done.ok and done.dest_unsafe, done
-    assert late_writes([StoreClient(_Failing(), "", SharedMemory()).get_many_into(["k"], [into[:8]])[0]])
+    assert not done.ok and done.dest_unsafe is lost, done
+    failing = StoreClient(_Failing(), "", SharedMemory()).get_many_into(["k"], [into[:8]])[0]
+    assert late_writes([failing]) is lost
+    assert (StoreClient(_Failing(), "", SharedMemory()).get_into("k", into[:8]).code == RPC_LOST) is lost
     assert not late_writes([StoreClient(_Failing()).get_many_into(["k"], [into[:8]])[0]])
-    assert StoreClient(_Failing(), "", SharedMemory()).get_into("k", into[:8]).code == RPC_LOST
 
 
 class _Failing:
@@ -238,3 +247,68 @@ def test_a_real_client_that_does_not_answer_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(MooncakeUnavailable) as e:
         connect(MooncakeConfig(real_client=f"127.0.0.1:{free_port()}", local_buffer_size=16 * MiB))
     assert "real client" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_scratch_set_aside_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Transfers given up on again and again (through a real client a master outage answers as a
+    lost call does) set scratch aside for good: past `SCRATCH_SPOIL_LIMIT` no more is made (the
+    reads needing it fail, OSError, and recompute) rather than the host's memory going."""
+    from sgl_hicache.tier.mooncake import scratch as scratch_mod
+
+    monkeypatch.setattr(scratch_mod, "SCRATCH_SPOIL_LIMIT", 3 * 4096)
+    made: list[int] = []
+    s = scratch_mod.Scratch(lambda b: made.append(b.nbytes), lambda b: None)
+    for _ in range(3):
+        with s.use(4096):
+            s.spoil_if_late([Reply(code=RPC_LOST)])
+    assert s.spoiled_bytes == 3 * 4096 and len(made) == 3
+    with pytest.raises(OSError, match="set aside"), s.use(4096):
+        pass
+    assert len(made) == 3  # nothing more was made
+
+
+def test_no_shared_memory_is_a_memory_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mooncake's allocator raises (RuntimeError) or answers 0 when it cannot: either is MemoryError,
+    on which the server serves without spill (server/factory.py)."""
+    shared = SharedMemory()
+
+    class Refusing:
+        def alloc(self, n: int) -> int:
+            raise RuntimeError("Failed to create anonymous shared memory")
+
+    class Zero:
+        def alloc(self, n: int) -> int:
+            return 0
+
+    for allocator in (Refusing(), Zero()):
+        monkeypatch.setattr(shared, "_allocator", allocator)
+        with pytest.raises(MemoryError, match="could not allocate"):
+            shared.alloc(4096)
+
+
+def test_a_master_outage_behind_the_real_client_sets_nothing_aside(tmp_path: Path) -> None:
+    """The master gone while the real client stays up: loads through it fail (the real client's
+    request to the master fails: RPC_FAIL, answered at once), and neither the staging they read
+    into nor the scratch their headers go through is set aside (nothing was copied): a master
+    outage does not eat a standalone server's staging."""
+    from benchmarks.bench.mooncake_process import MooncakeMaster
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    with MooncakeMaster(logs) as master, MooncakeRealClient(master, logs, 64 << 20) as real_client:
+        cfg = MooncakeConfig(real_client=real_client.address, local_buffer_size=16 * MiB)
+        tier = mooncake_backend.MooncakeTier(
+            TierConfig(backend=SpillBackend.MOONCAKE, mooncake=cfg, directory=tmp_path / "tier",
+                       chunk_bytes=CHUNK, io_threads=2), fresh_ns("outage"))  # fmt: skip
+        try:
+            keys = [store(tier, i, 2 * CHUNK) for i in range(3)]
+            into = staging(tier, 2 * CHUNK)
+            master.stop()
+            for key in keys:
+                done = tier.wait(tier.submit_load(key, into), 60)
+                assert not done.ok and not done.dest_unsafe, done
+            assert tier._scratch.spoiled_bytes == 0  # type: ignore[attr-defined]
+        finally:
+            if master.proc is None:  # a dummy closing while the master is away may crash (Mooncake 0.3.13)
+                master.start()
+            tier.close(10)

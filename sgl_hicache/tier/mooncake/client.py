@@ -32,8 +32,8 @@ With `real_client` (Mooncake's standalone mode, `MooncakeConfig.real_client`) th
 "dummy" of a `mooncake_client` on this host: every object lives in that process's segment, it does
 every transfer, by a memory copy into or out of our shared memory (shm.py), and each call is one RPC
 to it. Memory it has not mapped (`StoreClient.addressable`) is written from a copy in shared memory
-registered for the call and read through the tier's scratch buffer (objects.py); a read whose RPC
-failed may still be copying into its destination (`RPC_LOST`: the RPC broke, not the transfer). The
+registered for the call and read through the tier's scratch buffer (objects.py); a read whose call
+was lost may still be copying into its destination (`RPC_LOST`, `LOST_AFTER_S`). The
 calls that carry bytes (`write`, `get`, ...) carry at most the client's `local_buffer_size` a call
 (INVALID_PARAMS past it): headers, aliases and manifest records only.
 
@@ -49,6 +49,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,9 +75,14 @@ NO_ANSWER = -1  # ours: a batch call that did not answer for every object
 INVALID_PARAMS = -600  # e.g. an object larger than the buffer given to read it into
 RPC_FAIL = -900  # the master (or a peer's RPC) did not answer: before any transfer
 RPC_TIMEOUT = -901  # a master request timed out (Mooncake 0.3.12 on): before any transfer
-RPC_LOST = (
-    -2
-)  # ours: a read through a real client did not answer (RPC_FAIL/RPC_TIMEOUT): its copy may still run
+RPC_LOST = -2  # ours: a read through a real client whose call was lost: its copy may still run
+LOST_AFTER_S = 5.0
+"""Through a real client, RPC_FAIL is the answer both for a call the dummy lost and for the real
+client's own failed request to the master (Mooncake 0.3.13 `DummyClient::invoke_batch_rpc`); only a
+lost call may leave a copy running. A call is lost by its request timing out (30 s, coro_io's
+default) or by its connection breaking: the real client gone, whose copies went with it. So an
+RPC_FAIL answered sooner than this (the master away, the real client not there) copied nothing;
+one that took this long may still be copying (`RPC_LOST`)."""
 INVALID_REPLICA = -702  # no complete replica to read: before any transfer
 LEASE_EXPIRED = -707  # the read's lease ran out: answered after its transfer ended
 TRANSFER_FAIL = -800  # the transfer engine gave up: the transfer may still be writing
@@ -168,6 +174,7 @@ class StoreClient:
         self._store, self.segment, self._shared = store, segment, shared
         self._one = _replicas(1, segment) if segment else None  # None: the binding's default config
         self._mapped: dict[int, int] = {}  # standalone: start -> end of each registered buffer
+        self._kept: list[memoryview] = []  # standalone: bounce copies the real client would not let go
         self._mapped_lock = threading.Lock()
 
     @property
@@ -233,7 +240,8 @@ class StoreClient:
         try:
             codes = self._store.batch_upsert_from(names, addrs, [d.nbytes for d in data], *self._placed(1))
         finally:
-            self._store.unregister_buffer(address(buf))
+            if int(self._store.unregister_buffer(address(buf))) != 0:
+                self._kept.append(buf)  # still the real client's at our address: never reused
         return _replies(codes, len(names))
 
     def write(self, name: str, data: bytes, copies: int = 1) -> Reply:
@@ -269,19 +277,22 @@ class StoreClient:
     def get_into(self, name: str, dest: memoryview) -> Reply:
         """Read the whole object into `dest` (writable); an object larger than `dest` is refused by
         the store (INVALID_PARAMS), a smaller one answers its size."""
-        return self._read(_reply(self._store.get_into(name, address(dest), dest.nbytes)))
+        start = time.monotonic()
+        return self._read(_reply(self._store.get_into(name, address(dest), dest.nbytes)), start)
 
     def get_many_into(self, names: list[str], dest: list[memoryview]) -> list[Reply]:
         """`get_into` of each (name, destination) pair, in one call."""
         if not names:
             return []
+        start = time.monotonic()
         codes = self._store.batch_get_into(names, [address(d) for d in dest], [d.nbytes for d in dest])
-        return [self._read(r) for r in _replies(codes, len(names))]
+        return [self._read(r, start) for r in _replies(codes, len(names))]
 
-    def _read(self, reply: Reply) -> Reply:
-        """A read's reply; through a real client, an RPC that broke is `RPC_LOST` (module doc)."""
-        lost = self._shared is not None and reply.code in (RPC_FAIL, RPC_TIMEOUT)
-        return Reply(code=RPC_LOST) if lost else reply
+    def _read(self, reply: Reply, start: float) -> Reply:
+        """A read's reply (its call began at `start`, monotonic); through a real client an RPC_FAIL
+        that took `LOST_AFTER_S` or more is `RPC_LOST` (the module doc)."""
+        slow = time.monotonic() - start >= LOST_AFTER_S
+        return Reply(code=RPC_LOST) if self._shared is not None and reply.code == RPC_FAIL and slow else reply
 
     def get(self, name: str) -> bytes | None:
         """A small object's bytes; None if it is missing or the store did not answer."""

@@ -16,6 +16,10 @@ from sgl_hicache.tier.faults import logger
 from sgl_hicache.tier.format import align_up
 from sgl_hicache.tier.mooncake.client import BEFORE_TRANSFER, Reply
 
+SCRATCH_SPOIL_LIMIT = 64 << 20
+"""The most scratch set aside for good (`Scratch.spoil`); past it no use starts (OSError: the reads
+that need scratch fail, counted, and recompute), so that transfers given up on again and again (a
+store whose failures cannot be told from a transfer still running) cannot eat the host's memory."""
 SCRATCH_KEEP_BYTES = 4 << 20
 """A thread's scratch buffer is kept between uses up to this size; a larger one is unregistered and
 dropped as the use that needed it ends: none stays that big, outside any memory budget. The calls
@@ -63,7 +67,7 @@ class Scratch:
         self._idle = threading.Condition(self._lock)  # notified as a use ends
         self._held: dict[threading.Thread, _Held] = {}  # by the thread using it
         self._spoiled: list[memoryview] = []  # written, maybe, by transfers the store gave up on
-        self._closed = self._release_failed = False
+        self._closed = self._release_failed = self._spoil_logged = False
 
     @property
     def held_bytes(self) -> int:
@@ -78,6 +82,9 @@ class Scratch:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the Mooncake tier is closed")
+            if self.spoiled_bytes >= SCRATCH_SPOIL_LIMIT:
+                raise OSError(f"{self.spoiled_bytes} B of Mooncake scratch set aside for failed transfers: "
+                              "no more is made")  # fmt: skip
             held = self._held.setdefault(threading.current_thread(), _Held())
             if held.busy:
                 raise RuntimeError("this thread's scratch buffer is in use")
@@ -134,8 +141,11 @@ class Scratch:
                 return
             self._spoiled.append(held.buf)
             held.buf = None
-        logger.warning("sgl_hicache: a Mooncake transfer failed and may still write its buffer: %d B of "
-                       "scratch set aside for good (%d B so far)", self._spoiled[-1].nbytes, self.spoiled_bytes)  # fmt: skip
+            first, self._spoil_logged = not self._spoil_logged, True
+        if first:
+            logger.warning("sgl_hicache: a Mooncake transfer failed and may still write its buffer: %d B of "
+                           "scratch set aside for good (logged once; at most %d B are, then reads needing "
+                           "scratch fail)", self._spoiled[-1].nbytes, SCRATCH_SPOIL_LIMIT)  # fmt: skip
 
     def spoil_if_late(self, replies: Sequence[Reply]) -> None:
         """In a use: `spoil` the calling thread's buffer if a transfer of `replies` (those that
@@ -145,6 +155,7 @@ class Scratch:
 
     @property
     def spoiled_bytes(self) -> int:
+        """The bytes set aside for good (`spoil`), at most about `SCRATCH_SPOIL_LIMIT`."""
         return sum(b.nbytes for b in self._spoiled)
 
     def _take(self, which: Callable[[threading.Thread, _Held], bool]) -> list[memoryview]:

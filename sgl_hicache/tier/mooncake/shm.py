@@ -31,13 +31,16 @@ class SharedMemory:
 
     def alloc(self, nbytes: int) -> memoryview:
         """`nbytes` (at least 1) of shared memory, page-aligned and zeroed; MemoryError if the
-        allocator refuses."""
-        with self._lock:
-            ptr = int(self._allocator.alloc(max(nbytes, 1)))
+        allocator refuses (it raises RuntimeError, or answers 0)."""
+        try:
+            with self._lock:
+                ptr = int(self._allocator.alloc(max(nbytes, 1)))
+        except RuntimeError as e:
+            raise MemoryError(f"Mooncake could not allocate {nbytes} B of shared memory: {e}") from None
         if ptr == 0:
             raise MemoryError(f"Mooncake could not allocate {nbytes} B of shared memory")
         array = (ctypes.c_uint8 * max(nbytes, 1)).from_address(ptr)
-        weakref.finalize(array, self._free, ptr)
+        weakref.finalize(array, self._free, ptr).atexit = False  # never under threads at exit
         return memoryview(array).cast("B")[:nbytes]
 
     def _free(self, ptr: int) -> None:
