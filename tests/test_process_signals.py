@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.bench.server_process import group_alive
 from tests.standin_server import standin_source
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,14 +38,6 @@ server.start(timeout_s=60)
 print(server.proc.pid, flush=True)
 time.sleep(600)
 """
-
-
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def wait_gone(pgid: int, timeout_s: float) -> bool:

@@ -319,14 +319,15 @@ def _wait_group_gone(proc: subprocess.Popen[bytes], pgid: int, timeout_s: float)
     deadline = time.monotonic() + timeout_s
     while True:
         proc.poll()  # reap our direct child; its orphans are reaped by init
-        if not _group_alive(pgid):
+        if not group_alive(pgid):
             return True
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.1)
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
+    """Whether process group `pgid` still has a process (a zombie counts until it is reaped)."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:

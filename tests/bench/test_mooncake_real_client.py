@@ -15,7 +15,7 @@ import pytest
 
 from benchmarks.bench import mooncake_process
 from benchmarks.bench.mooncake_process import MooncakeRealClient
-from benchmarks.bench.server_process import ServerStartError
+from benchmarks.bench.server_process import ServerStartError, group_alive
 from tests.mooncake_master import MooncakeMaster, skip_without_mooncake
 
 skip_without_mooncake()
@@ -41,14 +41,6 @@ def dummy(real_client: MooncakeRealClient) -> Iterator[Any]:
     assert store.setup_dummy(0, 16 << 20, real_client.address) == 0
     yield store
     store.close()
-
-
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_a_standalone_client_stores_and_reads_an_object_through_the_real_client(dummy: Any) -> None:

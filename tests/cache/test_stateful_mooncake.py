@@ -16,6 +16,7 @@ takes ~2 s to leave the store, which would dominate the run); at most two tiers 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 from collections.abc import Iterator
@@ -26,7 +27,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import rule
 
-from sgl_hicache.config import SpillBackend, TierConfig
+from sgl_hicache.config import MooncakeConfig, SpillBackend, TierConfig
 from sgl_hicache.tier.mooncake import backend as mooncake_tier
 from sgl_hicache.tier.mooncake import objects
 from sgl_hicache.tier.mooncake.client import Names, StoreClient, connect
@@ -50,14 +51,15 @@ class ReusedClientNoClose(StoreClient):
         super().close()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def mooncake_clients(mooncake_master: MooncakeMaster) -> Iterator[None]:
-    clients = [connect(mooncake_master.config(segment_bytes=32 << 20)) for _ in range(2)]
-    reused = [ReusedClientNoClose(c._store) for c in clients]
+@contextlib.contextmanager
+def reused_clients(config: MooncakeConfig) -> Iterator[None]:
+    """Two clients of `config`'s store handed to tier after tier (`CLIENTS`), closed at the end."""
+    clients = [connect(config) for _ in range(2)]
+    reused = [ReusedClientNoClose(c._store, c.segment, c._shared) for c in clients]
     turn = itertools.cycle(reused)
     patch = pytest.MonkeyPatch()
     patch.setattr(mooncake_tier, "connect", lambda cfg: next(turn))
-    CLIENTS[:], MASTER[:] = reused, [mooncake_master]
+    CLIENTS[:] = reused
     try:
         yield
     finally:
@@ -65,6 +67,13 @@ def mooncake_clients(mooncake_master: MooncakeMaster) -> Iterator[None]:
         for client in reused:
             client.really_close()
         CLIENTS.clear()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def mooncake_clients(mooncake_master: MooncakeMaster) -> Iterator[None]:
+    MASTER[:] = [mooncake_master]
+    with reused_clients(mooncake_master.config(segment_bytes=32 << 20)):
+        yield
 
 
 class TwoCachesOnMooncake(TwoCachesOneDirectory):

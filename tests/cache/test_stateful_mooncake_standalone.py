@@ -8,15 +8,12 @@ every step every resident slot must hold exactly its reference KV.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 
 import pytest
 
 from benchmarks.bench.mooncake_process import MooncakeRealClient
 from sgl_hicache.config import MiB, MooncakeConfig, SpillBackend, TierConfig
-from sgl_hicache.tier.mooncake import backend as mooncake_tier
-from sgl_hicache.tier.mooncake.client import connect
 from tests.cache import test_stateful_mooncake as on_master
 from tests.cache.conftest import Stack, build_stack
 
@@ -26,20 +23,9 @@ CONFIG: list[MooncakeConfig] = []
 @pytest.fixture(scope="module", autouse=True)
 def real_client_clients(mooncake_real_client: MooncakeRealClient) -> Iterator[None]:
     """Two dummies of the session's real client, handed to tier after tier (as on the master)."""
-    config = MooncakeConfig(real_client=mooncake_real_client.address, local_buffer_size=16 * MiB)
-    clients = [connect(config) for _ in range(2)]
-    reused = [on_master.ReusedClientNoClose(c._store, "", c._shared) for c in clients]
-    turn = itertools.cycle(reused)
-    patch = pytest.MonkeyPatch()
-    patch.setattr(mooncake_tier, "connect", lambda cfg: next(turn))
-    on_master.CLIENTS[:], CONFIG[:] = reused, [config]
-    try:
+    CONFIG[:] = [MooncakeConfig(real_client=mooncake_real_client.address, local_buffer_size=16 * MiB)]
+    with on_master.reused_clients(CONFIG[0]):
         yield
-    finally:
-        patch.undo()
-        for client in reused:
-            client.really_close()
-        on_master.CLIENTS.clear()
 
 
 class TwoCachesOnRealClient(on_master.TwoCachesOnMooncake):
