@@ -108,6 +108,10 @@ def test_a_real_client_stands_for_the_master_and_reaches_the_scheduler() -> None
     assert (standalone.real_client, standalone.master) == ("10.0.0.2:7", "")  # as sglang reads them
     plain = config(MOONCAKE, env).tier.mooncake  # MOONCAKE_CLIENT alone is not standalone mode
     assert (plain.real_client, plain.master) == ("", "10.0.0.1:50051")
+    offload = {**env, "MOONCAKE_STANDALONE_STORAGE": "y", "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": "/x"}
+    assert config(MOONCAKE, offload).tier.mooncake.ssd_offload_path == ""  # the real client's, not read
+    with pytest.raises(ConfigError, match="MOONCAKE_STANDALONE_STORAGE: expected a boolean"):
+        config(MOONCAKE, {**env, "MOONCAKE_STANDALONE_STORAGE": "maybe"})
     given = '{"master": "10.0.0.3:1"}'  # a master given beats the variables' standalone mode
     assert config([*MOONCAKE, "--hicache-spill-mooncake-config", given], {**env, "MOONCAKE_STANDALONE_STORAGE": "1"}
                   ).tier.mooncake.real_client == ""  # fmt: skip
@@ -127,3 +131,13 @@ def test_real_client_settings_that_cannot_work_are_one_line(given: str, says: st
     with pytest.raises(ConfigError) as e:
         config([*MOONCAKE, "--hicache-spill-mooncake-config", given])
     assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_real_client_takes_at_most_128_io_threads() -> None:
+    """Past 160 calls in parallel Mooncake's client pool shares a connection between calls, and one
+    timing out then fails the others at once while their copies may still run (client.py
+    `LOST_AFTER_S`): a tier joined through a real client keeps under it."""
+    extra = ["--hicache-spill-extra-config", '{"io_threads": 129}']
+    with pytest.raises(ConfigError, match="with a real client io_threads must be at most 128"):
+        config([*MOONCAKE, "--hicache-spill-mooncake-config", '{"real_client": "h:1"}', *extra])
+    assert config([*MOONCAKE, *extra], {"MOONCAKE_MASTER": "h:1"}).tier.io_threads == 129

@@ -83,13 +83,13 @@ class MooncakeConfig:
         and no master was given (as sglang's `mooncake` backend reads them); with a real client
         `MOONCAKE_MASTER` is not read (the real client has the master)."""
         real_client = self.real_client
-        standalone = environ.get("MOONCAKE_STANDALONE_STORAGE", "").lower() in ("1", "true", "yes")
+        standalone = _env_bool(environ, "MOONCAKE_STANDALONE_STORAGE")
         if not real_client and not self.master and standalone and environ.get("MOONCAKE_CLIENT"):
             real_client = str(_mooncake_value("real_client", environ["MOONCAKE_CLIENT"]))
         out: dict[str, Any] = {"real_client": real_client}
         for name, var in _MOONCAKE_ENV.items():
             value = getattr(self, name)
-            if not value and environ.get(var) and not (real_client and name == "master"):
+            if not value and environ.get(var) and not (real_client and name in _REAL_CLIENTS):
                 try:
                     value = _mooncake_value(name, environ[var])
                 except ConfigError as e:
@@ -120,6 +120,19 @@ class MooncakeConfig:
                 None,
                 f"{name} must be at least 16M (Mooncake's least), got {size}",
             )
+
+
+_REAL_CLIENTS = ("master", "ssd_offload_path")
+"""Settings a real client has in its own flags: not read from Mooncake's variables with one."""
+
+
+def _env_bool(environ: Mapping[str, str], var: str) -> bool:
+    """A boolean variable as sglang's `EnvBool` reads it; anything else is a ConfigError."""
+    value = environ.get(var, "").lower()
+    if value in ("", "false", "0", "no", "n"):
+        return False
+    require(value in ("true", "1", "yes", "y"), None, f"{var}: expected a boolean, got {value!r}")
+    return True
 
 
 def _mooncake_value(name: str, value: object) -> str | int:

@@ -93,9 +93,18 @@ class TierConfig:
             'the mooncake backend needs the master\'s address ("master" or MOONCAKE_MASTER) or a real '
             'client\'s ("real_client" or MOONCAKE_CLIENT)',
         )
+        require(
+            not self.mooncake.real_client or self.io_threads <= MAX_IO_THREADS_STANDALONE,
+            "io_threads",
+            f"with a real client io_threads must be at most {MAX_IO_THREADS_STANDALONE} (more calls in "
+            f"parallel share its connections, where one timing out fails the others), got {self.io_threads}",
+        )
 
 
 MIN_IO_TIMEOUT_S = 10.0
+MAX_IO_THREADS_STANDALONE = 128
+"""The most I/O threads of a tier joined through a real client: Mooncake's client pool gives each
+call a connection of its own up to 160 calls in parallel (yalantinglibs `client_reuse_limiter`)."""
 
 
 @dataclass(frozen=True)

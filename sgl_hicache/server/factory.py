@@ -84,6 +84,7 @@ def open_hint_inbox(ctx: TreeCacheBuildContext) -> HintInbox | None:
 
 
 TEST_FAULTS_ENV = "SGL_HICACHE_TEST_FAULTS"
+STAGING_FAILED_CLOSE_S = 10.0  # the tier opened for a server that then had no staging: closed within this
 
 
 TEST_FAULTS_RANKS_ENV = "SGL_HICACHE_TEST_FAULTS_RANKS"
@@ -139,7 +140,10 @@ def open_controller(
         staging = StagingPool(config.staging_bytes, tier.host_memory)
     except (MemoryError, OSError) as e:
         logger.error("sgl_hicache: no staging memory for the spill tier (%s); serving without spill", e)
-        tier.close()
+        try:
+            tier.close(STAGING_FAILED_CLOSE_S)
+        except Exception as close_error:  # serving without spill all the same
+            logger.error("sgl_hicache: closing the spill tier failed too: %s", close_error)
         return None
     if view.device.type == "cuda":
         staging.pin()

@@ -195,13 +195,20 @@ def test_a_read_whose_call_was_lost_may_still_be_copying(
     assert late_writes([failing]) is lost
     assert (StoreClient(_Failing(), "", SharedMemory()).get_into("k", into[:8]).code == RPC_LOST) is lost
     assert not late_writes([StoreClient(_Failing()).get_many_into(["k"], [into[:8]])[0]])
+    answered = StoreClient(
+        _Failing(answers=[RPC_FAIL, 8]), "", SharedMemory()
+    )  # a lost batch fails every object
+    assert not late_writes(answered.get_many_into(["k", "j"], [into[:8], into[8:16]]))
 
 
 class _Failing:
-    """A store whose reads answer RPC_FAIL."""
+    """A store whose reads answer RPC_FAIL (or, for a batch, `answers`)."""
+
+    def __init__(self, answers: list[int] | None = None) -> None:
+        self.answers = answers
 
     def batch_get_into(self, names: list[str], *_: Any) -> list[int]:
-        return [RPC_FAIL] * len(names)
+        return self.answers or [RPC_FAIL] * len(names)
 
     def get_into(self, *_: Any) -> int:
         return RPC_FAIL
@@ -262,9 +269,11 @@ def test_scratch_set_aside_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
         with s.use(4096):
             s.spoil_if_late([Reply(code=RPC_LOST)])
     assert s.spoiled_bytes == 3 * 4096 and len(made) == 3
-    with pytest.raises(OSError, match="set aside"), s.use(4096):
+    with pytest.raises(scratch_mod.ScratchExhausted, match="set aside"), s.use(4096):
         pass
     assert len(made) == 3  # nothing more was made
+    with s.use(0) as none:  # a use that needs no buffer (every piece read in place) still runs
+        assert none.nbytes == 0
 
 
 def test_no_shared_memory_is_a_memory_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -76,13 +76,16 @@ INVALID_PARAMS = -600  # e.g. an object larger than the buffer given to read it 
 RPC_FAIL = -900  # the master (or a peer's RPC) did not answer: before any transfer
 RPC_TIMEOUT = -901  # a master request timed out (Mooncake 0.3.12 on): before any transfer
 RPC_LOST = -2  # ours: a read through a real client whose call was lost: its copy may still run
-LOST_AFTER_S = 5.0
+LOST_AFTER_S = 20.0
 """Through a real client, RPC_FAIL is the answer both for a call the dummy lost and for the real
 client's own failed request to the master (Mooncake 0.3.13 `DummyClient::invoke_batch_rpc`); only a
-lost call may leave a copy running. A call is lost by its request timing out (30 s, coro_io's
-default) or by its connection breaking: the real client gone, whose copies went with it. So an
-RPC_FAIL answered sooner than this (the master away, the real client not there) copied nothing;
-one that took this long may still be copying (`RPC_LOST`)."""
+lost call may leave a copy running. A call is lost by its request timing out (the dummy's client
+pool keeps coro_io's default, 30 s, measured from after our clock started) or by its connection
+breaking: the real client gone, whose copies went with it (or, past 160 requests in parallel on
+one connection, another's timeout closing it: `MAX_IO_THREADS_STANDALONE`). So an RPC_FAIL answered
+sooner than this (the master away: the real client's reconnects take 4-5 s) copied nothing; one
+that took this long may still be copying (`RPC_LOST`). A lost batch answers RPC_FAIL for every
+object: one whose other objects got other answers was answered."""
 INVALID_REPLICA = -702  # no complete replica to read: before any transfer
 LEASE_EXPIRED = -707  # the read's lease ran out: answered after its transfer ended
 TRANSFER_FAIL = -800  # the transfer engine gave up: the transfer may still be writing
@@ -286,7 +289,10 @@ class StoreClient:
             return []
         start = time.monotonic()
         codes = self._store.batch_get_into(names, [address(d) for d in dest], [d.nbytes for d in dest])
-        return [self._read(r, start) for r in _replies(codes, len(names))]
+        replies = _replies(codes, len(names))
+        if any(r.code != RPC_FAIL for r in replies):  # answered by the real client (LOST_AFTER_S)
+            return replies
+        return [self._read(r, start) for r in replies]
 
     def _read(self, reply: Reply, start: float) -> Reply:
         """A read's reply (its call began at `start`, monotonic); through a real client an RPC_FAIL

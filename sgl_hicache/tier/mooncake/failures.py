@@ -17,6 +17,7 @@ from sgl_hicache.tier.keys import ExtentKey
 from sgl_hicache.tier.mooncake import objects
 from sgl_hicache.tier.mooncake.client import Names, StoreClient
 from sgl_hicache.tier.mooncake.recent import RecentExtents
+from sgl_hicache.tier.mooncake.scratch import ScratchExhausted
 from sgl_hicache.tier.results import Op, Status
 
 COUNTER_OF = {Status.MISS: "misses", Status.CORRUPT: "checksum_failures", Status.MISMATCH: "mismatches",
@@ -50,6 +51,9 @@ class Failures:
             self.drop(key, salt)
         elif isinstance(err, objects.StoreFailed):
             status = Status.NO_SPACE if err.reply.no_space and op is Op.STORE else Status.IO_ERROR
+            self._faults.report(op, err, self._where)
+        elif isinstance(err, ScratchExhausted):  # counted and rate-limited as the store's failures
+            status = Status.IO_ERROR
             self._faults.report(op, err, self._where)
         else:
             status = Status.IO_ERROR

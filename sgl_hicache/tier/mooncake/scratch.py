@@ -17,9 +17,16 @@ from sgl_hicache.tier.format import align_up
 from sgl_hicache.tier.mooncake.client import BEFORE_TRANSFER, Reply
 
 SCRATCH_SPOIL_LIMIT = 64 << 20
-"""The most scratch set aside for good (`Scratch.spoil`); past it no use starts (OSError: the reads
-that need scratch fail, counted, and recompute), so that transfers given up on again and again (a
-store whose failures cannot be told from a transfer still running) cannot eat the host's memory."""
+"""The most scratch set aside for good (`Scratch.spoil`); past it no use of a buffer starts
+(`ScratchExhausted`): every load and store needs one for its headers, so the tier then fails them
+all (counted, recomputed) until the server restarts, rather than transfers given up on again and
+again eating the host's memory."""
+
+
+class ScratchExhausted(OSError):
+    """`SCRATCH_SPOIL_LIMIT` reached: no scratch buffer is made any more."""
+
+
 SCRATCH_KEEP_BYTES = 4 << 20
 """A thread's scratch buffer is kept between uses up to this size; a larger one is unregistered and
 dropped as the use that needed it ends: none stays that big, outside any memory budget. The calls
@@ -82,9 +89,9 @@ class Scratch:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the Mooncake tier is closed")
-            if self.spoiled_bytes >= SCRATCH_SPOIL_LIMIT:
-                raise OSError(f"{self.spoiled_bytes} B of Mooncake scratch set aside for failed transfers: "
-                              "no more is made")  # fmt: skip
+            if nbytes and self.spoiled_bytes >= SCRATCH_SPOIL_LIMIT:
+                raise ScratchExhausted(f"{self.spoiled_bytes} B of Mooncake scratch set aside for failed "
+                                       "transfers: no more is made")  # fmt: skip
             held = self._held.setdefault(threading.current_thread(), _Held())
             if held.busy:
                 raise RuntimeError("this thread's scratch buffer is in use")
