@@ -34,6 +34,21 @@ def _answers(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+def _spawn_answering(
+    what: str, command: list[str], log: Path, ports: tuple[int, ...], timeout_s: float
+) -> subprocess.Popen[bytes]:
+    """`command` (`what`) started in a process group of its own (output to `log`), once every one
+    of `ports` answers; ServerStartError (the group stopped) if it exits or `timeout_s` passes first."""
+    proc = spawn_group(command, log)
+    deadline = time.monotonic() + timeout_s
+    while not all(_answers(port) for port in ports):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_group(proc, grace_s=2.0, kill_wait_s=10.0)
+            raise ServerStartError(f"{what} did not start; see {log.parent}")
+        time.sleep(0.05)
+    return proc
+
+
 @dataclass
 class MooncakeMaster:
     log_dir: Path
@@ -64,13 +79,10 @@ class MooncakeMaster:
 
     def start(self, timeout_s: float = 20.0) -> MooncakeMaster:
         self.starts += 1
-        self.proc = spawn_group(self.command(), self.log_dir / f"mooncake_master.{self.starts}.log")
-        deadline = time.monotonic() + timeout_s
-        while not (_answers(self.rpc_port) and _answers(self.http_port)):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise ServerStartError(f"mooncake_master did not start; see {self.log_dir}")
-            time.sleep(0.05)
+        log = self.log_dir / f"mooncake_master.{self.starts}.log"
+        self.proc = _spawn_answering(
+            "mooncake_master", self.command(), log, (self.rpc_port, self.http_port), timeout_s
+        )
         return self
 
     def stop(self) -> None:
@@ -145,13 +157,8 @@ class MooncakeRealClient:
         ]  # fmt: skip
 
     def start(self, timeout_s: float = 20.0) -> MooncakeRealClient:
-        self.proc = spawn_group(self.command(), self.log_dir / "mooncake_client.log")
-        deadline = time.monotonic() + timeout_s
-        while not _answers(self.port):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise ServerStartError(f"mooncake_client did not start; see {self.log_dir}")
-            time.sleep(0.05)
+        log = self.log_dir / "mooncake_client.log"
+        self.proc = _spawn_answering("mooncake_client", self.command(), log, (self.port,), timeout_s)
         return self
 
     def stop(self) -> None:

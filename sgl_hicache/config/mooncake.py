@@ -89,7 +89,7 @@ class MooncakeConfig:
         out: dict[str, Any] = {"real_client": real_client}
         for name, var in _MOONCAKE_ENV.items():
             value = getattr(self, name)
-            if not value and environ.get(var) and not (real_client and name in _REAL_CLIENTS):
+            if not value and environ.get(var) and not (real_client and name in _REAL_CLIENT_SETTINGS):
                 try:
                     value = _mooncake_value(name, environ[var])
                 except ConfigError as e:
@@ -122,7 +122,7 @@ class MooncakeConfig:
             )
 
 
-_REAL_CLIENTS = ("master", "ssd_offload_path")
+_REAL_CLIENT_SETTINGS = ("master", "ssd_offload_path")
 """Settings a real client has in its own flags: not read from Mooncake's variables with one."""
 
 

@@ -180,11 +180,6 @@ class StoreClient:
         self._kept: list[memoryview] = []  # standalone: bounce copies the real client would not let go
         self._mapped_lock = threading.Lock()
 
-    @property
-    def standalone(self) -> bool:
-        """Joined through a real client (`setup_dummy`): bytes move only through its shared memory."""
-        return self._shared is not None
-
     def host_memory(self, nbytes: int) -> memoryview:
         """Page-aligned memory this client can move bytes into and out of, once registered: the
         real client's shared memory in the standalone mode (shm.py), else anonymous memory."""

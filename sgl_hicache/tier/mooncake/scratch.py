@@ -151,8 +151,8 @@ class Scratch:
             first, self._spoil_logged = not self._spoil_logged, True
         if first:
             logger.warning("sgl_hicache: a Mooncake transfer failed and may still write its buffer: %d B of "
-                           "scratch set aside for good (logged once; at most %d B are, then reads needing "
-                           "scratch fail)", self._spoiled[-1].nbytes, SCRATCH_SPOIL_LIMIT)  # fmt: skip
+                           "scratch set aside for good (logged once; at most %d B are, then the tier's loads "
+                           "and stores fail)", self._spoiled[-1].nbytes, SCRATCH_SPOIL_LIMIT)  # fmt: skip
 
     def spoil_if_late(self, replies: Sequence[Reply]) -> None:
         """In a use: `spoil` the calling thread's buffer if a transfer of `replies` (those that
